@@ -1,0 +1,94 @@
+"""The placement policy shared by the scan helpers, the planner and the executors.
+
+Framework-neutral: imports neither torch nor jax.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+#: Memory kinds, as JAX / PJRT name them. ``host`` in a policy means ``pinned_host``.
+MEMORY_KINDS = ("device", "pinned_host")
+PLACEMENTS = ("device", "host")
+ACTIVATION_PLACEMENTS = ("device", "host", "remat")
+
+
+def _check_choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not a placement; expected one of {', '.join(map(repr, allowed))}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadPolicy:
+    """Where each class of tensor of a layered (scanned) model lives.
+
+    Args:
+      params: ``"device"`` keeps the stacked per-layer weights in device memory;
+        ``"host"`` keeps them in host memory (``pinned_host``) and each scan
+        iteration brings only its own layer slice to the device, in the forward
+        and again in the backward pass.
+      grads: where the gradients of swapped parameters go: ``"device"`` or
+        ``"host"`` (each layer's gradient slice is sent to host memory as soon as
+        the backward of that layer produced it). Only meaningful with
+        ``params="host"``.
+      activations: ``{name: placement}`` for activations tagged with
+        ``offload_name(t, name)``: ``"host"`` saves the tensor for the backward
+        pass in host memory (offload), ``"device"`` saves it on the device,
+        ``"remat"`` recomputes it in the backward pass.
+      remat: whether untagged intermediates of each layer are recomputed in the
+        backward pass (``True``) or saved on the device (``False``).
+      prefetch_depth: how many layers ahead the streaming runtime transfers
+        weights (k >= 1). The in-graph scan helpers ignore it.
+      optimizer_state: ``"device"`` or ``"host"``: where the training loop keeps
+        optimizer state (Adam moments). Used by the planner and the examples.
+
+    Raises:
+      ValueError: an argument is not one of the values listed above, naming it.
+    """
+
+    params: str = "device"
+    grads: str = "device"
+    activations: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    remat: bool = False
+    prefetch_depth: int = 1
+    optimizer_state: str = "device"
+
+    def __post_init__(self):
+        _check_choice("params", self.params, PLACEMENTS)
+        _check_choice("grads", self.grads, PLACEMENTS)
+        _check_choice("optimizer_state", self.optimizer_state, PLACEMENTS)
+        if not isinstance(self.activations, Mapping):
+            raise TypeError(f"activations must be a mapping name -> placement, got {type(self.activations).__name__}")
+        for name, where in self.activations.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"activations: names must be non-empty strings, got {name!r}")
+            _check_choice(f"activations[{name!r}]", where, ACTIVATION_PLACEMENTS)
+        if not isinstance(self.remat, bool):
+            raise TypeError(f"remat must be a bool, got {type(self.remat).__name__}")
+        if not isinstance(self.prefetch_depth, int) or isinstance(self.prefetch_depth, bool) or self.prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth must be an int >= 1, got {self.prefetch_depth!r}")
+        # Freeze the mapping so the policy is hashable and cannot change under a compiled program.
+        object.__setattr__(self, "activations", dict(sorted(self.activations.items())))
+
+    def __hash__(self):
+        return hash((self.params, self.grads, tuple(self.activations.items()), self.remat,
+                     self.prefetch_depth, self.optimizer_state))
+
+    @property
+    def offloaded_activations(self) -> tuple[str, ...]:
+        """Names of activations saved in host memory, sorted."""
+        return tuple(n for n, w in self.activations.items() if w == "host")
+
+    @property
+    def swaps_params(self) -> bool:
+        """True when the stacked layer weights live in host memory."""
+        return self.params == "host"
+
+    @property
+    def is_all_device(self) -> bool:
+        """True when nothing is placed on the host (the helpers then behave exactly like torch_xla's)."""
+        return (self.params == "device" and self.grads == "device" and self.optimizer_state == "device"
+                and "host" not in self.activations.values())
+
+
+ALL_DEVICE = OffloadPolicy()
