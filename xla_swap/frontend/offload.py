@@ -1,0 +1,217 @@
+"""Host-offload annotation ops for torch_xla tensors that compile under SPMD.
+
+XLA marks memory moves with ``custom-call(x), custom_call_target="annotate_device_placement",
+frontend_attributes={_xla_buffer_placement="pinned_host"|"device"}`` (the form JAX emits).
+torch_xla 2.9's ``place_to_host`` / ``place_to_device`` emit it without a ``sharding``, so the
+SPMD partitioner rejects it (``Side-effect HLO must have sharding``), and its IR node hashes
+only the call target, so the two directions collide in torch_xla's graph hash (measured; see
+DESIGN.md). Here each annotation is a tiny StableHLO module (custom call + sharding +
+placement) applied with ``_xla_user_computation``: the IR node's hash is the hash of that
+module, so direction and sharding are part of it, and the custom call carries its sharding.
+
+The ops are ``torch.library`` custom ops (``torch.ops.xla_swap.*``) with fake kernels and
+autograd formulas, so AOTAutograd (which torch_xla's ``scan`` uses) traces them:
+
+* ``place_to_host(x)``: backward brings the gradient back to the device.
+* ``place_to_device(x)``: backward sends the gradient to the host when ``grad_to_host`` is set,
+  otherwise leaves it on the device.
+* ``offload_name(x, name)``: identity that tags an activation (torchprime style); the
+  partitioner of :mod:`xla_swap.frontend.scan` saves tagged tensors according to the policy.
+
+Backend capability: torch_xla's own CPU runtime cannot run the annotations (no host-offload
+passes; ``Unknown custom-call API version``, measured). Unless :func:`annotations_enabled`
+says otherwise, the ops lower to identity and log one warning; inside
+:func:`emit_annotations` (used when lowering for the PJRT executor) they are always emitted.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import re
+
+import torch
+import torch_xla
+import torch_xla.core.xla_builder as xb
+import torch_xla.runtime as xr
+
+log = logging.getLogger(__name__)
+
+_MLIR_DTYPES = {
+    torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.float64: "f64",
+    torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.uint8: "ui8", torch.bool: "i1",
+}
+# Process-wide, not thread-local: autograd runs the backward of XLA tensors on its own threads.
+_forced: list = [None]
+_warned = []
+
+
+@contextlib.contextmanager
+def emit_annotations(enabled: bool = True):
+    """Force the annotation ops to emit (``True``) or drop (``False``) their custom calls.
+
+    Used around tracing/lowering whose HLO goes to the PJRT executor (which honours
+    ``pinned_host``), whatever the torch_xla runtime could run. Re-entrant. Process-wide, not
+    thread-local, because autograd runs the backward of XLA tensors on its own threads.
+    """
+    prev = _forced[0]
+    _forced[0] = bool(enabled)
+    try:
+        yield
+    finally:
+        _forced[0] = prev
+
+
+def runtime_supports_annotations() -> bool:
+    """Whether the torch_xla runtime of this process can compile ``annotate_device_placement``.
+
+    True on TPU (its compiler has the host-offload passes) or when the environment variable
+    ``XLA_SWAP_ANNOTATIONS=1`` says so; False on CPU (measured: torch_xla 2.9's CPU compiler
+    fails) and on other devices, where it is unproven. ``XLA_SWAP_ANNOTATIONS=0`` forces False.
+    """
+    env = os.environ.get("XLA_SWAP_ANNOTATIONS")
+    if env is not None:
+        return env == "1"
+    return xr.device_type() == "TPU"
+
+
+def annotations_enabled() -> bool:
+    """True when the ops emit custom calls now: inside :func:`emit_annotations` or on a capable runtime."""
+    if _forced[0] is not None:
+        return _forced[0]
+    supported = runtime_supports_annotations()
+    if not supported and not _warned:
+        _warned.append(True)
+        log.warning("xla_swap: the torch_xla %s runtime cannot compile host-offload annotations; they are "
+                    "dropped (values and gradients are unchanged). Lower with xla_swap.lower_fn / "
+                    "emit_annotations() and run with the PJRT executor for real host memory.",
+                    xr.device_type())
+    return supported
+
+
+def slice_sharding(stacked: str) -> str:
+    """Sharding string of one slice ``x[i]`` of a stacked tensor ``x`` with sharding ``stacked``.
+
+    ``'{devices=[1,4,1]0,1,2,3}'`` -> ``'{devices=[4,1]0,1,2,3}'``; replicated stays replicated.
+
+    Raises:
+      ValueError: the stacked (layer) dimension itself is sharded: each device would hold only
+        some layers, and a per-layer slice would need a gather; shard another dimension.
+    """
+    if stacked in ("", "{replicated}") or "devices=" not in stacked:
+        return stacked or "{replicated}"
+    m = re.match(r"\{devices=\[([0-9,]+)\](.*)\}$", stacked)
+    if not m:
+        raise ValueError(f"sharding: cannot parse OpSharding string {stacked!r}")
+    dims = m.group(1).split(",")
+    if dims[0] != "1":
+        raise ValueError(f"sharding: the stacked layer dimension (dim 0) is sharded in {stacked!r}; "
+                         "xla_swap swaps whole layers, so shard another dimension")
+    return "{devices=[" + ",".join(dims[1:]) + "]" + m.group(2) + "}"
+
+
+@functools.lru_cache(maxsize=None)
+def _annotation_computation(shape: tuple, dtype: torch.dtype, placement: str, sharding: str):
+    """The XLA computation ``x -> annotate_device_placement(x)`` for one shape/dtype/placement/sharding."""
+    from jax._src.lib import xla_client as xc  # jaxlib parses StableHLO into an HloModuleProto
+
+    if dtype not in _MLIR_DTYPES:
+        raise TypeError(f"x: dtype {dtype} is not supported by the offload annotations "
+                        f"(supported: {', '.join(map(str, _MLIR_DTYPES))})")
+    ty = f"tensor<{'x'.join(map(str, shape)) + 'x' if shape else ''}{_MLIR_DTYPES[dtype]}>"
+    attrs = f'has_side_effect = true, mhlo.frontend_attributes = {{_xla_buffer_placement = "{placement}"}}'
+    if sharding:
+        attrs += f', mhlo.sharding = "{sharding}"'
+    text = (f"module @xla_swap_to_{placement} {{\n"
+            f"  func.func public @main(%arg0: {ty}) -> {ty} {{\n"
+            f"    %0 = stablehlo.custom_call @annotate_device_placement(%arg0) {{{attrs}}} : ({ty}) -> {ty}\n"
+            f"    return %0 : {ty}\n  }}\n}}")
+    comp = xc._xla.mlir.mlir_module_to_xla_computation(text, use_tuple_args=False, return_tuple=False)
+    return xb.computation_from_module_proto(f"xla_swap_to_{placement}", comp.as_serialized_hlo_module_proto())
+
+
+def _annotate(x: torch.Tensor, placement: str, sharding: str) -> torch.Tensor:
+    if x.device.type != "xla":
+        raise TypeError(f"x: expected a tensor on an XLA device, got a tensor on {x.device}")
+    if not annotations_enabled():
+        return x.clone()
+    if xr.is_spmd():
+        sharding = sharding or torch_xla._XLAC._get_xla_sharding_spec(x) or "{replicated}"
+    else:
+        sharding = ""
+    comp = _annotation_computation(tuple(x.shape), x.dtype, placement, sharding)
+    return torch_xla._XLAC._xla_user_computation(f"xla_swap::to_{placement}", [x], comp)[0]
+
+
+@torch.library.custom_op("xla_swap::place_to_host", mutates_args=())
+def place_to_host(x: torch.Tensor, sharding: str = "") -> torch.Tensor:
+    """Annotate ``x`` to live in host memory (``pinned_host``) from here on.
+
+    Args:
+      x: XLA tensor, any shape; dtypes f32/bf16/f16/f64/i8/i32/i64/u8/bool.
+      sharding: OpSharding string for the annotation under SPMD; default: ``x``'s own
+        sharding, or ``{replicated}`` when ``x`` has none.
+
+    Returns:
+      A tensor equal to ``x`` (same shape and dtype). Its gradient is moved back to the device.
+
+    Raises:
+      TypeError: ``x`` is not on an XLA device, or its dtype is not supported.
+    """
+    return _annotate(x, "pinned_host", sharding)
+
+
+@torch.library.custom_op("xla_swap::place_to_device", mutates_args=())
+def place_to_device(x: torch.Tensor, sharding: str = "", grad_to_host: bool = False) -> torch.Tensor:
+    """Annotate ``x`` (a host-resident value) to be brought to device memory.
+
+    Args:
+      x: XLA tensor, as in :func:`place_to_host`.
+      sharding: as in :func:`place_to_host`.
+      grad_to_host: when True the gradient of ``x`` is sent to host memory (for swapped
+        parameters whose gradients live on the host); otherwise it stays on the device.
+
+    Returns:
+      A tensor equal to ``x``.
+
+    Raises:
+      TypeError: as in :func:`place_to_host`.
+    """
+    return _annotate(x, "device", sharding)
+
+
+@torch.library.custom_op("xla_swap::offload_name", mutates_args=())
+def offload_name(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Tag activation ``x`` with ``name`` (identity), torchprime-style.
+
+    An :class:`~xla_swap.planning.OffloadPolicy` decides, per name, whether the scan helpers
+    save the tagged tensor on the host, on the device, or recompute it in the backward pass.
+
+    Raises:
+      ValueError: ``name`` is empty.
+    """
+    if not name:
+        raise ValueError("name: expected a non-empty activation name")
+    return x.clone()
+
+
+for _op in (place_to_host, place_to_device):
+    _op.register_fake(lambda x, sharding="", *a: torch.empty_like(x))
+offload_name.register_fake(lambda x, name: torch.empty_like(x))
+
+
+def _setup(ctx, inputs, output):
+    ctx.args = inputs[1:]
+
+
+place_to_host.register_autograd(
+    lambda ctx, g: (torch.ops.xla_swap.place_to_device(g, ctx.args[0], False), None), setup_context=_setup)
+place_to_device.register_autograd(
+    lambda ctx, g: ((torch.ops.xla_swap.place_to_host(g, ctx.args[0]) if ctx.args[1] else g), None, None),
+    setup_context=_setup)
+offload_name.register_autograd(lambda ctx, g: (g, None), setup_context=_setup)
+
+PLACE_TO_HOST = torch.ops.xla_swap.place_to_host.default
+PLACE_TO_DEVICE = torch.ops.xla_swap.place_to_device.default
+OFFLOAD_NAME = torch.ops.xla_swap.offload_name.default

@@ -1,0 +1,262 @@
+"""``scan`` / ``scan_layers`` with a placement policy: swap stacked layer weights per iteration.
+
+Same signatures as ``torch_xla.experimental.scan.scan`` and
+``torch_xla.experimental.scan_layers.scan_layers``, plus ``policy``. With the all-device
+policy they call torch_xla's functions unchanged. Otherwise:
+
+* ``params="host"``: every tensor leaf of ``xs`` (the stacked per-layer weights) is
+  host-resident; the body of iteration ``i`` starts with ``place_to_device(xs[i])``, so each
+  iteration moves only its own layer slice. The backward pass recomputes that annotation
+  from the host slice (the saved residual is the slice of ``xs`` itself, which torch_xla's
+  scan does not copy), so the weights come in again rather than being kept on the device.
+* ``grads="host"``: the gradient of each layer slice is annotated ``place_to_host`` as soon
+  as that layer's backward produced it; scan stacks the slices into the gradient of ``xs``.
+* ``activations={name: "host"|"device"|"remat"}`` for tensors tagged ``offload_name``, and
+  ``remat`` for untagged intermediates: decided by :func:`policy_partition`.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+import torch.fx as fx
+import torch_xla
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch._functorch.partitioners import _extract_fwd_bwd_modules, default_partition
+from torch_xla.experimental import scan as _txs
+from torch_xla.experimental.scan_layers import (_create_or_get_cached_one_layer_fn, _ensure_same_structure,
+                                               _extract_weights_and_buffers)
+
+from xla_swap.frontend.offload import (OFFLOAD_NAME, PLACE_TO_DEVICE, PLACE_TO_HOST, place_to_device,
+                                       slice_sharding)
+from xla_swap.planning.policy import ALL_DEVICE, OffloadPolicy
+
+log = logging.getLogger(__name__)
+
+
+def _check_policy(policy) -> OffloadPolicy:
+    if not isinstance(policy, OffloadPolicy):
+        raise TypeError(f"policy: expected an xla_swap.OffloadPolicy, got {type(policy).__name__}")
+    return policy
+
+
+def policy_partition(policy: OffloadPolicy) -> Callable:
+    """An AOTAutograd partition function implementing ``policy`` (activations part).
+
+    Forward nodes are those that do not depend on a tangent. A forward value the backward
+    needs is *recomputed* in the backward when it is a ``place_to_device`` of a scan input
+    (re-fetch the weight slice from the host), a tagged activation whose policy is
+    ``"remat"``, or (with ``policy.remat``) any untagged intermediate; otherwise it is
+    *saved*. A saved tensor tagged ``offload_name(t, name)`` with policy ``"host"`` is saved
+    as ``place_to_host(t)`` and brought back with ``place_to_device`` in the backward.
+
+    Returns:
+      ``partition_fn(joint_module, joint_inputs, *, num_fwd_outputs, **kw) -> (fwd, bwd)``.
+
+    Raises (when called by AOTAutograd):
+      ValueError: a name in ``policy.activations`` that no ``offload_name`` in the traced
+        function tagged (the message lists the tagged names).
+    """
+
+    def partition(joint_module: fx.GraphModule, joint_inputs, *, num_fwd_outputs, **kwargs):
+        graph = joint_module.graph
+        tagged = {n.args[1]: n for n in graph.nodes if n.target is OFFLOAD_NAME}
+        unknown = sorted(set(policy.activations) - set(tagged))
+        if unknown:
+            raise ValueError(f"policy.activations names {unknown} that no offload_name(t, name) in the scanned "
+                             f"function tagged; tagged names: {sorted(tagged) or 'none'}")
+        # Backward = tangents and everything depending on them.
+        bwd = set()
+        for n in graph.nodes:
+            if (n.op == "placeholder" and n.name.startswith("tangents")) or (
+                    n.op == "call_function" and any(a in bwd for a in n.all_input_nodes)):
+                bwd.add(n)
+        out_node = next(n for n in graph.nodes if n.op == "output")
+        bwd_outputs = [a for a in out_node.args[0][num_fwd_outputs:] if isinstance(a, fx.Node)]
+
+        # Values computed from swapped weight slices alone (the slice on the device, its
+        # transposes and views) are recomputed in the backward from the host slice, never saved.
+        weight_only = set()
+        for n in graph.nodes:
+            if n.op == "call_function" and n not in bwd and n.all_input_nodes and (
+                    (n.target is PLACE_TO_DEVICE and all(a.op == "placeholder" for a in n.all_input_nodes))
+                    or all(a in weight_only for a in n.all_input_nodes)):
+                weight_only.add(n)
+
+        def recomputable(n: fx.Node) -> bool:
+            if n.op != "call_function":
+                return False
+            if n in weight_only or n.target in _VIEW_OPS:
+                return True  # re-fetch from host / a free view of something else that is kept
+            tag = _tag_of(n)
+            if tag is not None and tag.args[1] in policy.activations:
+                return policy.activations[tag.args[1]] == "remat"
+            return policy.remat and n.target is not PLACE_TO_HOST
+
+        saved, seen = [], set()
+
+        def need(n: fx.Node):
+            if n in seen or n in bwd:
+                return
+            seen.add(n)
+            if recomputable(n):
+                for a in n.all_input_nodes:
+                    need(a)
+            else:
+                saved.append(n)
+
+        for n in bwd:
+            for a in n.all_input_nodes:
+                need(a)
+        for n in bwd_outputs:
+            need(n)
+        # Tagged activations saved on the host: save place_to_host(t), bring back in the backward.
+        final, moved = [], {}
+        for n in saved:
+            tag = _tag_of(n)
+            if tag is None or policy.activations.get(tag.args[1]) != "host":
+                final.append(n)
+                continue
+            if tag not in moved:
+                with graph.inserting_after(tag):
+                    host = graph.call_function(PLACE_TO_HOST, (tag, ""))
+                with graph.inserting_after(host):
+                    back = graph.call_function(PLACE_TO_DEVICE, (host, "", False))
+                for new in (host, back):
+                    new.meta.update({k: v for k, v in tag.meta.items() if k in ("val", "tensor_meta")})
+                moved[tag] = back
+                final.append(host)
+            for user in list(n.users):
+                if user in bwd:
+                    user.replace_input_with(n, moved[tag])
+        final = list(dict.fromkeys(final))
+        graph.lint()
+        log.debug('joint graph after policy partition:\n%s', graph)
+        joint_module.recompile()
+        fwd, bwd_mod = _extract_fwd_bwd_modules(joint_module, final, saved_sym_nodes=[], num_fwd_outputs=num_fwd_outputs)
+        log.debug('forward graph:\n%s\nbackward graph:\n%s', fwd.graph, bwd_mod.graph)
+        return fwd, bwd_mod
+
+    return partition
+
+
+_VIEW_OPS = {torch.ops.aten.t.default, torch.ops.aten.permute.default, torch.ops.aten.view.default,
+             torch.ops.aten._unsafe_view.default, torch.ops.aten.expand.default, torch.ops.aten.detach.default,
+             torch.ops.aten.transpose.int, torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim}
+
+
+def _tag_of(n: fx.Node):
+    """The ``offload_name`` node that tags the value of ``n`` (through detach/alias chains), or None."""
+    while n.op == "call_function" and n.target in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+        n = n.args[0]
+    if n.op == "call_function" and n.target is OFFLOAD_NAME:
+        return n
+    return next((u for u in n.users if u.op == "call_function" and u.target is OFFLOAD_NAME), None)
+
+
+def _leaves(tree, what: str):
+    flat, spec = tree_flatten(tree)
+    for i, t in enumerate(flat):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: leaf {i} is a {type(t).__name__}, expected a torch.Tensor")
+        if isinstance(t, torch.Tensor) and t.device.type != "xla":
+            raise TypeError(f"{what}: leaf {i} is on {t.device}, expected a tensor on an XLA device")
+    return flat, spec
+
+
+def scan(fn: Callable, init, xs, partition_fn: Callable = default_partition, is_fn_pure: bool = False, *,
+         policy: OffloadPolicy = ALL_DEVICE):
+    """Apply ``fn(carry, x) -> (carry, y)`` over the leading dimension of ``xs``, with placement.
+
+    Same contract as ``torch_xla.experimental.scan.scan`` (values, gradients, pytrees of
+    tensors for ``init``/``xs``/``y``); see the module docstring for what ``policy`` changes.
+
+    Args:
+      fn: the per-iteration function of (carry pytree, x pytree).
+      init: carry pytree of XLA tensors.
+      xs: pytree of XLA tensors with a common leading dimension L (L >= 1). With
+        ``policy.params == "host"`` every leaf is a stacked weight kept in host memory; its
+        layer dimension (0) must not be sharded.
+      partition_fn: AOTAutograd partitioner, used as-is with the all-device policy. With
+        any other policy :func:`policy_partition` replaces it (it must insert the swaps).
+      is_fn_pure: as in torch_xla (enables its tracing cache).
+      policy: an :class:`~xla_swap.planning.OffloadPolicy`.
+
+    Returns:
+      ``(final_carry, ys)`` exactly as torch_xla's scan.
+
+    Raises:
+      TypeError: ``policy`` is not an OffloadPolicy; a leaf of ``init``/``xs`` is not an XLA
+        tensor.
+      ValueError: ``xs`` is empty, its leaves disagree on L, a stacked weight is sharded
+        along the layer dimension, or the policy names an activation no ``offload_name``
+        tagged.
+    """
+    policy = _check_policy(policy)
+    _leaves(init, "init")
+    flat_xs, xs_spec = _leaves(xs, "xs")
+    lengths = {t.shape[0] for t in flat_xs if t is not None and t.dim() > 0}
+    if not flat_xs or not lengths:
+        raise ValueError("xs: expected at least one tensor with a leading (layer) dimension")
+    if len(lengths) > 1:
+        raise ValueError(f"xs: leaves disagree on the leading dimension: {sorted(lengths)}")
+    if policy.is_all_device and not policy.activations and not policy.remat:
+        return _txs.scan(fn, init, xs, partition_fn=partition_fn, is_fn_pure=is_fn_pure)
+    if partition_fn is not default_partition:
+        log.info("scan: policy %s replaces the given partition_fn", policy)
+    if policy.swaps_params:
+        shardings = [slice_sharding(torch_xla._XLAC._get_xla_sharding_spec(t)) if t is not None else None
+                     for t in flat_xs]
+        grad_to_host = policy.grads == "host"
+        user_fn = fn
+
+        def fn(carry, x):
+            flat, spec = tree_flatten(x)
+            flat = [place_to_device(t, sh, grad_to_host) if t is not None else None
+                    for t, sh in zip(flat, shardings)]
+            return user_fn(carry, tree_unflatten(flat, spec))
+
+    return _txs.scan(fn, init, xs, partition_fn=policy_partition(policy), is_fn_pure=False)
+
+
+def scan_layers(layers, input_data, partition_fn: Callable = default_partition, is_layer_pure: bool = False, *,
+                policy: OffloadPolicy = ALL_DEVICE):
+    """Run ``layers`` in sequence on ``input_data`` as one scan, like torch_xla's ``scan_layers``.
+
+    The layers' parameters and buffers are stacked (``torch.stack`` inside the graph, as
+    torch_xla does) and scanned with :func:`scan` under ``policy``. For weights that stay in
+    host memory between steps, keep them stacked yourself and call :func:`scan` (the stack
+    of separate layer tensors is itself a device computation).
+
+    Args:
+      layers: non-empty sequence of ``nn.Module`` with identical parameter names and shapes.
+      input_data: the first layer's input (XLA tensor or pytree).
+      partition_fn, is_layer_pure: as in torch_xla.
+      policy: an :class:`~xla_swap.planning.OffloadPolicy`.
+
+    Returns:
+      The last layer's output.
+
+    Raises:
+      ValueError: ``layers`` is empty, or the layers' parameter names or shapes differ (the
+        message names the layer index and the parameter).
+      TypeError: ``policy`` is not an OffloadPolicy.
+    """
+    policy = _check_policy(policy)
+    layers = list(layers)
+    if not layers:
+        raise ValueError("layers: expected at least one layer")
+    if policy.is_all_device and not policy.activations and not policy.remat:
+        from torch_xla.experimental.scan_layers import scan_layers as _sl
+        return _sl(layers, input_data, partition_fn=partition_fn, is_layer_pure=is_layer_pure)
+    pb = [_extract_weights_and_buffers(layer) for layer in layers]
+    for which, dicts in (("parameters", [p for p, _ in pb]), ("buffers", [b for _, b in pb])):
+        try:
+            _ensure_same_structure(dicts)
+        except ValueError as e:
+            raise ValueError(f"layers: {which} differ between layers: {e}") from None
+    stacked = tree_map(lambda *ts: torch.stack(ts, dim=0), *[(p, b) for p, b in pb])
+    one_layer = _create_or_get_cached_one_layer_fn(layers[0], None, False)
+    carry, _ = scan(one_layer, input_data, stacked, policy=policy)
+    return carry
