@@ -94,23 +94,35 @@ def policy_partition(policy: OffloadPolicy) -> Callable:
                 return policy.activations[tag.args[1]] == "remat"
             return policy.remat and n.target is not PLACE_TO_HOST
 
-        saved, seen = [], set()
+        saved, seen, recomputed = [], set(), set()
 
         def need(n: fx.Node):
             if n in seen or n in bwd:
                 return
             seen.add(n)
             if recomputable(n):
+                recomputed.add(n)
                 for a in n.all_input_nodes:
                     need(a)
             else:
                 saved.append(n)
 
-        for n in bwd:
+        for n in graph.nodes:
+            if n not in bwd:
+                continue
             for a in n.all_input_nodes:
                 need(a)
         for n in bwd_outputs:
             need(n)
+        # Nodes the forward outputs need stay as they are; the rest of what reads a saved value
+        # (backward nodes and forward-only values recomputed for the backward) may be redirected.
+        fwd_needed, stack = set(), [a for a in out_node.args[0][:num_fwd_outputs] if isinstance(a, fx.Node)]
+        while stack:
+            n = stack.pop()
+            if n not in fwd_needed:
+                fwd_needed.add(n)
+                stack.extend(n.all_input_nodes)
+        backward_side = bwd | (recomputed - fwd_needed)
         # Tagged activations saved on the host: save place_to_host(t), bring back in the backward.
         final, moved = [], {}
         for n in saved:
@@ -119,8 +131,9 @@ def policy_partition(policy: OffloadPolicy) -> Callable:
                 final.append(n)
                 continue
             if tag not in moved:
-                with graph.inserting_after(tag):
-                    host = graph.call_function(PLACE_TO_HOST, (tag, ""))
+                src = tag.args[0]  # offload_name is the identity: move its operand, defined before all readers
+                with graph.inserting_after(src):
+                    host = graph.call_function(PLACE_TO_HOST, (src, ""))
                 with graph.inserting_after(host):
                     back = graph.call_function(PLACE_TO_DEVICE, (host, "", False))
                 for new in (host, back):
@@ -128,9 +141,12 @@ def policy_partition(policy: OffloadPolicy) -> Callable:
                 moved[tag] = back
                 final.append(host)
             for user in list(n.users):
-                if user in bwd:
+                if user in backward_side:
                     user.replace_input_with(n, moved[tag])
-        final = list(dict.fromkeys(final))
+        # Graph order, so that saved slices of xs come in xs order: torch_xla's scan re-inserts
+        # the activations that alias xs assuming that order (scan.py: alias_input).
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        final = sorted(dict.fromkeys(final), key=position.__getitem__)
         graph.lint()
         log.debug('joint graph after policy partition:\n%s', graph)
         joint_module.recompile()

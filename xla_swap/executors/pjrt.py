@@ -1,0 +1,958 @@
+"""Run a lowered XLA module through PJRT (jaxlib) with entry parameters in ``pinned_host`` memory.
+
+No torch, no torch_xla: only numpy and jax/jaxlib. One path serves both front ends:
+
+* torch_xla: ``LoweringContext.hlo()`` gives ``HloModuleProto`` bytes whose entry parameters
+  carry GSPMD shardings such as ``{devices=[4,1]0,1,2,3}``;
+* JAX: ``jax.jit(f, ...).lower(...)`` gives a :class:`jax.stages.Lowered`
+  (see :func:`compile_lowered`); its HLO is taken with ``compiler_ir('hlo')`` and the
+  memory kinds JAX chose (lost in HLO) are read from its StableHLO.
+
+How memory kinds reach PJRT (measured with jaxlib 0.10.2): JAX marks the arguments of the
+StableHLO ``@main`` with ``mhlo.memory_kind = "pinned_host"`` (and ``mhlo.sharding`` /
+``sdy.sharding``); the PJRT compiler turns that into memory space 5 (``S(5)``) in the entry
+computation layout, e.g. ``entry_computation_layout={(f32[4,2,8]{2,1,0:S(5)}, ...)}``. HLO
+has no per-parameter memory kind, so this module converts the HLO to StableHLO
+(``hlo_to_stablehlo``), sets ``mhlo.memory_kind`` and ``mhlo.sharding`` on the ``@main``
+arguments with the MLIR Python bindings that jax ships, and compiles that with GSPMD
+partitioning (``use_shardy_partitioner=False``: Shardy ignores the ``mhlo.sharding``
+attributes of a module that has no ``sdy`` annotations, such as torch_xla's, and the
+parameters then come out replicated).
+
+Memory statistics are per device: under SPMD ``get_compiled_memory_stats()`` describes the
+partitioned module that each device runs (``argument_size_in_bytes`` of a parameter
+``f32[4,8,8]`` sharded 4 ways counts ``4*2*8*4`` bytes, not ``4*8*8*4``). The CPU client does
+not split its statistics by memory space (all ``host_*`` fields are 0 and S(5) parameters
+are counted in ``argument_size_in_bytes``); :meth:`PjrtExecutor.memory_report` then takes the
+split of arguments and outputs from the compiled entry layout (see :class:`MemoryReport`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import re
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import jax
+import jax.extend  # noqa: F401  (jax.extend.backend)
+from jax._src.interpreters import mlir as _jmlir
+from jax._src.lib import xla_client as xc
+from jax._src.lib.mlir import ir
+from jax._src.sharding_impls import GSPMDSharding
+from jax.sharding import SingleDeviceSharding
+
+log = logging.getLogger(__name__)
+
+#: Memory kinds an entry parameter may be placed in.
+MEMORY_KINDS = ("device", "pinned_host")
+#: The environment variable that caps PJRT GPU's pinned host memory pool (in GiB, default 64).
+HOST_MEMORY_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+#: The PJRT GPU default of :data:`HOST_MEMORY_LIMIT_ENV`, in GiB.
+DEFAULT_GPU_HOST_MEMORY_LIMIT_GB = 64
+#: Layout memory space of host memory in compiled HLO (``Layout::kHostMemorySpace``).
+HOST_MEMORY_SPACE = 5
+
+_GPU_PLATFORMS = ("cuda", "rocm", "gpu")
+_MLIR_BYTECODE_MAGIC = b"ML\xefR"
+_AUTO = "auto"
+
+
+class HostMemoryError(MemoryError):
+    """Placing arrays in ``pinned_host`` memory would exceed (or did exceed) the pinned pool.
+
+    Attributes:
+      requested_bytes: bytes the failed operation needed in pinned host memory (all devices).
+      in_use_bytes: bytes of live ``pinned_host`` arrays of this platform before it (or None
+        when the error came from the runtime).
+      limit_bytes: the limit checked against (None when the error came from the runtime).
+    """
+
+    def __init__(self, message: str, requested_bytes: int, in_use_bytes: int | None = None,
+                 limit_bytes: int | None = None):
+        super().__init__(message)
+        self.requested_bytes = requested_bytes
+        self.in_use_bytes = in_use_bytes
+        self.limit_bytes = limit_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterPlacement:
+    """Where one entry parameter lives.
+
+    Attributes:
+      memory_kind: ``"device"`` or ``"pinned_host"``.
+      sharding: ``None`` (keep the sharding the module's parameter carries, replicated if
+        none), an HLO sharding string as torch_xla reports it (``"{devices=[4,1]0,1,2,3}"``,
+        ``"{replicated}"``), or a :class:`jax.sharding.Sharding` over exactly the executor's
+        devices, in order (its memory kind is replaced by ``memory_kind``).
+    """
+    memory_kind: str = "device"
+    sharding: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterInfo:
+    """One entry parameter of a compiled :class:`PjrtExecutor`.
+
+    Attributes:
+      index: position in the entry computation (0-based).
+      shape: global (unpartitioned) shape.
+      dtype: numpy dtype.
+      memory_kind: ``"device"`` or ``"pinned_host"`` (as requested at compile time).
+      hlo_sharding: the HLO sharding string it was compiled with.
+      sharding: the :class:`jax.sharding.Sharding` (with memory kind) that :meth:`PjrtExecutor.put`
+        places arrays with.
+    """
+    index: int
+    shape: tuple
+    dtype: np.dtype
+    memory_kind: str
+    hlo_sharding: str
+    sharding: Any
+
+    @property
+    def nbytes(self) -> int:
+        """Global size in bytes (all shards together, counting a replicated array once)."""
+        return int(math.prod(self.shape)) * self.dtype.itemsize
+
+    @property
+    def shard_nbytes(self) -> int:
+        """Bytes of one device's shard."""
+        return int(math.prod(self.sharding.shard_shape(self.shape))) * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Compiled memory use of a :class:`PjrtExecutor`, in bytes **per device**.
+
+    Under SPMD every device runs the partitioned module, so each figure is what one device
+    needs (a parameter sharded N ways counts 1/N of its global size; a replicated one
+    counts in full). Host figures are the part in pinned host memory, per device.
+
+    Sources: ``LoadedExecutable.get_compiled_memory_stats()``. Where the client does not
+    split arguments and outputs by memory space (the CPU client reports every ``host_*``
+    field as 0 and counts S(5) parameters in ``argument_size_in_bytes``), the split is taken
+    from the compiled entry computation layout: ``device_argument_bytes =
+    argument_size_in_bytes - (bytes of the S(5) parameters)``; ``split_source`` then reads
+    ``"entry_layout"``, else ``"compiled_memory_stats"``.
+
+    Attributes:
+      num_devices: devices the module runs on (SPMD partitions).
+      device_argument_bytes / host_argument_bytes: entry parameters.
+      device_output_bytes / host_output_bytes: results.
+      device_temp_bytes / host_temp_bytes: temporaries (from the statistics).
+      device_alias_bytes / host_alias_bytes: parameter bytes reused for outputs (statistics).
+      generated_code_bytes: size of the generated code.
+      parameter_memory_spaces: for every entry parameter, ``"device"`` (default memory space),
+        ``"pinned_host"`` (layout ``S(5)``) or ``"S(n)"``, read from the COMPILED HLO.
+      parameter_bytes: every entry parameter's per-device bytes, from the compiled layout.
+      output_memory_spaces / output_bytes: the same for the results.
+      split_source: ``"compiled_memory_stats"`` or ``"entry_layout"`` (see above).
+      raw_stats: the client's statistics as a dict of ints.
+    """
+    num_devices: int
+    device_argument_bytes: int
+    host_argument_bytes: int
+    device_output_bytes: int
+    host_output_bytes: int
+    device_temp_bytes: int
+    host_temp_bytes: int
+    device_alias_bytes: int
+    host_alias_bytes: int
+    generated_code_bytes: int
+    parameter_memory_spaces: tuple
+    parameter_bytes: tuple
+    output_memory_spaces: tuple
+    output_bytes: tuple
+    split_source: str
+    raw_stats: dict
+
+    @property
+    def device_total_bytes(self) -> int:
+        """Lower bound of device memory per device: arguments + outputs - aliased + temporaries."""
+        return (self.device_argument_bytes + self.device_output_bytes - self.device_alias_bytes
+                + self.device_temp_bytes)
+
+    @property
+    def host_total_bytes(self) -> int:
+        """The same bound for pinned host memory, per device."""
+        return self.host_argument_bytes + self.host_output_bytes - self.host_alias_bytes + self.host_temp_bytes
+
+    def __str__(self) -> str:
+        rows = [f"PJRT memory report: bytes per device, {self.num_devices} device(s), split from {self.split_source}",
+                f"{'':12} {'device':>14} {'pinned_host':>14}"]
+        for name, label in (("argument", "arguments"), ("output", "outputs"), ("temp", "temporaries"),
+                            ("alias", "aliased")):
+            rows.append(f"{label:12} {getattr(self, f'device_{name}_bytes'):>14} "
+                        f"{getattr(self, f'host_{name}_bytes'):>14}")
+        rows.append(f"{'total':12} {self.device_total_bytes:>14} {self.host_total_bytes:>14}")
+        rows.append(f"{'param':>5}  {'memory space':12} {'bytes/device':>14}")
+        for i, (space, n) in enumerate(zip(self.parameter_memory_spaces, self.parameter_bytes)):
+            rows.append(f"{i:>5}  {space:12} {n:>14}")
+        return "\n".join(rows)
+
+
+# ---------------------------------------------------------------------------------------
+# module loading
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Source:
+    """A module normalised to StableHLO bytecode with GSPMD shardings (``mhlo.sharding``)."""
+    mlir: bytes
+    arg_memory_kinds: list          # from a JAX lowering / StableHLO input; None where unknown
+    result_memory_kinds: list
+    num_partitions: int | None      # mhlo.num_partitions where the input declared it
+
+
+def _entry_func(module: ir.Module):
+    funcs = [op for op in module.body.operations if op.operation.name == "func.func"]
+    for op in funcs:
+        if ir.StringAttr(op.attributes["sym_name"]).value == "main":
+            return op
+    public = [op for op in funcs if "sym_visibility" not in op.attributes
+              or ir.StringAttr(op.attributes["sym_visibility"]).value == "public"]
+    if len(public) == 1:
+        return public[0]
+    raise ValueError("module: no entry function '@main' (and not exactly one public function) in the module")
+
+
+def _dict_entries(attr) -> dict:
+    d = ir.DictAttr(attr)
+    return {d[j].name: d[j].attr for j in range(len(d))}
+
+
+def _attr_dicts(func, key: str, n: int) -> list:
+    if key in func.attributes:
+        return [_dict_entries(a) for a in ir.ArrayAttr(func.attributes[key])]
+    return [{} for _ in range(n)]
+
+
+def _str_attr(entries: dict, key: str):
+    a = entries.get(key)
+    return None if a is None else ir.StringAttr(a).value
+
+
+def _memory_kinds_of(mlir_module: ir.Module) -> tuple[list, list, int | None]:
+    """(argument memory kinds, result memory kinds, mhlo.num_partitions) of a StableHLO module."""
+    main = _entry_func(mlir_module)
+    ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
+    args = [_str_attr(e, "mhlo.memory_kind") for e in _attr_dicts(main, "arg_attrs", len(ftype.inputs))]
+    res = [_str_attr(e, "mhlo.memory_kind") for e in _attr_dicts(main, "res_attrs", len(ftype.results))]
+    nparts = None
+    if "mhlo.num_partitions" in mlir_module.operation.attributes:
+        nparts = ir.IntegerAttr(mlir_module.operation.attributes["mhlo.num_partitions"]).value
+    return args, res, nparts
+
+
+def _from_hlo_proto(proto: bytes, arg_kinds=None, res_kinds=None, nparts=None) -> _Source:
+    try:
+        mlir = xc._xla.mlir.hlo_to_stablehlo(proto)
+    except Exception as e:  # the jaxlib error type differs between versions
+        raise ValueError(f"module: could not read the bytes as a serialized HloModuleProto: {e}") from e
+    return _Source(mlir, list(arg_kinds or []), list(res_kinds or []), nparts)
+
+
+def _from_mlir(text_or_bytecode) -> _Source:
+    with _jmlir.make_ir_context():
+        try:
+            mod = ir.Module.parse(text_or_bytecode)
+        except Exception as e:
+            raise ValueError(f"module: could not parse the StableHLO/MLIR module: {e}") from e
+        args, res, nparts = _memory_kinds_of(mod)
+        data = _jmlir.module_to_bytecode(mod)
+    # Through HLO, as jax's own compiler_ir('hlo') does: Shardy annotations become mhlo.sharding.
+    comp = xc._xla.mlir.mlir_module_to_xla_computation(data, use_tuple_args=False, return_tuple=False)
+    return _from_hlo_proto(comp.as_serialized_hlo_module_proto(), args, res, nparts)
+
+
+def _from_lowered(lowered) -> _Source:
+    const_args = getattr(getattr(lowered, "_lowering", None), "const_args", None)
+    if const_args:
+        raise ValueError(f"module: this jax lowering hoisted {len(const_args)} constant(s) into extra "
+                         "arguments (jax_use_simplified_jaxpr_constants); lower with that flag off")
+    stablehlo = lowered.compiler_ir("stablehlo")
+    args, res, nparts = _memory_kinds_of(stablehlo)
+    proto = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
+    return _from_hlo_proto(proto, args, res, nparts)
+
+
+def _load(module) -> _Source:
+    if isinstance(module, jax.stages.Lowered):
+        return _from_lowered(module)
+    if hasattr(module, "as_serialized_hlo_module_proto"):      # XlaComputation / HloModule
+        return _from_hlo_proto(module.as_serialized_hlo_module_proto())
+    if isinstance(module, str):
+        return _from_mlir(module)
+    if isinstance(module, (bytes, bytearray, memoryview)):
+        data = bytes(module)
+        if data.startswith(_MLIR_BYTECODE_MAGIC) or data.lstrip().startswith((b"module", b"func.func", b"#loc")):
+            return _from_mlir(data)
+        return _from_hlo_proto(data)
+    raise TypeError("module: expected HloModuleProto bytes, a jax.stages.Lowered or a StableHLO module "
+                    f"(str or bytes), got {type(module).__name__}")
+
+
+_IR_DTYPES: dict = {}
+
+
+def _ir_to_dtype(t) -> np.dtype:
+    if not _IR_DTYPES:
+        for dt, factory in _jmlir._dtype_to_ir_type.items():
+            try:
+                _IR_DTYPES.setdefault(str(factory()), np.dtype(dt))
+            except Exception:  # a factory this MLIR build lacks
+                pass
+    key = str(t)
+    if key not in _IR_DTYPES:
+        raise ValueError(f"module: unsupported element type {key}")
+    return _IR_DTYPES[key]
+
+
+def _tensor_meta(t, what: str):
+    try:
+        rt = ir.RankedTensorType(t)
+    except (ValueError, TypeError):
+        raise ValueError(f"module: {what} has type {t}; only ranked tensors are supported") from None
+    if not rt.has_static_shape:
+        raise ValueError(f"module: {what} has the dynamic type {t}; only static shapes are supported")
+    return tuple(int(d) for d in rt.shape), _ir_to_dtype(rt.element_type)
+
+
+# ---------------------------------------------------------------------------------------
+# shardings
+# ---------------------------------------------------------------------------------------
+def _parse_hlo_sharding(s: str, where: str) -> xc.HloSharding:
+    try:
+        return xc.HloSharding.from_string(s)
+    except Exception as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        detail = next((ln for ln in lines if "error:" in ln), lines[0] if lines else type(e).__name__)
+        raise ValueError(f"{where}: invalid HLO sharding string {s!r}: {detail}") from e
+
+
+def _devices_needed(hs: xc.HloSharding) -> int:
+    """Smallest device count the sharding can run on (0: any)."""
+    if hs.is_replicated() or hs.is_manual() or hs.is_unknown():
+        return 0
+    if hs.is_tiled():
+        return int(hs.num_devices())
+    if hs.is_maximal() and hs.tile_assignment_devices():
+        return int(max(hs.tile_assignment_devices())) + 1
+    return 0
+
+
+def _check_rank(hs: xc.HloSharding, shape: tuple, where: str) -> None:
+    if not hs.is_tiled():
+        return
+    dims = list(hs.tile_assignment_dimensions())
+    extra = (1 if hs.replicate_on_last_tile_dim() else 0) + len(hs.subgroup_types())
+    if len(dims) - extra != len(shape):
+        raise ValueError(f"{where}: sharding {hs} tiles {len(dims) - extra} dimension(s), but the parameter has "
+                         f"rank {len(shape)} (shape {list(shape)})")
+
+
+# ---------------------------------------------------------------------------------------
+# compiled HLO inspection
+# ---------------------------------------------------------------------------------------
+def _split_top_level(s: str) -> list:
+    parts, depth, cur = [], 0, []
+    for ch in s:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    if "".join(cur).strip():
+        parts.append("".join(cur).strip())
+    return parts
+
+
+def _entry_layout(hlo_text: str) -> tuple[list, list]:
+    """The compiled entry computation layout: ([param shape strings], [result shape strings])."""
+    header = hlo_text.split("\n", 1)[0]
+    start = header.find("entry_computation_layout={")
+    if start < 0:
+        raise RuntimeError("compiled HLO has no entry_computation_layout")
+    i = start + len("entry_computation_layout={")
+    depth, j = 0, i
+    while j < len(header):  # find the matching '}' of entry_computation_layout={...}
+        if header[j] in "([{":
+            depth += 1
+        elif header[j] in ")]}":
+            if depth == 0:
+                break
+            depth -= 1
+        j += 1
+    layout = header[i:j]
+    depth, k = 0, 0
+    for k, ch in enumerate(layout):  # split "(params)->result" at the top-level arrow
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "-" and depth == 0 and layout[k:k + 2] == "->":
+            break
+    params, result = layout[:k].strip(), layout[k + 2:].strip()
+    params = _split_top_level(params[1:-1])
+    results = _split_top_level(result[1:-1]) if result.startswith("(") else [result]
+    return params, results
+
+
+_SHAPE_RE = re.compile(r"^\s*([a-z0-9]+)\[([0-9,]*)\]")
+
+
+def _memory_space(shape_str: str) -> str:
+    m = re.search(r"S\((\d+)\)", shape_str)
+    space = int(m.group(1)) if m else 0
+    return "device" if space == 0 else "pinned_host" if space == HOST_MEMORY_SPACE else f"S({space})"
+
+
+def _shape_bytes(shape_str: str, dtype: np.dtype) -> int:
+    m = _SHAPE_RE.match(shape_str)
+    if not m:
+        raise RuntimeError(f"cannot read the compiled shape {shape_str!r}")
+    dims = [int(d) for d in m.group(2).split(",") if d]
+    return int(math.prod(dims)) * dtype.itemsize
+
+
+def _is_resource_exhausted(e: Exception) -> bool:
+    msg = str(e)
+    return "RESOURCE_EXHAUSTED" in msg or "Out of memory" in msg or "out of memory" in msg.lower()
+
+
+def _is_host_oom(e: Exception) -> bool:
+    msg = str(e).lower()
+    return _is_resource_exhausted(e) and ("host" in msg or "pinned" in msg)
+
+
+# ---------------------------------------------------------------------------------------
+# the executor
+# ---------------------------------------------------------------------------------------
+class PjrtExecutor:
+    """A lowered XLA module compiled with PJRT (jaxlib) for CPU or NVIDIA GPU, SPMD over N devices.
+
+    Args:
+      module: serialized ``HloModuleProto`` ``bytes`` (torch_xla's ``LoweringContext.hlo()``,
+        or ``jax.jit(f).lower(...).compiler_ir('hlo').as_serialized_hlo_module_proto()``), a
+        :class:`jax.stages.Lowered`, an ``XlaComputation``, or a StableHLO module as MLIR text
+        (``str``/``bytes``) or bytecode. Parameter indices below are the entry computation's
+        parameters, in order (for a jax lowering: the flattened arguments that jax kept;
+        jax drops unused ones).
+      placements: ``{param_index: "device" | "pinned_host" | ParameterPlacement | Sharding}``.
+        Parameters not named keep their defaults: memory kind ``"device"`` (for a JAX
+        lowering: the memory kind JAX lowered it with), sharding as the module's parameter
+        carries it (replicated if none).
+      devices: the jax devices to run on, in SPMD partition order. Default: the first N of
+        ``jax.devices()``, N being the device count the module's shardings (or its
+        ``mhlo.num_partitions``) name -- all devices for a module lowered over all of them --
+        and a single device when the module is not partitioned.
+      host_memory_limit_bytes: cap, in bytes over all devices, on live ``pinned_host`` arrays
+        of this platform that :meth:`put` and :meth:`__call__` check before placing host
+        arrays. ``"auto"`` (default): on GPU ``$XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` (default
+        64) GiB, the size of PJRT GPU's pinned pool; on CPU no limit. ``None``: no limit.
+
+    Raises:
+      TypeError: ``module`` is none of the accepted types; a placement value has a wrong type.
+      ValueError: ``module`` cannot be read; a placement names a parameter index that does
+        not exist (the message names the index and the parameter count); an unknown memory
+        kind (or one the devices lack); an invalid sharding string or one whose rank does not
+        match; a jax Sharding over other devices; a device count the module cannot use
+        (shardings over K devices but ``len(devices) != K``, or K larger than
+        ``len(jax.devices())``); duplicate devices or devices of several platforms.
+      jax.errors.JaxRuntimeError: XLA rejected the module while compiling.
+
+    Attributes:
+      devices: tuple of the jax devices, in partition order.
+      platform: ``"cpu"``, ``"cuda"``, ...
+      parameters: tuple of :class:`ParameterInfo`, one per entry parameter.
+      output_shapes / output_dtypes: global shapes and numpy dtypes of the results.
+      output_shardings: the jax Shardings (with memory kinds) of the results.
+      transfer_count: number of arrays this executor has placed (copied) so far, by
+        :meth:`put`/:meth:`put_all` or implicitly in :meth:`__call__`.
+    """
+
+    def __init__(self, module, placements: Mapping | None = None, devices: Sequence | None = None, *,
+                 host_memory_limit_bytes: int | None | str = _AUTO):
+        src = _load(module)
+        self.transfer_count = 0
+        with _jmlir.make_ir_context() as ctx, ir.Location.unknown(ctx):
+            mod = ir.Module.parse(src.mlir)
+            main = _entry_func(mod)
+            ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
+            n_in, n_out = len(ftype.inputs), len(ftype.results)
+            metas = [_tensor_meta(t, f"parameter {i}") for i, t in enumerate(ftype.inputs)]
+            out_metas = [_tensor_meta(t, f"result {i}") for i, t in enumerate(ftype.results)]
+            arg_attrs = _attr_dicts(main, "arg_attrs", n_in)
+            res_attrs = _attr_dicts(main, "res_attrs", n_out)
+
+            # -- placements: validate everything before touching anything ----------------
+            placements = dict(placements or {})
+            for k in placements:
+                if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 0 <= k < n_in:
+                    raise ValueError(f"placements: parameter index {k!r} does not exist; the module has "
+                                     f"{n_in} entry parameter(s) (valid indices 0..{n_in - 1})")
+            kinds, shard_specs = [], []   # per parameter: memory kind, (hlo string | jax Sharding | None)
+            for i in range(n_in):
+                kind = (src.arg_memory_kinds[i] if i < len(src.arg_memory_kinds) else None) or "device"
+                spec = None
+                p = placements.get(i)
+                if p is not None:
+                    if isinstance(p, str):
+                        kind = p
+                    elif isinstance(p, ParameterPlacement):
+                        kind, spec = p.memory_kind, p.sharding
+                    elif isinstance(p, jax.sharding.Sharding):
+                        kind, spec = p.memory_kind or "device", p
+                    else:
+                        raise TypeError(f"placements[{i}]: expected 'device', 'pinned_host', a ParameterPlacement "
+                                        f"or a jax Sharding, got {type(p).__name__}")
+                if kind not in MEMORY_KINDS:
+                    where = f"placements[{i}]" if p is not None else f"parameter {i} (memory kind set by the module)"
+                    raise ValueError(f"{where}: unknown memory kind {kind!r}; expected one of {MEMORY_KINDS}")
+                if spec is not None and not isinstance(spec, (str, jax.sharding.Sharding)):
+                    raise TypeError(f"placements[{i}]: sharding must be an HLO sharding string or a jax Sharding, "
+                                    f"got {type(spec).__name__}")
+                kinds.append(kind)
+                shard_specs.append(spec)
+
+            hlo_shardings = []
+            for i in range(n_in):
+                spec = shard_specs[i]
+                where = f"placements[{i}]" if spec is not None else f"parameter {i}"
+                if isinstance(spec, jax.sharding.Sharding):
+                    hs = spec._to_xla_hlo_sharding(len(metas[i][0]))
+                else:
+                    text = spec if isinstance(spec, str) else _str_attr(arg_attrs[i], "mhlo.sharding")
+                    hs = _parse_hlo_sharding(text, where) if text else None
+                if hs is not None:
+                    _check_rank(hs, metas[i][0], where)
+                hlo_shardings.append(hs)
+
+            # -- devices -----------------------------------------------------------------
+            needed = max([_devices_needed(h) for h in hlo_shardings if h is not None] + [0])
+            for a in res_attrs:
+                text = _str_attr(a, "mhlo.sharding")
+                if text:
+                    needed = max(needed, _devices_needed(_parse_hlo_sharding(text, "module result")))
+            if src.num_partitions and src.num_partitions > 1:
+                needed = max(needed, src.num_partitions)
+            for spec in shard_specs:
+                if isinstance(spec, jax.sharding.Sharding) and not spec.is_fully_replicated:
+                    needed = max(needed, len(spec._device_assignment))
+            if devices is None:
+                available = jax.devices()
+                n = max(needed, 1)
+                if n > len(available):
+                    raise ValueError(f"devices: the module is partitioned over {n} devices, but only "
+                                     f"{len(available)} {available[0].platform} device(s) are available")
+                devices = available[:n]
+            devices = tuple(devices)
+            if not devices or not all(isinstance(d, xc.Device) for d in devices):
+                raise ValueError(f"devices: expected a non-empty sequence of jax devices, got {devices!r}")
+            if len(set(devices)) != len(devices):
+                raise ValueError(f"devices: duplicate devices in {devices}")
+            if len({d.platform for d in devices}) != 1:
+                raise ValueError(f"devices: all devices must be of one platform, got {devices}")
+            n = len(devices)
+            if n > len(jax.devices(devices[0].platform)):
+                raise ValueError(f"devices: {n} devices given, but only {len(jax.devices(devices[0].platform))} "
+                                 f"are available")
+            if src.num_partitions and src.num_partitions > 1 and n != src.num_partitions:
+                raise ValueError(f"devices: the module declares mhlo.num_partitions={src.num_partitions}, "
+                                 f"but {n} device(s) were given")
+            for i, hs in enumerate(hlo_shardings):
+                if hs is None:
+                    continue
+                k = _devices_needed(hs)
+                if hs.is_tiled() and k != n:
+                    raise ValueError(f"devices: parameter {i} is sharded {hs} over {k} devices, but {n} device(s) "
+                                     f"were given; pass {k} devices")
+                if not hs.is_tiled() and k > n:
+                    raise ValueError(f"devices: parameter {i} is placed on {hs}, but only {n} device(s) were given")
+            for i, spec in enumerate(shard_specs):
+                if isinstance(spec, jax.sharding.Sharding) and not spec.is_fully_replicated \
+                        and tuple(spec._device_assignment) != devices:
+                    raise ValueError(f"placements[{i}]: the sharding's devices {tuple(spec._device_assignment)} "
+                                     f"differ from the executor's devices {devices} (order matters)")
+            mem_kinds = {m.kind for m in devices[0].addressable_memories()}
+            for i, kind in enumerate(kinds):
+                if kind not in mem_kinds:
+                    raise ValueError(f"placements[{i}]: memory kind {kind!r} is not supported by "
+                                     f"{devices[0].platform} devices (they have {sorted(mem_kinds)})")
+            if n > 1:
+                hlo_shardings = [hs if hs is not None else xc.HloSharding.replicate() for hs in hlo_shardings]
+
+            # -- rewrite @main's argument attributes -----------------------------------------
+            new_arg_attrs = []
+            for i, entries in enumerate(arg_attrs):
+                entries = dict(entries)
+                entries["mhlo.memory_kind"] = ir.StringAttr.get(kinds[i])
+                if hlo_shardings[i] is not None:
+                    entries["mhlo.sharding"] = ir.StringAttr.get(str(hlo_shardings[i]))
+                    if shard_specs[i] is not None and "mhlo.frontend_attributes" in entries:
+                        fa = _dict_entries(entries["mhlo.frontend_attributes"])
+                        fa.pop("xla.sdy.sharding", None)  # stale Shardy copy of the replaced sharding
+                        entries["mhlo.frontend_attributes"] = ir.DictAttr.get(fa)
+                new_arg_attrs.append(ir.DictAttr.get(entries))
+            main.attributes["arg_attrs"] = ir.ArrayAttr.get(new_arg_attrs)
+            new_res_attrs = []
+            for i, entries in enumerate(res_attrs):
+                entries = dict(entries)
+                rk = src.result_memory_kinds[i] if i < len(src.result_memory_kinds) else None
+                if rk and "mhlo.memory_kind" not in entries:
+                    entries["mhlo.memory_kind"] = ir.StringAttr.get(rk)
+                new_res_attrs.append(ir.DictAttr.get(entries))
+            main.attributes["res_attrs"] = ir.ArrayAttr.get(new_res_attrs)
+            res_has_sharding = [_str_attr(a, "mhlo.sharding") is not None for a in res_attrs]
+            bytecode = _jmlir.module_to_bytecode(mod)
+        self._bytecode = bytecode
+
+        # -- compile ---------------------------------------------------------------------
+        self.devices = devices
+        self.platform = devices[0].platform
+        self._backend = jax.extend.backend.get_backend(self.platform)
+        opts = xc.CompileOptions()
+        opts.num_replicas = 1
+        opts.num_partitions = n
+        bo = opts.executable_build_options
+        bo.num_replicas = 1
+        bo.num_partitions = n
+        bo.use_spmd_partitioning = True
+        bo.use_shardy_partitioner = False
+        bo.allow_spmd_sharding_propagation_to_parameters = [False] * max(n_in, 1)
+        bo.allow_spmd_sharding_propagation_to_output = [not h for h in res_has_sharding] or [False]
+        opts.device_assignment = xc.DeviceAssignment.create(np.array([[d.id for d in devices]]))
+        log.debug("compiling %d-parameter module for %d %s device(s); memory kinds %s",
+                  n_in, n, self.platform, kinds)
+        self._exe = self._backend.compile_and_load(bytecode, xc.DeviceList(devices), opts)
+        self._compiled_text = self._exe.hlo_modules()[0].to_string()
+
+        # -- parameter and result metadata -----------------------------------------------
+        params = []
+        for i, ((shape, dtype), hs) in enumerate(zip(metas, hlo_shardings)):
+            spec = shard_specs[i]
+            if isinstance(spec, jax.sharding.Sharding) and not spec.is_fully_replicated:
+                sharding = spec.with_memory_kind(kinds[i])
+            elif n == 1 and (hs is None or not hs.is_tiled()):
+                sharding = SingleDeviceSharding(devices[0], memory_kind=kinds[i])
+            else:
+                sharding = GSPMDSharding(devices, hs, memory_kind=kinds[i])
+            params.append(ParameterInfo(i, shape, dtype, kinds[i], str(hs) if hs is not None else "{replicated}",
+                                        sharding))
+        self.parameters = tuple(params)
+        self.output_shapes = tuple(s for s, _ in out_metas)
+        self.output_dtypes = tuple(d for _, d in out_metas)
+        out_kinds = self._exe.get_output_memory_kinds()[0] if n_out else []
+        out_ops = self._exe.get_output_shardings() if n_out else []
+        shardings = []
+        for i in range(n_out):
+            kind = out_kinds[i] if i < len(out_kinds) else "device"
+            op = out_ops[i] if out_ops and i < len(out_ops) else None
+            if n == 1 or op is None:
+                s = (SingleDeviceSharding(devices[0], memory_kind=kind) if n == 1 else
+                     GSPMDSharding(devices, xc.HloSharding.replicate(), memory_kind=kind))
+            else:
+                s = GSPMDSharding(devices, op, memory_kind=kind)
+            shardings.append(s)
+        self.output_shardings = tuple(shardings)
+        self._param_layout, self._result_layout = _entry_layout(self._compiled_text)
+        if len(self._param_layout) != n_in:
+            raise RuntimeError(f"compiled module has {len(self._param_layout)} entry parameters, expected {n_in}")
+
+        if host_memory_limit_bytes == _AUTO:
+            if self.platform in _GPU_PLATFORMS:
+                gb = float(os.environ.get(HOST_MEMORY_LIMIT_ENV, DEFAULT_GPU_HOST_MEMORY_LIMIT_GB))
+                host_memory_limit_bytes = int(gb * (1 << 30))
+            else:
+                host_memory_limit_bytes = None
+        if host_memory_limit_bytes is not None and (not isinstance(host_memory_limit_bytes, (int, np.integer))
+                                                    or host_memory_limit_bytes < 0):
+            raise ValueError(f"host_memory_limit_bytes: expected None, 'auto' or a non-negative int, "
+                             f"got {host_memory_limit_bytes!r}")
+        self.host_memory_limit_bytes = host_memory_limit_bytes
+        self._report = None
+        log.info("compiled PJRT executable: %d parameter(s) (%d in pinned_host), %d result(s), %d %s device(s)",
+                 n_in, kinds.count("pinned_host"), n_out, n, self.platform)
+
+    # -- introspection ---------------------------------------------------------------------
+    @property
+    def num_parameters(self) -> int:
+        """Number of entry parameters."""
+        return len(self.parameters)
+
+    @property
+    def num_outputs(self) -> int:
+        """Number of results."""
+        return len(self.output_shapes)
+
+    @property
+    def parameter_memory_kinds(self) -> tuple:
+        """The requested memory kind of every parameter (``"device"`` / ``"pinned_host"``)."""
+        return tuple(p.memory_kind for p in self.parameters)
+
+    def stablehlo_text(self) -> str:
+        """The StableHLO module as compiled: ``@main`` with the ``mhlo.memory_kind``/``mhlo.sharding`` set here."""
+        with _jmlir.make_ir_context():
+            return str(ir.Module.parse(self._bytecode))
+
+    def compiled_hlo_text(self) -> str:
+        """The optimized, partitioned HLO module (as one device runs it), with its entry layout."""
+        return self._compiled_text
+
+    def memory_report(self) -> MemoryReport:
+        """The compiled memory use, per device, split between device and pinned host memory.
+
+        Returns:
+          :class:`MemoryReport` (bytes per device; see its docstring for the sources).
+        """
+        st = self._exe.get_compiled_memory_stats()
+        raw = {k: int(getattr(st, k)) for k in dir(st)
+               if k.endswith("_in_bytes") and isinstance(getattr(st, k), int)}
+        p_spaces = tuple(_memory_space(s) for s in self._param_layout)
+        p_bytes = tuple(_shape_bytes(s, p.dtype) for s, p in zip(self._param_layout, self.parameters))
+        o_spaces = tuple(_memory_space(s) for s in self._result_layout)
+        o_bytes = tuple(_shape_bytes(s, d) for s, d in zip(self._result_layout, self.output_dtypes))
+        host_p = sum(b for s, b in zip(p_spaces, p_bytes) if s == "pinned_host")
+        host_o = sum(b for s, b in zip(o_spaces, o_bytes) if s == "pinned_host")
+        arg, harg = raw.get("argument_size_in_bytes", 0), raw.get("host_argument_size_in_bytes", 0)
+        out, hout = raw.get("output_size_in_bytes", 0), raw.get("host_output_size_in_bytes", 0)
+        if (host_p or host_o) and not (harg or hout):
+            source = "entry_layout"
+            arg, harg = arg - host_p, host_p
+            out, hout = out - host_o, host_o
+        else:
+            source = "compiled_memory_stats"
+        return MemoryReport(
+            num_devices=len(self.devices),
+            device_argument_bytes=arg, host_argument_bytes=harg,
+            device_output_bytes=out, host_output_bytes=hout,
+            device_temp_bytes=raw.get("temp_size_in_bytes", 0), host_temp_bytes=raw.get("host_temp_size_in_bytes", 0),
+            device_alias_bytes=raw.get("alias_size_in_bytes", 0),
+            host_alias_bytes=raw.get("host_alias_size_in_bytes", 0),
+            generated_code_bytes=raw.get("generated_code_size_in_bytes", 0),
+            parameter_memory_spaces=p_spaces, parameter_bytes=p_bytes,
+            output_memory_spaces=o_spaces, output_bytes=o_bytes,
+            split_source=source, raw_stats=raw)
+
+    # -- placement -------------------------------------------------------------------------
+    def _check_index(self, index) -> int:
+        if not isinstance(index, (int, np.integer)) or isinstance(index, bool) or not 0 <= index < self.num_parameters:
+            raise ValueError(f"index: parameter {index!r} does not exist; the module has {self.num_parameters} "
+                             f"entry parameter(s)")
+        return int(index)
+
+    def _check_value(self, index: int, x, where: str):
+        """Shape and dtype check; returns ``x`` (jax.Array) or ``np.asarray(x)``."""
+        p = self.parameters[index]
+        if not isinstance(x, jax.Array):
+            x = np.asarray(x)
+        if tuple(x.shape) != p.shape:
+            raise ValueError(f"{where}: parameter {index} expects shape {list(p.shape)}, got {list(x.shape)}")
+        if np.dtype(x.dtype) != p.dtype:
+            raise TypeError(f"{where}: parameter {index} expects dtype {p.dtype}, got {np.dtype(x.dtype)}")
+        return x
+
+    def is_placed(self, index: int, x) -> bool:
+        """Whether ``x`` is a live jax.Array already in parameter ``index``'s memory kind and sharding.
+
+        Such arrays are passed to the executable as they are (no copy).
+        """
+        p = self.parameters[self._check_index(index)]
+        if not isinstance(x, jax.Array) or x.is_deleted():
+            return False
+        if tuple(x.shape) != p.shape or np.dtype(x.dtype) != p.dtype:
+            return False
+        kind = x.sharding.memory_kind or "device"
+        if kind != p.memory_kind:
+            return False
+        try:
+            return x.sharding.with_memory_kind(kind).is_equivalent_to(p.sharding, len(p.shape))
+        except Exception:  # sharding types that cannot be compared
+            return False
+
+    @staticmethod
+    def _host_bytes(p: ParameterInfo) -> int:
+        """Pinned host bytes an array of ``p`` occupies over all devices (0 for device params)."""
+        if p.memory_kind != "pinned_host":
+            return 0
+        return p.shard_nbytes * len(p.sharding.addressable_devices)
+
+    def host_bytes_in_use(self) -> int:
+        """Bytes of live ``pinned_host`` jax arrays of this platform, over all devices."""
+        total = 0
+        for a in jax.live_arrays(self.platform):
+            s = a.sharding
+            if s.memory_kind != "pinned_host":
+                continue
+            total += int(math.prod(s.shard_shape(a.shape))) * a.dtype.itemsize * len(s.addressable_devices)
+        return total
+
+    def _check_host_limit(self, requested: int, what: str) -> None:
+        if self.host_memory_limit_bytes is None or requested == 0:
+            return
+        in_use = self.host_bytes_in_use()
+        if in_use + requested > self.host_memory_limit_bytes:
+            raise HostMemoryError(
+                f"{what}: placing {requested} bytes in pinned_host memory would exceed the pinned host limit of "
+                f"{self.host_memory_limit_bytes} bytes ({in_use} bytes already in use). PJRT GPU caps its pinned "
+                f"host pool with {HOST_MEMORY_LIMIT_ENV} (GiB, default {DEFAULT_GPU_HOST_MEMORY_LIMIT_GB}); raise "
+                f"it, or keep fewer parameters in pinned_host.",
+                requested, in_use, self.host_memory_limit_bytes)
+
+    def _device_put(self, index: int, x) -> jax.Array:
+        p = self.parameters[index]
+        try:
+            out = jax.device_put(x, p.sharding)
+        except Exception as e:
+            if p.memory_kind == "pinned_host" and _is_resource_exhausted(e):
+                raise HostMemoryError(
+                    f"parameter {index}: the runtime could not allocate {self._host_bytes(p)} bytes of pinned_host "
+                    f"memory ({HOST_MEMORY_LIMIT_ENV} caps the PJRT GPU pinned pool, default "
+                    f"{DEFAULT_GPU_HOST_MEMORY_LIMIT_GB} GiB): {str(e).splitlines()[0]}",
+                    self._host_bytes(p)) from e
+            raise
+        self.transfer_count += 1
+        return out
+
+    def put(self, index: int, array) -> jax.Array:
+        """Place one parameter's value in its memory kind and sharding.
+
+        Keep the returned array and pass it to :meth:`__call__` again: it is used without a
+        copy, so a ``pinned_host`` parameter stays resident in host memory between calls.
+
+        Args:
+          index: entry parameter index.
+          array: numpy array or jax.Array of the parameter's global shape and exact dtype.
+
+        Returns:
+          a jax.Array with ``sharding`` equivalent to ``parameters[index].sharding`` (its
+          ``memory_kind`` is the parameter's); ``array`` itself when it is already placed.
+
+        Raises:
+          ValueError: ``index`` does not exist (names it and the parameter count); wrong shape.
+          TypeError: wrong dtype (names the parameter, expected and got).
+          HostMemoryError: a ``pinned_host`` placement would exceed ``host_memory_limit_bytes``,
+            or the runtime ran out of pinned host memory.
+        """
+        index = self._check_index(index)
+        x = self._check_value(index, array, "put")
+        if self.is_placed(index, x):
+            return x
+        self._check_host_limit(self._host_bytes(self.parameters[index]), f"put(parameter {index})")
+        return self._device_put(index, x)
+
+    def put_all(self, arrays: Sequence) -> list:
+        """:meth:`put` every parameter; ``arrays[i]`` feeds parameter ``i``.
+
+        All values are checked (count, shapes, dtypes, host limit) before anything is placed.
+
+        Returns:
+          list of jax.Arrays, one per parameter.
+
+        Raises:
+          ValueError: ``len(arrays) != num_parameters``; a wrong shape.
+          TypeError: a wrong dtype.
+          HostMemoryError: as in :meth:`put`, for the total of the host placements.
+        """
+        arrays = list(arrays)
+        if len(arrays) != self.num_parameters:
+            raise ValueError(f"put_all: expected {self.num_parameters} arrays (one per parameter), got {len(arrays)}")
+        return self._place_all(arrays, "put_all")
+
+    def _place_all(self, arrays: list, where: str) -> list:
+        values = [self._check_value(i, x, f"{where}: argument {i}") for i, x in enumerate(arrays)]
+        todo = [i for i, x in enumerate(values) if not self.is_placed(i, x)]
+        host = sum(self._host_bytes(self.parameters[i]) for i in todo)
+        self._check_host_limit(host, where)
+        for i in todo:
+            values[i] = self._device_put(i, values[i])
+        return values
+
+    # -- execution -------------------------------------------------------------------------
+    def __call__(self, *args) -> list:
+        """Run the module.
+
+        Args:
+          *args: one value per entry parameter, numpy arrays or jax.Arrays of the parameter's
+            global shape and exact dtype. Arrays already placed (see :meth:`is_placed`, e.g.
+            the results of :meth:`put`) are used as they are; others are placed first.
+
+        Returns:
+          list of jax.Arrays, one per result, with global shapes ``output_shapes``, dtypes
+          ``output_dtypes`` and shardings ``output_shardings``.
+
+        Raises:
+          ValueError: wrong number of arguments; a wrong shape (names the parameter index,
+            expected and got).
+          TypeError: a wrong dtype.
+          HostMemoryError: the host placements of the arguments plus the host outputs and host
+            temporaries would exceed ``host_memory_limit_bytes``, or the runtime ran out of
+            pinned host memory while placing or executing.
+          jax.errors.JaxRuntimeError: other runtime failures.
+        """
+        if len(args) != self.num_parameters:
+            raise ValueError(f"call: the module has {self.num_parameters} parameter(s), got {len(args)} argument(s)")
+        if self.host_memory_limit_bytes is not None:
+            if self._report is None:
+                self._report = self.memory_report()
+            extra = (self._report.host_output_bytes + self._report.host_temp_bytes) * len(self.devices)
+            values = [self._check_value(i, x, f"call: argument {i}") for i, x in enumerate(args)]
+            todo = [i for i, x in enumerate(values) if not self.is_placed(i, x)]
+            self._check_host_limit(sum(self._host_bytes(self.parameters[i]) for i in todo) + extra, "call")
+        values = self._place_all(list(args), "call")
+        try:
+            results = self._exe.execute_sharded(values)
+            shards = results.disassemble_into_single_device_arrays()
+        except Exception as e:
+            if _is_host_oom(e):
+                raise HostMemoryError(
+                    f"call: the runtime ran out of pinned host memory while executing ({HOST_MEMORY_LIMIT_ENV} caps "
+                    f"the PJRT GPU pinned pool, default {DEFAULT_GPU_HOST_MEMORY_LIMIT_GB} GiB): "
+                    f"{str(e).splitlines()[0]}", 0) from e
+            raise
+        return [jax.make_array_from_single_device_arrays(shape, sharding, list(arrs))
+                for shape, sharding, arrs in zip(self.output_shapes, self.output_shardings, shards)]
+
+    execute = __call__
+
+    def __repr__(self) -> str:
+        kinds = ", ".join(f"{p.index}:{p.memory_kind}" for p in self.parameters)
+        return (f"PjrtExecutor({self.num_parameters} params [{kinds}], {self.num_outputs} outputs, "
+                f"{len(self.devices)} {self.platform} device(s))")
+
+
+def compile_lowered(lowered: "jax.stages.Lowered", placements: Mapping | None = None,
+                    devices: Sequence | None = None, *, host_memory_limit_bytes: int | None | str = _AUTO
+                    ) -> PjrtExecutor:
+    """Compile a ``jax.jit(f, ...).lower(...)`` result on the same path as torch_xla HLO.
+
+    The lowering's HLO (``compiler_ir('hlo')``) is compiled like an ``HloModuleProto`` from
+    torch_xla; the memory kinds JAX lowered the arguments and results with (``in_shardings``
+    / ``out_shardings`` with ``memory_kind``) are the defaults, ``placements`` override them.
+
+    Args:
+      lowered: a :class:`jax.stages.Lowered`. Its entry parameters are the flattened
+        arguments jax kept (unused ones are dropped by jax).
+      placements, devices, host_memory_limit_bytes: as for :class:`PjrtExecutor`.
+
+    Returns:
+      :class:`PjrtExecutor`.
+
+    Raises:
+      TypeError: ``lowered`` is not a ``jax.stages.Lowered``.
+      ValueError: as for :class:`PjrtExecutor`; the lowering hoisted constants into arguments.
+    """
+    if not isinstance(lowered, jax.stages.Lowered):
+        raise TypeError(f"lowered: expected a jax.stages.Lowered (jax.jit(f).lower(...)), got {type(lowered).__name__}")
+    return PjrtExecutor(lowered, placements, devices, host_memory_limit_bytes=host_memory_limit_bytes)
+
+
+__all__ = ["PjrtExecutor", "ParameterPlacement", "ParameterInfo", "MemoryReport", "HostMemoryError",
+           "compile_lowered", "MEMORY_KINDS", "HOST_MEMORY_LIMIT_ENV", "HOST_MEMORY_SPACE"]

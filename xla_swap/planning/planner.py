@@ -1,0 +1,730 @@
+"""Offload planner: choose an :class:`OffloadPolicy` for a layered model under a device-memory budget.
+
+Framework-neutral and dependency-free: pure Python, imports neither torch, torch_xla nor jax.
+
+Units everywhere: **bytes** for sizes, **seconds** for times, **GB/s = 1e9 bytes/s** for link
+bandwidths (the unit of ``../shared/DESIGN.md``); GiB (2**30 bytes) appears only in messages.
+
+How it works
+------------
+1. The caller describes one layer (or each layer) with a :class:`LayerCost` (bytes of weights,
+   gradients, optimizer state, saved activations, carry; forward compute time), the number of
+   layers, the device-memory budget and the host link (:class:`Link`).
+2. :func:`evaluate` predicts, for one policy, the peak device bytes (memory model below) and
+   the step time (time model below).
+3. :func:`plan` enumerates the small discrete policy space and returns the :class:`Plan` with the
+   lowest predicted step time whose predicted device bytes fit the budget, or raises
+   :class:`InfeasibleBudgetError` carrying the exact minimum feasible budget.
+
+Memory model (peak device bytes of a policy; ``L`` layers, prefetch depth ``k``)
+------------------------------------------------------------------------------
+A conservative sum, phases distinguished only between fwd/bwd and the optimizer step
+(cf. the SwapAdvisor and ZeRO-Offload memory accounting: everything resident + what is in
+flight).  Forward+backward phase:
+
+* ``params``: all ``L`` layers if ``"device"``; if ``"host"``, a window of the ``k+1`` largest
+  layers (the layer being computed plus ``k`` prefetched - the double buffer of DESIGN.md's
+  streaming runs when ``k = 1``).
+* ``grads`` (training): all ``L`` layers if ``"device"``; if ``"host"``, the in-flight gradient
+  of one layer (the largest).
+* ``optimizer_state`` (training): all ``L`` layers if ``"device"``, else nothing in this phase.
+* saved activations (training): for every layer, each named activation placed ``"device"``,
+  plus the untagged intermediates unless ``remat``; named activations placed ``"host"`` are
+  prefetched back for the backward pass with the weights: a window of the ``k+1`` largest
+  layers; ``"remat"`` ones cost nothing.
+* saved layer inputs (training): every layer's input (its carry) stays on the device - it is the
+  residual the backward needs, and the checkpoint that ``remat`` restarts from.
+* the largest layer's working set (its intermediates during compute) and the live carry.
+
+Optimizer phase (training): the same ``params`` / ``grads`` / ``optimizer_state`` residency, with
+host-placed ones streamed through a window of ``k+1`` layers; no activations.  Peak = max of the
+two phases.  Inference (``training=False``) has no grads, optimizer state or saved activations.
+
+Time model (predicted step time)
+--------------------------------
+A streaming schedule like FlexGen's overlapped block schedule (Sheng et al., "FlexGen:
+High-Throughput Generative Inference of LLMs with a Single GPU", ICML 2023, sec. 4.2 cost model)
+and SwapAdvisor's swap scheduling (Huang, Chen and Wang, "SwapAdvisor", ASPLOS 2020): each phase runs its layers in order
+on one compute stream while one host-to-device and one device-to-host copy queue move the bytes of
+that layer; a layer's inbound copy may run up to ``k`` layers ahead (it waits for the buffer of
+layer ``j-k-1`` to be released), the layer computes once its inputs arrived, and its outbound copy
+starts when it finished.  The resulting per-layer time is ``max(compute_i, transfer_i)`` in steady
+state; the first layer's prefetch and the last layer's outbound copy are exposed (not overlapped);
+with uniform layers the phase takes ``max(x + L*c, L*x + c)``.  ``transfer_i = max(in/h2d,
+out/d2h, (in+out)/both)``: when both directions move in one phase each gets its share of the
+both-at-once bandwidth (DESIGN.md: 54-55 GB/s each way, ~93 GB/s together, pinned, on an H200).
+
+* forward: compute ``f_i``; in: the layer's weights if params are on host; out: its
+  host-placed named activations (training).
+* backward (training, layers in reverse): compute ``backward_factor * f_i`` (2 by default: the
+  usual ``6 N D`` accounting - 2ND forward, 4ND backward - of Kaplan et al. 2020, "Scaling Laws for
+  Neural Language Models", sec. 2.1) plus recompute: ``remat`` adds one more forward (8ND, the
+  "hardware FLOPs" of Chowdhery et al. 2022, PaLM, appendix B), a named ``"remat"`` activation adds
+  its ``recompute_s`` (capped at one forward); in: weights (not for the first backward layer, still
+  resident from the forward) + host-placed activations; out: the gradient if grads are on host
+  (ZeRO-Offload, Ren et al., USENIX ATC 2021: gradients stream to host memory as the backward produces them).
+* optimizer step (training): the update runs on the device layer by layer: in: host-placed
+  params + grads + optimizer state; out: host-placed params + optimizer state; compute:
+  ``optimizer_s`` (0 unless given; the update is memory-bound and small).
+
+Step time = sum of the phases.  Floor = ``max(total compute, total in / h2d, total out / d2h,
+(total in + out) / both)`` - the best any schedule could do for that policy's traffic
+(DESIGN.md's "floor = max(compute, 8 GiB / 54 GB/s)").
+
+Search and the order in which shrinking budgets move things to the host
+---------------------------------------------------------------------
+Policy space: ``params x grads x optimizer_state x {device, host, remat}^(named activations)
+x remat x prefetch_depth in 1..max_prefetch_depth``, restricted by two structural rules:
+
+1. ``grads="host"`` requires ``params="host"`` (OffloadPolicy: gradient placement is only
+   meaningful for swapped parameters);
+2. ``optimizer_state="host"`` requires ``grads="host"`` (ZeRO-Offload's partition: the optimizer
+   state and its update go with the gradients; the update consumes one layer's gradient and state
+   together).
+
+``plan`` picks the minimum predicted step time; ties (within 1e-9 relative) go to fewer host
+bytes, then the simpler policy (fewer non-default choices, smaller prefetch depth), then fewer
+device bytes, then enumeration order - fully deterministic.  The planner re-optimises from
+scratch at every budget, so predicted step time never decreases as the budget shrinks.
+
+**Order claimed (asserted by tests/test_planner.py).** In training, as the budget shrinks below
+the all-device footprint, the component classes first leave the device in this order:
+
+1. **saved activations** - named activations go to the host (offload) while the copy hides
+   behind compute, then to ``"remat"``; untagged intermediates (``remat=True``) join them here or
+   just after the parameters, whichever the cost model finds cheaper at that budget;
+2. **parameters** (``params="host"``): in training a swapped weight crosses the link four times
+   per step (in for the forward, in for the backward, in and out for the optimizer step, which has
+   no compute to hide behind), while an offloaded activation crosses twice, hidden behind the forward and
+   backward compute, and a recompute costs a fraction of one forward;
+3. **gradients** (``grads="host"``) - after parameters by rule 1;
+4. **optimizer state** (``optimizer_state="host"``) - after gradients by rule 2; it is the
+   costliest (its bytes round-trip through the optimizer step) but frees the most (Adam: 4x the
+   bf16 weights), so once it moves, activations may return to the device.
+
+Steps 3 and 4 are structural and hold for every input; 1-before-2 is the cost model's verdict
+whenever offloading or recomputing a layer's activations costs less than its weights' round trips
+- true for the DESIGN.md stack and the small BERT-like stack of the tests; a stack where it is not
+(e.g. huge activations on a slow link) gets parameters first.  A smaller budget may bring an
+earlier class back to the device when a later move frees more.  In inference only the parameters
+(and the prefetch depth) are placed: parameters are the only class that moves.
+
+Errors: invalid inputs raise ``ValueError`` / ``TypeError`` naming the field; an unreachable
+budget raises :class:`InfeasibleBudgetError` (a ``ValueError``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import numbers
+from typing import Iterable, Mapping, Sequence
+
+from xla_swap.planning.policy import OffloadPolicy
+
+__all__ = [
+    "GB", "GiB", "Link", "H200_PINNED", "LayerCost", "Plan", "InfeasibleBudgetError",
+    "adam_state_bytes", "evaluate", "plan", "min_feasible_bytes",
+]
+
+#: Bytes per GB (link bandwidths are in GB/s, as in DESIGN.md).
+GB = 1_000_000_000
+#: Bytes per GiB (used in messages and tables only).
+GiB = 1 << 30
+
+#: Maximum number of named activations the exhaustive search enumerates (3**6 placements).
+MAX_NAMED_ACTIVATIONS = 6
+_REL_TIE = 1e-9
+
+
+# --------------------------------------------------------------------------- validation helpers
+
+def _as_bytes(owner: str, field: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{owner}.{field} must be a non-negative integer number of bytes, got {value!r}")
+    if isinstance(value, numbers.Integral):
+        value = int(value)
+    else:
+        value = float(value)
+        if not math.isfinite(value) or not value.is_integer():
+            raise ValueError(f"{owner}.{field} must be a whole number of bytes, got {value!r}")
+        value = int(value)
+    if value < 0:
+        raise ValueError(f"{owner}.{field} must be >= 0 bytes, got {value}")
+    return value
+
+
+def _as_float(owner: str, field: str, value, *, positive: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{owner}.{field} must be a real number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        need = "> 0" if positive else ">= 0"
+        raise ValueError(f"{owner}.{field} must be finite and {need}, got {value!r}")
+    return value
+
+
+def _from_dict(cls, data: Mapping):
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{cls.__name__}.from_dict expects a mapping, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown field(s) {', '.join(map(repr, unknown))}; "
+                         f"known fields: {', '.join(sorted(known))}")
+    return cls(**data)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.3f} GiB"
+
+
+# --------------------------------------------------------------------------- inputs
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """Host <-> device link bandwidths, in GB/s (1e9 bytes/s).
+
+    Args:
+      h2d_gbps: host-to-device bandwidth when only that direction moves.
+      d2h_gbps: device-to-host bandwidth when only that direction moves.
+      both_gbps: aggregate bandwidth (sum of both directions) when both move at once; ``None``
+        means full duplex (``h2d_gbps + d2h_gbps``).  DESIGN.md measured ~93 GB/s on an H200,
+        not 2 x 54.
+
+    Raises:
+      TypeError / ValueError: a bandwidth is not a finite number > 0 (the message names it).
+    """
+
+    h2d_gbps: float
+    d2h_gbps: float
+    both_gbps: float | None = None
+
+    def __post_init__(self):
+        for name in ("h2d_gbps", "d2h_gbps"):
+            object.__setattr__(self, name, _as_float("Link", name, getattr(self, name), positive=True))
+        both = self.h2d_gbps + self.d2h_gbps if self.both_gbps is None else self.both_gbps
+        object.__setattr__(self, "both_gbps", _as_float("Link", "both_gbps", both, positive=True))
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "Link":
+        """Build from a mapping; unknown keys raise ``ValueError`` naming them."""
+        return _from_dict(cls, data)
+
+    def transfer_s(self, in_bytes: float, out_bytes: float) -> float:
+        """Seconds to move ``in_bytes`` host->device and ``out_bytes`` device->host together:
+        ``max(in/h2d, out/d2h, (in+out)/both)`` (0 when nothing moves)."""
+        t = max(in_bytes / (self.h2d_gbps * GB), out_bytes / (self.d2h_gbps * GB))
+        if in_bytes and out_bytes:
+            t = max(t, (in_bytes + out_bytes) / (self.both_gbps * GB))
+        return t
+
+
+#: Pinned host memory on an NVIDIA H200 (DESIGN.md, measured 2026-11-22): 54 GB/s each way,
+#: ~93 GB/s both at once.
+H200_PINNED = Link(h2d_gbps=54.0, d2h_gbps=54.0, both_gbps=93.0)
+
+
+def adam_state_bytes(num_params: int, state_dtype_bytes: int = 4) -> int:
+    """Bytes of Adam state for ``num_params`` parameters: two moments (m, v) of
+    ``state_dtype_bytes`` each (fp32 by default: 8 bytes/parameter, i.e. 2x the fp32 params,
+    4x bf16 params).  Raises ``ValueError`` / ``TypeError`` for negative or non-integer input."""
+    n = _as_bytes("adam_state_bytes", "num_params", num_params)
+    return 2 * n * _as_bytes("adam_state_bytes", "state_dtype_bytes", state_dtype_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCost:
+    """Costs of one layer of a layered (scanned) model.  Sizes in bytes, times in seconds.
+
+    Args:
+      param_bytes: the layer's weights.
+      grad_bytes: its weight gradients (training); ``None`` means ``param_bytes``.
+      optimizer_bytes: its optimizer state (e.g. Adam: two fp32 moments, see
+        :func:`adam_state_bytes`); 0 for none.
+      activations: ``{name: bytes}`` of the named activations (``offload_name(t, name)``) the
+        layer saves for its backward pass.
+      intermediate_bytes: the untagged intermediates the layer saves for backward when not
+        rematerialised (excluding the layer input, counted via ``carry_bytes``).
+      carry_bytes: the layer's input (= output) activation, the scan carry.
+      working_bytes: peak transient bytes of one layer while it computes; ``None`` means
+        ``sum(activations) + intermediate_bytes`` (all of the layer's intermediates live at once).
+      forward_s: measured forward time of the layer, seconds.  Or instead give
+      flops: the layer's forward FLOPs (e.g. ``2 * params * tokens``) and
+      flops_per_s: the achieved FLOP/s; forward time = ``flops / flops_per_s``.
+      backward_factor: backward time / forward time; 2.0 by default (the usual ``6 N D``
+        accounting: 2ND forward + 4ND backward, Kaplan et al. 2020).
+      recompute_s: ``{name: seconds}`` to recompute a named activation placed ``"remat"``;
+        by default its share of the saved bytes times ``forward_s`` (a heuristic).
+        ``remat=True`` always costs one full forward.
+      optimizer_s: time of the layer's optimizer update on the device (default 0).
+
+    Raises:
+      TypeError / ValueError: a field has the wrong type, is negative / not finite, a time is
+        given both ways or not at all, or ``recompute_s`` names an unknown activation; the
+        message names the field.
+    """
+
+    param_bytes: int
+    grad_bytes: int | None = None
+    optimizer_bytes: int = 0
+    activations: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    intermediate_bytes: int = 0
+    carry_bytes: int = 0
+    working_bytes: int | None = None
+    forward_s: float | None = None
+    flops: float | None = None
+    flops_per_s: float | None = None
+    backward_factor: float = 2.0
+    recompute_s: Mapping[str, float] | None = None
+    optimizer_s: float = 0.0
+
+    def __post_init__(self):
+        o = "LayerCost"
+        setf = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        setf("param_bytes", _as_bytes(o, "param_bytes", self.param_bytes))
+        setf("grad_bytes", self.param_bytes if self.grad_bytes is None
+             else _as_bytes(o, "grad_bytes", self.grad_bytes))
+        for k in ("optimizer_bytes", "intermediate_bytes", "carry_bytes"):
+            setf(k, _as_bytes(o, k, getattr(self, k)))
+        if not isinstance(self.activations, Mapping):
+            raise TypeError(f"{o}.activations must be a mapping name -> bytes, got {type(self.activations).__name__}")
+        acts = {}
+        for name, b in self.activations.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"{o}.activations: names must be non-empty strings, got {name!r}")
+            acts[name] = _as_bytes(o, f"activations[{name!r}]", b)
+        setf("activations", dict(sorted(acts.items())))
+        if self.working_bytes is None:
+            setf("working_bytes", sum(acts.values()) + self.intermediate_bytes)
+        else:
+            setf("working_bytes", _as_bytes(o, "working_bytes", self.working_bytes))
+        if self.forward_s is not None:
+            if self.flops is not None or self.flops_per_s is not None:
+                raise ValueError(f"{o}.forward_s: give either forward_s or flops + flops_per_s, not both")
+            setf("forward_s", _as_float(o, "forward_s", self.forward_s, positive=False))
+        else:
+            if self.flops is None or self.flops_per_s is None:
+                raise ValueError(f"{o}.forward_s: the forward time is required: give forward_s (seconds) "
+                                 f"or both flops and flops_per_s")
+            setf("flops", _as_float(o, "flops", self.flops, positive=False))
+            setf("flops_per_s", _as_float(o, "flops_per_s", self.flops_per_s, positive=True))
+        setf("backward_factor", _as_float(o, "backward_factor", self.backward_factor, positive=False))
+        setf("optimizer_s", _as_float(o, "optimizer_s", self.optimizer_s, positive=False))
+        if self.recompute_s is not None:
+            if not isinstance(self.recompute_s, Mapping):
+                raise TypeError(f"{o}.recompute_s must be a mapping name -> seconds")
+            rec = {}
+            for name, s in self.recompute_s.items():
+                if name not in acts:
+                    raise ValueError(f"{o}.recompute_s[{name!r}]: not a named activation of this layer "
+                                     f"(activations: {sorted(acts)})")
+                rec[name] = _as_float(o, f"recompute_s[{name!r}]", s, positive=False)
+            setf("recompute_s", dict(sorted(rec.items())))
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "LayerCost":
+        """Build from a mapping (e.g. parsed JSON); unknown keys raise ``ValueError`` naming them."""
+        return _from_dict(cls, data)
+
+    @property
+    def forward_time_s(self) -> float:
+        """Forward time in seconds (measured, or ``flops / flops_per_s``)."""
+        return self.forward_s if self.forward_s is not None else self.flops / self.flops_per_s
+
+    @property
+    def backward_time_s(self) -> float:
+        """Backward time in seconds without recompute: ``backward_factor * forward_time_s``."""
+        return self.backward_factor * self.forward_time_s
+
+    def recompute_time_s(self, name: str) -> float:
+        """Seconds to recompute named activation ``name`` (``recompute_s`` or its byte share of the forward)."""
+        if self.recompute_s is not None and name in self.recompute_s:
+            return self.recompute_s[name]
+        total = sum(self.activations.values()) + self.intermediate_bytes
+        return self.forward_time_s * self.activations[name] / total if total else 0.0
+
+
+# --------------------------------------------------------------------------- outputs
+
+class InfeasibleBudgetError(ValueError):
+    """No policy fits the device-memory budget.
+
+    Attributes:
+      budget_bytes: the budget asked for, bytes.
+      min_budget_bytes: the exact minimum over all policies of the predicted peak device bytes;
+        ``plan(..., budget_bytes=min_budget_bytes)`` succeeds.
+      min_policy: a policy reaching that minimum.
+    """
+
+    def __init__(self, budget_bytes: int, min_budget_bytes: int, min_policy: OffloadPolicy):
+        self.budget_bytes = budget_bytes
+        self.min_budget_bytes = min_budget_bytes
+        self.min_policy = min_policy
+        super().__init__(
+            f"device budget {budget_bytes} bytes ({_gib(budget_bytes)}) is infeasible: the minimum feasible "
+            f"budget is {min_budget_bytes} bytes ({_gib(min_budget_bytes)}), reached by {min_policy}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A policy with its predictions (bytes, seconds).
+
+    Attributes:
+      policy: the chosen :class:`OffloadPolicy`.
+      device_bytes: predicted peak device bytes (memory model of the module docstring).
+      host_bytes: bytes kept in host memory.
+      layer_transfer_s: per layer, transfer seconds summed over phases (``Link.transfer_s``).
+      layer_compute_s: per layer, compute seconds summed over phases (incl. recompute, update).
+      step_s: predicted step time, seconds.
+      floor_s: ``max(total compute, total in/h2d, total out/d2h, total/both)``, seconds.
+      phase_s: ``{phase: seconds}`` (``forward``; ``backward``, ``optimizer`` when training).
+      device_components / host_components: ``{component: bytes}`` (device: at the peak phase).
+      peak_phase: which phase sets ``device_bytes``.
+      budget_bytes: the budget planned for (``None`` from :func:`evaluate`).
+      min_budget_bytes: minimum feasible budget over the search space (``None`` from evaluate).
+      num_layers, training, link: the inputs.
+      phase_layers: per phase, ``((layer, (compute_s, transfer_s)), ...)`` in layer order.
+    """
+
+    policy: OffloadPolicy
+    device_bytes: int
+    host_bytes: int
+    layer_transfer_s: tuple
+    layer_compute_s: tuple
+    step_s: float
+    floor_s: float
+    phase_s: Mapping[str, float]
+    device_components: Mapping[str, int]
+    host_components: Mapping[str, int]
+    peak_phase: str
+    num_layers: int
+    training: bool
+    link: Link
+    phase_layers: Mapping[str, tuple] = dataclasses.field(repr=False, default_factory=dict)
+    budget_bytes: int | None = None
+    min_budget_bytes: int | None = None
+
+    @property
+    def slowdown(self) -> float:
+        """``step_s / floor_s`` (1.0 when the floor is 0)."""
+        return self.step_s / self.floor_s if self.floor_s else 1.0
+
+    def explain(self) -> str:
+        """A printable table: per component device / host bytes, per layer transfer / compute
+        seconds (per phase), predicted step time against the floor."""
+        p = self.policy
+        lines = [f"OffloadPolicy: params={p.params} grads={p.grads} optimizer_state={p.optimizer_state} "
+                 f"activations={dict(p.activations)} remat={p.remat} prefetch_depth={p.prefetch_depth}",
+                 f"mode: {'training' if self.training else 'inference'}, {self.num_layers} layers, link "
+                 f"h2d {self.link.h2d_gbps:g} / d2h {self.link.d2h_gbps:g} / both {self.link.both_gbps:g} GB/s",
+                 "",
+                 f"{'component':<34}{'device bytes':>16}{'device GiB':>12}{'host bytes':>16}{'host GiB':>12}"]
+        names = list(dict.fromkeys([*self.device_components, *self.host_components]))
+        for n in names:
+            d, h = self.device_components.get(n, 0), self.host_components.get(n, 0)
+            lines.append(f"{n:<34}{d:>16}{d / GiB:>12.3f}{h:>16}{h / GiB:>12.3f}")
+        lines.append(f"{'total (peak: ' + self.peak_phase + ')':<34}{self.device_bytes:>16}"
+                     f"{self.device_bytes / GiB:>12.3f}{self.host_bytes:>16}{self.host_bytes / GiB:>12.3f}")
+        if self.budget_bytes is not None:
+            lines.append(f"budget {self.budget_bytes} bytes ({_gib(self.budget_bytes)}); minimum feasible "
+                         f"{self.min_budget_bytes} bytes ({_gib(self.min_budget_bytes)})")
+        lines.append("")
+        phases = list(self.phase_layers)
+        hdr = f"{'layer':>5}{'transfer s':>12}{'compute s':>12}"
+        for ph in phases:
+            hdr += f"{ph[:3] + ' x s':>12}{ph[:3] + ' c s':>12}"
+        lines.append(hdr)
+        per_phase = {ph: {i: v for i, v in rows} for ph, rows in self.phase_layers.items()}
+        for i in range(self.num_layers):
+            row = f"{i:>5}{self.layer_transfer_s[i]:>12.4f}{self.layer_compute_s[i]:>12.4f}"
+            for ph in phases:
+                c, x = per_phase[ph][i]
+                row += f"{x:>12.4f}{c:>12.4f}"
+            lines.append(row)
+        lines.append("")
+        lines.append("phases: " + ", ".join(f"{k} {v:.4f} s" for k, v in self.phase_s.items()))
+        lines.append(f"predicted step {self.step_s:.4f} s / floor {self.floor_s:.4f} s = {self.slowdown:.3f}x")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- model
+
+def _resolve_layers(layers, num_layers) -> list[LayerCost]:
+    if isinstance(layers, LayerCost):
+        if isinstance(num_layers, bool) or not isinstance(num_layers, numbers.Integral) or num_layers < 1:
+            raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
+        return [layers] * int(num_layers)
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
+        raise TypeError("layers must be a LayerCost or a non-empty sequence of LayerCost")
+    for i, l in enumerate(layers):
+        if not isinstance(l, LayerCost):
+            raise TypeError(f"layers[{i}] must be a LayerCost, got {type(l).__name__}")
+    if num_layers is not None and num_layers != len(layers):
+        raise ValueError(f"num_layers={num_layers!r} does not match the {len(layers)} LayerCost given")
+    return list(layers)
+
+
+def _top(values: Iterable[int], n: int) -> int:
+    """Sum of the ``n`` largest values."""
+    return sum(sorted(values, reverse=True)[:n])
+
+
+def _placements(policy: OffloadPolicy, layers: list[LayerCost]) -> dict[str, str]:
+    """Placement of every named activation; names the policy does not mention are saved on the device."""
+    names = sorted({n for l in layers for n in l.activations} | set(policy.activations))
+    return {n: policy.activations.get(n, "device") for n in names}
+
+
+def _memory(policy: OffloadPolicy, layers: list[LayerCost], training: bool):
+    """(peak, peak_phase, device components at peak, host components)."""
+    k1 = policy.prefetch_depth + 1
+    ph, gh, oh = policy.params == "host", policy.grads == "host", policy.optimizer_state == "host"
+    P = [l.param_bytes for l in layers]
+    a: dict[str, int] = {}
+    a["params"] = _top(P, k1) if ph else sum(P)
+    host = {"params": sum(P) if ph else 0}
+    if training:
+        G = [l.grad_bytes for l in layers]
+        O = [l.optimizer_bytes for l in layers]
+        a["grads"] = max(G) if gh else sum(G)
+        a["optimizer_state"] = 0 if oh else sum(O)
+        host["grads"] = sum(G) if gh else 0
+        host["optimizer_state"] = sum(O) if oh else 0
+        for name, where in _placements(policy, layers).items():
+            per = [l.activations.get(name, 0) for l in layers]
+            a[f"activation {name}"] = {"device": sum(per), "host": _top(per, k1), "remat": 0}[where]
+            host[f"activation {name}"] = sum(per) if where == "host" else 0
+        a["intermediates"] = 0 if policy.remat else sum(l.intermediate_bytes for l in layers)
+        a["saved layer inputs"] = sum(l.carry_bytes for l in layers)
+    a["working set"] = max(l.working_bytes for l in layers)
+    a["carry"] = max(l.carry_bytes for l in layers)
+    peak, phase, comps = sum(a.values()), "forward/backward", a
+    if training:
+        stream = [(l.param_bytes if ph else 0) + (l.grad_bytes if gh else 0) + (l.optimizer_bytes if oh else 0)
+                  for l in layers]
+        b = {"params": 0 if ph else sum(P), "grads": 0 if gh else sum(G),
+             "optimizer_state": 0 if oh else sum(O), "optimizer stream window": _top(stream, k1)}
+        if sum(b.values()) > peak:
+            peak, phase, comps = sum(b.values()), "optimizer", b
+    return peak, phase, comps, host
+
+
+def _simulate(rows: list[tuple[float, int, int]], k: int, link: Link) -> float:
+    """Streaming schedule of one phase: rows = [(compute_s, in_bytes, out_bytes)] in execution order.
+
+    One compute stream, one H2D and one D2H copy queue.  In-copy j waits for the previous in-copy
+    and for the buffer of layer j-k-1; compute j waits for compute j-1, in-copy j and out-copy j-2;
+    out-copy j waits for compute j and out-copy j-1.  Both directions in one phase share the
+    both-at-once bandwidth in proportion to their bytes.
+    """
+    tin, tout = sum(r[1] for r in rows), sum(r[2] for r in rows)
+    bw_in, bw_out = link.h2d_gbps * GB, link.d2h_gbps * GB
+    if tin and tout:
+        both = link.both_gbps * GB
+        bw_in, bw_out = min(bw_in, both * tin / (tin + tout)), min(bw_out, both * tout / (tin + tout))
+    n = len(rows)
+    e_in, e_c, e_out = [0.0] * n, [0.0] * n, [0.0] * n
+    for j, (c, i, o) in enumerate(rows):
+        s = max(e_in[j - 1] if j else 0.0, e_c[j - k - 1] if j - k - 1 >= 0 else 0.0)
+        e_in[j] = s + (i / bw_in if i else 0.0)
+        s = max(e_c[j - 1] if j else 0.0, e_in[j], e_out[j - 2] if j >= 2 else 0.0)
+        e_c[j] = s + c
+        e_out[j] = max(e_out[j - 1] if j else 0.0, e_c[j]) + (o / bw_out if o else 0.0)
+    return max(e_c[-1], e_out[-1])
+
+
+def _phases(policy: OffloadPolicy, layers: list[LayerCost], training: bool):
+    """{phase: [(layer index, compute_s, in_bytes, out_bytes)] in execution order}."""
+    ph, gh, oh = policy.params == "host", policy.grads == "host", policy.optimizer_state == "host"
+    L = len(layers)
+    placed = _placements(policy, layers)
+    host_acts = [n for n, w in placed.items() if w == "host"] if training else []
+    remat_acts = [n for n, w in placed.items() if w == "remat"]
+    act_out = [sum(l.activations.get(n, 0) for n in host_acts) for l in layers]
+    fwd = [(i, l.forward_time_s, l.param_bytes if ph else 0, act_out[i]) for i, l in enumerate(layers)]
+    out = {"forward": fwd}
+    if training:
+        bwd = []
+        for i in reversed(range(L)):
+            l = layers[i]
+            f = l.forward_time_s
+            if policy.remat:
+                rec = f
+            else:
+                rec = min(f, sum(l.recompute_time_s(n) for n in remat_acts if n in l.activations))
+            w_in = l.param_bytes if (ph and i != L - 1) else 0
+            bwd.append((i, l.backward_time_s + rec, w_in + act_out[i], l.grad_bytes if gh else 0))
+        opt = []
+        for i, l in enumerate(layers):
+            i_b = (l.param_bytes if ph else 0) + (l.grad_bytes if gh else 0) + (l.optimizer_bytes if oh else 0)
+            o_b = (l.param_bytes if ph else 0) + (l.optimizer_bytes if oh else 0)
+            opt.append((i, l.optimizer_s, i_b, o_b))
+        out["backward"], out["optimizer"] = bwd, opt
+    return out
+
+
+def _floor(phases, link: Link) -> float:
+    comp = sum(r[1] for rows in phases.values() for r in rows)
+    tin = sum(r[2] for rows in phases.values() for r in rows)
+    tout = sum(r[3] for rows in phases.values() for r in rows)
+    return max(comp, link.transfer_s(tin, tout))
+
+
+def _step(phases, policy: OffloadPolicy, link: Link) -> dict[str, float]:
+    return {name: _simulate([r[1:] for r in rows], policy.prefetch_depth, link) for name, rows in phases.items()}
+
+
+def _check_link(link) -> Link:
+    if not isinstance(link, Link):
+        raise TypeError(f"link must be a Link, got {type(link).__name__}")
+    return link
+
+
+def _check_training(training) -> bool:
+    if not isinstance(training, bool):
+        raise TypeError(f"training must be a bool, got {training!r}")
+    return training
+
+
+def _build(policy, layers, training, link, budget=None, min_budget=None) -> Plan:
+    peak, phase, comps, host = _memory(policy, layers, training)
+    phases = _phases(policy, layers, training)
+    phase_s = _step(phases, policy, link)
+    L = len(layers)
+    xfer, comp = [0.0] * L, [0.0] * L
+    phase_layers = {}
+    for name, rows in phases.items():
+        pl = []
+        for i, c, bi, bo in sorted(rows):
+            x = link.transfer_s(bi, bo)
+            xfer[i] += x
+            comp[i] += c
+            pl.append((i, (c, x)))
+        phase_layers[name] = tuple(pl)
+    return Plan(policy=policy, device_bytes=peak, host_bytes=sum(host.values()), layer_transfer_s=tuple(xfer),
+                layer_compute_s=tuple(comp), step_s=sum(phase_s.values()), floor_s=_floor(phases, link),
+                phase_s=phase_s, device_components=comps, host_components=host, peak_phase=phase,
+                num_layers=L, training=training, link=link, phase_layers=phase_layers,
+                budget_bytes=budget, min_budget_bytes=min_budget)
+
+
+def evaluate(policy: OffloadPolicy, layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
+             link: Link = H200_PINNED, *, training: bool = True) -> Plan:
+    """Predict device bytes and step time of one ``policy`` (no budget, no search).
+
+    Args:
+      policy: the :class:`OffloadPolicy` to evaluate.
+      layers: one :class:`LayerCost` repeated ``num_layers`` times, or one per layer.
+      num_layers: number of layers (required with a single LayerCost).
+      link: host link bandwidths (GB/s); default :data:`H200_PINNED` (DESIGN.md).
+      training: forward + backward + optimizer step (True) or forward only (False).
+
+    Named activations of the layers that ``policy.activations`` does not mention are treated as
+    ``"device"`` (saved on the device); in inference activation placements are ignored.
+
+    Returns: a :class:`Plan` (``budget_bytes`` / ``min_budget_bytes`` are ``None``).
+    Raises: TypeError / ValueError for invalid arguments, naming them.
+    """
+    if not isinstance(policy, OffloadPolicy):
+        raise TypeError(f"policy must be an OffloadPolicy, got {type(policy).__name__}")
+    return _build(policy, _resolve_layers(layers, num_layers), _check_training(training), _check_link(link))
+
+
+def _candidates(layers: list[LayerCost], training: bool, max_depth: int):
+    """All policies of the search space, in a fixed order (module docstring, rules 1-2)."""
+    names = sorted({n for l in layers for n in l.activations}) if training else []
+    if len(names) > MAX_NAMED_ACTIVATIONS:
+        raise ValueError(f"activations: at most {MAX_NAMED_ACTIVATIONS} distinct named activations can be "
+                         f"searched exhaustively, got {len(names)}; group some under one name")
+    pgo = ([("device",) * 3, ("host", "device", "device"), ("host", "host", "device"), ("host",) * 3]
+           if training else [("device",) * 3, ("host", "device", "device")])
+    for (p, g, o), acts, remat, depth in itertools.product(
+            pgo, itertools.product(("device", "host", "remat"), repeat=len(names)),
+            (False, True) if training else (False,), range(1, max_depth + 1)):
+        streams = p == "host" or o == "host" or "host" in acts
+        if depth > 1 and not streams:
+            continue  # prefetch depth is meaningless when nothing streams
+        yield OffloadPolicy(params=p, grads=g, optimizer_state=o, activations=dict(zip(names, acts)),
+                            remat=remat, prefetch_depth=depth)
+
+
+def _complexity(p: OffloadPolicy) -> int:
+    return ((p.params == "host") + (p.grads == "host") + (p.optimizer_state == "host")
+            + sum(w != "device" for w in p.activations.values()) + p.remat + (p.prefetch_depth - 1))
+
+
+def _space(layers, training, max_prefetch_depth):
+    if isinstance(max_prefetch_depth, bool) or not isinstance(max_prefetch_depth, numbers.Integral) \
+            or not 1 <= max_prefetch_depth <= 16:
+        raise ValueError(f"max_prefetch_depth must be an int in 1..16, got {max_prefetch_depth!r}")
+    out = []
+    for idx, pol in enumerate(_candidates(layers, training, int(max_prefetch_depth))):
+        peak = _memory(pol, layers, training)[0]
+        out.append((idx, pol, peak))
+    return out
+
+
+def min_feasible_bytes(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None, *,
+                       training: bool = True, max_prefetch_depth: int = 4) -> int:
+    """The exact minimum, over the search space of :func:`plan`, of the predicted peak device bytes.
+
+    Raises: TypeError / ValueError for invalid arguments, naming them.
+    """
+    layers = _resolve_layers(layers, num_layers)
+    return min(peak for _, _, peak in _space(layers, _check_training(training), max_prefetch_depth))
+
+
+def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None, budget_bytes: int | None = None,
+         link: Link = H200_PINNED, *, training: bool = True, max_prefetch_depth: int = 4) -> Plan:
+    """Choose the policy with the lowest predicted step time whose predicted device bytes fit.
+
+    Args:
+      layers: one :class:`LayerCost` repeated ``num_layers`` times, or a sequence, one per layer.
+      num_layers: number of layers (required with a single LayerCost; must match a sequence).
+      budget_bytes: device-memory budget in bytes (required).
+      link: host link bandwidths in GB/s; default :data:`H200_PINNED` (54/54/93 GB/s, DESIGN.md).
+      training: True for forward + backward + optimizer step, False for inference (forward only:
+        no gradients, optimizer state or saved activations; the policy's activations are empty).
+      max_prefetch_depth: largest ``prefetch_depth`` considered (1..16, default 4).
+
+    Returns: a :class:`Plan`.  Search, tie-breaking and the order in which shrinking budgets move
+    components to the host: see the module docstring.
+
+    Raises:
+      InfeasibleBudgetError: no policy fits; ``.min_budget_bytes`` is the exact minimum (bytes),
+        stated in the message in bytes and GiB.
+      TypeError / ValueError: invalid arguments, naming them.
+    """
+    layers = _resolve_layers(layers, num_layers)
+    training = _check_training(training)
+    link = _check_link(link)
+    if budget_bytes is None:
+        raise ValueError("budget_bytes is required (device-memory budget in bytes)")
+    budget = _as_bytes("plan", "budget_bytes", budget_bytes)
+    space = _space(layers, training, max_prefetch_depth)
+    min_idx, min_pol, min_peak = min(space, key=lambda t: (t[2], _complexity(t[1]), t[0]))
+    feasible = [(idx, pol, peak) for idx, pol, peak in space if peak <= budget]
+    if not feasible:
+        raise InfeasibleBudgetError(budget, min_peak, min_pol)
+    # Branch and bound on the floor (a lower bound of the step time) to avoid simulating everything.
+    scored = []
+    for idx, pol, peak in feasible:
+        phases = _phases(pol, layers, training)
+        scored.append((_floor(phases, link), idx, pol, peak, phases))
+    scored.sort(key=lambda t: (t[0], t[1]))
+    best = math.inf
+    timed = []
+    for fl, idx, pol, peak, phases in scored:
+        if fl > best * (1 + _REL_TIE):
+            break
+        t = sum(_step(phases, pol, link).values())
+        best = min(best, t)
+        timed.append((t, idx, pol, peak))
+    near = [c for c in timed if c[0] <= best * (1 + _REL_TIE)]
+
+    def host_bytes(pol):
+        return _memory(pol, layers, training)[3]
+
+    _, _, chosen, _ = min(near, key=lambda c: (sum(host_bytes(c[2]).values()), _complexity(c[2]), c[3], c[1]))
+    return _build(chosen, layers, training, link, budget, min_peak)
