@@ -1,0 +1,350 @@
+"""Tests of the offload planner (xla_swap.planning.planner): pure Python, no torch / jax needed."""
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from xla_swap.planning.planner import (
+    GB, GiB, H200_PINNED, InfeasibleBudgetError, LayerCost, Link, Plan, adam_state_bytes, evaluate,
+    min_feasible_bytes, plan,
+)
+from xla_swap.planning.policy import OffloadPolicy
+
+MiB = 1 << 20
+
+# --- the DESIGN.md stack: 8 bf16 FFN layers, D=8192, F=32768 (1 GiB of weights each), 8192 tokens,
+# 100 ms forward for the stack on an H200, Adam state in fp32.
+D, F, T, L = 8192, 32768, 8192, 8
+N_BIG = 2 * D * F
+BIG = LayerCost(
+    param_bytes=2 * N_BIG,                      # 1 GiB bf16
+    optimizer_bytes=adam_state_bytes(N_BIG),     # 4 GiB: two fp32 moments
+    activations={"ffn_hidden": T * F * 2},       # 512 MiB, tagged with offload_name
+    intermediate_bytes=T * F * 2,                # 512 MiB untagged (gelu output)
+    carry_bytes=T * D * 2,                       # 128 MiB layer input
+    forward_s=0.100 / L,
+)
+
+# --- a small BERT-like stack (all-MiniLM-L6-v2 shapes: hidden 384, FFN 1536, 12 heads, 6 layers),
+# fp32, batch 32 x 128 tokens, 20 TFLOP/s, forward time from FLOPs (2 * params * tokens).
+H, I, S, B, HEADS = 384, 1536, 128, 32, 12
+N_SMALL = 4 * H * H + 2 * H * I + 9 * H + I
+SMALL = LayerCost(
+    param_bytes=4 * N_SMALL,
+    optimizer_bytes=adam_state_bytes(N_SMALL),
+    activations={"attn_probs": HEADS * S * S * B * 4, "ffn_hidden": S * B * I * 4},
+    intermediate_bytes=6 * S * B * H * 4,
+    carry_bytes=S * B * H * 4,
+    flops=2 * N_SMALL * S * B,
+    flops_per_s=20e12,
+)
+
+
+def sweep(layer, num_layers, training=True, link=H200_PINNED):
+    """Every distinct plan as the budget shrinks: each plan holds for budgets in
+    [plan.device_bytes, previous threshold), so the next threshold is device_bytes - 1."""
+    budget = plan(layer, num_layers, 1 << 62, link, training=training).device_bytes
+    out = []
+    while True:
+        try:
+            p = plan(layer, num_layers, budget, link, training=training)
+        except InfeasibleBudgetError as e:
+            assert e.min_budget_bytes == out[-1].device_bytes == min_feasible_bytes(layer, num_layers, training=training)
+            return out
+        out.append(p)
+        budget = p.device_bytes - 1
+
+
+def short(p: OffloadPolicy):
+    return (p.params, p.grads, p.optimizer_state, tuple(p.activations.values()), p.remat, p.prefetch_depth)
+
+
+def classes_off_device(p: OffloadPolicy):
+    off = set()
+    if p.activations and any(w != "device" for w in p.activations.values()) or p.remat:
+        off.add("activations")
+    for name in ("params", "grads", "optimizer_state"):
+        if getattr(p, name) == "host":
+            off.add(name)
+    return off
+
+
+def first_leave_order(plans):
+    order = []
+    for p in plans:
+        for c in sorted(classes_off_device(p.policy) - set(order)):
+            order.append(c)
+    return order
+
+
+# ----------------------------------------------------------------------------- everything fits
+
+@pytest.mark.parametrize("layer,n", [(BIG, L), (SMALL, 6)])
+@pytest.mark.parametrize("training", [True, False])
+def test_budget_that_fits_everything_gives_all_device(layer, n, training):
+    p = plan(layer, n, 1 << 50, training=training)
+    assert p.policy.is_all_device and not p.policy.remat and p.policy.prefetch_depth == 1
+    assert p.host_bytes == 0
+    act = sum(layer.activations.values())
+    if training:   # memory model of the docstring, by hand
+        expect = n * (layer.param_bytes + layer.grad_bytes + layer.optimizer_bytes + act
+                      + layer.intermediate_bytes + layer.carry_bytes) + layer.working_bytes + layer.carry_bytes
+        assert p.policy.activations == {k: "device" for k in layer.activations}
+        assert p.step_s == pytest.approx(n * 3 * layer.forward_time_s)          # 6ND: fwd + 2x bwd
+    else:
+        expect = n * layer.param_bytes + layer.working_bytes + layer.carry_bytes
+        assert p.policy.activations == {}
+        assert p.step_s == pytest.approx(n * layer.forward_time_s)
+    assert p.device_bytes == expect
+    assert plan(layer, n, expect, training=training).policy.is_all_device
+    assert not plan(layer, n, expect - 1, training=training).policy.is_all_device
+
+
+# ----------------------------------------------------------------------------- order as budgets shrink
+
+def test_design_stack_shrinking_budget_sequence():
+    plans = sweep(BIG, L)
+    got = [(short(p.policy), p.device_bytes / GiB) for p in plans]
+    # Thresholds from the memory model by hand (GiB): all-device 8 P + 8 G + 32 Adam + 4 named + 4 untagged
+    # + 1 saved inputs + 1 working set + 0.125 carry = 58.125; ffn_hidden to host leaves a 2-layer window
+    # (-3); to remat (-1); remat=True (-4); params to host leaves 2 layers (-6; ffn_hidden back to remat and
+    # untagged kept); ...; optimizer state to host frees 32 GiB (activations come back); the minimum is
+    # the optimizer step's 2-layer window of P + G + Adam = 12 GiB.
+    assert got == [
+        (("device", "device", "device", ("device",), False, 1), 58.125),
+        (("device", "device", "device", ("host",), False, 1), 55.125),
+        (("device", "device", "device", ("remat",), False, 1), 54.125),
+        (("device", "device", "device", ("remat",), True, 1), 50.125),
+        (("host", "device", "device", ("remat",), False, 1), 48.125),
+        (("host", "device", "device", ("remat",), True, 1), 44.125),
+        (("host", "host", "device", ("remat",), False, 1), 41.125),
+        (("host", "host", "device", ("remat",), True, 1), 37.125),
+        (("host", "host", "host", ("device",), False, 1), 13.125),
+        (("host", "host", "host", ("remat",), False, 1), 12.0),
+    ]
+    # The order the module docstring claims.
+    assert first_leave_order(plans) == ["activations", "params", "grads", "optimizer_state"]
+    # Step times by hand for the first moves: offloading ffn_hidden (512 MiB / 54 GB/s = 9.9 ms < 12.5 ms
+    # compute) exposes one copy per pass; its recompute costs its byte share (1/2) of a forward per layer.
+    x = 512 * MiB / (54 * GB)
+    assert plans[0].step_s == pytest.approx(0.300)
+    assert plans[1].step_s == pytest.approx(0.300 + 2 * x)
+    assert plans[2].step_s == pytest.approx(0.300 + L * 0.5 * BIG.forward_s)
+    assert plans[3].step_s == pytest.approx(0.400)                              # remat: one more forward
+    assert [p.step_s for p in plans] == sorted(p.step_s for p in plans)         # never faster with less memory
+
+
+def test_small_stack_shrinking_budget_sequence():
+    plans = sweep(SMALL, 6)
+    assert [short(p.policy) for p in plans] == [
+        ("device", "device", "device", ("device", "device"), False, 1),
+        ("device", "device", "device", ("device", "host"), False, 1),
+        ("device", "device", "device", ("device", "remat"), False, 1),
+        ("device", "device", "device", ("host", "remat"), False, 1),
+        ("device", "device", "device", ("remat", "remat"), False, 1),
+        ("host", "device", "device", ("remat", "remat"), False, 1),
+        ("device", "device", "device", ("device", "remat"), True, 1),
+        ("device", "device", "device", ("remat", "remat"), True, 1),
+        ("host", "device", "device", ("remat", "remat"), True, 1),
+        ("host", "host", "device", ("remat", "remat"), True, 1),
+        ("host", "host", "host", ("remat", "remat"), True, 1),
+    ]
+    assert first_leave_order(plans) == ["activations", "params", "grads", "optimizer_state"]
+    assert [p.step_s for p in plans] == sorted(p.step_s for p in plans)
+
+
+@pytest.mark.parametrize("layer,n", [(BIG, L), (SMALL, 6)])
+def test_inference_moves_only_parameters(layer, n):
+    plans = sweep(layer, n, training=False)
+    assert [short(p.policy) for p in plans] == [("device", "device", "device", (), False, 1),
+                                                ("host", "device", "device", (), False, 1)]
+    assert plans[-1].device_bytes == 2 * layer.param_bytes + layer.working_bytes + layer.carry_bytes
+
+
+def test_prefetch_depth_is_used_for_uneven_layers():
+    # Four compute-heavy layers, then four transfer-heavy ones: a deeper prefetch loads the heavy
+    # weights during the long computations, and the planner takes the deepest one that fits.
+    light = LayerCost(param_bytes=54 * GB // 1000, forward_s=0.019)   # 1 ms copy, 19 ms compute
+    heavy = LayerCost(param_bytes=54 * GB // 100, forward_s=0.001)    # 10 ms copy, 1 ms compute
+    layers = [light] * 4 + [heavy] * 4
+    steps = [evaluate(OffloadPolicy(params="host", prefetch_depth=k), layers, training=False).step_s
+             for k in (1, 2, 3, 4)]
+    assert steps == sorted(steps, reverse=True) and steps[0] > steps[-1]
+    assert plan(layers, budget_bytes=int(2.25e9), training=False).policy.prefetch_depth == 4
+    assert plan(layers, budget_bytes=int(2.0e9), training=False).policy.prefetch_depth == 2
+    assert plan(layers, budget_bytes=int(1.2e9), training=False).policy.prefetch_depth == 1
+
+
+# ----------------------------------------------------------------------------- property
+
+_bytes = st.integers(min_value=0, max_value=1 << 33)
+_layer = st.builds(
+    LayerCost,
+    param_bytes=_bytes,
+    grad_bytes=st.one_of(st.none(), _bytes),
+    optimizer_bytes=st.integers(min_value=0, max_value=1 << 34),
+    activations=st.dictionaries(st.sampled_from(["a", "b", "c"]), _bytes, max_size=2),
+    intermediate_bytes=_bytes,
+    carry_bytes=st.integers(min_value=0, max_value=1 << 30),
+    forward_s=st.floats(min_value=0.0, max_value=1.0, allow_nan=False),
+)
+_link = st.builds(Link, h2d_gbps=st.floats(1.0, 200.0), d2h_gbps=st.floats(1.0, 200.0),
+                  both_gbps=st.one_of(st.none(), st.floats(1.0, 400.0)))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layers=st.one_of(st.tuples(_layer, st.integers(1, 12)), st.lists(_layer, min_size=1, max_size=5)),
+       budget=st.integers(min_value=0, max_value=1 << 40), link=_link, training=st.booleans())
+def test_plan_fits_budget_or_reports_exact_minimum(layers, budget, link, training):
+    args = layers if isinstance(layers, tuple) else (layers, None)
+    try:
+        p = plan(*args, budget, link, training=training)
+    except InfeasibleBudgetError as e:
+        assert e.min_budget_bytes > budget and e.budget_bytes == budget
+        assert str(e.min_budget_bytes) in str(e)
+        p_min = plan(*args, e.min_budget_bytes, link, training=training)     # the minimum is feasible
+        assert p_min.device_bytes == e.min_budget_bytes
+        return
+    assert p.device_bytes <= budget
+    assert p.device_bytes == evaluate(p.policy, *args, link, training=training).device_bytes
+    assert p.step_s >= p.floor_s * (1 - 1e-9)
+    assert p.min_budget_bytes == min_feasible_bytes(*args, training=training) <= p.device_bytes
+    pol = p.policy   # structural rules 1-2 of the docstring
+    assert pol.optimizer_state == "device" or pol.grads == "host"
+    assert pol.grads == "device" or pol.params == "host"
+    if p.min_budget_bytes < budget:   # less memory is never faster
+        tighter = plan(*args, (p.min_budget_bytes + budget) // 2, link, training=training)
+        assert tighter.step_s >= p.step_s * (1 - 1e-9)
+
+
+# ----------------------------------------------------------------------------- infeasible budget
+
+def test_infeasible_budget_states_minimum():
+    minimum = min_feasible_bytes(BIG, L)
+    assert minimum == 12 * GiB     # optimizer step streaming 2 layers x (1 + 1 + 4) GiB
+    with pytest.raises(InfeasibleBudgetError, match=rf"minimum feasible budget is {minimum} bytes \(12\.000 GiB\)") as e:
+        plan(BIG, L, 10 * GiB)
+    assert isinstance(e.value, ValueError)
+    assert e.value.min_budget_bytes == minimum and e.value.budget_bytes == 10 * GiB
+    assert evaluate(e.value.min_policy, BIG, L).device_bytes == minimum
+    assert plan(BIG, L, minimum).device_bytes == minimum
+    with pytest.raises(InfeasibleBudgetError, match=str(minimum)):
+        plan(BIG, L, minimum - 1)
+
+
+# ----------------------------------------------------------------------------- time model vs formula
+
+@pytest.mark.parametrize("tokens,stack_s", [(8192, 0.100), (32768, 0.416)])
+def test_forward_only_params_on_host_matches_floor(tokens, stack_s):
+    layer = LayerCost(param_bytes=2 * N_BIG, carry_bytes=tokens * D * 2, intermediate_bytes=tokens * F * 2,
+                      forward_s=stack_s / L)
+    link = Link(h2d_gbps=54.0, d2h_gbps=54.0, both_gbps=93.0)
+    budget = 6 * GiB  # below 8 GiB of weights: params must be swapped
+    p = plan(layer, L, budget, link, training=False)
+    assert p.policy.params == "host"
+    x = layer.param_bytes / (link.h2d_gbps * GB)      # one layer's weights over H2D
+    c = layer.forward_s
+    floor = max(L * c, L * layer.param_bytes / (link.h2d_gbps * GB))     # max(compute, 8 GiB / 54 GB/s)
+    assert p.floor_s == pytest.approx(floor, rel=1e-12)
+    # Streaming pipeline with the first prefetch (compute-bound) or the last compute (link-bound) exposed.
+    assert p.step_s == pytest.approx(max(x + L * c, L * x + c), rel=1e-12)
+    # Within one exposed stage of the floor: 7.9 % at 8192 tokens (171.6 vs 159.1 ms), 4.8 % at 32768.
+    assert floor <= p.step_s <= floor * (1 + 1.0 / L)
+    assert all(t == pytest.approx(x) for t in p.layer_transfer_s)
+    assert all(t == pytest.approx(c) for t in p.layer_compute_s)
+
+
+def test_both_directions_share_aggregate_bandwidth():
+    pol = OffloadPolicy(params="host", grads="host")   # unmentioned ffn_hidden: saved on the device
+    p = evaluate(pol, BIG, L)
+    bwd = dict(p.phase_layers["backward"])
+    c, x = bwd[3]      # a middle layer: 1 GiB weights in, 1 GiB gradient out at once
+    assert x == pytest.approx(2 * GiB / (93 * GB))
+    assert c == pytest.approx(2 * BIG.forward_s)
+    assert p.device_bytes == evaluate(OffloadPolicy(params="host", grads="host",
+                                                    activations={"ffn_hidden": "device"}), BIG, L).device_bytes
+
+
+def test_flops_estimate_and_remat_accounting():
+    layer = LayerCost(param_bytes=1000, flops=6e12, flops_per_s=1e15)
+    assert layer.forward_time_s == pytest.approx(6e-3) and layer.backward_time_s == pytest.approx(12e-3)
+    plain = evaluate(OffloadPolicy(), layer, 4)
+    remat = evaluate(OffloadPolicy(remat=True), layer, 4)
+    assert plain.step_s == pytest.approx(4 * 3 * 6e-3)          # 6ND
+    assert remat.step_s == pytest.approx(4 * 4 * 6e-3)          # 8ND: one more forward
+
+
+def test_explain_table():
+    p = plan(BIG, L, 30 * GiB)
+    text = p.explain()
+    assert isinstance(p, Plan)
+    for word in ("params", "grads", "optimizer_state", "activation ffn_hidden", "working set", "predicted step",
+                 "floor", "transfer s", "compute s"):
+        assert word in text
+    assert f"{p.step_s:.4f}" in text and f"{p.floor_s:.4f}" in text
+    assert len([ln for ln in text.splitlines() if re.match(r"\s+\d+\s", ln)]) == L
+
+
+def test_imports_without_torch_or_jax():
+    code = ("import sys; import xla_swap.planning.planner; "
+            "bad = [m for m in ('torch', 'torch_xla', 'jax') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).resolve().parents[1])
+
+
+# ----------------------------------------------------------------------------- bad inputs
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(param_bytes=-1, forward_s=0.1), "param_bytes"),
+    (dict(param_bytes=1, grad_bytes=-5, forward_s=0.1), "grad_bytes"),
+    (dict(param_bytes=1, optimizer_bytes=-5, forward_s=0.1), "optimizer_bytes"),
+    (dict(param_bytes=1, activations={"x": -1}, forward_s=0.1), "activations['x']"),
+    (dict(param_bytes=1, carry_bytes=1.5, forward_s=0.1), "carry_bytes"),
+    (dict(param_bytes=1, forward_s=-0.1), "forward_s"),
+    (dict(param_bytes=1), "forward_s"),
+    (dict(param_bytes=1, forward_s=0.1, flops=1.0, flops_per_s=1.0), "forward_s"),
+    (dict(param_bytes=1, flops=1.0, flops_per_s=0.0), "flops_per_s"),
+    (dict(param_bytes=1, forward_s=0.1, recompute_s={"y": 0.1}), "recompute_s['y']"),
+    (dict(param_bytes=True, forward_s=0.1), "param_bytes"),
+])
+def test_bad_layer_cost_names_field(kwargs, field):
+    with pytest.raises((ValueError, TypeError), match=re.escape(field)):
+        LayerCost(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(h2d_gbps=0, d2h_gbps=54), "h2d_gbps"),
+    (dict(h2d_gbps=54, d2h_gbps=-1), "d2h_gbps"),
+    (dict(h2d_gbps=54, d2h_gbps=54, both_gbps=0.0), "both_gbps"),
+    (dict(h2d_gbps=float("nan"), d2h_gbps=54), "h2d_gbps"),
+])
+def test_bad_link_names_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        Link(**kwargs)
+
+
+def test_unknown_field_is_named():
+    with pytest.raises(ValueError, match="'param_byte'"):
+        LayerCost.from_dict({"param_byte": 1, "forward_s": 0.1})
+    with pytest.raises(ValueError, match="'h2d'"):
+        Link.from_dict({"h2d": 54, "d2h_gbps": 54})
+    with pytest.raises(TypeError, match="param_byte"):
+        LayerCost(param_byte=1, forward_s=0.1)
+    assert LayerCost.from_dict({"param_bytes": 1, "forward_s": 0.1}).grad_bytes == 1
+
+
+def test_bad_plan_arguments():
+    with pytest.raises(ValueError, match="budget_bytes"):
+        plan(BIG, L, -1)
+    with pytest.raises(ValueError, match="num_layers"):
+        plan(BIG, 0, GiB)
+    with pytest.raises(ValueError, match="num_layers"):
+        plan([BIG, BIG], 3, GiB)
+    with pytest.raises(ValueError, match="max_prefetch_depth"):
+        plan(BIG, L, GiB, max_prefetch_depth=0)
+    with pytest.raises(TypeError, match="link"):
+        plan(BIG, L, GiB, link=54.0)
+    with pytest.raises(TypeError, match="training"):
+        plan(BIG, L, GiB, training="yes")
