@@ -1,0 +1,397 @@
+"""Tests of xla_swap.executors.streaming (numpy + jax only, on N virtual CPU devices).
+
+References are monolithic ``jax.jit`` programs over the whole stack with every weight in
+device memory; the streaming runtime must agree with them, keep at most k+1 stages'
+weights on the device (and reach k+1, i.e. really prefetch), and leak no device buffers.
+"""
+import gc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from xla_swap.executors.streaming import StageEvent, StreamingRuntime, tree_nbytes
+
+L, D, F, T = 8, 16, 32, 8
+
+
+def layer(p, h):
+    return h + jax.nn.gelu(h @ p["a"]) @ p["b"]
+
+
+def make_params(n=L, d=D, f=F, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"a": (rng.standard_normal((d, f)) / np.sqrt(d)).astype(np.float32),
+             "b": (rng.standard_normal((f, d)) / np.sqrt(f) * 0.5).astype(np.float32)} for _ in range(n)]
+
+
+def make_input(t=T, d=D, seed=1):
+    return np.random.default_rng(seed).standard_normal((t, d)).astype(np.float32)
+
+
+def stacked(params):
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *params)
+
+
+@jax.jit
+def mono_forward(stack, h):
+    """The whole stack as one program: lax.scan over device-resident stacked weights."""
+    return jax.lax.scan(lambda c, p: (layer(p, c), None), h, stack)[0]
+
+
+def mono_loss(stack, h):
+    return jnp.sum(jnp.sin(mono_forward(stack, h)))
+
+
+def loss_fn(out):
+    return jnp.sum(jnp.sin(out))
+
+
+def live_device_arrays():
+    gc.collect()
+    return sum(1 for a in jax.live_arrays() if a.sharding.memory_kind == "device")
+
+
+def check_close(actual, desired, rtol=1e-6, atol=1e-6):
+    np.testing.assert_allclose(np.asarray(actual), np.asarray(desired), rtol=rtol, atol=atol)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return make_params()
+
+
+@pytest.fixture(scope="module")
+def x():
+    return make_input()
+
+
+def mesh_sharding(num_devices):
+    """Shardings for the weights over all devices (F split), or None for one device."""
+    if num_devices == 1:
+        return None
+    mesh = Mesh(np.array(jax.devices()[:num_devices]), ("x",))
+    return lambda i, path, leaf: NamedSharding(mesh, P(None, "x") if "a" in jax.tree_util.keystr(path)
+                                               else P("x", None))
+
+
+def mesh_activation(num_devices):
+    if num_devices == 1:
+        return None
+    return NamedSharding(Mesh(np.array(jax.devices()[:num_devices]), ("x",)), P())
+
+
+# ---------------------------------------------------------------------------- correctness
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_forward_matches_monolithic(params, x, k):
+    rt = StreamingRuntime(layer, params, prefetch_depth=k)
+    y = rt.forward(x)
+    check_close(y, mono_forward(stacked(params), x))
+    assert y.sharding.memory_kind == "device"
+    assert rt.num_executables == 1  # eight identical layers: one executable, reused
+    for p in rt.host_params:
+        assert all(leaf.sharding.memory_kind == "pinned_host" for leaf in jax.tree_util.tree_leaves(p))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_train_step_matches_grad(params, x, k):
+    stack = stacked(params)
+    ref_loss, (ref_gp, ref_gx) = jax.value_and_grad(mono_loss, argnums=(0, 1))(stack, x)
+    rt = StreamingRuntime(layer, params, prefetch_depth=k)
+    loss, gx, grads = rt.train_step(x, loss_fn)
+    check_close(loss, ref_loss, rtol=1e-5)
+    check_close(gx, ref_gx, rtol=1e-5)
+    assert len(grads) == L
+    for i, g in enumerate(grads):
+        assert jax.tree_util.tree_structure(g) == jax.tree_util.tree_structure(params[i])
+        for name in ("a", "b"):
+            assert g[name].sharding.memory_kind == "pinned_host"
+            check_close(g[name], ref_gp[name][i], rtol=1e-5, atol=1e-5)
+    assert rt.num_executables == 2  # one forward, one backward
+
+
+def test_train_step_with_cotangent_keeps_user_arrays(params, x):
+    """Donation never consumes the caller's arrays (input and cotangent on the device)."""
+    stack = stacked(params)
+    ct = np.random.default_rng(5).standard_normal((T, D)).astype(np.float32)
+    out_ref, vjp = jax.vjp(mono_forward, stack, x)
+    ref_gp, ref_gx = vjp(ct)
+    rt = StreamingRuntime(layer, params, prefetch_depth=2, donate=True)
+    x_dev = jax.device_put(x, rt.activation_sharding)
+    ct_dev = jax.device_put(ct, rt.activation_sharding)
+    out, gx, grads = rt.train_step(x_dev, cotangent=ct_dev)
+    check_close(out, out_ref)
+    check_close(gx, ref_gx, rtol=1e-5)
+    check_close(grads[3]["b"], ref_gp["b"][3], rtol=1e-5, atol=1e-5)
+    assert not x_dev.is_deleted() and not ct_dev.is_deleted()
+    check_close(ct_dev, ct, rtol=0, atol=0)
+
+
+def test_sharded_weights_over_mesh(num_devices, params, x):
+    """Weights sharded over all N devices (F split), activations replicated."""
+    if num_devices == 1:
+        pytest.skip("needs more than one device")
+    k = 2
+    rt = StreamingRuntime(layer, params, prefetch_depth=k, sharding=mesh_sharding(num_devices),
+                          activation_sharding=mesh_activation(num_devices))
+    assert rt.host_params[0]["a"].sharding.spec == P(None, "x")
+    assert rt.host_params[0]["a"].sharding.memory_kind == "pinned_host"
+    y = rt.forward(x)
+    check_close(y, mono_forward(stacked(params), x), rtol=1e-5, atol=1e-5)
+    ref_loss, (ref_gp, ref_gx) = jax.value_and_grad(mono_loss, argnums=(0, 1))(stacked(params), x)
+    loss, gx, grads = rt.train_step(x, loss_fn)
+    check_close(loss, ref_loss, rtol=1e-5)
+    check_close(gx, ref_gx, rtol=1e-5, atol=1e-5)
+    assert grads[0]["a"].sharding.memory_kind == "pinned_host"
+    assert grads[0]["a"].sharding.spec == P(None, "x")
+    check_close(grads[0]["a"], ref_gp["a"][0], rtol=1e-5, atol=1e-5)
+    assert rt.max_resident_stages == k + 1
+
+
+def test_named_sharding_default_activation(num_devices, params, x):
+    """A plain NamedSharding for every leaf; activation sharding defaults to replicated."""
+    mesh = Mesh(np.array(jax.devices()[:num_devices]), ("x",))
+    rt = StreamingRuntime(layer, params, sharding=NamedSharding(mesh, P()))
+    assert rt.activation_sharding.spec == P()
+    check_close(rt.forward(x), mono_forward(stacked(params), x), rtol=1e-5, atol=1e-5)
+
+
+def test_different_stage_functions():
+    """A list of stage functions that change the activation shape; one executable each."""
+    rng = np.random.default_rng(3)
+    p0 = {"w": rng.standard_normal((D, 2 * D)).astype(np.float32)}
+    p1 = make_params(1, d=2 * D, f=F)[0]
+    p2 = {"w": rng.standard_normal((2 * D, 3)).astype(np.float32)}
+    fns = [lambda p, h: jnp.tanh(h @ p["w"]), layer, layer, lambda p, h: h @ p["w"]]
+    ps = [p0, p1, p1, p2]
+    x = make_input()
+
+    def ref(h):
+        for f, p in zip(fns, ps):
+            h = f(p, h)
+        return h
+
+    rt = StreamingRuntime(fns, ps, prefetch_depth=1)
+    y = rt.forward(x)
+    assert y.shape == (T, 3)
+    check_close(y, jax.jit(ref)(x), rtol=1e-5, atol=1e-5)
+    assert rt.num_executables == 3  # stages 1 and 2 share one executable
+    def ref_loss(ps, h):
+        for f, p in zip(fns, ps):
+            h = f(p, h)
+        return loss_fn(h)
+
+    ref_gps, ref_gx = jax.grad(ref_loss, argnums=(0, 1))(ps, x)
+    loss, gx, grads = rt.train_step(x, loss_fn)
+    check_close(gx, ref_gx, rtol=1e-5, atol=1e-5)
+    for g, r in zip(grads, ref_gps):
+        for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(r)):
+            check_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_loss_args_and_throttle_off(params, x):
+    target = make_input(seed=9)
+
+    def mse(out, t):
+        return jnp.mean((out - t) ** 2)
+
+    ref = jax.value_and_grad(lambda s, h: mse(mono_forward(s, h), target), argnums=(0, 1))
+    ref_loss, (ref_gp, ref_gx) = ref(stacked(params), x)
+    rt = StreamingRuntime(layer, params, prefetch_depth=2, throttle=False)
+    loss, gx, grads = rt.train_step(x, mse, loss_args=(target,))
+    check_close(loss, ref_loss, rtol=1e-5)
+    check_close(gx, ref_gx, rtol=1e-5, atol=1e-6)
+    check_close(grads[7]["a"], ref_gp["a"][7], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- residency
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_residency_bounded_and_prefetching(params, x, k):
+    rt = StreamingRuntime(layer, params, prefetch_depth=k)
+    rt.forward(x).block_until_ready()
+    fwd = [r for (pname, _, r) in rt.residency_trace]
+    assert len(fwd) == L
+    assert max(fwd) == k + 1 == rt.max_resident_stages  # bounded, and it did prefetch
+    rt.reset_stats()
+    rt.train_step(x, loss_fn)
+    steps = rt.residency_trace
+    assert [s for (pn, s, _) in steps] == list(range(L)) + list(reversed(range(L)))
+    assert max(r for (pname, _, r) in steps if pname == "forward") <= k + 1
+    bwd = [r for (pname, _, r) in steps if pname == "backward"]
+    assert max(bwd) == k + 1 == rt.max_resident_stages
+    # all stage buffers are gone once the results are ready and dropped by the runtime
+    gc.collect()
+    assert rt.resident_stages() == 0
+
+
+def test_prefetch_deeper_than_stack(params, x):
+    rt = StreamingRuntime(layer, params[:3], prefetch_depth=5)
+    check_close(rt.forward(x), mono_forward(stacked(params[:3]), x))
+    assert rt.max_resident_stages == 3
+
+
+def test_no_leak_over_100_forward_calls(params, x):
+    rt = StreamingRuntime(layer, params, prefetch_depth=2)
+    rt.forward(x).block_until_ready()
+    before = live_device_arrays()
+    for _ in range(100):
+        y = rt.forward(x)
+    y.block_until_ready()
+    del y
+    rt.forward(x).block_until_ready()  # result dropped at once, as in the first call
+    assert live_device_arrays() == before
+    assert rt.num_executables == 1
+
+
+def test_no_leak_train_step(params, x):
+    rt = StreamingRuntime(layer, params, prefetch_depth=1)
+    jax.block_until_ready(rt.train_step(x, loss_fn))
+    before = live_device_arrays()
+    for _ in range(10):
+        jax.block_until_ready(rt.train_step(x, loss_fn))
+    assert live_device_arrays() == before
+
+
+# ---------------------------------------------------------------------------- trace
+def test_trace_events(params, x):
+    rt = StreamingRuntime(layer, params, prefetch_depth=2, trace=True)
+    rt.train_step(x, loss_fn)
+    ev = rt.last_trace
+    assert all(isinstance(e, StageEvent) and e.error is None for e in ev)
+    kinds = {(e.pass_name, e.kind) for e in ev}
+    assert kinds == {("forward", "h2d"), ("forward", "compute"), ("backward", "h2d"),
+                     ("backward", "compute"), ("backward", "d2h")}
+    assert sorted(e.stage for e in ev if e.kind == "compute" and e.pass_name == "forward") == list(range(L))
+    assert sorted(e.stage for e in ev if e.kind == "d2h") == list(range(L))
+    # the last k stages stay resident from the forward: the backward re-fetches L-k of them
+    assert sorted(e.stage for e in ev if e.kind == "h2d" and e.pass_name == "backward") == list(range(L - 2))
+    for e in ev:
+        assert 0 <= e.issued_s <= e.dispatched_s <= e.done_s
+    # a stage's computation is issued after its weights' transfer
+    h2d = {(e.pass_name, e.stage): e for e in ev if e.kind == "h2d"}
+    for e in ev:
+        if e.kind == "compute" and (e.pass_name, e.stage) in h2d:
+            assert e.issued_s >= h2d[(e.pass_name, e.stage)].issued_s
+    # prefetch: stage 2's transfer is issued before stage 0's computation finished being issued
+    comp0 = next(e for e in ev if e.kind == "compute" and e.stage == 0 and e.pass_name == "forward")
+    assert h2d[("forward", 1)].issued_s < comp0.issued_s
+
+
+def test_executable_memory_and_sizes(params, x):
+    rt = StreamingRuntime(layer, params)
+    rt.train_step(x, loss_fn)
+    mem = rt.executable_memory()
+    assert {m["kind"] for m in mem} == {"forward", "backward-donate"}
+    assert rt.stage_nbytes == [2 * D * F * 4] * L
+    assert rt.weight_nbytes == tree_nbytes(params) == L * 2 * D * F * 4
+    bwd = next(m for m in mem if m["kind"] == "backward-donate")
+    assert bwd["stages"] == list(range(L))
+    assert bwd["alias_bytes"] is None or bwd["alias_bytes"] >= 2 * D * F * 4  # weights reused for grads
+
+
+# ---------------------------------------------------------------------------- bad inputs
+@pytest.mark.parametrize("kwargs, exc, match", [
+    ({"prefetch_depth": 0}, ValueError, "prefetch_depth"),
+    ({"prefetch_depth": -2}, ValueError, "prefetch_depth"),
+    ({"prefetch_depth": 1.5}, TypeError, "prefetch_depth"),
+    ({"prefetch_depth": True}, TypeError, "prefetch_depth"),
+    ({"donate": 1}, TypeError, "donate"),
+    ({"device": "cpu:0"}, TypeError, "device"),
+    ({"sharding": 3}, TypeError, "sharding"),
+    ({"activation_sharding": "x"}, TypeError, "activation_sharding"),
+])
+def test_bad_constructor_arguments(params, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        StreamingRuntime(layer, params, **kwargs)
+
+
+def test_bad_stage_lists(params):
+    with pytest.raises(ValueError, match="stage_params is empty"):
+        StreamingRuntime(layer, [])
+    with pytest.raises(ValueError, match="stage_params must be"):
+        StreamingRuntime(layer, params[0])
+    with pytest.raises(ValueError, match="stage_fn has 2 functions but stage_params has 8"):
+        StreamingRuntime([layer, layer], params)
+    with pytest.raises(TypeError, match=r"stage_fn\[1\] is not callable"):
+        StreamingRuntime([layer, None], params[:2])
+    with pytest.raises(TypeError, match="stage_fn must be"):
+        StreamingRuntime(42, params)
+    with pytest.raises(TypeError, match=r"stage_params\[1\]\['a'\]: expected an array"):
+        StreamingRuntime(layer, [params[0], {"a": 1.0, "b": params[0]["b"]}])
+    with pytest.raises(ValueError, match="device or sharding"):
+        StreamingRuntime(layer, params, device=jax.devices()[0],
+                         sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    with pytest.raises(ValueError, match="activation_sharding is required"):
+        StreamingRuntime(layer, params, sharding=lambda i, path, leaf: jax.sharding.SingleDeviceSharding(
+            jax.devices()[0]))
+
+
+def test_mismatched_params_with_shared_fn(params):
+    bad_shape = list(params)
+    bad_shape[5] = {"a": params[5]["a"][:, :-1], "b": params[5]["b"]}
+    with pytest.raises(ValueError, match=r"stage_params\[5\]\['a'\] has shape \(16, 31\)"):
+        StreamingRuntime(layer, bad_shape)
+    bad_dtype = list(params)
+    bad_dtype[2] = {"a": params[2]["a"].astype(np.float16), "b": params[2]["b"]}
+    with pytest.raises(ValueError, match=r"stage_params\[2\]\['a'\].*float16"):
+        StreamingRuntime(layer, bad_dtype)
+    bad_tree = list(params)
+    bad_tree[1] = {"a": params[1]["a"]}
+    with pytest.raises(ValueError, match=r"stage_params\[1\] has tree structure"):
+        StreamingRuntime(layer, bad_tree)
+    # different structures are fine with one function per stage
+    StreamingRuntime([layer] * L, params)
+
+
+def test_bad_call_inputs_raise_before_state_change(params, x):
+    rt = StreamingRuntime(layer, params, prefetch_depth=2)
+    rt.forward(x).block_until_ready()
+    trace, peak, nexe = list(rt.residency_trace), rt.max_resident_stages, rt.num_executables
+    before = live_device_arrays()
+    with pytest.raises(ValueError, match=r"h has shape \(4, 16\).*compiled for shape \(8, 16\)"):
+        rt.forward(x[:4])
+    with pytest.raises(ValueError, match="h has shape .* dtype float16"):
+        rt.forward(x.astype(np.float16))
+    with pytest.raises(TypeError, match="h: expected an array"):
+        rt.forward([[1.0] * D] * T)
+    with pytest.raises(ValueError, match="exactly one of loss_fn and cotangent"):
+        rt.train_step(x)
+    with pytest.raises(ValueError, match="exactly one of loss_fn and cotangent"):
+        rt.train_step(x, loss_fn, cotangent=x)
+    with pytest.raises(ValueError, match=r"cotangent has shape \(8, 15\)"):
+        rt.train_step(x, cotangent=x[:, :-1])
+    with pytest.raises(ValueError, match="loss_fn must return a floating scalar"):
+        rt.train_step(x, lambda out: out * 2)
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        rt.train_step(x, "mse")
+    assert rt.residency_trace == trace and rt.max_resident_stages == peak
+    assert rt.num_executables == nexe
+    assert live_device_arrays() == before
+
+
+def test_stage_fn_errors_name_the_stage(params, x):
+    rt = StreamingRuntime([layer] * 3 + [lambda p, h: h @ p["b"]], params[:4])
+    with pytest.raises(ValueError, match="stage 3: stage_fn"):
+        rt.forward(x)
+    rt2 = StreamingRuntime(lambda p, h: (h, h), params[:2])
+    with pytest.raises(TypeError, match="stage 0: stage_fn must return one array"):
+        rt2.forward(x)
+    rt3 = StreamingRuntime(layer, [{"a": np.ones((D, F), np.int32), "b": np.ones((F, D), np.int32)}])
+    with pytest.raises(TypeError, match=r"stage_params\[0\]\['a'\] has dtype int32"):
+        rt3.train_step(x.astype(np.int32), lambda o: jnp.sum(o).astype(jnp.float32))
+
+
+def test_bfloat16_train_step():
+    """bf16 weights and activations (as in the GPU benchmark): train_step accepts them."""
+    ps = [jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), p) for p in make_params(4)]
+    xb = jnp.asarray(make_input(), jnp.bfloat16)
+    rt = StreamingRuntime(layer, ps, prefetch_depth=1)
+    ref_loss, (ref_gp, ref_gx) = jax.value_and_grad(
+        lambda s, h: jnp.sum(jnp.sin(mono_forward(s, h).astype(jnp.float32))), argnums=(0, 1))(stacked(ps), xb)
+    loss, gx, grads = rt.train_step(xb, lambda o: jnp.sum(jnp.sin(o.astype(jnp.float32))))
+    assert gx.dtype == jnp.bfloat16 and grads[0]["a"].dtype == jnp.bfloat16
+    check_close(loss, ref_loss, rtol=2e-2, atol=2e-2)
+    check_close(gx.astype(jnp.float32), ref_gx.astype(jnp.float32), rtol=5e-2, atol=5e-2)
+    check_close(grads[2]["b"].astype(jnp.float32), ref_gp["b"][2].astype(jnp.float32), rtol=5e-2, atol=5e-2)
