@@ -432,6 +432,17 @@ def _is_host_oom(e: Exception) -> bool:
     return _is_resource_exhausted(e) and ("host" in msg or "pinned" in msg)
 
 
+def _default_host_limit(platform: str) -> int | None:
+    """PJRT GPU's pinned pool size in bytes (``$XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` GiB); None on CPU."""
+    if platform not in _GPU_PLATFORMS:
+        return None
+    value = os.environ.get(HOST_MEMORY_LIMIT_ENV, str(DEFAULT_GPU_HOST_MEMORY_LIMIT_GB))
+    try:
+        return int(float(value) * (1 << 30))
+    except ValueError:
+        raise ValueError(f"{HOST_MEMORY_LIMIT_ENV}={value!r} is not a number of GiB") from None
+
+
 # ---------------------------------------------------------------------------------------
 # the executor
 # ---------------------------------------------------------------------------------------
@@ -480,6 +491,11 @@ class PjrtExecutor:
 
     def __init__(self, module, placements: Mapping | None = None, devices: Sequence | None = None, *,
                  host_memory_limit_bytes: int | None | str = _AUTO):
+        if not (host_memory_limit_bytes is None or isinstance(host_memory_limit_bytes, str) and
+                host_memory_limit_bytes == _AUTO or isinstance(host_memory_limit_bytes, (int, np.integer))
+                and not isinstance(host_memory_limit_bytes, bool) and host_memory_limit_bytes >= 0):
+            raise ValueError(f"host_memory_limit_bytes: expected None, 'auto' or a non-negative int, "
+                             f"got {host_memory_limit_bytes!r}")
         src = _load(module)
         self.transfer_count = 0
         with _jmlir.make_ir_context() as ctx, ir.Location.unknown(ctx):
@@ -667,15 +683,7 @@ class PjrtExecutor:
             raise RuntimeError(f"compiled module has {len(self._param_layout)} entry parameters, expected {n_in}")
 
         if host_memory_limit_bytes == _AUTO:
-            if self.platform in _GPU_PLATFORMS:
-                gb = float(os.environ.get(HOST_MEMORY_LIMIT_ENV, DEFAULT_GPU_HOST_MEMORY_LIMIT_GB))
-                host_memory_limit_bytes = int(gb * (1 << 30))
-            else:
-                host_memory_limit_bytes = None
-        if host_memory_limit_bytes is not None and (not isinstance(host_memory_limit_bytes, (int, np.integer))
-                                                    or host_memory_limit_bytes < 0):
-            raise ValueError(f"host_memory_limit_bytes: expected None, 'auto' or a non-negative int, "
-                             f"got {host_memory_limit_bytes!r}")
+            host_memory_limit_bytes = _default_host_limit(self.platform)
         self.host_memory_limit_bytes = host_memory_limit_bytes
         self._report = None
         log.info("compiled PJRT executable: %d parameter(s) (%d in pinned_host), %d result(s), %d %s device(s)",
