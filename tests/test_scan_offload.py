@@ -94,7 +94,7 @@ def test_scan_values_and_grads_match_unoffloaded_and_loop(policy, reverse, two_d
 
 @given(L=st.integers(1, 4), width=st.sampled_from([8, 16]), n_carry=st.integers(1, 2),
        policy=st.sampled_from(POLICIES[1:]), seed=st.integers(0, 2 ** 16))
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 def test_property_scan_matches_loop(L, width, n_carry, policy, seed):
     g = torch.Generator().manual_seed(seed)
     Wc = {"a": torch.randn(L, width, width, generator=g) * 0.2}
@@ -104,7 +104,7 @@ def test_property_scan_matches_loop(L, width, n_carry, policy, seed):
         a = offload_name(torch.tanh(c[0] @ w["a"]), "act")
         return tuple(x + a * (i + 1) for i, x in enumerate(c)), a
 
-    def loop(c, W):
+    def loop_fn(c, W):
         ys = []
         for i in range(L):
             c, y = f(c, {"a": W["a"][i]})
@@ -116,14 +116,20 @@ def test_property_scan_matches_loop(L, width, n_carry, policy, seed):
         loss = sum((o ** 2).sum() for o in out) + ys.sum()
         return [o.cpu() for o in out] + [ys.cpu()] + [t.cpu() for t in torch.autograd.grad(loss, [*c, W["a"]])]
 
-    c_x = tuple(to_xla(t).requires_grad_(True) for t in carry0)
-    W_x = {"a": to_xla(Wc["a"]).requires_grad_(True)}
-    got = value_and_grads(lambda c, W: scan(f, c, W, policy=policy), c_x, W_x)
+    def on_xla(fn):
+        c_x = tuple(to_xla(t).requires_grad_(True) for t in carry0)
+        W_x = {"a": to_xla(Wc["a"]).requires_grad_(True)}
+        return value_and_grads(fn, c_x, W_x)
+
+    got = on_xla(lambda c, W: scan(f, c, W, policy=policy))
+    unoffloaded = on_xla(lambda c, W: txla_scan(f, c, W))
     c_r = tuple(t.clone().requires_grad_(True) for t in carry0)
     W_r = {"a": Wc["a"].clone().requires_grad_(True)}
-    want = value_and_grads(loop, c_r, W_r)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    loop = value_and_grads(loop_fn, c_r, W_r)
+    for a, b, c in zip(got, unoffloaded, loop):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        # CPU torch sums in another order than the sharded XLA program: up to ~1e-5 abs seen
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
 
 
 def _annotations(hlo_text):
