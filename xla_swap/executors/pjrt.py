@@ -28,6 +28,7 @@ split of arguments and outputs from the compiled entry layout (see :class:`Memor
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -43,6 +44,13 @@ from jax._src.lib import xla_client as xc
 from jax._src.lib.mlir import ir
 from jax._src.sharding_impls import GSPMDSharding
 from jax.sharding import SingleDeviceSharding
+
+# ``jax.enable_x64`` is the current name; older releases only have the experimental one.
+if hasattr(jax, "enable_x64"):
+    def _enable_x64():
+        return jax.enable_x64(True)
+else:  # pragma: no cover
+    from jax.experimental import enable_x64 as _enable_x64
 
 log = logging.getLogger(__name__)
 
@@ -376,7 +384,8 @@ def _split_top_level(s: str) -> list:
 
 def _entry_layout(hlo_text: str) -> tuple[list, list]:
     """The compiled entry computation layout: ([param shape strings], [result shape strings])."""
-    header = hlo_text.split("\n", 1)[0]
+    # XLA prints '/*index=5*/' before every fifth shape of long tuples: not part of the shapes.
+    header = re.sub(r"/\*.*?\*/", "", hlo_text.split("\n", 1)[0])
     start = header.find("entry_computation_layout={")
     if start < 0:
         raise RuntimeError("compiled HLO has no entry_computation_layout")
@@ -814,10 +823,17 @@ class PjrtExecutor:
                 f"it, or keep fewer parameters in pinned_host.",
                 requested, in_use, self.host_memory_limit_bytes)
 
+    def _x64(self):
+        """x64 mode while placing/executing when a parameter is 64-bit (jax would narrow it otherwise)."""
+        if any(np.dtype(p.dtype).itemsize == 8 and np.dtype(p.dtype).kind in "iuf" for p in self.parameters):
+            return _enable_x64()
+        return contextlib.nullcontext()
+
     def _device_put(self, index: int, x) -> jax.Array:
         p = self.parameters[index]
         try:
-            out = jax.device_put(x, p.sharding)
+            with self._x64():
+                out = jax.device_put(x, p.sharding)
         except Exception as e:
             if p.memory_kind == "pinned_host" and _is_resource_exhausted(e):
                 raise HostMemoryError(
@@ -916,8 +932,9 @@ class PjrtExecutor:
             self._check_host_limit(sum(self._host_bytes(self.parameters[i]) for i in todo) + extra, "call")
         values = self._place_all(list(args), "call")
         try:
-            results = self._exe.execute_sharded(values)
-            shards = results.disassemble_into_single_device_arrays()
+            with self._x64():
+                results = self._exe.execute_sharded(values)
+                shards = results.disassemble_into_single_device_arrays()
         except Exception as e:
             if _is_host_oom(e):
                 raise HostMemoryError(
@@ -925,8 +942,9 @@ class PjrtExecutor:
                     f"the PJRT GPU pinned pool, default {DEFAULT_GPU_HOST_MEMORY_LIMIT_GB} GiB): "
                     f"{str(e).splitlines()[0]}", 0) from e
             raise
-        return [jax.make_array_from_single_device_arrays(shape, sharding, list(arrs))
-                for shape, sharding, arrs in zip(self.output_shapes, self.output_shardings, shards)]
+        with self._x64():
+            return [jax.make_array_from_single_device_arrays(shape, sharding, list(arrs))
+                    for shape, sharding, arrs in zip(self.output_shapes, self.output_shardings, shards)]
 
     execute = __call__
 
