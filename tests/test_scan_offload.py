@@ -23,6 +23,7 @@ POLICIES = [
     OffloadPolicy(params="host", grads="host", activations={"act": "device"}, remat=True),
     OffloadPolicy(activations={"act": "host"}),
     OffloadPolicy(remat=True),
+    OffloadPolicy(params="host", grads="host", activations={"act": "host"}, remat=True),
 ]
 
 
@@ -150,7 +151,7 @@ def lower_train_step(policy, W):
 
 
 @pytest.mark.spmd
-@pytest.mark.parametrize("policy", POLICIES[1:4] + POLICIES[6:7], ids=str)
+@pytest.mark.parametrize("policy", POLICIES[1:4] + POLICIES[6:7] + POLICIES[8:9], ids=str)
 def test_hlo_has_expected_annotations_with_shardings(policy):
     _, W = make_weights(3, 16, 2, True)
     lowered = lower_train_step(policy, W)

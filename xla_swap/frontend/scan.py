@@ -124,7 +124,7 @@ def policy_partition(policy: OffloadPolicy) -> Callable:
                 stack.extend(n.all_input_nodes)
         backward_side = bwd | (recomputed - fwd_needed)
         # Tagged activations saved on the host: save place_to_host(t), bring back in the backward.
-        final, moved = [], {}
+        final, moved, mapping = [], {}, {}
         for n in saved:
             tag = _tag_of(n)
             if tag is None or policy.activations.get(tag.args[1]) != "host":
@@ -140,9 +140,21 @@ def policy_partition(policy: OffloadPolicy) -> Callable:
                     new.meta.update({k: v for k, v in tag.meta.items() if k in ("val", "tensor_meta")})
                 moved[tag] = back
                 final.append(host)
+            mapping[n] = moved[tag]
             for user in list(n.users):
                 if user in backward_side:
                     user.replace_input_with(n, moved[tag])
+        # A recomputed view that the forward also uses (e.g. a reshape of the tagged tensor) is
+        # copied for the backward, reading the host copy, so the backward never needs the original.
+        for u in list(graph.nodes):
+            if u in recomputed and u in fwd_needed and any(a in mapping for a in u.all_input_nodes):
+                with graph.inserting_after(u):
+                    c = graph.node_copy(u, lambda a: mapping.get(a, a))
+                c.meta = dict(u.meta)
+                mapping[u] = c
+                for user in list(u.users):
+                    if user in backward_side:
+                        user.replace_input_with(u, c)
         # Graph order, so that saved slices of xs come in xs order: torch_xla's scan re-inserts
         # the activations that alias xs assuming that order (scan.py: alias_input).
         position = {n: i for i, n in enumerate(graph.nodes)}
