@@ -430,7 +430,7 @@ def run_bandwidth(b: Bench) -> dict:
 def run_variant(args, variant: str, tokens: int | None) -> dict:
     """Run one variant in this process; returns its result dict."""
     b = Bench(args)
-    jax, jnp, np = b.jax, b.jnp, b.np
+    jax, np = b.jax, b.np
     res = {"variant": variant, "tokens": tokens, "device": getattr(b.dev, "device_kind", str(b.dev)),
            "platform": b.dev.platform, "jax_version": jax.__version__, "weight_bytes": b.weight_bytes}
     if variant == "bandwidth":
@@ -585,7 +585,7 @@ def run_accelerate(b: Bench, tokens: int, res: dict) -> dict:
     if not torch.cuda.is_available():
         res["skipped"] = "torch.cuda is not available"
         return res
-    np, jax = b.np, b.jax
+    np = b.np
     x, _ = b.inputs(tokens)
     W = b.device_weights()
     ref = np.asarray(b.ondev_forward(W, x).astype(b.jnp.float32))

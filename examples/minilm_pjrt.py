@@ -13,7 +13,6 @@ uses torch to convert the CPU tensors it is given to numpy.
 from __future__ import annotations
 
 import math
-import re
 from typing import Iterable
 
 import numpy as np
@@ -68,7 +67,6 @@ def run_lowered_with_pjrt(lowered, policy, *, host_param_ids: Iterable[int] | No
       TypeError: a parameter tensor's dtype differs from the compiled parameter's.
       jax.errors.JaxRuntimeError: XLA failed to compile or run the module.
     """
-    import jax
 
     from xla_swap.executors import ParameterPlacement, PjrtExecutor
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_scan_offload import POLICIES, lower_train_step, make_weights, run_cpu
+from test_scan_offload import POLICIES, loop_reference, lower_train_step, make_weights
 from xla_util import N
 from xla_swap.executors import ParameterPlacement, PjrtExecutor
 
@@ -36,7 +36,6 @@ def test_swapping_scan_runs_on_pjrt_with_host_weights(policy):
     # Reference: the Python loop on CPU torch with the same loss ((out**2).sum() + ys.sum()).
     h = h0.clone().requires_grad_(True)
     w = {k: v.clone().requires_grad_(True) for k, v in cpu.items()}
-    from test_scan_offload import loop_reference
     ref_out, ys = loop_reference(h, w)
     ref = torch.autograd.grad((ref_out ** 2).sum() + ys.sum(), [h, w["a"], w["b"]])
     torch.testing.assert_close(out, ref_out.detach(), rtol=1e-5, atol=1e-5)
