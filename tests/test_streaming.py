@@ -354,8 +354,8 @@ def test_bad_call_inputs_raise_before_state_change(params, x):
         rt.forward(x[:4])
     with pytest.raises(ValueError, match="h has shape .* dtype float16"):
         rt.forward(x.astype(np.float16))
-    with pytest.raises(TypeError, match="h: expected an array"):
-        rt.forward([[1.0] * D] * T)
+    with pytest.raises(TypeError, match=r"h\[0\]\[0\]: expected an array \(numpy or jax\), got float"):
+        rt.forward([[1.0] * D] * T)       # a nested list is a pytree of Python floats, not an array
     with pytest.raises(ValueError, match="exactly one of loss_fn and cotangent"):
         rt.train_step(x)
     with pytest.raises(ValueError, match="exactly one of loss_fn and cotangent"):
@@ -375,9 +375,11 @@ def test_stage_fn_errors_name_the_stage(params, x):
     rt = StreamingRuntime([layer] * 3 + [lambda p, h: h @ p["b"]], params[:4])
     with pytest.raises(ValueError, match="stage 3: stage_fn"):
         rt.forward(x)
-    rt2 = StreamingRuntime(lambda p, h: (h, h), params[:2])
-    with pytest.raises(TypeError, match="stage 0: stage_fn must return one array"):
+    rt2 = StreamingRuntime(lambda p, h: None, params[:2])
+    with pytest.raises(TypeError, match="stage 0: stage_fn must return an array or a pytree of arrays"):
         rt2.forward(x)
+    with pytest.raises(TypeError, match=r"h\[1\]: expected an array"):
+        rt.forward((x, "not an array"))
     rt3 = StreamingRuntime(layer, [{"a": np.ones((D, F), np.int32), "b": np.ones((F, D), np.int32)}])
     with pytest.raises(TypeError, match=r"stage_params\[0\]\['a'\] has dtype int32"):
         rt3.train_step(x.astype(np.int32), lambda o: jnp.sum(o).astype(jnp.float32))
@@ -395,3 +397,83 @@ def test_bfloat16_train_step():
     check_close(loss, ref_loss, rtol=2e-2, atol=2e-2)
     check_close(gx.astype(jnp.float32), ref_gx.astype(jnp.float32), rtol=5e-2, atol=5e-2)
     check_close(grads[2]["b"].astype(jnp.float32), ref_gp["b"][2].astype(jnp.float32), rtol=5e-2, atol=5e-2)
+
+
+# ---------------------------------------------------------------------------- pytree carry, remat
+def chunk_stages(params, chunks):
+    """Each layer split into ``chunks`` stages over F; carry ``(x, acc)``: ``acc += gelu(x @ a_c) @ b_c``.
+
+    The last chunk of a layer closes it: ``y = acc + ...``, the next carry is ``(y, y)``.
+    The chunked stack computes the same function as ``layer`` (up to summation order).
+    """
+    def partial(p, carry):
+        x, acc = carry
+        return x, acc + jax.nn.gelu(x @ p["a"]) @ p["b"]
+
+    def closing(p, carry):
+        _, y = partial(p, carry)
+        return y, y
+
+    fns, stage_params = [], []
+    for prm in params:
+        fc = prm["a"].shape[1] // chunks
+        for c in range(chunks):
+            fns.append(closing if c == chunks - 1 else partial)
+            stage_params.append({"a": prm["a"][:, c * fc:(c + 1) * fc], "b": prm["b"][c * fc:(c + 1) * fc]})
+    return fns, stage_params
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_pytree_carry_chunked_layers(params, x, k):
+    """Layers split into 4 column-chunk stages with a (x, partial sum) carry: forward and grads match."""
+    fns, sp = chunk_stages(params, 4)
+    rt = StreamingRuntime(fns, sp, prefetch_depth=k)
+    y, y2 = rt.forward((x, x))
+    check_close(y, mono_forward(stacked(params), x), rtol=1e-5, atol=1e-5)
+    check_close(y2, y, rtol=0, atol=0)
+    assert rt.num_executables == 2          # partial + closing
+
+    stack = stacked(params)
+    ref_loss, (ref_gp, ref_gx) = jax.value_and_grad(mono_loss, argnums=(0, 1))(stack, x)
+    loss, (gx, gacc), grads = rt.train_step((x, x), lambda out: loss_fn(out[0]))
+    check_close(loss, ref_loss, rtol=1e-5)
+    check_close(gx + gacc, ref_gx, rtol=1e-5, atol=1e-5)   # x feeds both carry slots of stage 0
+    got_a = np.concatenate([np.asarray(grads[4 * 5 + c]["a"]) for c in range(4)], axis=1)
+    check_close(got_a, ref_gp["a"][5], rtol=1e-5, atol=1e-5)
+    assert grads[0]["b"].sharding.memory_kind == "pinned_host"
+    with pytest.raises(ValueError, match="h has"):
+        rt.forward(x)                        # compiled for a (x, acc) pair
+    with pytest.raises(ValueError, match="cotangent has"):
+        rt.train_step((x, x), cotangent=np.zeros((T, D), np.float32))
+
+
+@pytest.mark.parametrize("remat", [False, jax.checkpoint_policies.dots_with_no_batch_dims_saveable],
+                         ids=["no-remat", "dots-saveable"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_train_step_saved_residuals(params, x, remat, k):
+    """remat=False / a checkpoint policy: same loss and gradients, residuals kept instead of recompute."""
+    stack = stacked(params)
+    ref_loss, (ref_gp, ref_gx) = jax.value_and_grad(mono_loss, argnums=(0, 1))(stack, x)
+    rt = StreamingRuntime(layer, params, prefetch_depth=k, remat=remat)
+    loss, gx, grads = rt.train_step(x, loss_fn)
+    check_close(loss, ref_loss, rtol=1e-5)
+    check_close(gx, ref_gx, rtol=1e-5, atol=1e-5)
+    for i in (0, L - 1):
+        for name in ("a", "b"):
+            assert grads[i][name].sharding.memory_kind == "pinned_host"
+            check_close(grads[i][name], ref_gp[name][i], rtol=1e-5, atol=1e-5)
+    # the weights (D*F*4 bytes each) are never among the kept residuals; what is kept is
+    # activation-sized: with the dots policy exactly the pre-activation h @ a (T x F fp32)
+    if remat is False:
+        assert rt.residual_nbytes[0] >= T * F * 4
+    else:
+        assert rt.residual_nbytes == [T * F * 4] * L
+    assert rt.max_resident_stages <= k + 1
+    assert rt.num_executables == 2          # forward-save, backward-saved
+    # a plain forward still works (its own executable) and agrees
+    check_close(rt.forward(x), mono_forward(stack, x))
+
+
+def test_remat_argument_checked(params):
+    with pytest.raises(TypeError, match="remat must be a bool or a jax.checkpoint_policies policy"):
+        StreamingRuntime(layer, params, remat="dots")

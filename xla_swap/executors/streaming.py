@@ -135,13 +135,50 @@ def _as_aval(x, what: str) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(x.dtype))
 
 
+def _tree_aval(tree, what: str):
+    """Pytree of ``ShapeDtypeStruct`` for a pytree of arrays (one array is a pytree too).
+
+    Raises:
+      TypeError: a leaf is not an array, or the pytree has no leaves (the message names ``what``
+        and the leaf path).
+    """
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    if not leaves:
+        raise TypeError(f"{what}: expected an array or a pytree of arrays, got {tree!r} (no array leaves)")
+    return jax.tree_util.tree_unflatten(
+        treedef, [_as_aval(leaf, what + jax.tree_util.keystr(path)) for path, leaf in leaves])
+
+
+def _aval_key(tree) -> tuple:
+    """Hashable (tree structure, leaf shapes and dtypes) of a pytree of avals."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(a.shape), str(np.dtype(a.dtype))) for a in leaves)
+
+
+def _describe(tree) -> str:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if treedef == jax.tree_util.tree_structure(0):
+        return f"shape {tuple(leaves[0].shape)} dtype {np.dtype(leaves[0].dtype)}"
+    return f"{treedef} with leaves " + ", ".join(f"{np.dtype(a.dtype)}{list(a.shape)}" for a in leaves)
+
+
+def _index_by_identity(items, x):
+    for j, item in enumerate(items):
+        if item is x:
+            return j
+    return None
+
+
 class StreamingRuntime:
     """Run a stack of stages with host-resident weights streamed to the device k stages ahead.
 
     Args:
       stage_fn: ``stage_fn(params_i, h) -> h``: one stage (layer). ``params_i`` is the
-        pytree ``stage_params[i]`` (in device memory) and ``h`` one array (the
-        activation); it must return one array. Either one callable shared by every stage
+        pytree ``stage_params[i]`` (in device memory) and ``h`` the activation (the carry
+        between stages): one array or a pytree of arrays; it returns the next stage's
+        ``h`` (an array or a pytree of arrays; a pytree carry lets one layer be split
+        into several stages, e.g. an FFN's column chunks with ``(x, partial_sum)``, so
+        that smaller transfers start the pipeline and end it sooner). Either one callable shared by every stage
         (then every stage's params must have the same tree structure, leaf shapes and
         dtypes), or a sequence with one callable per stage. One executable is compiled per
         distinct (callable, params signature, input signature): an L-layer stack of
@@ -179,20 +216,32 @@ class StreamingRuntime:
       trace: record a ``StageEvent`` for every transfer and computation (``last_trace``);
         a watcher thread waits on each result. Holds extra references while waiting, so
         residency counts may read higher; disables donation.
+      remat: what ``train_step`` keeps from each stage's forward for its backward.
+        ``True`` (default): only the stage input; the backward recomputes the stage's
+        forward (per-stage rematerialisation, least memory). ``False``: every residual
+        of ``jax.vjp(stage_fn)`` except the stage's weights and input (no recompute; the
+        most memory). A ``jax.checkpoint_policies`` policy (e.g.
+        ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``): the residuals
+        that ``jax.checkpoint(stage_fn, policy=remat)`` saves, the rest is recomputed in
+        the backward. The weights are never kept: the backward streams them in again and
+        gets them back from the forward's trace by identity (``residual_nbytes`` has the
+        bytes kept per stage). The saved residuals stay in device memory.
 
     Device memory (bytes), with S = the largest stage's weight bytes (``stage_nbytes``):
       forward: at most (k+1)*S of weights plus two activations; ``train_step``: at most
       (k+1)*S of weights and parameter gradients (a stage's device-side gradients count as
       that stage; with ``donate`` they reuse its weight buffers, without it add S), plus the
       L+1 stage inputs kept for the backward and the stage executables' temporaries
-      (``executable_memory()``). The bound is physical with ``throttle=True``; with
+      (``executable_memory()``), plus with ``remat`` other than ``True`` the saved
+      residuals (``residual_nbytes``). The bound is physical with ``throttle=True``; with
       ``throttle=False`` it holds for the runtime's references only. Host memory:
       ``weight_nbytes`` of ``pinned_host`` (plus the same again for the returned gradients).
 
     Raises:
       TypeError: ``stage_fn`` (or an element) is not callable; a parameter leaf is not an
         array; ``device``/``sharding``/``activation_sharding`` has the wrong type;
-        ``prefetch_depth`` is not an int; a flag is not a bool.
+        ``prefetch_depth`` is not an int; a flag is not a bool; ``remat`` is neither a
+        bool nor callable.
       ValueError: ``prefetch_depth < 1``; ``stage_params`` is empty or not a sequence;
         the number of stage functions differs from the number of stages; with one shared
         ``stage_fn``, a stage's params differ from stage 0's in structure, shape or dtype
@@ -214,6 +263,7 @@ class StreamingRuntime:
         throttle: bool = True,
         track_residency: bool = True,
         trace: bool = False,
+        remat: bool | Callable = True,
     ):
         # ---- validation, no state change before all of it passed ----
         if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, (int, np.integer)):
@@ -224,6 +274,9 @@ class StreamingRuntime:
                                 ("track_residency", track_residency), ("trace", trace)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{flag_name} must be a bool, got {type(flag).__name__}")
+        if not (isinstance(remat, bool) or callable(remat)):
+            raise TypeError(f"remat must be a bool or a jax.checkpoint_policies policy (callable), "
+                            f"got {type(remat).__name__}")
         if isinstance(stage_params, (str, bytes, dict)) or not isinstance(stage_params, Sequence):
             raise ValueError(f"stage_params must be a non-empty sequence (list/tuple) of per-stage pytrees, "
                              f"got {type(stage_params).__name__}")
@@ -322,6 +375,7 @@ class StreamingRuntime:
         self.throttle = throttle
         self.track_residency = track_residency
         self.trace = trace
+        self.remat = remat
         self.activation_sharding: Sharding = act
         self._fns = fns
         self._fn_ids: list[int] = []
@@ -343,9 +397,13 @@ class StreamingRuntime:
         #: bytes of each stage's weights (logical sizes), and their sum.
         self.stage_nbytes: list[int] = [tree_nbytes(p) for p in self.host_params]
         self.weight_nbytes: int = sum(self.stage_nbytes)
-        self._in_aval: jax.ShapeDtypeStruct | None = None
-        self._chain: list[jax.ShapeDtypeStruct] | None = None  # aval of the input of stage i, i = 0..n
+        self._in_aval = None  # pytree of ShapeDtypeStruct of h (first call)
+        self._chain: list | None = None  # avals (pytrees) of the input of stage i, i = 0..n
         self._compiled: dict = {}
+        self._saved_layout: dict = {}  # compile key -> (vjp treedef, residual sources) (remat != True)
+        #: bytes of the residuals each stage keeps from its forward for its backward in
+        #: ``train_step`` beyond its input (0 with ``remat=True``); filled by the first training call.
+        self.residual_nbytes: list[int] = [0] * n
         self._stage_exe: dict = {}  # (kind, stage) -> compiled
         self._loss_jits: dict = {}
         self._tracked: dict[int, tuple[weakref.ref, int]] = {}
@@ -417,8 +475,10 @@ class StreamingRuntime:
                         "temp_bytes": get("temp_size_in_bytes")})
         return out
 
-    def output_aval(self, h) -> jax.ShapeDtypeStruct:
+    def output_aval(self, h):
         """Shape and dtype of ``forward(h)`` without running anything (traces on first use).
+
+        Returns: a ``jax.ShapeDtypeStruct`` (or a pytree of them for a pytree carry).
 
         Raises: as ``forward``.
         """
@@ -429,17 +489,19 @@ class StreamingRuntime:
         """Run every stage in order, streaming weights ``prefetch_depth`` stages ahead.
 
         Args:
-          h: the input activation: numpy or jax array. The first call fixes its shape and
-            dtype (executables are compiled for them, before any transfer).
+          h: the input activation: a numpy or jax array, or a pytree of them. The first
+            call fixes its structure, shapes and dtypes (executables are compiled for them,
+            before any transfer).
 
         Returns:
-          ``jax.Array`` on the device (``activation_sharding``), shape and dtype of the
-          last stage's output. Asynchronous: call ``block_until_ready`` to wait.
+          ``jax.Array`` (or pytree) on the device (``activation_sharding``), shaped like
+          the last stage's output. Asynchronous: call ``jax.block_until_ready`` to wait.
 
         Raises:
-          TypeError: ``h`` is not an array; a stage returns something other than one array.
-          ValueError: ``h``'s shape or dtype differs from the first call's; a stage
-            function fails to trace (message names the stage).
+          TypeError: a leaf of ``h`` is not an array; a stage returns no array or a
+            non-array leaf.
+          ValueError: ``h``'s structure, shapes or dtypes differ from the first call's; a
+            stage function fails to trace (message names the stage).
         """
         return self._run(h, train=False)[0]
 
@@ -451,7 +513,8 @@ class StreamingRuntime:
         The forward keeps every stage's input on the device (L activations) and the last
         ``prefetch_depth`` stages' weights (the backward starts with them). The backward
         runs one ``jax.vjp`` executable per stage in reverse (it recomputes the stage's
-        forward: per-stage rematerialisation) with the same k-deep prefetch, and sends each
+        forward: per-stage rematerialisation; see ``remat`` for keeping residuals instead)
+        with the same k-deep prefetch, and sends each
         stage's parameter gradients to host memory as soon as they are produced. With
         ``throttle=True`` the host waits until stage i+1's gradients have reached host memory
         before issuing stage i-k's weight transfer, so with k=1 a transfer cannot overlap the
@@ -463,8 +526,8 @@ class StreamingRuntime:
           h: input activation, as for ``forward``.
           loss_fn: ``loss_fn(out, *loss_args) -> scalar`` (shape ``()``, floating). Its
             value and gradient w.r.t. ``out`` are computed by one jitted executable.
-          cotangent: instead of ``loss_fn``: the cotangent of the output (same shape and
-            dtype as the output), numpy or jax array.
+          cotangent: instead of ``loss_fn``: the cotangent of the output (same structure,
+            shapes and dtypes as the output), numpy or jax arrays.
           loss_args: extra arguments (e.g. targets) passed to ``loss_fn``.
 
         Returns:
@@ -491,17 +554,17 @@ class StreamingRuntime:
                 if not jnp.issubdtype(a.dtype, jnp.inexact):
                     raise TypeError(f"train_step: stage_params[{i}]{_leaf_name(path)} has dtype {a.dtype}; "
                                     "gradients need floating parameters")
-        for i, a in enumerate(self._chain):
-            if not jnp.issubdtype(a.dtype, jnp.inexact):
-                raise TypeError(f"train_step: the input of stage {i} has dtype {a.dtype}; gradients need "
-                                "floating activations" if i < self.num_stages else
-                                f"train_step: the output has dtype {a.dtype}; gradients need floating outputs")
+        for i, av in enumerate(self._chain):
+            for a in jax.tree_util.tree_leaves(av):
+                if not jnp.issubdtype(a.dtype, jnp.inexact):
+                    raise TypeError(f"train_step: the input of stage {i} has dtype {a.dtype}; gradients need "
+                                    "floating activations" if i < self.num_stages else
+                                    f"train_step: the output has dtype {a.dtype}; gradients need floating outputs")
         out_aval = self._chain[-1]
         if cotangent is not None:
-            c = _as_aval(cotangent, "cotangent")
-            if c.shape != out_aval.shape or c.dtype != out_aval.dtype:
-                raise ValueError(f"cotangent has shape {c.shape} dtype {c.dtype}, but the output has shape "
-                                 f"{out_aval.shape} dtype {out_aval.dtype}")
+            c = _tree_aval(cotangent, "cotangent")
+            if _aval_key(c) != _aval_key(out_aval):
+                raise ValueError(f"cotangent has {_describe(c)}, but the output has {_describe(out_aval)}")
             loss_exe = None
         else:
             loss_exe = self._loss_exe(loss_fn, out_aval, loss_args)
@@ -509,27 +572,30 @@ class StreamingRuntime:
 
     # ------------------------------------------------------------------ internals
     def _check_input(self, h) -> None:
-        a = _as_aval(h, "h")
+        a = _tree_aval(h, "h")
         if self._in_aval is not None:
-            if a.shape != self._in_aval.shape or a.dtype != self._in_aval.dtype:
-                raise ValueError(f"h has shape {a.shape} dtype {a.dtype}, but this runtime was compiled for "
-                                 f"shape {self._in_aval.shape} dtype {self._in_aval.dtype} on its first call; "
-                                 "make a new StreamingRuntime (it may share host_params) for another shape")
+            if _aval_key(a) != _aval_key(self._in_aval):
+                raise ValueError(f"h has {_describe(a)}, but this runtime was compiled for {_describe(self._in_aval)} "
+                                 "on its first call; make a new StreamingRuntime (it may share host_params) for "
+                                 "another shape")
             return
         chain = [a]
         for i, (f, pav) in enumerate(zip(self._fns, self._param_avals)):
             try:
                 out = jax.eval_shape(f, pav, chain[-1])
             except Exception as e:  # noqa: BLE001 - re-raised with the stage named
-                raise ValueError(f"stage {i}: stage_fn(params, h) failed to trace for h of shape "
-                                 f"{chain[-1].shape} dtype {chain[-1].dtype}: {type(e).__name__}: {e}") from e
-            if not isinstance(out, jax.ShapeDtypeStruct):
-                raise TypeError(f"stage {i}: stage_fn must return one array, got {jax.tree_util.tree_structure(out)}")
-            chain.append(jax.ShapeDtypeStruct(out.shape, out.dtype))
+                raise ValueError(f"stage {i}: stage_fn(params, h) failed to trace for h of {_describe(chain[-1])}: "
+                                 f"{type(e).__name__}: {e}") from e
+            leaves = jax.tree_util.tree_leaves(out)
+            if not leaves or not all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+                raise TypeError(f"stage {i}: stage_fn must return an array or a pytree of arrays, "
+                                f"got {jax.tree_util.tree_structure(out)}")
+            chain.append(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), out))
         self._in_aval, self._chain = a, chain
 
     def _spec(self, aval, sharding):
-        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding)
+        """``ShapeDtypeStruct`` (pytree) of ``aval`` with ``sharding`` on every leaf."""
+        return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), aval)
 
     def _exe(self, kind: str, i: int, donate: bool):
         key_stage = (kind + ("-donate" if donate else ""), i)
@@ -541,27 +607,81 @@ class StreamingRuntime:
                 tuple((a.shape, str(a.dtype), s) for a, s in zip(jax.tree_util.tree_leaves(self._param_avals[i]),
                                                                    jax.tree_util.tree_leaves(self._dev_sh[i]))))
         hin, hout = self._chain[i], self._chain[i + 1]
-        key = (self._fn_ids[i], key_stage[0], pkey, (hin.shape, str(hin.dtype)), (hout.shape, str(hout.dtype)))
+        base = (self._fn_ids[i], pkey, _aval_key(hin), _aval_key(hout))
+        key = (base[0], key_stage[0]) + base[1:]
         exe = self._compiled.get(key)
         if exe is None:
             pspec = jax.tree_util.tree_map(self._spec, self._param_avals[i], self._dev_sh[i])
             hspec = self._spec(hin, self.activation_sharding)
+            gspec = self._spec(hout, self.activation_sharding)
+            # the gradient of the output may reuse the input's buffer (same avals) and the
+            # streamed weights' buffers hold the weight gradients
+            same = _aval_key(hin) == _aval_key(hout)
             if kind == "forward":
                 exe = jax.jit(f, out_shardings=self.activation_sharding).lower(pspec, hspec).compile()
-            else:
+            elif kind == "forward-save":
+                exe = self._compile_forward_save(f, base, pspec, hspec)
+            elif kind == "backward":
                 def bwd(p, x, g, f=f):
                     _, vjp = jax.vjp(f, p, x)
                     gp, gx = vjp(g)
                     return gx, gp
 
-                donate_argnums = ()
-                if donate:
-                    donate_argnums = (0, 2) if (hin.shape == hout.shape and hin.dtype == hout.dtype) else (0,)
-                gspec = self._spec(hout, self.activation_sharding)
+                donate_argnums = ((0, 2) if same else (0,)) if donate else ()
                 exe = jax.jit(bwd, out_shardings=(self.activation_sharding, self._dev_sh[i]),
                               donate_argnums=donate_argnums).lower(pspec, hspec, gspec).compile()
+            else:  # "backward-saved": the vjp from the forward's residuals, no recompute
+                fwd_save = self._exe("forward-save", i, False)
+                treedef, sources = self._saved_layout[base]
+                sspec = jax.tree_util.tree_map(
+                    lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                    fwd_save.out_info[1], fwd_save.output_shardings[1])
+
+                def bwd_saved(p, x, saved, g, treedef=treedef, sources=sources):
+                    src = {"p": jax.tree_util.tree_leaves(p), "x": jax.tree_util.tree_leaves(x), "s": saved}
+                    vjp = jax.tree_util.tree_unflatten(treedef, [src[kind][j] for kind, j in sources])
+                    gp, gx = vjp(g)
+                    return gx, gp
+
+                donate_argnums = ((0, 3) if same else (0,)) if donate else ()
+                exe = jax.jit(bwd_saved, out_shardings=(self.activation_sharding, self._dev_sh[i]),
+                              donate_argnums=donate_argnums).lower(pspec, hspec, sspec, gspec).compile()
             self._compiled[key] = exe
         self._stage_exe[key_stage] = exe
+        return exe
+
+    def _compile_forward_save(self, f, base, pspec, hspec):
+        """Compile ``(p, x) -> (y, saved)``: the stage's output and its vjp residuals minus ``p`` and ``x``.
+
+        ``jax.vjp`` returns its residuals as the leaves of the vjp function (a pytree); while
+        tracing, residuals that *are* the traced weights or stage input (identity) are
+        recorded as such in ``self._saved_layout[base]`` and not returned, so the weights
+        are not kept on the device between the passes.
+        """
+        fs = f if self.remat is False else jax.checkpoint(f, policy=self.remat)
+        box = {}
+
+        def fwd_save(p, x):
+            y, vjp = jax.vjp(fs, p, x)
+            res, treedef = jax.tree_util.tree_flatten(vjp)
+            pl, xl = jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(x)
+            sources, saved = [], []
+            for r in res:
+                j = _index_by_identity(pl, r)
+                if j is not None:
+                    sources.append(("p", j))
+                    continue
+                j = _index_by_identity(xl, r)
+                if j is not None:
+                    sources.append(("x", j))
+                    continue
+                sources.append(("s", len(saved)))
+                saved.append(r)
+            box["layout"] = (treedef, tuple(sources))
+            return y, saved
+
+        exe = jax.jit(fwd_save, out_shardings=(self.activation_sharding, None)).lower(pspec, hspec).compile()
+        self._saved_layout[base] = box["layout"]
         return exe
 
     def _loss_exe(self, loss_fn, out_aval, loss_args):
@@ -598,8 +718,11 @@ class StreamingRuntime:
         n, k = self.num_stages, self.prefetch_depth
         donate = self.donate and not self.trace
         # compile everything before the first transfer (errors surface before state changes)
-        fwd = [self._exe("forward", i, False) for i in range(n)]
-        bwd = [self._exe("backward", i, donate) for i in range(n)] if train else None
+        save = train and self.remat is not True
+        fwd = [self._exe("forward-save" if save else "forward", i, False) for i in range(n)]
+        bwd = [self._exe("backward-saved" if save else "backward", i, donate) for i in range(n)] if train else None
+        if save:
+            self.residual_nbytes = [tree_nbytes(e.out_info[1]) for e in fwd]
 
         self.residency_trace = []
         watcher = None
@@ -622,6 +745,8 @@ class StreamingRuntime:
 
     def _stream(self, h, fwd, bwd, watcher, n, k, train, donate, loss_exe, cotangent, loss_args):
         throttle = self.throttle
+        save = train and self.remat is not True
+        saved: list = [None] * n
         x = jax.device_put(h, self.activation_sharding)
         # Forward. In training, the last k stages stay resident for the start of the backward.
         keep = set(range(max(0, n - k), n)) if train else set()
@@ -632,11 +757,14 @@ class StreamingRuntime:
         for i in range(n):
             p = q[i]
             ev = StageEvent("forward", i, "compute", watcher.now()) if watcher else None
-            y = fwd[i](p, x)
+            if save:
+                y, saved[i] = fwd[i](p, x)
+            else:
+                y = fwd[i](p, x)
             if watcher:
                 watcher.add(ev, y)
             if throttle:
-                x.block_until_ready()  # stage i-1 done: its weights' memory is free
+                jax.block_until_ready(x)  # stage i-1 done: its weights' memory is free
             if i + k < n:
                 self._fetch(q, i + k, "forward", watcher)
             self._record("forward", i)
@@ -667,7 +795,12 @@ class StreamingRuntime:
             xi = acts[i]
             acts[i] = None
             ev = StageEvent("backward", i, "compute", watcher.now()) if watcher else None
-            g, dp = bwd[i](p, xi, g)
+            if save:
+                si, saved[i] = saved[i], None
+                g, dp = bwd[i](p, xi, si, g)
+                del si
+            else:
+                g, dp = bwd[i](p, xi, g)
             del xi
             if watcher:
                 watcher.add(ev, (g, dp))
