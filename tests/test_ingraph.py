@@ -1,0 +1,68 @@
+"""Tests of xla_swap.executors.ingraph (numpy + jax only, on a virtual CPU device).
+
+On CPU the compiler strips the placement annotations (no host offloader), so what is
+checked here is the program: values against the monolithic device-resident reference,
+the weights as ``pinned_host`` entry parameters, pytree carries, errors. Whether XLA
+overlaps the copies is a GPU property, measured by ``benchmarks/gpu_stack.py``
+(``copy_start_count`` there).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from test_streaming import L, D, T, check_close, chunk_stages, layer, make_input, make_params, mono_forward, stacked
+from xla_swap.executors import InGraphRuntime, StreamingRuntime
+
+
+@pytest.fixture(scope="module")
+def params():
+    return make_params()
+
+
+@pytest.fixture(scope="module")
+def x():
+    return make_input()
+
+
+def test_forward_matches_monolithic(params, x):
+    rt = InGraphRuntime(layer, params)
+    y = rt.forward(x)
+    check_close(y, mono_forward(stacked(params), x))
+    assert y.sharding.memory_kind == "device"
+    assert rt.weight_nbytes == sum(p["a"].nbytes + p["b"].nbytes for p in params)
+    for p in rt.host_params:
+        assert all(leaf.sharding.memory_kind == "pinned_host" for leaf in jax.tree_util.tree_leaves(p))
+    # the weights are entry parameters of the one program, in host memory space S(5)
+    text = rt.compile(x).as_text()
+    assert text.count("S(5)") >= 2 * L
+    assert rt.memory_analysis() is not None
+    check_close(rt(jnp.asarray(x)), y, rtol=0, atol=0)   # second call: same executable
+
+
+def test_shares_streaming_host_buffers_and_chunked_stages(params, x):
+    """The pinned_host buffers of a StreamingRuntime are used as they are; pytree carry works."""
+    fns, sp = chunk_stages(params, 2)
+    srt = StreamingRuntime(fns, sp, prefetch_depth=2)
+    rt = InGraphRuntime(fns, srt.host_params)
+    assert all(a is b for a, b in zip(jax.tree_util.tree_leaves(rt.host_params),
+                                      jax.tree_util.tree_leaves(srt.host_params)))
+    y, _ = rt.forward((x, x))
+    check_close(y, mono_forward(stacked(params), x), rtol=1e-5, atol=1e-5)
+    check_close(y, srt.forward((x, x))[0], rtol=1e-6, atol=1e-6)
+
+
+def test_bad_input(params, x):
+    with pytest.raises(ValueError, match="non-empty sequence"):
+        InGraphRuntime(layer, [])
+    with pytest.raises(ValueError, match="stage_fn has 2 functions but stage_params has 8"):
+        InGraphRuntime([layer, layer], params)
+    with pytest.raises(TypeError, match=r"stage_params\[0\]\['a'\]: expected an array"):
+        InGraphRuntime(layer, [{"a": "w", "b": params[0]["b"]}])
+    with pytest.raises(TypeError, match="device must be a jax.Device"):
+        InGraphRuntime(layer, params, device="gpu:0")
+    rt = InGraphRuntime(layer, params)
+    rt.forward(x)
+    with pytest.raises(ValueError, match=r"h has shape \(4, 16\).*compiled for shape \(8, 16\)"):
+        rt.forward(x[:4])
+    check_close(rt.forward(x), mono_forward(stacked(params), x))   # still usable

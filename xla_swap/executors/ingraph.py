@@ -1,0 +1,136 @@
+"""In-graph host offload: the whole stack as one XLA program over per-stage ``pinned_host`` buffers.
+
+The program is the Python-unrolled stack ``h = stage_fn_i(device_put(params_i, device), h)``
+traced into one ``jax.jit``; every stage's weights are *separate* ``pinned_host`` entry
+parameters. XLA:GPU turns each ``device_put`` of a whole host buffer into an asynchronous
+``copy-start``/``copy-done`` pair on a second stream and overlaps it with the previous
+stage's compute; it does not do that for dynamic slices of one stacked host buffer (the
+``lax.scan`` form), which it reads on the compute stream (DESIGN.md, one H200: 161 ms vs
+240 ms for the 8-layer 1 GiB/layer bf16 FFN stack at 8192 tokens, floor 159 ms). How far
+ahead XLA prefetches is XLA's choice (its scheduler); ``copy_start_count`` and
+``memory_analysis`` of the compiled program tell what it did.
+
+Compared with :class:`xla_swap.executors.streaming.StreamingRuntime`: one executable and
+no host-side dispatch per stage, but no control over device memory (forward: two stages
+of weights were measured; a training step was measured at 9.6 GiB of temporaries for the
+same stack, so only the forward is offered here).
+
+The module imports only numpy and jax (no torch, no torch_xla).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.sharding import SingleDeviceSharding
+
+from .streaming import DEVICE_KIND, HOST_KIND, _aval_key, _describe, _tree_aval, tree_nbytes
+
+__all__ = ["InGraphRuntime"]
+
+
+class InGraphRuntime:
+    """Run a stack of stages as one jitted program that moves each stage's weights in itself.
+
+    Args:
+      stage_fn: ``stage_fn(params_i, h) -> h`` (as for ``StreamingRuntime``): one callable
+        for every stage or a sequence with one per stage; ``h`` an array or a pytree of
+        arrays.
+      stage_params: non-empty sequence of per-stage pytrees of arrays. Each leaf is put
+        into its own ``pinned_host`` buffer on ``device`` (a jax array already there, e.g.
+        ``StreamingRuntime.host_params``, is used without a copy).
+      device: the ``jax.Device`` (default ``jax.devices()[0]``); it must have the
+        ``pinned_host`` and ``device`` memory kinds.
+
+    Device memory: decided by XLA's scheduler (``memory_analysis()``); the weights
+    themselves live in ``pinned_host`` (``weight_nbytes`` bytes of host memory).
+
+    Raises:
+      TypeError: ``stage_fn`` (or an element) is not callable; a parameter leaf is not an
+        array; ``device`` is not a ``jax.Device``.
+      ValueError: ``stage_params`` is empty or not a sequence; the number of stage
+        functions differs from the number of stages; the device lacks a memory kind.
+    """
+
+    def __init__(self, stage_fn: Callable | Sequence[Callable], stage_params: Sequence[Any], *,
+                 device: jax.Device | None = None):
+        if isinstance(stage_params, (str, bytes, dict)) or not isinstance(stage_params, Sequence) \
+                or len(stage_params) == 0:
+            raise ValueError("stage_params must be a non-empty sequence (list/tuple) of per-stage pytrees")
+        n = len(stage_params)
+        if callable(stage_fn):
+            fns = [stage_fn] * n
+        elif isinstance(stage_fn, Sequence) and not isinstance(stage_fn, (str, bytes)):
+            fns = list(stage_fn)
+            if len(fns) != n:
+                raise ValueError(f"stage_fn has {len(fns)} functions but stage_params has {n} stages")
+            for i, f in enumerate(fns):
+                if not callable(f):
+                    raise TypeError(f"stage_fn[{i}] is not callable: {type(f).__name__}")
+        else:
+            raise TypeError(f"stage_fn must be a callable or a sequence of callables, got {type(stage_fn).__name__}")
+        for i, p in enumerate(stage_params):
+            _tree_aval(p, f"stage_params[{i}]")
+        if device is not None and not isinstance(device, jax.Device):
+            raise TypeError(f"device must be a jax.Device, got {type(device).__name__}")
+        dev = device if device is not None else jax.devices()[0]
+        kinds = {m.kind for m in dev.addressable_memories()}
+        if HOST_KIND not in kinds or DEVICE_KIND not in kinds:
+            raise ValueError(f"device {dev} has memory kinds {sorted(kinds)}; in-graph offload needs "
+                             f"{HOST_KIND!r} and {DEVICE_KIND!r}")
+        self.num_stages = n
+        self._fns = fns
+        self._host = SingleDeviceSharding(dev, memory_kind=HOST_KIND)
+        self._dev = SingleDeviceSharding(dev, memory_kind=DEVICE_KIND)
+        #: per-stage pytrees of ``pinned_host`` arrays (the program's weight parameters).
+        self.host_params: list = [jax.device_put(p, self._host) for p in stage_params]
+        #: bytes of all stages' weights (logical sizes).
+        self.weight_nbytes: int = sum(tree_nbytes(p) for p in self.host_params)
+        self._compiled = None
+        self._in_key = None
+        self._in_aval = None
+
+    def _program(self, params, h):
+        for f, p in zip(self._fns, params):
+            h = f(jax.device_put(p, self._dev), h)
+        return h
+
+    def compile(self, h):
+        """Compile for the shapes of ``h`` (done by the first ``forward``); returns ``jax.stages.Compiled``.
+
+        Raises:
+          TypeError: a leaf of ``h`` is not an array.
+          ValueError: ``h`` differs in structure, shapes or dtypes from the first call's.
+        """
+        aval = _tree_aval(h, "h")
+        if self._compiled is not None:
+            if _aval_key(aval) != self._in_key:
+                raise ValueError(f"h has {_describe(aval)}, but this runtime was compiled for "
+                                 f"{_describe(self._in_aval)}; make a new InGraphRuntime for another shape")
+            return self._compiled
+        spec = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._dev), aval)
+        self._compiled = jax.jit(self._program, out_shardings=self._dev).lower(self.host_params, spec).compile()
+        self._in_key, self._in_aval = _aval_key(aval), aval
+        return self._compiled
+
+    def forward(self, h):
+        """Run the stack on ``h`` (array or pytree; numpy or jax); returns the output on the device.
+
+        Asynchronous (``jax.block_until_ready`` waits). Raises: as ``compile``.
+        """
+        exe = self.compile(h)
+        return exe(self.host_params, jax.device_put(h, self._dev))
+
+    __call__ = forward
+
+    def copy_start_count(self) -> int:
+        """Number of asynchronous copies (``copy-start``) in the compiled program (0 before ``compile``).
+
+        On GPU one per weight leaf means XLA overlaps every transfer; on CPU the placement
+        annotations are stripped and the count is 0.
+        """
+        return 0 if self._compiled is None else self._compiled.as_text().count("copy-start")
+
+    def memory_analysis(self):
+        """The compiled program's ``memory_analysis()`` (bytes; ``None`` before ``compile``)."""
+        return None if self._compiled is None else self._compiled.memory_analysis()
