@@ -61,8 +61,19 @@ def test_bad_input(params, x):
         InGraphRuntime(layer, [{"a": "w", "b": params[0]["b"]}])
     with pytest.raises(TypeError, match="device must be a jax.Device"):
         InGraphRuntime(layer, params, device="gpu:0")
+    with pytest.raises(TypeError, match="compiler_options must be a dict"):
+        InGraphRuntime(layer, params, compiler_options="--xla_foo")
     rt = InGraphRuntime(layer, params)
     rt.forward(x)
     with pytest.raises(ValueError, match=r"h has shape \(4, 16\).*compiled for shape \(8, 16\)"):
         rt.forward(x[:4])
     check_close(rt.forward(x), mono_forward(stacked(params), x))   # still usable
+
+
+def test_compiler_options_reach_xla(params, x):
+    """A known XLA debug option compiles (same values); an unknown one fails at compile, naming it."""
+    rt = InGraphRuntime(layer, params, compiler_options={"xla_cpu_enable_fast_math": False})
+    check_close(rt.forward(x), mono_forward(stacked(params), x))
+    bad = InGraphRuntime(layer, params, compiler_options={"xla_no_such_option": True})
+    with pytest.raises(Exception, match="xla_no_such_option"):
+        bad.forward(x)

@@ -41,19 +41,23 @@ class InGraphRuntime:
         ``StreamingRuntime.host_params``, is used without a copy).
       device: the ``jax.Device`` (default ``jax.devices()[0]``); it must have the
         ``pinned_host`` and ``device`` memory kinds.
+      compiler_options: XLA ``DebugOptions`` for this program only, e.g.
+        ``{"xla_gpu_enable_latency_hiding_scheduler": True}`` (passed to
+        ``jax.stages.Lowered.compile(compiler_options=...)``; the same names as the
+        ``XLA_FLAGS`` flags without ``--``). An unknown name fails in ``compile``.
 
     Device memory: decided by XLA's scheduler (``memory_analysis()``); the weights
     themselves live in ``pinned_host`` (``weight_nbytes`` bytes of host memory).
 
     Raises:
       TypeError: ``stage_fn`` (or an element) is not callable; a parameter leaf is not an
-        array; ``device`` is not a ``jax.Device``.
+        array; ``device`` is not a ``jax.Device``; ``compiler_options`` is not a dict.
       ValueError: ``stage_params`` is empty or not a sequence; the number of stage
         functions differs from the number of stages; the device lacks a memory kind.
     """
 
     def __init__(self, stage_fn: Callable | Sequence[Callable], stage_params: Sequence[Any], *,
-                 device: jax.Device | None = None):
+                 device: jax.Device | None = None, compiler_options: dict | None = None):
         if isinstance(stage_params, (str, bytes, dict)) or not isinstance(stage_params, Sequence) \
                 or len(stage_params) == 0:
             raise ValueError("stage_params must be a non-empty sequence (list/tuple) of per-stage pytrees")
@@ -73,12 +77,15 @@ class InGraphRuntime:
             _tree_aval(p, f"stage_params[{i}]")
         if device is not None and not isinstance(device, jax.Device):
             raise TypeError(f"device must be a jax.Device, got {type(device).__name__}")
+        if compiler_options is not None and not isinstance(compiler_options, dict):
+            raise TypeError(f"compiler_options must be a dict of XLA debug options, got {type(compiler_options).__name__}")
         dev = device if device is not None else jax.devices()[0]
         kinds = {m.kind for m in dev.addressable_memories()}
         if HOST_KIND not in kinds or DEVICE_KIND not in kinds:
             raise ValueError(f"device {dev} has memory kinds {sorted(kinds)}; in-graph offload needs "
                              f"{HOST_KIND!r} and {DEVICE_KIND!r}")
         self.num_stages = n
+        self.compiler_options = dict(compiler_options or {})
         self._fns = fns
         self._host = SingleDeviceSharding(dev, memory_kind=HOST_KIND)
         self._dev = SingleDeviceSharding(dev, memory_kind=DEVICE_KIND)
@@ -109,7 +116,8 @@ class InGraphRuntime:
                                  f"{_describe(self._in_aval)}; make a new InGraphRuntime for another shape")
             return self._compiled
         spec = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._dev), aval)
-        self._compiled = jax.jit(self._program, out_shardings=self._dev).lower(self.host_params, spec).compile()
+        lowered = jax.jit(self._program, out_shardings=self._dev).lower(self.host_params, spec)
+        self._compiled = lowered.compile(compiler_options=self.compiler_options or None)
         self._in_key, self._in_aval = _aval_key(aval), aval
         return self._compiled
 
