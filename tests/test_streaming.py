@@ -441,6 +441,10 @@ def test_pytree_carry_chunked_layers(params, x, k):
     got_a = np.concatenate([np.asarray(grads[4 * 5 + c]["a"]) for c in range(4)], axis=1)
     check_close(got_a, ref_gp["a"][5], rtol=1e-5, atol=1e-5)
     assert grads[0]["b"].sharding.memory_kind == "pinned_host"
+    # every stage's input is an (x, acc) pair of (T, D) fp32
+    assert rt.stage_input_nbytes() == [2 * T * D * 4] * (4 * L)
+    with pytest.raises(RuntimeError, match="call forward"):
+        StreamingRuntime(fns, sp).stage_input_nbytes()
     with pytest.raises(ValueError, match="h has"):
         rt.forward(x)                        # compiled for a (x, acc) pair
     with pytest.raises(ValueError, match="cotangent has"):

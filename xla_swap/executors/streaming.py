@@ -475,6 +475,19 @@ class StreamingRuntime:
                         "temp_bytes": get("temp_size_in_bytes")})
         return out
 
+    def stage_input_nbytes(self) -> list[int]:
+        """Bytes of each stage's input activation (the carry), from the shapes of the first call.
+
+        ``train_step`` keeps every stage's input on the device until that stage's backward,
+        so their sum is the kept-activation part of its device memory.
+
+        Returns: list of ``num_stages`` ints (bytes). Raises: ``RuntimeError`` before the
+        first ``forward``/``train_step``/``output_aval`` (the shapes are not known yet).
+        """
+        if self._chain is None:
+            raise RuntimeError("stage_input_nbytes: call forward, train_step or output_aval first")
+        return [tree_nbytes(a) for a in self._chain[:-1]]
+
     def output_aval(self, h):
         """Shape and dtype of ``forward(h)`` without running anything (traces on first use).
 
