@@ -102,12 +102,37 @@ def layer_fn(cfg: Config, tag):
 
 
 def layer_cost(cfg: Config, flops_per_s: float = 5e10):
-    """The planner's per-layer input for this model (bytes fp32; Adam = 2 fp32 moments)."""
+    """The planner's per-layer input for this model (bytes fp32; Adam = 2 fp32 moments).
+
+    Derived from :func:`layer_fn` (``T = batch * seq`` tokens, ``D = dim``, ``H = heads``,
+    ``S = seq``; every count is fp32 values per token, times ``4 * T`` bytes):
+
+    * weights ``n = 3D*D (qkv) + D*D (proj) + 2 * 4D*D (up, down) + 2D (two RMSNorm scales)``.
+    * saved for the backward (what AOTAutograd's default partition keeps for this block, one scan
+      output each): per RMSNorm its reciprocal RMS (1), its normalised input ``h * rstd`` (D) and
+      the scaled output that feeds the matmul (D) - ``2 + 4D`` for both; ``q``, ``k``, ``v``
+      (3D); the attention probabilities twice, the softmax output ``[B, H, S, S]`` for its
+      backward and its ``[B*H, S, S]`` view for the ``probs @ v`` backward (``2 H S``); the
+      attention output that feeds ``proj`` (D); the residual ``h1`` that feeds the second RMSNorm
+      (D); the FFN pre-activation ``u`` for the GELU backward (4D) - untagged, ``13D + 2HS + 2``;
+      and ``ffn_act = gelu(u)``, the input of ``down`` (4D, tagged).  Total ``17D + 2HS + 2``
+      (Config(): 2,690 per token, 5,509,120 bytes per layer), the slope of the compiled
+      all-device module per layer minus weights, gradients and saved input, exactly, for
+      ``HS = 2D`` and ``HS != 2D`` alike (``benchmarks/planner_vs_pjrt.py``).
+    * carry: the layer input ``h`` (D), saved for the backward as the scan's checkpoint.
+    * working set (the gradients a layer's backward holds beside its saved or recomputed
+      intermediates; the incoming carry gradient is the planner's ``carry`` term): the GELU
+      backward holds the gradient of ``ffn_act`` and that of ``u`` together (``4D + 4D``); the
+      softmax backward the gradients of the probabilities and of the scores (``2HS``) with
+      ``dv`` and the attention-output gradient (``2D``); so ``max(8D, 2HS + 2D)``.
+    """
     from xla_swap.planning import LayerCost
-    D, B, S = cfg.dim, cfg.batch, cfg.seq
+    D, B, S, H = cfg.dim, cfg.batch, cfg.seq, cfg.heads
+    tok = 4 * B * S                                  # bytes of one fp32 value per token
     n = D * 3 * D + D * D + 2 * D * 4 * D + 2 * D
-    return LayerCost(param_bytes=4 * n, optimizer_bytes=8 * n, activations={"ffn_act": 4 * B * S * 4 * D},
-                     intermediate_bytes=4 * B * S * (6 * D + cfg.heads * S), carry_bytes=4 * B * S * D,
+    return LayerCost(param_bytes=4 * n, optimizer_bytes=8 * n, activations={"ffn_act": tok * 4 * D},
+                     intermediate_bytes=tok * (13 * D + 2 * H * S + 2), carry_bytes=tok * D,
+                     working_bytes=tok * max(8 * D, 2 * H * S + 2 * D),
                      flops=2 * B * S * n + 4 * B * S * S * D, flops_per_s=flops_per_s)
 
 

@@ -1,4 +1,5 @@
 """Tests of the offload planner (xla_swap.planning.planner): pure Python, no torch / jax needed."""
+import dataclasses
 import pathlib
 import re
 import subprocess
@@ -8,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from xla_swap.planning.planner import (
-    GB, GiB, H200_PINNED, InfeasibleBudgetError, LayerCost, Link, Plan, adam_state_bytes, evaluate,
+    GB, GiB, H200_PINNED, TARGETS, InfeasibleBudgetError, LayerCost, Link, Plan, adam_state_bytes, evaluate,
     min_feasible_bytes, plan,
 )
 from xla_swap.planning.policy import OffloadPolicy
@@ -107,24 +108,35 @@ def test_budget_that_fits_everything_gives_all_device(layer, n, training):
 
 def test_design_stack_shrinking_budget_sequence():
     plans = sweep(BIG, L)
-    got = [(short(p.policy), p.device_bytes / GiB) for p in plans]
-    # Thresholds from the memory model by hand (GiB): all-device 8 P + 8 G + 32 Adam + 4 named + 4 untagged
-    # + 1 saved inputs + 1 working set + 0.125 carry = 58.125; ffn_hidden to host leaves a 2-layer window
-    # (-3); to remat (-1); remat=True (-4); params to host leaves 2 layers (-6; ffn_hidden back to remat and
-    # untagged kept); ...; optimizer state to host frees 32 GiB (activations come back); the minimum is
-    # the optimizer step's 2-layer window of P + G + Adam = 12 GiB.
+    got = [(short(p.policy), p.device_bytes) for p in plans]
+    # Thresholds from the memory model of the planner's docstring, by hand. Per layer: P = G = 1 GiB
+    # (weights, gradients), O = 4 GiB (Adam), A = 0.5 GiB (ffn_hidden), U = 0.5 GiB (untagged), C = 0.125
+    # GiB (saved layer input); working set W = A + U (default) = 1 GiB; live carry C; prefetch depth 1, so
+    # a host-placed class keeps a window of 2 layers (1 layer for in-flight gradients).
+    P, G, O, C = BIG.param_bytes, BIG.grad_bytes, BIG.optimizer_bytes, BIG.carry_bytes
+    A, U, W = BIG.activations["ffn_hidden"], BIG.intermediate_bytes, BIG.working_bytes
+    all_device = L * (P + G + O + A + U + C) + W + C                        # 58.125 GiB
+    ffn_host = all_device - (L - 2) * A                                     # 55.125: a 2-layer window of A
+    ffn_remat = all_device - L * A + A                                      # 54.625: recompute term A
+    remat = all_device - L * (A + U) + (A + U)                              # 51.125: recompute term A + U
+    params_host = -(L - 2) * P                                              # -6: a 2-layer window of P
+    grads_host = -(L - 1) * G                                               # -7: one layer's G in flight
     assert got == [
-        (("device", "device", "device", ("device",), False, 1), 58.125),
-        (("device", "device", "device", ("host",), False, 1), 55.125),
-        (("device", "device", "device", ("remat",), False, 1), 54.125),
-        (("device", "device", "device", ("remat",), True, 1), 50.125),
-        (("host", "device", "device", ("remat",), False, 1), 48.125),
-        (("host", "device", "device", ("remat",), True, 1), 44.125),
-        (("host", "host", "device", ("remat",), False, 1), 41.125),
-        (("host", "host", "device", ("remat",), True, 1), 37.125),
-        (("host", "host", "host", ("device",), False, 1), 13.125),
-        (("host", "host", "host", ("remat",), False, 1), 12.0),
+        (("device", "device", "device", ("device",), False, 1), all_device),
+        (("device", "device", "device", ("host",), False, 1), ffn_host),
+        (("device", "device", "device", ("remat",), False, 1), ffn_remat),
+        (("device", "device", "device", ("remat",), True, 1), remat),
+        (("host", "device", "device", ("remat",), False, 1), ffn_remat + params_host),           # 48.625
+        (("host", "device", "device", ("remat",), True, 1), remat + params_host),                # 45.125
+        (("host", "host", "device", ("remat",), False, 1), ffn_remat + params_host + grads_host),  # 41.625
+        (("host", "host", "device", ("remat",), True, 1), remat + params_host + grads_host),       # 38.125
+        # optimizer state to host frees L x O = 32 GiB, so the activations come back to the device
+        (("host", "host", "host", ("device",), False, 1), 2 * P + G + L * (A + U + C) + W + C),   # 13.125
+        # the minimum: the optimizer step streams a 2-layer window of P + G + O (12 GiB)
+        (("host", "host", "host", ("remat",), False, 1), 2 * (P + G + O)),
     ]
+    assert [b / GiB for _, b in got] == [58.125, 55.125, 54.625, 51.125, 48.625, 45.125, 41.625, 38.125,
+                                         13.125, 12.0]
     # The order the module docstring claims.
     assert first_leave_order(plans) == ["activations", "params", "grads", "optimizer_state"]
     # Step times by hand for the first moves: offloading ffn_hidden (512 MiB / 54 GB/s = 9.9 ms < 12.5 ms
@@ -145,6 +157,7 @@ def test_small_stack_shrinking_budget_sequence():
         ("device", "device", "device", ("device", "remat"), False, 1),
         ("device", "device", "device", ("host", "remat"), False, 1),
         ("device", "device", "device", ("remat", "remat"), False, 1),
+        ("host", "device", "device", ("host", "remat"), False, 1),
         ("host", "device", "device", ("remat", "remat"), False, 1),
         ("device", "device", "device", ("device", "remat"), True, 1),
         ("device", "device", "device", ("remat", "remat"), True, 1),
@@ -197,26 +210,28 @@ _link = st.builds(Link, h2d_gbps=st.floats(1.0, 200.0), d2h_gbps=st.floats(1.0, 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layers=st.one_of(st.tuples(_layer, st.integers(1, 12)), st.lists(_layer, min_size=1, max_size=5)),
-       budget=st.integers(min_value=0, max_value=1 << 40), link=_link, training=st.booleans())
-def test_plan_fits_budget_or_reports_exact_minimum(layers, budget, link, training):
+       budget=st.integers(min_value=0, max_value=1 << 40), link=_link, training=st.booleans(),
+       target=st.sampled_from(TARGETS))
+def test_plan_fits_budget_or_reports_exact_minimum(layers, budget, link, training, target):
     args = layers if isinstance(layers, tuple) else (layers, None)
+    kw = dict(training=training, target=target)
     try:
-        p = plan(*args, budget, link, training=training)
+        p = plan(*args, budget, link, **kw)
     except InfeasibleBudgetError as e:
         assert e.min_budget_bytes > budget and e.budget_bytes == budget
         assert str(e.min_budget_bytes) in str(e)
-        p_min = plan(*args, e.min_budget_bytes, link, training=training)     # the minimum is feasible
+        p_min = plan(*args, e.min_budget_bytes, link, **kw)     # the minimum is feasible
         assert p_min.device_bytes == e.min_budget_bytes
         return
     assert p.device_bytes <= budget
-    assert p.device_bytes == evaluate(p.policy, *args, link, training=training).device_bytes
+    assert p.device_bytes == evaluate(p.policy, *args, link, **kw).device_bytes
     assert p.step_s >= p.floor_s * (1 - 1e-9)
-    assert p.min_budget_bytes == min_feasible_bytes(*args, training=training) <= p.device_bytes
+    assert p.min_budget_bytes == min_feasible_bytes(*args, **kw) <= p.device_bytes
     pol = p.policy   # structural rules 1-2 of the docstring
     assert pol.optimizer_state == "device" or pol.grads == "host"
     assert pol.grads == "device" or pol.params == "host"
     if p.min_budget_bytes < budget:   # less memory is never faster
-        tighter = plan(*args, (p.min_budget_bytes + budget) // 2, link, training=training)
+        tighter = plan(*args, (p.min_budget_bytes + budget) // 2, link, **kw)
         assert tighter.step_s >= p.step_s * (1 - 1e-9)
 
 
@@ -233,6 +248,62 @@ def test_infeasible_budget_states_minimum():
     assert plan(BIG, L, minimum).device_bytes == minimum
     with pytest.raises(InfeasibleBudgetError, match=str(minimum)):
         plan(BIG, L, minimum - 1)
+
+
+# ----------------------------------------------------------------------------- recompute term, XLA:CPU target
+
+BIG_FB = dataclasses.replace(BIG, optimizer_bytes=0)     # no optimizer state: forward/backward is the peak
+
+
+def test_recompute_term_is_what_the_layer_recomputes():
+    A, U, C = BIG.activations["ffn_hidden"], BIG.intermediate_bytes, BIG.carry_bytes
+    cases = {   # (activation placement, remat) -> recompute bytes of the layer in its backward
+        ("device", False): 0, ("host", False): 0, ("remat", False): A,
+        ("device", True): U, ("host", True): U, ("remat", True): A + U,
+    }
+    for (where, remat), expect in cases.items():
+        p = evaluate(OffloadPolicy(activations={"ffn_hidden": where}, remat=remat), BIG, L)
+        assert p.device_components["recompute"] == expect, (where, remat)
+    # Inference has no backward, so no recompute term.
+    assert "recompute" not in evaluate(OffloadPolicy(params="host"), BIG, L, training=False).device_components
+    # The all-host, all-remat policy without optimizer state (so the forward/backward phase is the peak):
+    # 2-layer weight window + 1 gradient + saved inputs + recompute + working set + carry.
+    p = evaluate(OffloadPolicy(params="host", grads="host", activations={"ffn_hidden": "remat"}, remat=True),
+                 BIG_FB, L)
+    assert p.peak_phase == "forward/backward"
+    assert p.device_components["recompute"] + p.device_components["working set"] == 2 * (A + U)
+    assert p.device_bytes == 2 * BIG.param_bytes + BIG.grad_bytes + L * C + (A + U) + BIG.working_bytes + C
+
+
+def test_xla_cpu_target_drops_streaming_windows_and_adds_operand_copies():
+    P, G, A, U, C = BIG.param_bytes, BIG.grad_bytes, BIG.activations["ffn_hidden"], BIG.intermediate_bytes, \
+        BIG.carry_bytes
+    W, O = BIG.working_bytes, BIG.optimizer_bytes
+    host = OffloadPolicy(params="host", grads="host", optimizer_state="host", activations={"ffn_hidden": "remat"},
+                         remat=True, prefetch_depth=3)
+    acc, cpu = evaluate(host, BIG_FB, L), evaluate(host, BIG_FB, L, target="xla_cpu")
+    assert acc.device_components["params"] == 4 * P and acc.device_components["grads"] == G
+    assert cpu.device_components["params"] == cpu.device_components["grads"] == 0     # no prefetch, no window
+    assert cpu.device_components["operand copies"] == max(P, G) + C                  # layer slices + saved input
+    assert cpu.device_bytes == max(P, G) + C + L * C + (A + U) + W + C
+    assert acc.device_bytes == 4 * P + G + L * C + (A + U) + W + C
+    assert evaluate(host, BIG, L, target="xla_cpu").host_components == evaluate(host, BIG, L).host_components
+    # The optimizer step streams one layer (not prefetch_depth + 1) of P + G + O.
+    opt = evaluate(host, BIG, L, target="xla_cpu")
+    assert opt.peak_phase == "optimizer" and opt.device_bytes == P + G + O
+    # Without remat the layer's saved slices are copied as well; an activation placed "host" stays on the device.
+    saved = OffloadPolicy(params="host", grads="host", optimizer_state="host", activations={"ffn_hidden": "host"})
+    cpu = evaluate(saved, BIG_FB, L, target="xla_cpu")
+    assert cpu.device_components["activation ffn_hidden"] == L * A and cpu.host_components["activation ffn_hidden"] == 0
+    assert cpu.device_components["operand copies"] == P + C + U + A
+    assert cpu.device_components["recompute"] == 0
+    # Inference: the layer's weight slices only.
+    inf = evaluate(OffloadPolicy(params="host"), BIG, L, training=False, target="xla_cpu")
+    assert inf.device_bytes == P + W + C
+    # plan / min_feasible_bytes use the same model, and the plan records it.
+    p = plan(BIG, L, 1 << 50, target="xla_cpu")
+    assert p.target == "xla_cpu" and "xla_cpu" in p.explain()
+    assert min_feasible_bytes(BIG, L, target="xla_cpu") == P + G + O
 
 
 # ----------------------------------------------------------------------------- time model vs formula
@@ -348,3 +419,8 @@ def test_bad_plan_arguments():
         plan(BIG, L, GiB, link=54.0)
     with pytest.raises(TypeError, match="training"):
         plan(BIG, L, GiB, training="yes")
+    for call in (lambda: plan(BIG, L, GiB, target="gpu"), lambda: evaluate(OffloadPolicy(), BIG, L, target="cpu"),
+                 lambda: min_feasible_bytes(BIG, L, target=None)):
+        with pytest.raises(ValueError, match="target"):
+            call()
+    assert plan(BIG, L, 30 * GiB).target == "accelerator"     # still usable; the default target

@@ -10,8 +10,9 @@ How it works
 1. The caller describes one layer (or each layer) with a :class:`LayerCost` (bytes of weights,
    gradients, optimizer state, saved activations, carry; forward compute time), the number of
    layers, the device-memory budget and the host link (:class:`Link`).
-2. :func:`evaluate` predicts, for one policy, the peak device bytes (memory model below) and
-   the step time (time model below).
+2. :func:`evaluate` predicts, for one policy, the peak device bytes (memory model below, for a
+   compiler ``target``: an accelerator by default, or XLA:CPU) and the step time (time model
+   below).
 3. :func:`plan` enumerates the small discrete policy space and returns the :class:`Plan` with the
    lowest predicted step time whose predicted device bytes fit the budget, or raises
    :class:`InfeasibleBudgetError` carrying the exact minimum feasible budget.
@@ -20,7 +21,9 @@ Memory model (peak device bytes of a policy; ``L`` layers, prefetch depth ``k``)
 ------------------------------------------------------------------------------
 A conservative sum, phases distinguished only between fwd/bwd and the optimizer step
 (cf. the SwapAdvisor and ZeRO-Offload memory accounting: everything resident + what is in
-flight).  Forward+backward phase:
+flight).  Forward+backward phase, with ``target="accelerator"`` (the default: XLA:GPU / XLA:TPU,
+whose host offloader turns the placement annotations into copies; see "Target" below for
+XLA:CPU):
 
 * ``params``: all ``L`` layers if ``"device"``; if ``"host"``, a window of the ``k+1`` largest
   layers (the layer being computed plus ``k`` prefetched - the double buffer of DESIGN.md's
@@ -29,16 +32,62 @@ flight).  Forward+backward phase:
   of one layer (the largest).
 * ``optimizer_state`` (training): all ``L`` layers if ``"device"``, else nothing in this phase.
 * saved activations (training): for every layer, each named activation placed ``"device"``,
-  plus the untagged intermediates unless ``remat``; named activations placed ``"host"`` are
-  prefetched back for the backward pass with the weights: a window of the ``k+1`` largest
-  layers; ``"remat"`` ones cost nothing.
+  plus the untagged intermediates (``intermediate_bytes``) unless ``remat``; named activations
+  placed ``"host"`` are prefetched back for the backward pass with the weights: a window of the
+  ``k+1`` largest layers; ``"remat"`` ones are not saved (see ``recompute``).
 * saved layer inputs (training): every layer's input (its carry) stays on the device - it is the
   residual the backward needs, and the checkpoint that ``remat`` restarts from.
-* the largest layer's working set (its intermediates during compute) and the live carry.
+* ``recompute`` (training): the layer being back-propagated holds what it recomputes beside its
+  gradient working set - ``intermediate_bytes`` if ``remat``, plus its named activations placed
+  ``"remat"`` (the largest layer's sum).  This is the per-segment term of the checkpointing cost
+  in Chen, Xu, Zhang and Guestrin, "Training Deep Nets with Sublinear Memory Cost" (arXiv
+  1604.06174, 2016, sec. 4): memory = the stored checkpoints (here the saved layer inputs) plus
+  the forward-backward working memory of the one segment (here one layer) being recomputed.
+  Without recomputation the intermediates are already counted once per layer as saved
+  activations, so nothing is added.  It also bounds the forward, where the layer being computed
+  holds the same intermediates as transients.
+* ``working set``: the largest layer's ``working_bytes`` - what a layer holds while it computes
+  beyond the intermediates counted above (saved or recomputed): in the backward its gradients in
+  flight, in inference its forward transients.  The default, ``sum(activations) +
+  intermediate_bytes``, is an upper bound (the gradient of every saved tensor has that tensor's
+  shape); a model that derives its own value says so (e.g. ``examples/train_decoder.py``).
+* ``carry``: the live carry (in the backward, the gradient of the carry).
 
 Optimizer phase (training): the same ``params`` / ``grads`` / ``optimizer_state`` residency, with
 host-placed ones streamed through a window of ``k+1`` layers; no activations.  Peak = max of the
-two phases.  Inference (``training=False``) has no grads, optimizer state or saved activations.
+two phases.  Inference (``training=False``) has no grads, optimizer state, saved activations or
+recompute.
+
+Target: what the compiler does with the placement (``target=`` of evaluate / plan / min_feasible_bytes)
+------------------------------------------------------------------------------------------------
+``"accelerator"`` (default) is the model above.  ``"xla_cpu"`` describes XLA:CPU (jaxlib 0.10.2;
+facts from the compiled HLO and buffer assignment of ``benchmarks/planner_vs_pjrt.py``, reproduce
+with ``XLA_FLAGS=--xla_dump_to=DIR``), where the placement does not create device copies:
+
+* XLA:CPU has no host offloader: its pass ``strip-memory-placement-annotations`` (pipeline
+  ``pre-spmd-partitioner``) deletes every ``annotate_device_placement`` custom call, and there is
+  no memory-space assignment and no async copy (``copy-start``/``copy-done``).  Entry parameters
+  and results placed in ``pinned_host`` keep ``S(5)`` in the entry layout and stay in host
+  memory (host bytes as on an accelerator), but nothing is prefetched or kept in flight: the
+  ``k+1``-layer window of host-placed weights and the in-flight gradient of host-placed
+  gradients are 0, replaced by the one layer's ``operand copies`` below; the optimizer phase
+  streams one layer instead of ``k+1`` (not measured: the compared step has no optimizer).
+* Named activations placed ``"host"`` keep their device copy (the annotations that would move them
+  are stripped): they count as ``"device"``.  Derived from the pass, not measured (the
+  comparison uses no such policy).
+* ``operand copies``: every dynamic slice of a stacked per-layer buffer that a layer's dots read is
+  materialised as a device temporary (a ``dynamic-slice`` fusion writing the dot's dense
+  operand), whichever memory the stack lives in: the layer's weight slices - or, at the end of
+  its backward, its weight-gradient slices before the ``dynamic-update-slice`` into the stacked
+  gradient - at most ``max(param_bytes, grad_bytes)`` of one layer; and in training the slice of
+  its saved input (``carry_bytes``) and, unless ``remat``, of its saved intermediates
+  (``intermediate_bytes`` and the named activations saved on the device).  Measured at the
+  backward's peak (example ``Config()``): 3 of the 4 weight matrices of the layer (524,288 of
+  787,456 bytes) and its saved input; without remat also 4,980,736 bytes of slices of its
+  5,771,264 bytes of saved intermediates and input (the rest is copied later in its backward).
+
+The memory model changes with ``target``; the time model does not (on XLA:CPU nothing crosses a
+link: evaluate with any :class:`Link`, its step times describe an accelerator).
 
 Time model (predicted step time)
 --------------------------------
@@ -92,7 +141,9 @@ the all-device footprint, the component classes first leave the device in this o
 
 1. **saved activations** - named activations go to the host (offload) while the copy hides
    behind compute, then to ``"remat"``; untagged intermediates (``remat=True``) join them here or
-   just after the parameters, whichever the cost model finds cheaper at that budget;
+   just after the parameters, whichever the cost model finds cheaper at that budget (recomputing
+   frees ``L - 1`` layers' saved bytes, not ``L``: the layer being back-propagated holds them
+   again, the ``recompute`` term);
 2. **parameters** (``params="host"``): in training a swapped weight crosses the link four times
    per step (in for the forward, in for the backward, in and out for the optimizer step, which has
    no compute to hide behind), while an offloaded activation crosses twice, hidden behind the forward and
@@ -124,13 +175,18 @@ from xla_swap.planning.policy import OffloadPolicy
 
 __all__ = [
     "GB", "GiB", "Link", "H200_PINNED", "LayerCost", "Plan", "InfeasibleBudgetError",
-    "adam_state_bytes", "evaluate", "plan", "min_feasible_bytes",
+    "adam_state_bytes", "evaluate", "plan", "min_feasible_bytes", "TARGETS",
 ]
 
 #: Bytes per GB (link bandwidths are in GB/s, as in DESIGN.md).
 GB = 1_000_000_000
 #: Bytes per GiB (used in messages and tables only).
 GiB = 1 << 30
+
+#: Compilers the memory model describes (module docstring, "Target"): ``"accelerator"`` - XLA:GPU /
+#: XLA:TPU, whose host offloader turns placement annotations into copies (the default) - and
+#: ``"xla_cpu"`` - XLA:CPU, which strips the annotations and materialises per-layer slices.
+TARGETS = ("accelerator", "xla_cpu")
 
 #: Maximum number of named activations the exhaustive search enumerates (3**6 placements).
 MAX_NAMED_ACTIVATIONS = 6
@@ -245,10 +301,14 @@ class LayerCost:
       activations: ``{name: bytes}`` of the named activations (``offload_name(t, name)``) the
         layer saves for its backward pass.
       intermediate_bytes: the untagged intermediates the layer saves for backward when not
-        rematerialised (excluding the layer input, counted via ``carry_bytes``).
+        rematerialised, and recomputes in its backward when ``remat`` (excluding the layer
+        input, counted via ``carry_bytes``).
       carry_bytes: the layer's input (= output) activation, the scan carry.
-      working_bytes: peak transient bytes of one layer while it computes; ``None`` means
-        ``sum(activations) + intermediate_bytes`` (all of the layer's intermediates live at once).
+      working_bytes: what the layer holds while it computes beyond its intermediates (which the
+        memory model counts as saved or, under recomputation, as ``recompute``): in the backward
+        its gradients in flight, in inference its forward transients.  ``None`` means
+        ``sum(activations) + intermediate_bytes``, an upper bound (the gradient of every saved
+        tensor has that tensor's shape).
       forward_s: measured forward time of the layer, seconds.  Or instead give
       flops: the layer's forward FLOPs (e.g. ``2 * params * tokens``) and
       flops_per_s: the achieved FLOP/s; forward time = ``flops / flops_per_s``.
@@ -383,7 +443,7 @@ class Plan:
       peak_phase: which phase sets ``device_bytes``.
       budget_bytes: the budget planned for (``None`` from :func:`evaluate`).
       min_budget_bytes: minimum feasible budget over the search space (``None`` from evaluate).
-      num_layers, training, link: the inputs.
+      num_layers, training, link, target: the inputs (``target``: see :func:`evaluate`).
       phase_layers: per phase, ``((layer, (compute_s, transfer_s)), ...)`` in layer order.
     """
 
@@ -404,6 +464,7 @@ class Plan:
     phase_layers: Mapping[str, tuple] = dataclasses.field(repr=False, default_factory=dict)
     budget_bytes: int | None = None
     min_budget_bytes: int | None = None
+    target: str = "accelerator"
 
     @property
     def slowdown(self) -> float:
@@ -416,7 +477,8 @@ class Plan:
         p = self.policy
         lines = [f"OffloadPolicy: params={p.params} grads={p.grads} optimizer_state={p.optimizer_state} "
                  f"activations={dict(p.activations)} remat={p.remat} prefetch_depth={p.prefetch_depth}",
-                 f"mode: {'training' if self.training else 'inference'}, {self.num_layers} layers, link "
+                 f"mode: {'training' if self.training else 'inference'}, {self.num_layers} layers, memory model "
+                 f"for {self.target}, link "
                  f"h2d {self.link.h2d_gbps:g} / d2h {self.link.d2h_gbps:g} / both {self.link.both_gbps:g} GB/s",
                  "",
                  f"{'component':<34}{'device bytes':>16}{'device GiB':>12}{'host bytes':>16}{'host GiB':>12}"]
@@ -470,33 +532,47 @@ def _top(values: Iterable[int], n: int) -> int:
     return sum(sorted(values, reverse=True)[:n])
 
 
-def _placements(policy: OffloadPolicy, layers: list[LayerCost]) -> dict[str, str]:
-    """Placement of every named activation; names the policy does not mention are saved on the device."""
+def _placements(policy: OffloadPolicy, layers: list[LayerCost], target: str = "accelerator") -> dict[str, str]:
+    """Placement of every named activation; names the policy does not mention are saved on the device.
+    On ``"xla_cpu"`` a ``"host"`` placement keeps the device copy (its annotations are stripped)."""
     names = sorted({n for l in layers for n in l.activations} | set(policy.activations))
-    return {n: policy.activations.get(n, "device") for n in names}
+    out = {n: policy.activations.get(n, "device") for n in names}
+    if target == "xla_cpu":
+        out = {n: "device" if w == "host" else w for n, w in out.items()}
+    return out
 
 
-def _memory(policy: OffloadPolicy, layers: list[LayerCost], training: bool):
-    """(peak, peak_phase, device components at peak, host components)."""
-    k1 = policy.prefetch_depth + 1
+def _memory(policy: OffloadPolicy, layers: list[LayerCost], training: bool, target: str = "accelerator"):
+    """(peak, peak_phase, device components at peak, host components); terms: module docstring."""
+    cpu = target == "xla_cpu"
+    k1 = 1 if cpu else policy.prefetch_depth + 1      # XLA:CPU prefetches nothing: the layer being computed
     ph, gh, oh = policy.params == "host", policy.grads == "host", policy.optimizer_state == "host"
     P = [l.param_bytes for l in layers]
     a: dict[str, int] = {}
-    a["params"] = _top(P, k1) if ph else sum(P)
+    a["params"] = (0 if cpu else _top(P, k1)) if ph else sum(P)
     host = {"params": sum(P) if ph else 0}
+    placed = _placements(policy, layers, target)
     if training:
         G = [l.grad_bytes for l in layers]
         O = [l.optimizer_bytes for l in layers]
-        a["grads"] = max(G) if gh else sum(G)
+        a["grads"] = (0 if cpu else max(G)) if gh else sum(G)
         a["optimizer_state"] = 0 if oh else sum(O)
         host["grads"] = sum(G) if gh else 0
         host["optimizer_state"] = sum(O) if oh else 0
-        for name, where in _placements(policy, layers).items():
+        for name, where in placed.items():
             per = [l.activations.get(name, 0) for l in layers]
             a[f"activation {name}"] = {"device": sum(per), "host": _top(per, k1), "remat": 0}[where]
             host[f"activation {name}"] = sum(per) if where == "host" else 0
         a["intermediates"] = 0 if policy.remat else sum(l.intermediate_bytes for l in layers)
         a["saved layer inputs"] = sum(l.carry_bytes for l in layers)
+        a["recompute"] = max((l.intermediate_bytes if policy.remat else 0)
+                             + sum(b for n, b in l.activations.items() if placed[n] == "remat") for l in layers)
+    if cpu:
+        a["operand copies"] = max(
+            max(l.param_bytes, l.grad_bytes if training else 0)
+            + ((l.carry_bytes + (0 if policy.remat else l.intermediate_bytes)
+                + sum(b for n, b in l.activations.items() if placed[n] == "device")) if training else 0)
+            for l in layers)
     a["working set"] = max(l.working_bytes for l in layers)
     a["carry"] = max(l.carry_bytes for l in layers)
     peak, phase, comps = sum(a.values()), "forward/backward", a
@@ -587,8 +663,14 @@ def _check_training(training) -> bool:
     return training
 
 
-def _build(policy, layers, training, link, budget=None, min_budget=None) -> Plan:
-    peak, phase, comps, host = _memory(policy, layers, training)
+def _check_target(target) -> str:
+    if not isinstance(target, str) or target not in TARGETS:
+        raise ValueError(f"target must be one of {', '.join(map(repr, TARGETS))}, got {target!r}")
+    return target
+
+
+def _build(policy, layers, training, link, budget=None, min_budget=None, target="accelerator") -> Plan:
+    peak, phase, comps, host = _memory(policy, layers, training, target)
     phases = _phases(policy, layers, training)
     phase_s = _step(phases, policy, link)
     L = len(layers)
@@ -606,11 +688,11 @@ def _build(policy, layers, training, link, budget=None, min_budget=None) -> Plan
                 layer_compute_s=tuple(comp), step_s=sum(phase_s.values()), floor_s=_floor(phases, link),
                 phase_s=phase_s, device_components=comps, host_components=host, peak_phase=phase,
                 num_layers=L, training=training, link=link, phase_layers=phase_layers,
-                budget_bytes=budget, min_budget_bytes=min_budget)
+                budget_bytes=budget, min_budget_bytes=min_budget, target=target)
 
 
 def evaluate(policy: OffloadPolicy, layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
-             link: Link = H200_PINNED, *, training: bool = True) -> Plan:
+             link: Link = H200_PINNED, *, training: bool = True, target: str = "accelerator") -> Plan:
     """Predict device bytes and step time of one ``policy`` (no budget, no search).
 
     Args:
@@ -619,6 +701,10 @@ def evaluate(policy: OffloadPolicy, layers: LayerCost | Sequence[LayerCost], num
       num_layers: number of layers (required with a single LayerCost).
       link: host link bandwidths (GB/s); default :data:`H200_PINNED` (DESIGN.md).
       training: forward + backward + optimizer step (True) or forward only (False).
+      target: the compiler the memory model describes, one of :data:`TARGETS`: ``"accelerator"``
+        (default; XLA:GPU / XLA:TPU with host offloading) or ``"xla_cpu"`` (XLA:CPU strips the
+        placement annotations, prefetches nothing and materialises per-layer slices; module
+        docstring, "Target").  The time model is the same for both.
 
     Named activations of the layers that ``policy.activations`` does not mention are treated as
     ``"device"`` (saved on the device); in inference activation placements are ignored.
@@ -628,7 +714,8 @@ def evaluate(policy: OffloadPolicy, layers: LayerCost | Sequence[LayerCost], num
     """
     if not isinstance(policy, OffloadPolicy):
         raise TypeError(f"policy must be an OffloadPolicy, got {type(policy).__name__}")
-    return _build(policy, _resolve_layers(layers, num_layers), _check_training(training), _check_link(link))
+    return _build(policy, _resolve_layers(layers, num_layers), _check_training(training), _check_link(link),
+                  target=_check_target(target))
 
 
 def _candidates(layers: list[LayerCost], training: bool, max_depth: int):
@@ -654,29 +741,32 @@ def _complexity(p: OffloadPolicy) -> int:
             + sum(w != "device" for w in p.activations.values()) + p.remat + (p.prefetch_depth - 1))
 
 
-def _space(layers, training, max_prefetch_depth):
+def _space(layers, training, max_prefetch_depth, target="accelerator"):
     if isinstance(max_prefetch_depth, bool) or not isinstance(max_prefetch_depth, numbers.Integral) \
             or not 1 <= max_prefetch_depth <= 16:
         raise ValueError(f"max_prefetch_depth must be an int in 1..16, got {max_prefetch_depth!r}")
     out = []
     for idx, pol in enumerate(_candidates(layers, training, int(max_prefetch_depth))):
-        peak = _memory(pol, layers, training)[0]
+        peak = _memory(pol, layers, training, target)[0]
         out.append((idx, pol, peak))
     return out
 
 
 def min_feasible_bytes(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None, *,
-                       training: bool = True, max_prefetch_depth: int = 4) -> int:
-    """The exact minimum, over the search space of :func:`plan`, of the predicted peak device bytes.
+                       training: bool = True, max_prefetch_depth: int = 4, target: str = "accelerator") -> int:
+    """The exact minimum, over the search space of :func:`plan`, of the predicted peak device bytes
+    (``target`` as in :func:`evaluate`).
 
     Raises: TypeError / ValueError for invalid arguments, naming them.
     """
     layers = _resolve_layers(layers, num_layers)
-    return min(peak for _, _, peak in _space(layers, _check_training(training), max_prefetch_depth))
+    return min(peak for _, _, peak in _space(layers, _check_training(training), max_prefetch_depth,
+                                             _check_target(target)))
 
 
 def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None, budget_bytes: int | None = None,
-         link: Link = H200_PINNED, *, training: bool = True, max_prefetch_depth: int = 4) -> Plan:
+         link: Link = H200_PINNED, *, training: bool = True, max_prefetch_depth: int = 4,
+         target: str = "accelerator") -> Plan:
     """Choose the policy with the lowest predicted step time whose predicted device bytes fit.
 
     Args:
@@ -687,6 +777,7 @@ def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
       training: True for forward + backward + optimizer step, False for inference (forward only:
         no gradients, optimizer state or saved activations; the policy's activations are empty).
       max_prefetch_depth: largest ``prefetch_depth`` considered (1..16, default 4).
+      target: the compiler the memory model describes (:data:`TARGETS`; see :func:`evaluate`).
 
     Returns: a :class:`Plan`.  Search, tie-breaking and the order in which shrinking budgets move
     components to the host: see the module docstring.
@@ -699,10 +790,11 @@ def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
     layers = _resolve_layers(layers, num_layers)
     training = _check_training(training)
     link = _check_link(link)
+    target = _check_target(target)
     if budget_bytes is None:
         raise ValueError("budget_bytes is required (device-memory budget in bytes)")
     budget = _as_bytes("plan", "budget_bytes", budget_bytes)
-    space = _space(layers, training, max_prefetch_depth)
+    space = _space(layers, training, max_prefetch_depth, target)
     min_idx, min_pol, min_peak = min(space, key=lambda t: (t[2], _complexity(t[1]), t[0]))
     feasible = [(idx, pol, peak) for idx, pol, peak in space if peak <= budget]
     if not feasible:
@@ -724,7 +816,7 @@ def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
     near = [c for c in timed if c[0] <= best * (1 + _REL_TIE)]
 
     def host_bytes(pol):
-        return _memory(pol, layers, training)[3]
+        return _memory(pol, layers, training, target)[3]
 
     _, _, chosen, _ = min(near, key=lambda c: (sum(host_bytes(c[2]).values()), _complexity(c[2]), c[3], c[1]))
-    return _build(chosen, layers, training, link, budget, min_peak)
+    return _build(chosen, layers, training, link, budget, min_peak, target)
