@@ -184,6 +184,9 @@ def parse_args(argv=None):
                    help="every variant process generates the weights itself (as before) instead of mapping "
                         "the run's shared .npy cache")
     # internal (subprocess mode)
+    p.add_argument("--render", default=None, metavar="JSON",
+                   help="only re-render gpu_stack.md (floors, targets, table) from a saved gpu_stack.json "
+                        "into --out-dir (default: next to the JSON); runs nothing")
     p.add_argument("--only", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
     p.add_argument("--weights-cache", default=None, help=argparse.SUPPRESS)
@@ -1166,9 +1169,12 @@ def markdown(data) -> str:
     lines += ["", "Peak: one process per variant, token counts ascending; the first token count's peak is its own, "
               "later ones are the process's high-water mark (jax cannot reset it; activations grow with T). "
               "Predicted = bytes in use before the call + the working set: xla_swap streaming (throttled) = the "
-              "largest (k+1) consecutive stages' weights + activations (stage in/out, kept inputs, saved residuals) "
-              "+ the largest executable temporaries; in-graph = compiled temp + output; on-device loops = "
-              "activations (+ gradients) + one layer's temporaries.",
+              "largest live set over the runtime's schedule: at each stage, the weights of the k+1 stages it holds "
+              "(the one computing + k prefetched; in the backward its gradients reuse its weights' buffers), the "
+              "stage inputs and saved residuals kept so far (training), the stage's input and output (cotangents) "
+              "and its executable's temporaries (compiled memory_analysis); in-graph = compiled temp + output; "
+              "on-device loops = activations (+ gradients) + one layer's temporaries; rows after the first of a "
+              "process group are not compared.",
               "xla_swap rows throttle (host waits on stage i-1, no data transfer) unless -nothrottle; -chunked: first "
               "and last layer split into column-chunk stages; rel err = max|x-ref|/max|ref| vs on-device loop."]
     if m.get("platform") == "cpu":
@@ -1311,6 +1317,15 @@ def driver(args) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.render:
+        src = Path(args.render)
+        data = json.loads(src.read_text())
+        out_dir = Path(args.out_dir) if args.out_dir else src.parent
+        out_dir.mkdir(parents=True, exist_ok=True)
+        compute_floors(data)
+        (out_dir / "gpu_stack.md").write_text(markdown(data) + "\n")
+        print(markdown(data))
+        return
     if args.only:
         res = run_variant(args, args.only, args.tokens)
         if args.result_file:
