@@ -22,10 +22,10 @@ bandwidth.
 
 Usage::
 
-    .venv/bin/python benchmarks/plot_timeline.py                       # forward JSON, xla_swap-k2, T=8192
-    .venv/bin/python benchmarks/plot_timeline.py benchmarks/results/gpu_stack_forward.json --tokens 32768
-    .venv/bin/python benchmarks/plot_timeline.py benchmarks/results/gpu_stack_train.json \\
-        --variant train-xla_swap-k2 --tokens 8192
+    .venv/bin/python benchmarks/plot_timeline.py                       # results/gpu_stack.json, xla_swap-k2, T=8192
+    .venv/bin/python benchmarks/plot_timeline.py benchmarks/results/gpu_stack.json --tokens 32768
+    .venv/bin/python benchmarks/plot_timeline.py benchmarks/results/gpu_stack.json \\
+        --variant train-xla_swap-k2-saved --tokens 8192
 
 Output: ``benchmarks/results/timeline_<variant>_T<tokens>.png`` (``--out`` to change).
 """
@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_JSON = REPO / "benchmarks" / "results" / "gpu_stack_forward.json"
+DEFAULT_JSON = REPO / "benchmarks" / "results" / "gpu_stack.json"
 LANES = [("h2d", "H2D\n(weights → device)"), ("compute", "compute"), ("d2h", "D2H\n(grads → host)")]
 COLORS = {"forward": "#4C78A8", "backward": "#F58518"}
 #: A done stamp less than this after the previous one means the watcher did not wait on the event.

@@ -1,0 +1,49 @@
+"""The GPU benchmark's own checks, run small on CPU (timings mean nothing here).
+
+``benchmarks/gpu_stack.py`` compares every variant's output (and, for training, the input
+cotangent and every layer's weight gradients) with the on-device per-layer loop. This runs
+the xla_swap rows - in-graph, chunked streaming, training with kept residuals (chunked:
+per-stage gradients merged back to per-layer ones) - on a tiny stack in one process and
+asserts those errors, the gradients' memory kind and the rows the table needs.
+"""
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_stack  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def rows():
+    args = gpu_stack.parse_args(["--d", "64", "--f", "128", "--layers", "3", "--tokens", "32", "--reps", "2",
+                                 "--chunks", "4", "--no-trace"])
+    args.weights_cache = None
+    out = []
+    for v in ("xla_swap-in-graph", "xla_swap-k2-chunked", "train-xla_swap-k2-saved-chunked", "train-xla_swap-k2"):
+        out += gpu_stack.run_variant(args, v, [32])
+    return {r["variant"]: r for r in out}
+
+
+def test_forward_rows_agree_with_the_on_device_loop(rows):
+    for v in ("xla_swap-in-graph", "xla_swap-k2-chunked"):
+        r = rows[v]
+        assert "error" not in r, r.get("error")
+        assert r["rel_err"] < 2e-2          # bf16, chunked sums reordered
+        assert len(r["times_s"]) == 2 and r["median_ms"] > 0
+    assert rows["xla_swap-k2-chunked"]["stages"] == 1 + 2 * 4   # 3 layers, first and last in 4 chunks
+    # the flag search compiled the in-graph program again under every flag set (or recorded why not)
+    for name in gpu_stack.FLAG_SETS:
+        assert f"xla_swap-in-graph@{name}" in rows
+
+
+def test_training_rows_agree_and_send_gradients_to_host(rows):
+    for v in ("train-xla_swap-k2-saved-chunked", "train-xla_swap-k2"):
+        r = rows[v]
+        assert "error" not in r, r.get("error")
+        assert r["grads_memory_kind"] == "pinned_host"
+        assert max(r["rel_err_out"], r["rel_err_dx"], r["rel_err_grads"]) < 2e-2
+    saved = rows["train-xla_swap-k2-saved-chunked"]
+    assert sum(saved["residual_nbytes"]) > 0 and sum(rows["train-xla_swap-k2"]["residual_nbytes"]) == 0
