@@ -533,7 +533,7 @@ def _variant_parts(variant: str):
 def run_variant(args, variant: str, tokens_list) -> list:
     """Run one variant for every token count (ascending) in this process; one result dict each."""
     b = Bench(args)
-    jax, np = b.jax, b.np
+    jax = b.jax
     name, flags = _variant_parts(variant)
     base = {"variant": variant, "device": getattr(b.dev, "device_kind", str(b.dev)),
             "platform": b.dev.platform, "jax_version": jax.__version__, "weight_bytes": b.weight_bytes,

@@ -8,10 +8,9 @@ overlaps the copies is a GPU property, measured by ``benchmarks/gpu_stack.py``
 """
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from test_streaming import L, D, T, check_close, chunk_stages, layer, make_input, make_params, mono_forward, stacked
+from test_streaming import L, check_close, chunk_stages, layer, make_input, make_params, mono_forward, stacked
 from xla_swap.executors import InGraphRuntime, StreamingRuntime
 
 
