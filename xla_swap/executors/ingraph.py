@@ -24,7 +24,8 @@ from typing import Any, Callable, Sequence
 import jax
 from jax.sharding import SingleDeviceSharding
 
-from .streaming import DEVICE_KIND, HOST_KIND, _aval_key, _describe, _tree_aval, tree_nbytes
+from .streaming import (DEVICE_KIND, HOST_KIND, _aval_key, _check_memory_kinds, _describe, _stage_fns, _tree_aval,
+                        tree_nbytes)
 
 __all__ = ["InGraphRuntime"]
 
@@ -62,17 +63,7 @@ class InGraphRuntime:
                 or len(stage_params) == 0:
             raise ValueError("stage_params must be a non-empty sequence (list/tuple) of per-stage pytrees")
         n = len(stage_params)
-        if callable(stage_fn):
-            fns = [stage_fn] * n
-        elif isinstance(stage_fn, Sequence) and not isinstance(stage_fn, (str, bytes)):
-            fns = list(stage_fn)
-            if len(fns) != n:
-                raise ValueError(f"stage_fn has {len(fns)} functions but stage_params has {n} stages")
-            for i, f in enumerate(fns):
-                if not callable(f):
-                    raise TypeError(f"stage_fn[{i}] is not callable: {type(f).__name__}")
-        else:
-            raise TypeError(f"stage_fn must be a callable or a sequence of callables, got {type(stage_fn).__name__}")
+        fns, _ = _stage_fns(stage_fn, n)
         for i, p in enumerate(stage_params):
             _tree_aval(p, f"stage_params[{i}]")
         if device is not None and not isinstance(device, jax.Device):
@@ -80,10 +71,7 @@ class InGraphRuntime:
         if compiler_options is not None and not isinstance(compiler_options, dict):
             raise TypeError(f"compiler_options must be a dict of XLA debug options, got {type(compiler_options).__name__}")
         dev = device if device is not None else jax.devices()[0]
-        kinds = {m.kind for m in dev.addressable_memories()}
-        if HOST_KIND not in kinds or DEVICE_KIND not in kinds:
-            raise ValueError(f"device {dev} has memory kinds {sorted(kinds)}; in-graph offload needs "
-                             f"{HOST_KIND!r} and {DEVICE_KIND!r}")
+        _check_memory_kinds(dev, "in-graph offload")
         self.num_stages = n
         self.compiler_options = dict(compiler_options or {})
         self._fns = fns

@@ -162,6 +162,34 @@ def _describe(tree) -> str:
     return f"{treedef} with leaves " + ", ".join(f"{np.dtype(a.dtype)}{list(a.shape)}" for a in leaves)
 
 
+def _stage_fns(stage_fn, n: int) -> tuple[list, bool]:
+    """``stage_fn`` (one callable or one per stage) -> (list of n callables, shared?).
+
+    Raises:
+      TypeError: not a callable or a sequence of callables (an element is named).
+      ValueError: a sequence whose length is not ``n``.
+    """
+    if callable(stage_fn):
+        return [stage_fn] * n, True
+    if isinstance(stage_fn, Sequence) and not isinstance(stage_fn, (str, bytes)):
+        fns = list(stage_fn)
+        if len(fns) != n:
+            raise ValueError(f"stage_fn has {len(fns)} functions but stage_params has {n} stages")
+        for i, f in enumerate(fns):
+            if not callable(f):
+                raise TypeError(f"stage_fn[{i}] is not callable: {type(f).__name__}")
+        return fns, False
+    raise TypeError(f"stage_fn must be a callable or a sequence of callables, got {type(stage_fn).__name__}")
+
+
+def _check_memory_kinds(dev, who: str) -> None:
+    """Raise ``ValueError`` unless ``dev`` has the ``pinned_host`` and ``device`` memory kinds."""
+    kinds = {m.kind for m in dev.addressable_memories()}
+    if HOST_KIND not in kinds or DEVICE_KIND not in kinds:
+        raise ValueError(f"device {dev} has memory kinds {sorted(kinds)}; {who} needs {HOST_KIND!r} and "
+                         f"{DEVICE_KIND!r}")
+
+
 def _index_by_identity(items, x):
     for j, item in enumerate(items):
         if item is x:
@@ -283,19 +311,7 @@ class StreamingRuntime:
         if len(stage_params) == 0:
             raise ValueError("stage_params is empty: need at least one stage")
         n = len(stage_params)
-        if callable(stage_fn):
-            fns = [stage_fn] * n
-            shared = True
-        elif isinstance(stage_fn, Sequence) and not isinstance(stage_fn, (str, bytes)):
-            fns = list(stage_fn)
-            if len(fns) != n:
-                raise ValueError(f"stage_fn has {len(fns)} functions but stage_params has {n} stages")
-            for i, f in enumerate(fns):
-                if not callable(f):
-                    raise TypeError(f"stage_fn[{i}] is not callable: {type(f).__name__}")
-            shared = False
-        else:
-            raise TypeError(f"stage_fn must be a callable or a sequence of callables, got {type(stage_fn).__name__}")
+        fns, shared = _stage_fns(stage_fn, n)
 
         flat = []  # per stage: (leaves_with_path, treedef)
         for i, p in enumerate(stage_params):
@@ -329,10 +345,7 @@ class StreamingRuntime:
                             f"got {type(activation_sharding).__name__}")
         if sharding is None:
             dev = device if device is not None else jax.devices()[0]
-            kinds = {m.kind for m in dev.addressable_memories()}
-            if HOST_KIND not in kinds or DEVICE_KIND not in kinds:
-                raise ValueError(f"device {dev} has memory kinds {sorted(kinds)}; the streaming runtime needs "
-                                 f"{HOST_KIND!r} and {DEVICE_KIND!r}")
+            _check_memory_kinds(dev, "the streaming runtime")
             base = SingleDeviceSharding(dev)
 
             def leaf_sharding(i, path, leaf):
