@@ -479,8 +479,52 @@ def run_bandwidth(b: Bench) -> dict:
         out[name + "_best_GBps"] = moved / min(times) / 1e9
         log(f"bandwidth {name}: median {out[name + '_GBps']:.2f} GB/s, best {out[name + '_best_GBps']:.2f} GB/s "
             f"({len(times)} x {moved / GiB:.2f} GiB in {len(shapes)} buffers)")
-    del dev, host, dev2
+    del dev2
+    out.update(h2d_under_compute(b, h2d, nbytes))
+    del dev, host
     return out
+
+
+def h2d_under_compute(b: Bench, h2d, nbytes: int) -> dict:
+    """H2D of the same bytes while the device runs matmuls of the stack's shape (diagnostic).
+
+    Queues enough ``(T, D) @ (D, F)`` bf16 matmuls (T = the smallest token count) on the
+    compute stream to outlast the copies, issues the copies, and times until the copies are
+    done. Tells whether the link slows down while the SMs compute (the swapped forward moves
+    its weights during compute). Not used by the floors.
+    """
+    jax, jnp, np = b.jax, b.jnp, b.np
+    t_tok = min(b.args.tokens)
+    x = jax.device_put(jnp.ones((t_tok, b.D), jnp.bfloat16), b.DEV)
+    w = jax.device_put(jnp.ones((b.D, b.F), jnp.bfloat16) * 1e-3, b.DEV)
+    mm = jax.jit(lambda x, w: (x @ w)[:, :b.D])
+    jax.block_until_ready(mm(x, w))
+    t = time.perf_counter()
+    jax.block_until_ready(mm(x, w))
+    one = time.perf_counter() - t
+    n_mm = int(np.ceil(2.0 * nbytes / 50e9 / max(one, 1e-4))) + 2   # ~2x the copy time at 50 GB/s
+    times, comp = [], []
+    for _ in range(max(3, b.args.reps)):
+        ys = []
+        y = x
+        t0 = time.perf_counter()
+        for _ in range(n_mm):
+            y = mm(y, w)
+            ys.append(y)
+        moved = h2d()
+        jax.block_until_ready(moved)
+        times.append(time.perf_counter() - t0)
+        jax.block_until_ready(ys)
+        comp.append(time.perf_counter() - t0)
+        del ys, y, moved
+    med = float(np.median(times))
+    res = {"h2d_under_compute_times_s": times, "h2d_under_compute_GBps": nbytes / med / 1e9,
+           "h2d_under_compute_best_GBps": nbytes / min(times) / 1e9, "under_compute_matmuls": n_mm,
+           "under_compute_matmul_s": one, "under_compute_total_s": comp}
+    log(f"bandwidth h2d while computing: median {res['h2d_under_compute_GBps']:.2f} GB/s, best "
+        f"{res['h2d_under_compute_best_GBps']:.2f} GB/s ({n_mm} matmuls of {one * 1e3:.1f} ms queued; compute "
+        f"ended at {float(np.median(comp)) * 1e3:.0f} ms, copies at {med * 1e3:.0f} ms)")
+    return res
 
 
 def chunked_stages(b: Bench, W, chunks: int):
@@ -956,6 +1000,8 @@ def child_argv(args, variant, tokens, result_file):
         argv += ["--bw-mib", str(args.bw_mib)]
     if args.no_trace:
         argv.append("--no-trace")
+    if args.no_flag_search:
+        argv.append("--no-flag-search")
     argv += ["--artifacts-dir", str(args.artifacts_dir)]
     if args.weights_cache:
         argv += ["--weights-cache", str(args.weights_cache)]
@@ -1122,7 +1168,10 @@ def markdown(data) -> str:
                   f"of {len(bw.get('h2d_times_s', []))}; floors use the best): H2D {bw['h2d_GBps']:.1f} / "
                   f"{bw.get('h2d_best_GBps', float('nan')):.1f} GB/s, D2H {bw['d2h_GBps']:.1f} / "
                   f"{bw.get('d2h_best_GBps', float('nan')):.1f} GB/s, both at once {bw['both_GBps']:.1f} / "
-                  f"{bw.get('both_best_GBps', float('nan')):.1f} GB/s (aggregate)", ""]
+                  f"{bw.get('both_best_GBps', float('nan')):.1f} GB/s (aggregate)"
+                  + (f"; H2D while the device computes {bw['h2d_under_compute_GBps']:.1f} / "
+                     f"{bw['h2d_under_compute_best_GBps']:.1f} GB/s (diagnostic, not in the floors)"
+                     if bw.get("h2d_under_compute_GBps") else ""), ""]
     lines += targets_lines(data)
     lines += ["| variant | tokens | median ms | min ms | floor ms | x floor | peak dev GiB | predicted GiB "
               "| peak / pred | temp GiB | max rel err | note |",
