@@ -163,8 +163,12 @@ def parse_args(argv=None):
     p.add_argument("--no-flag-search", action="store_true",
                    help=f"do not time {' and '.join(IN_GRAPH)} again under each XLA flag set: "
                         + "; ".join(f"{k} = {v}" for k, v in FLAG_SETS.items()))
-    p.add_argument("--chunks", type=int, default=4,
-                   help="column chunks of the first and last layer in the *-chunked and xla_swap-in-graph variants")
+    p.add_argument("--chunks", nargs="+", default=["4"], metavar="SPEC",
+                   help="column chunks of the first and last layer in the *-chunked and xla_swap-in-graph variants: "
+                        "N (both ends, every token count) or TOKENS=FIRST,LAST per token count, e.g. "
+                        "8192=1,2 32768=4,1 (chunk the last layer where the forward is transfer-bound: a shorter "
+                        "drain; the first where it is compute-bound: a shorter fill; every extra chunk is one "
+                        "more copy)")
     p.add_argument("--accelerate", action="store_true", help="also run HF accelerate cpu_offload (torch CUDA)")
     p.add_argument("--isolate", choices=["process", "none"], default="process",
                    help="one subprocess per variant (all token counts, ascending) for per-variant peaks "
@@ -202,9 +206,14 @@ def parse_args(argv=None):
                 p.error(f"--variants: unknown {v!r}; variants: {', '.join(ALL_VARIANTS)}; "
                         f"presets: {', '.join(PRESETS)}")
         args.variants = list(dict.fromkeys(wanted))
-    if args.f % args.chunks:
-        p.error(f"--chunks must divide --f ({args.f}), got {args.chunks}")
-    for name in ("d", "f", "layers", "reps", "chunks"):
+    try:
+        args.chunk_plan = parse_chunks(args.chunks, args.tokens)
+    except ValueError as e:
+        p.error(f"--chunks: {e}")
+    for first, last in args.chunk_plan.values():
+        if first < 1 or last < 1 or args.f % first or args.f % last:
+            p.error(f"--chunks: chunk counts must be >= 1 and divide --f ({args.f}), got {args.chunks}")
+    for name in ("d", "f", "layers", "reps"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
     if any(t < 1 for t in args.tokens):
@@ -479,56 +488,34 @@ def run_bandwidth(b: Bench) -> dict:
         out[name + "_best_GBps"] = moved / min(times) / 1e9
         log(f"bandwidth {name}: median {out[name + '_GBps']:.2f} GB/s, best {out[name + '_best_GBps']:.2f} GB/s "
             f"({len(times)} x {moved / GiB:.2f} GiB in {len(shapes)} buffers)")
-    del dev2
-    out.update(h2d_under_compute(b, h2d, nbytes))
-    del dev, host
+    del dev, host, dev2
     return out
 
 
-def h2d_under_compute(b: Bench, h2d, nbytes: int) -> dict:
-    """H2D of the same bytes while the device runs matmuls of the stack's shape (diagnostic).
+def parse_chunks(spec: list, tokens: list) -> dict:
+    """``["4"]`` or ``["8192=1,2", "32768=4,1"]`` -> ``{T: (first, last)}`` for every T in ``tokens``.
 
-    Queues enough ``(T, D) @ (D, F)`` bf16 matmuls (T = the smallest token count) on the
-    compute stream to outlast the copies, issues the copies, and times until the copies are
-    done. Tells whether the link slows down while the SMs compute (the swapped forward moves
-    its weights during compute). Not used by the floors.
+    Raises: ValueError naming the bad item, or a token count without a chunk count.
     """
-    jax, jnp, np = b.jax, b.jnp, b.np
-    t_tok = min(b.args.tokens)
-    x = jax.device_put(jnp.ones((t_tok, b.D), jnp.bfloat16), b.DEV)
-    w = jax.device_put(jnp.ones((b.D, b.F), jnp.bfloat16) * 1e-3, b.DEV)
-    mm = jax.jit(lambda x, w: (x @ w)[:, :b.D])
-    jax.block_until_ready(mm(x, w))
-    t = time.perf_counter()
-    jax.block_until_ready(mm(x, w))
-    one = time.perf_counter() - t
-    n_mm = int(np.ceil(2.0 * nbytes / 50e9 / max(one, 1e-4))) + 2   # ~2x the copy time at 50 GB/s
-    times, comp = [], []
-    for _ in range(max(3, b.args.reps)):
-        ys = []
-        y = x
-        t0 = time.perf_counter()
-        for _ in range(n_mm):
-            y = mm(y, w)
-            ys.append(y)
-        moved = h2d()
-        jax.block_until_ready(moved)
-        times.append(time.perf_counter() - t0)
-        jax.block_until_ready(ys)
-        comp.append(time.perf_counter() - t0)
-        del ys, y, moved
-    med = float(np.median(times))
-    res = {"h2d_under_compute_times_s": times, "h2d_under_compute_GBps": nbytes / med / 1e9,
-           "h2d_under_compute_best_GBps": nbytes / min(times) / 1e9, "under_compute_matmuls": n_mm,
-           "under_compute_matmul_s": one, "under_compute_total_s": comp}
-    log(f"bandwidth h2d while computing: median {res['h2d_under_compute_GBps']:.2f} GB/s, best "
-        f"{res['h2d_under_compute_best_GBps']:.2f} GB/s ({n_mm} matmuls of {one * 1e3:.1f} ms queued; compute "
-        f"ended at {float(np.median(comp)) * 1e3:.0f} ms, copies at {med * 1e3:.0f} ms)")
-    return res
+    if len(spec) == 1 and "=" not in spec[0]:
+        n = int(spec[0])
+        return {t: (n, n) for t in tokens}
+    plan = {}
+    for item in spec:
+        t, _, fl = item.partition("=")
+        try:
+            first, last = (int(v) for v in fl.split(","))
+            plan[int(t)] = (first, last)
+        except ValueError:
+            raise ValueError(f"expected N or TOKENS=FIRST,LAST, got {item!r}") from None
+    missing = [t for t in tokens if t not in plan]
+    if missing:
+        raise ValueError(f"no chunk counts for token counts {missing}")
+    return plan
 
 
-def chunked_stages(b: Bench, W, chunks: int):
-    """Stage list with the first and last layer split into ``chunks`` column chunks over F.
+def chunked_stages(b: Bench, W, chunks):
+    """Stage list with the first and last layer split into column chunks over F.
 
     Inside a chunked layer the carry is ``(x, acc)``: the first chunk opens it
     (``x -> (x, x + gelu(x @ a_0) @ b_0)``), middle chunks add ``gelu(x @ a_c) @ b_c`` to
@@ -536,7 +523,8 @@ def chunked_stages(b: Bench, W, chunks: int):
     one array. The same function as the plain stack up to bf16 summation order. Smaller
     first and last transfers shorten the pipeline's start (32768 tokens: compute waits for
     the first transfer) and end (8192 tokens: the last layer's compute follows the last
-    transfer). Returns ``(stage_fns, stage_params)``; ``W`` = per-layer ``(a, b)`` arrays.
+    transfer). ``chunks`` = ``(first, last)`` counts (1: not split). Returns
+    ``(stage_fns, stage_params)``; ``W`` = per-layer ``(a, b)`` arrays.
     """
     jax = b.jax
 
@@ -556,11 +544,12 @@ def chunked_stages(b: Bench, W, chunks: int):
         return acc + ffn(p, x)
 
     fns, params = [], []
-    fc = b.F // chunks
     for i, (a, bb) in enumerate(W):
-        if chunks > 1 and i in (0, len(W) - 1):
-            for c in range(chunks):
-                fns.append(opening if c == 0 else closing if c == chunks - 1 else part)
+        n = chunks[0] if i == 0 else chunks[1] if i == len(W) - 1 else 1
+        if n > 1:
+            fc = b.F // n
+            for c in range(n):
+                fns.append(opening if c == 0 else closing if c == n - 1 else part)
                 params.append((a[:, c * fc:(c + 1) * fc], bb[c * fc:(c + 1) * fc]))
         else:
             fns.append(b.layer)
@@ -691,11 +680,11 @@ def run_one(args, b: Bench, variant: str, tokens: int, res: dict, check: bool = 
     elif variant == "xla_swap-in-graph":
         from xla_swap.executors import InGraphRuntime
 
-        fns, sp = chunked_stages(b, b.host_weights(), args.chunks)
+        fns, sp = chunked_stages(b, b.host_weights(), args.chunk_plan[tokens])
         igr = InGraphRuntime(fns, sp, device=b.dev)
         compiled = igr.compile(x)
         extra.update(compiled_info(compiled))
-        extra.update({"stages": len(sp), "chunks": args.chunks})
+        extra.update({"stages": len(sp), "chunks": list(args.chunk_plan[tokens])})
         fn = lambda: igr.forward(x)  # noqa: E731
         state = [igr]
 
@@ -733,13 +722,14 @@ def run_one(args, b: Bench, variant: str, tokens: int, res: dict, check: bool = 
 
         k = int(variant.split("-k")[1][0])
         throttle = not variant.endswith("-nothrottle")
-        fns, sp = chunked_stages(b, b.host_weights(), args.chunks) if chunked else (b.layer, b.host_weights())
+        plan_c = args.chunk_plan[tokens] if chunked else (1, 1)
+        fns, sp = chunked_stages(b, b.host_weights(), plan_c) if chunked else (b.layer, b.host_weights())
         rt = StreamingRuntime(fns, sp, prefetch_depth=k, device=b.dev, throttle=throttle,
                               track_residency=False, remat=policy if saved else True)
         fn = (lambda: rt.train_step(x, cotangent=ct)) if train else (lambda: rt.forward(x))
         extra.update({"prefetch_depth": k, "throttle": throttle, "stages": rt.num_stages,
                       "remat": "dots_with_no_batch_dims_saveable" if saved else "per-stage recompute",
-                      "chunks": args.chunks if chunked else 1})
+                      "chunks": list(plan_c)})
         state = [rt]
     else:
         raise ValueError(f"unknown variant {variant}")
@@ -820,7 +810,7 @@ def run_one(args, b: Bench, variant: str, tokens: int, res: dict, check: bool = 
         r_out, r_gx, r_grads = b.ondev_train(W, x, ct)
         o_out, o_gx, o_grads = out
         if chunked:  # per-stage gradients: concatenate the chunks of the first and last layer back
-            o_grads = _merge_chunk_grads(b, o_grads, args.chunks)
+            o_grads = _merge_chunk_grads(b, o_grads, args.chunk_plan[tokens])
         res["rel_err_out"] = b.rel_err(o_out, r_out)
         res["rel_err_dx"] = b.rel_err(o_gx, r_gx)
         res["rel_err_grads"] = max(b.rel_err(o, r) for og, rg in zip(o_grads, r_grads) for o, r in zip(og, rg))
@@ -832,14 +822,15 @@ def run_one(args, b: Bench, variant: str, tokens: int, res: dict, check: bool = 
     return rows
 
 
-def _merge_chunk_grads(b: Bench, grads, chunks: int):
-    """Per-stage gradients of ``chunked_stages`` back to per-layer ``(da, db)`` (device arrays)."""
+def _merge_chunk_grads(b: Bench, grads, chunks):
+    """Per-stage gradients of ``chunked_stages(chunks=(first, last))`` back to per-layer ``(da, db)``."""
     jnp = b.jnp
     out, i = [], 0
     for layer in range(b.L):
-        if chunks > 1 and layer in (0, b.L - 1):
-            parts = grads[i:i + chunks]
-            i += chunks
+        n = chunks[0] if layer == 0 else chunks[1] if layer == b.L - 1 else 1
+        if n > 1:
+            parts = grads[i:i + n]
+            i += n
             out.append((jnp.concatenate([jnp.asarray(p[0]) for p in parts], axis=1),
                         jnp.concatenate([jnp.asarray(p[1]) for p in parts], axis=0)))
         else:
@@ -993,9 +984,8 @@ def child_argv(args, variant, tokens, result_file):
     argv = [sys.executable, str(Path(__file__).resolve()), "--d", str(args.d), "--f", str(args.f),
             "--layers", str(args.layers), "--reps", str(args.reps), "--warmup", str(args.warmup),
             "--seed", str(args.seed), "--only", variant, "--result-file", result_file]
-    if tokens:
-        argv += ["--tokens"] + [str(t) for t in tokens]
-    argv += ["--chunks", str(args.chunks)]
+    argv += ["--tokens"] + [str(t) for t in (tokens or args.tokens)]   # the chunk plan is per token count
+    argv += ["--chunks"] + list(args.chunks)
     if args.bw_mib:
         argv += ["--bw-mib", str(args.bw_mib)]
     if args.no_trace:
@@ -1168,10 +1158,7 @@ def markdown(data) -> str:
                   f"of {len(bw.get('h2d_times_s', []))}; floors use the best): H2D {bw['h2d_GBps']:.1f} / "
                   f"{bw.get('h2d_best_GBps', float('nan')):.1f} GB/s, D2H {bw['d2h_GBps']:.1f} / "
                   f"{bw.get('d2h_best_GBps', float('nan')):.1f} GB/s, both at once {bw['both_GBps']:.1f} / "
-                  f"{bw.get('both_best_GBps', float('nan')):.1f} GB/s (aggregate)"
-                  + (f"; H2D while the device computes {bw['h2d_under_compute_GBps']:.1f} / "
-                     f"{bw['h2d_under_compute_best_GBps']:.1f} GB/s (diagnostic, not in the floors)"
-                     if bw.get("h2d_under_compute_GBps") else ""), ""]
+                  f"{bw.get('both_best_GBps', float('nan')):.1f} GB/s (aggregate)", ""]
     lines += targets_lines(data)
     lines += ["| variant | tokens | median ms | min ms | floor ms | x floor | peak dev GiB | predicted GiB "
               "| peak / pred | temp GiB | max rel err | note |",

@@ -47,3 +47,12 @@ def test_training_rows_agree_and_send_gradients_to_host(rows):
         assert max(r["rel_err_out"], r["rel_err_dx"], r["rel_err_grads"]) < 2e-2
     saved = rows["train-xla_swap-k2-saved-chunked"]
     assert sum(saved["residual_nbytes"]) > 0 and sum(rows["train-xla_swap-k2"]["residual_nbytes"]) == 0
+
+
+def test_chunk_spec():
+    assert gpu_stack.parse_chunks(["4"], [64, 128]) == {64: (4, 4), 128: (4, 4)}
+    assert gpu_stack.parse_chunks(["64=1,2", "128=4,1"], [64, 128]) == {64: (1, 2), 128: (4, 1)}
+    with pytest.raises(ValueError, match="no chunk counts for token counts \\[128\\]"):
+        gpu_stack.parse_chunks(["64=1,2"], [64, 128])
+    with pytest.raises(ValueError, match="expected N or TOKENS=FIRST,LAST, got '64=2'"):
+        gpu_stack.parse_chunks(["64=2"], [64])
