@@ -10,18 +10,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from test_streaming import L, check_close, chunk_stages, layer, make_input, make_params, mono_forward, stacked
+from test_streaming import L, check_close, chunk_stages, layer, mono_forward, stacked
+from test_streaming import params, x  # noqa: F401  (the same module-scoped fixtures)
 from xla_swap.executors import InGraphRuntime, StreamingRuntime
-
-
-@pytest.fixture(scope="module")
-def params():
-    return make_params()
-
-
-@pytest.fixture(scope="module")
-def x():
-    return make_input()
 
 
 def test_forward_matches_monolithic(params, x):
