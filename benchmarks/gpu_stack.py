@@ -488,7 +488,6 @@ def run_bandwidth(b: Bench) -> dict:
         out[name + "_best_GBps"] = moved / min(times) / 1e9
         log(f"bandwidth {name}: median {out[name + '_GBps']:.2f} GB/s, best {out[name + '_best_GBps']:.2f} GB/s "
             f"({len(times)} x {moved / GiB:.2f} GiB in {len(shapes)} buffers)")
-    del dev, host, dev2
     return out
 
 
@@ -557,17 +556,16 @@ def chunked_stages(b: Bench, W, chunks):
     return fns, params
 
 
-def _variant_parts(variant: str):
-    """``name@flags`` -> (name, flag set name or None)."""
-    name, _, flags = variant.partition("@")
-    return name, (flags or None)
+def _base_variant(variant: str) -> str:
+    """``name@flags`` (a flag-search row) -> ``name``."""
+    return variant.partition("@")[0]
 
 
 def run_variant(args, variant: str, tokens_list) -> list:
     """Run one variant for every token count (ascending) in this process; one result dict each."""
     b = Bench(args)
     jax = b.jax
-    name, flags = _variant_parts(variant)
+    name = variant
     base = {"variant": variant, "device": getattr(b.dev, "device_kind", str(b.dev)),
             "platform": b.dev.platform, "jax_version": jax.__version__, "weight_bytes": b.weight_bytes,
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
@@ -619,6 +617,7 @@ def run_one(args, b: Bench, variant: str, tokens: int, res: dict, check: bool = 
     saved = "-saved" in variant
     policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
     rt = None
+    flagged = None  # in-graph variants: opts -> (compiled, call) under an XLA flag set
     if variant in ("on-device-loop", "train-on-device"):
         W = b.device_weights()
         fn = (lambda: b.ondev_train(W, x, ct)) if train else (lambda: b.ondev_forward(W, x))
@@ -734,8 +733,6 @@ def run_one(args, b: Bench, variant: str, tokens: int, res: dict, check: bool = 
     else:
         raise ValueError(f"unknown variant {variant}")
 
-    if variant not in IN_GRAPH:
-        flagged = None
     mem0 = b.mem()
     t = time.perf_counter()
     jax.block_until_ready(fn())  # compile (first call) + first run, untimed
@@ -774,7 +771,6 @@ def run_one(args, b: Bench, variant: str, tokens: int, res: dict, check: bool = 
 
     rows = []
     if flagged is not None and not args.no_flag_search and tokens == min(args.tokens):
-        out = None
         for fname, flags in FLAG_SETS.items():
             row = {k: v for k, v in res.items() if k in ("device", "platform", "jax_version", "weight_bytes",
                                                           "tokens", "activation_bytes")}
@@ -794,7 +790,6 @@ def run_one(args, b: Bench, variant: str, tokens: int, res: dict, check: bool = 
                 log(f"{row['variant']} T={tokens} FAILED: {row['error']}")
             rows.append(row)
         flagged = None
-        out = fn()  # the output of the default flags, for the check
 
     if not check:
         return rows
@@ -1121,7 +1116,7 @@ def compute_floors(data) -> None:
         if "median_ms" not in r or r.get("tokens") is None:
             continue
         f = floors.get(str(r["tokens"]), {})
-        name = _variant_parts(r["variant"])[0]
+        name = _base_variant(r["variant"])
         if name.startswith("train-"):
             key = "train_saved_ms" if "-saved" in name else "train_ms"
             floor = f.get(key)
@@ -1256,7 +1251,7 @@ def targets_lines(data) -> list:
                        f"= {sp:.1f}x faster - target >= {TARGETS['accelerate_speedup']:.0f}x "
                        f"{'MET' if sp >= TARGETS['accelerate_speedup'] else 'MISSED'}")
     peaks = [r for r in data["results"] if r.get("peak_over_predicted") is not None
-             and _variant_parts(r["variant"])[0] in XLA_SWAP_FORWARD + XLA_SWAP_TRAIN]
+             and _base_variant(r["variant"]) in XLA_SWAP_FORWARD + XLA_SWAP_TRAIN]
     if peaks:
         worst = max(peaks, key=lambda r: abs(r["peak_over_predicted"] - 1))
         ok = abs(worst["peak_over_predicted"] - 1) <= TARGETS["peak"]
