@@ -7,8 +7,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
+#: The device memory kind, as JAX / PJRT name it.
+DEVICE = "device"
+#: The pinned host memory kind, as JAX / PJRT name it (``"host"`` in a policy means this).
+PINNED_HOST = "pinned_host"
 #: Memory kinds, as JAX / PJRT name them. ``host`` in a policy means ``pinned_host``.
-MEMORY_KINDS = ("device", "pinned_host")
+MEMORY_KINDS = (DEVICE, PINNED_HOST)
 PLACEMENTS = ("device", "host")
 ACTIVATION_PLACEMENTS = ("device", "host", "remat")
 
