@@ -350,10 +350,6 @@ def test_bad_call_inputs_raise_before_state_change(params, x):
     rt.forward(x).block_until_ready()
     trace, peak, nexe = list(rt.residency_trace), rt.max_resident_stages, rt.num_executables
     before = live_device_arrays()
-    with pytest.raises(ValueError, match=r"h has shape \(4, 16\).*compiled for shape \(8, 16\)"):
-        rt.forward(x[:4])
-    with pytest.raises(ValueError, match="h has shape .* dtype float16"):
-        rt.forward(x.astype(np.float16))
     with pytest.raises(TypeError, match=r"h\[0\]\[0\]: expected an array \(numpy or jax\), got float"):
         rt.forward([[1.0] * D] * T)       # a nested list is a pytree of Python floats, not an array
     with pytest.raises(ValueError, match="exactly one of loss_fn and cotangent"):
@@ -381,7 +377,7 @@ def test_stage_fn_errors_name_the_stage(params, x):
     with pytest.raises(TypeError, match=r"h\[1\]: expected an array"):
         rt.forward((x, "not an array"))
     rt3 = StreamingRuntime(layer, [{"a": np.ones((D, F), np.int32), "b": np.ones((F, D), np.int32)}])
-    with pytest.raises(TypeError, match=r"stage_params\[0\]\['a'\] has dtype int32"):
+    with pytest.raises(TypeError, match=r"no stage has a floating parameter"):
         rt3.train_step(x.astype(np.int32), lambda o: jnp.sum(o).astype(jnp.float32))
 
 
@@ -445,8 +441,8 @@ def test_pytree_carry_chunked_layers(params, x, k):
     assert rt.stage_input_nbytes() == [2 * T * D * 4] * (4 * L)
     with pytest.raises(RuntimeError, match="call forward"):
         StreamingRuntime(fns, sp).stage_input_nbytes()
-    with pytest.raises(ValueError, match="h has"):
-        rt.forward(x)                        # compiled for a (x, acc) pair
+    with pytest.raises(ValueError, match="stage 0: stage_fn"):
+        rt.forward(x)                        # the stages take an (x, acc) pair
     with pytest.raises(ValueError, match="cotangent has"):
         rt.train_step((x, x), cotangent=np.zeros((T, D), np.float32))
 

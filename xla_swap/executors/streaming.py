@@ -7,7 +7,7 @@ asynchronously (``jax.device_put`` to memory kind ``device`` returns at once; th
 which the host dispatches copies and executables is what makes them overlap). ``k`` is the
 prefetch depth.
 
-Why this shape (figures from ``DESIGN.md``, measured on one NVIDIA H200, jax 0.11.2):
+Why this shape (figures in ``docs/measured.md``, measured on one NVIDIA H200, jax 0.11.2):
 
 * pinned host<->device copies reach 54-55 GB/s each way and ~93 GB/s both ways at once;
   pageable host memory only 8-14 GB/s. So host weights are kept in ``pinned_host``.
@@ -24,11 +24,12 @@ The module imports only numpy and jax (no torch, no torch_xla).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
-import math
 import queue
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -37,23 +38,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
+from xla_swap.planning.optimizer import AdamW
+from xla_swap.planning.policy import OffloadPolicy
+
+from . import optim as _optim
+from ._stages import (DEVICE_KIND, HOST_KIND, _aval_key, _as_aval, _check_memory_kinds, _describe,  # noqa: F401
+                      _index_by_identity, _leaf_name, _merge_diff, _split_diff, _stage_fns, _tree_aval, tree_nbytes)
+
 __all__ = ["StreamingRuntime", "StageEvent", "tree_nbytes"]
 
-HOST_KIND = "pinned_host"
-DEVICE_KIND = "device"
-
-
-def tree_nbytes(tree) -> int:
-    """Total size in bytes of the array leaves of ``tree`` (logical, unsharded sizes).
-
-    Args:
-      tree: a pytree whose leaves have ``shape`` and ``dtype`` (numpy or jax arrays,
-        ``jax.ShapeDtypeStruct``).
-
-    Returns:
-      int, bytes: ``sum(prod(leaf.shape) * leaf.dtype.itemsize)``.
-    """
-    return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree)))
+#: Default bound of the per-input-signature executable cache (``max_signatures``).
+DEFAULT_MAX_SIGNATURES = 8
+#: Bound of the cache of jitted loss functions (one per distinct ``loss_fn`` object).
+MAX_LOSS_FNS = 8
 
 
 @dataclasses.dataclass
@@ -67,7 +64,8 @@ class StageEvent:
       pass_name: ``"forward"`` or ``"backward"``.
       stage: the stage index, 0-based.
       kind: ``"h2d"`` (weights pinned_host -> device), ``"compute"`` (the stage's
-        executable) or ``"d2h"`` (parameter gradients device -> pinned_host).
+        executable) or ``"d2h"`` (parameter gradients, or updated weights and optimizer
+        state, device -> pinned_host).
       issued_s: just before the host dispatched the operation.
       dispatched_s: when the (asynchronous) dispatch call returned.
       done_s: when ``block_until_ready`` on its result returned in the trace watcher
@@ -125,76 +123,31 @@ class _Watcher:
         return self.events
 
 
-def _leaf_name(path) -> str:
-    return jax.tree_util.keystr(path) or "<root>"
+@dataclasses.dataclass
+class _Signature:
+    """Everything compiled for one input signature (tree structure, shapes and dtypes of ``h``)."""
+
+    in_aval: Any
+    chain: list  # avals (pytrees) of the input of stage i, i = 0..n (chain[n] is the output)
+    stage_exe: dict = dataclasses.field(default_factory=dict)  # (kind, stage) -> compiled
+    compiled: dict = dataclasses.field(default_factory=dict)   # dedupe key -> compiled
+    saved_layout: dict = dataclasses.field(default_factory=dict)  # dedupe base -> (vjp treedef, sources)
+    residual_nbytes: list | None = None
 
 
-def _as_aval(x, what: str) -> jax.ShapeDtypeStruct:
-    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-        raise TypeError(f"{what}: expected an array (numpy or jax), got {type(x).__name__}")
-    return jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(x.dtype))
-
-
-def _tree_aval(tree, what: str):
-    """Pytree of ``ShapeDtypeStruct`` for a pytree of arrays (one array is a pytree too).
-
-    Raises:
-      TypeError: a leaf is not an array, or the pytree has no leaves (the message names ``what``
-        and the leaf path).
-    """
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    if not leaves:
-        raise TypeError(f"{what}: expected an array or a pytree of arrays, got {tree!r} (no array leaves)")
-    return jax.tree_util.tree_unflatten(
-        treedef, [_as_aval(leaf, what + jax.tree_util.keystr(path)) for path, leaf in leaves])
-
-
-def _aval_key(tree) -> tuple:
-    """Hashable (tree structure, leaf shapes and dtypes) of a pytree of avals."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return treedef, tuple((tuple(a.shape), str(np.dtype(a.dtype))) for a in leaves)
-
-
-def _describe(tree) -> str:
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    if treedef == jax.tree_util.tree_structure(0):
-        return f"shape {tuple(leaves[0].shape)} dtype {np.dtype(leaves[0].dtype)}"
-    return f"{treedef} with leaves " + ", ".join(f"{np.dtype(a.dtype)}{list(a.shape)}" for a in leaves)
-
-
-def _stage_fns(stage_fn, n: int) -> tuple[list, bool]:
-    """``stage_fn`` (one callable or one per stage) -> (list of n callables, shared?).
-
-    Raises:
-      TypeError: not a callable or a sequence of callables (an element is named).
-      ValueError: a sequence whose length is not ``n``.
-    """
-    if callable(stage_fn):
-        return [stage_fn] * n, True
-    if isinstance(stage_fn, Sequence) and not isinstance(stage_fn, (str, bytes)):
-        fns = list(stage_fn)
-        if len(fns) != n:
-            raise ValueError(f"stage_fn has {len(fns)} functions but stage_params has {n} stages")
-        for i, f in enumerate(fns):
-            if not callable(f):
-                raise TypeError(f"stage_fn[{i}] is not callable: {type(f).__name__}")
-        return fns, False
-    raise TypeError(f"stage_fn must be a callable or a sequence of callables, got {type(stage_fn).__name__}")
-
-
-def _check_memory_kinds(dev, who: str) -> None:
-    """Raise ``ValueError`` unless ``dev`` has the ``pinned_host`` and ``device`` memory kinds."""
-    kinds = {m.kind for m in dev.addressable_memories()}
-    if HOST_KIND not in kinds or DEVICE_KIND not in kinds:
-        raise ValueError(f"device {dev} has memory kinds {sorted(kinds)}; {who} needs {HOST_KIND!r} and "
-                         f"{DEVICE_KIND!r}")
-
-
-def _index_by_identity(items, x):
-    for j, item in enumerate(items):
-        if item is x:
-            return j
-    return None
+def _remat_from_policy(policy: OffloadPolicy):
+    """The ``remat`` argument of the runtime for a policy's ``remat`` and ``activations``."""
+    host = policy.offloaded_activations
+    if host:
+        raise ValueError(f"policy.activations offloads {list(host)} to the host; the streaming runtime keeps "
+                         "saved activations in device memory (activation offload runs in the torch_xla scan "
+                         "helpers). Use 'device' or 'remat' for these names here")
+    keep = tuple(n for n, w in policy.activations.items() if w == "device")
+    if not policy.remat:
+        return False
+    if keep:
+        return jax.checkpoint_policies.save_only_these_names(*keep)
+    return True
 
 
 class StreamingRuntime:
@@ -205,16 +158,18 @@ class StreamingRuntime:
         pytree ``stage_params[i]`` (in device memory) and ``h`` the activation (the carry
         between stages): one array or a pytree of arrays; it returns the next stage's
         ``h`` (an array or a pytree of arrays; a pytree carry lets one layer be split
-        into several stages, e.g. an FFN's column chunks with ``(x, partial_sum)``, so
-        that smaller transfers start the pipeline and end it sooner). Either one callable shared by every stage
+        into several stages, e.g. an FFN's column chunks with ``(x, partial_sum)``, or
+        carry per-call constants such as an attention mask or integer position ids
+        alongside the hidden state). Either one callable shared by every stage
         (then every stage's params must have the same tree structure, leaf shapes and
         dtypes), or a sequence with one callable per stage. One executable is compiled per
         distinct (callable, params signature, input signature): an L-layer stack of
         identical layers compiles one forward (and, for training, one backward) executable.
       stage_params: non-empty sequence of per-stage pytrees of arrays (numpy arrays or
-        ``jax.Array``, any dtype; floating dtypes for ``train_step``). Each leaf is copied
-        once into its own ``pinned_host`` buffer (a leaf that already is a jax array with
-        the target ``pinned_host`` sharding is used as is, without a copy).
+        ``jax.Array``, any dtype). Each leaf is copied once into its own ``pinned_host``
+        buffer (a leaf that already is a jax array with the target ``pinned_host`` sharding
+        is used as is, without a copy, unless ``optimizer`` is given). Integer and bool
+        leaves are constants: they get no gradient and no update.
       prefetch_depth: k >= 1: how many stages ahead weights are transferred. While stage i
         computes, stages i+1..i+k are being copied in; at most k+1 stages' weights are held
         on the device. k >= L holds every stage.
@@ -229,53 +184,65 @@ class StreamingRuntime:
         replicated. Required when ``sharding`` is a callable or another Sharding type.
       donate: donate buffers the runtime owns to the backward executables: a stage's
         streamed device weights (their memory then holds that stage's parameter
-        gradients) and the output cotangent (when it has the stage input's shape and
-        dtype). The user's arrays are never donated. Ignored (off) when ``trace=True``.
+        gradients or updated weights) and the output cotangent (when it has the stage
+        input's shape and dtype). The user's arrays are never donated. Ignored (off) when
+        ``trace=True``.
       throttle: bound device memory for real, not only the runtime's references: after
         dispatching stage i's computation, the host waits until stage i-1's computation
         (forward) or the copy of stage i+1's gradients to host (backward) is complete
         before issuing the next weight transfer. The device is never idle for it (stage
-        i is already queued). ``False`` lets the host run ahead: every transfer may be
-        issued at once and device memory is bounded only by when XLA frees buffers.
+        i is already queued). ``False`` lets the host run ahead.
       track_residency: after each stage, count the stages whose runtime-created device
-        buffers (streamed weights, device-side gradients) are alive
-        (``jax.live_arrays()`` with memory kind ``device``); see ``max_resident_stages``.
-        Costs a scan of all live arrays per stage; turn off for timing.
+        buffers are alive (``jax.live_arrays()``); see ``max_resident_stages``. Costs a scan
+        of all live arrays per stage; turn off for timing.
       trace: record a ``StageEvent`` for every transfer and computation (``last_trace``);
-        a watcher thread waits on each result. Holds extra references while waiting, so
-        residency counts may read higher; disables donation.
+        a watcher thread waits on each result. Disables donation.
       remat: what ``train_step`` keeps from each stage's forward for its backward.
         ``True`` (default): only the stage input; the backward recomputes the stage's
-        forward (per-stage rematerialisation, least memory). ``False``: every residual
-        of ``jax.vjp(stage_fn)`` except the stage's weights and input (no recompute; the
-        most memory). A ``jax.checkpoint_policies`` policy (e.g.
-        ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``): the residuals
-        that ``jax.checkpoint(stage_fn, policy=remat)`` saves, the rest is recomputed in
-        the backward. The weights are never kept: the backward streams them in again and
-        gets them back from the forward's trace by identity (``residual_nbytes`` has the
-        bytes kept per stage). The saved residuals stay in device memory.
+        forward. ``False``: every residual of ``jax.vjp(stage_fn)`` except the stage's
+        weights and input. A ``jax.checkpoint_policies`` policy: the residuals that
+        ``jax.checkpoint(stage_fn, policy=remat)`` saves. The saved residuals stay in
+        device memory (``residual_nbytes`` has the bytes kept per stage).
+      resident: per stage, ``True`` keeps that stage's weights (and optimizer state) in
+        device memory for good: it is never transferred (partial residency). Default: no
+        stage resident.
+      grads_to_host: ``True`` (default) sends each stage's parameter gradients to
+        ``pinned_host`` as soon as its backward produced them; ``False`` returns them in
+        device memory (they then add up on the device). Unused with ``optimizer``.
+      optimizer: an ``xla_swap.planning.AdamW``: ``train_step`` then applies the update
+        per stage on the device right after the stage's backward (weights and moments
+        prefetched with the weights, the update fused into the backward executable) and
+        sends the new weights and moments back; ``host_params`` and ``optimizer_state``
+        hold them. Gradients do not leave the device.
+      optimizer_state_on_host: where the moments live between steps: ``pinned_host``
+        (default, streamed with the weights) or device memory.
+      trainable: ``(stage_index, leaf_path) -> bool``: which floating leaves the optimizer
+        updates (default: all). Non-trainable floating leaves (e.g. a rotary frequency
+        buffer) still get gradients in ``train_step`` without an optimizer.
+      max_signatures: how many input signatures (structure, shapes, dtypes of ``h``) keep
+        their compiled executables; the least recently used is dropped beyond it (a bounded
+        cache: serving several batch sizes and sequence lengths with one runtime).
 
     Device memory (bytes), with S = the largest stage's weight bytes (``stage_nbytes``):
       forward: at most (k+1)*S of weights plus two activations; ``train_step``: at most
-      (k+1)*S of weights and parameter gradients (a stage's device-side gradients count as
-      that stage; with ``donate`` they reuse its weight buffers, without it add S), plus the
-      L+1 stage inputs kept for the backward and the stage executables' temporaries
-      (``executable_memory()``), plus with ``remat`` other than ``True`` the saved
-      residuals (``residual_nbytes``). The bound is physical with ``throttle=True``; with
-      ``throttle=False`` it holds for the runtime's references only. Host memory:
-      ``weight_nbytes`` of ``pinned_host`` (plus the same again for the returned gradients).
+      (k+1)*S of weights and parameter gradients (plus, with ``optimizer``, the moments of
+      k+1 stages), plus the L+1 stage inputs kept for the backward and the stage
+      executables' temporaries (``executable_memory()``), plus with ``remat`` other than
+      ``True`` the saved residuals (``residual_nbytes``), plus resident stages. The bound is
+      physical with ``throttle=True``. Host memory: ``weight_nbytes`` of ``pinned_host``
+      (plus the moments, plus the returned gradients).
 
     Raises:
       TypeError: ``stage_fn`` (or an element) is not callable; a parameter leaf is not an
         array; ``device``/``sharding``/``activation_sharding`` has the wrong type;
         ``prefetch_depth`` is not an int; a flag is not a bool; ``remat`` is neither a
-        bool nor callable.
+        bool nor callable; ``optimizer`` is not an ``AdamW``; ``trainable`` not callable.
       ValueError: ``prefetch_depth < 1``; ``stage_params`` is empty or not a sequence;
         the number of stage functions differs from the number of stages; with one shared
         ``stage_fn``, a stage's params differ from stage 0's in structure, shape or dtype
         (the message names the stage and leaf); both ``device`` and ``sharding`` are
         given; the device has no ``pinned_host`` memory; ``activation_sharding`` is
-        needed but missing.
+        needed but missing; ``resident`` has the wrong length; ``max_signatures < 1``.
     """
 
     def __init__(
@@ -292,6 +259,12 @@ class StreamingRuntime:
         track_residency: bool = True,
         trace: bool = False,
         remat: bool | Callable = True,
+        resident: Sequence[bool] | None = None,
+        grads_to_host: bool = True,
+        optimizer: AdamW | None = None,
+        optimizer_state_on_host: bool = True,
+        trainable: Callable | None = None,
+        max_signatures: int = DEFAULT_MAX_SIGNATURES,
     ):
         # ---- validation, no state change before all of it passed ----
         if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, (int, np.integer)):
@@ -299,12 +272,20 @@ class StreamingRuntime:
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
         for flag_name, flag in (("donate", donate), ("throttle", throttle),
-                                ("track_residency", track_residency), ("trace", trace)):
+                                ("track_residency", track_residency), ("trace", trace),
+                                ("grads_to_host", grads_to_host),
+                                ("optimizer_state_on_host", optimizer_state_on_host)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{flag_name} must be a bool, got {type(flag).__name__}")
         if not (isinstance(remat, bool) or callable(remat)):
             raise TypeError(f"remat must be a bool or a jax.checkpoint_policies policy (callable), "
                             f"got {type(remat).__name__}")
+        _optim.check_optimizer(optimizer)
+        if trainable is not None and not callable(trainable):
+            raise TypeError(f"trainable must be a callable (stage_index, leaf_path) -> bool, "
+                            f"got {type(trainable).__name__}")
+        if isinstance(max_signatures, bool) or not isinstance(max_signatures, (int, np.integer)) or max_signatures < 1:
+            raise ValueError(f"max_signatures must be an int >= 1, got {max_signatures!r}")
         if isinstance(stage_params, (str, bytes, dict)) or not isinstance(stage_params, Sequence):
             raise ValueError(f"stage_params must be a non-empty sequence (list/tuple) of per-stage pytrees, "
                              f"got {type(stage_params).__name__}")
@@ -312,6 +293,12 @@ class StreamingRuntime:
             raise ValueError("stage_params is empty: need at least one stage")
         n = len(stage_params)
         fns, shared = _stage_fns(stage_fn, n)
+        if resident is None:
+            resident = [False] * n
+        if isinstance(resident, (str, bytes)) or not isinstance(resident, Sequence) or len(resident) != n \
+                or not all(isinstance(r, (bool, np.bool_)) for r in resident):
+            raise ValueError(f"resident must be a sequence of {n} bools (one per stage), got {resident!r}")
+        resident = [bool(r) for r in resident]
 
         flat = []  # per stage: (leaves_with_path, treedef)
         for i, p in enumerate(stage_params):
@@ -352,6 +339,8 @@ class StreamingRuntime:
                 return base
         elif isinstance(sharding, Sharding):
             base = sharding
+            for d in sharding.device_set:
+                _check_memory_kinds(d, "the streaming runtime")
 
             def leaf_sharding(i, path, leaf):
                 return base
@@ -368,18 +357,26 @@ class StreamingRuntime:
                                  f"{type(sharding).__name__}")
         act = activation_sharding.with_memory_kind(DEVICE_KIND)
 
-        host_sh, dev_sh = [], []
+        host_sh, dev_sh, train_mask = [], [], []
         for i, (lp, treedef) in enumerate(flat):
-            hs_, ds_ = [], []
+            hs_, ds_, tm_ = [], [], []
             for path, leaf in lp:
                 s = leaf_sharding(i, path, leaf)
                 if not isinstance(s, Sharding):
                     raise TypeError(f"sharding({i}, {_leaf_name(path)}) returned {type(s).__name__}, "
                                     "not a jax.sharding.Sharding")
-                hs_.append(s.with_memory_kind(HOST_KIND))
+                try:
+                    s.shard_shape(tuple(leaf.shape))
+                except ValueError as e:
+                    raise ValueError(f"stage_params[{i}]{_leaf_name(path)}: sharding {s} does not split shape "
+                                     f"{tuple(leaf.shape)} evenly: {e}") from None
+                hs_.append(s.with_memory_kind(DEVICE_KIND if resident[i] else HOST_KIND))
                 ds_.append(s.with_memory_kind(DEVICE_KIND))
+                diff = bool(jnp.issubdtype(leaf.dtype, jnp.inexact))
+                tm_.append(diff and (trainable is None or bool(trainable(i, path))))
             host_sh.append(jax.tree_util.tree_unflatten(treedef, hs_))
             dev_sh.append(jax.tree_util.tree_unflatten(treedef, ds_))
+            train_mask.append(tm_)
 
         # ---- state ----
         self.num_stages: int = n
@@ -389,6 +386,11 @@ class StreamingRuntime:
         self.track_residency = track_residency
         self.trace = trace
         self.remat = remat
+        self.resident: tuple[bool, ...] = tuple(resident)
+        self.grads_to_host = grads_to_host
+        self.optimizer: AdamW | None = optimizer
+        self.optimizer_state_on_host = optimizer_state_on_host
+        self.max_signatures = int(max_signatures)
         self.activation_sharding: Sharding = act
         self._fns = fns
         self._fn_ids: list[int] = []
@@ -403,22 +405,52 @@ class StreamingRuntime:
                 self._fn_ids.append(len(uniq) - 1)
         self._host_sh = host_sh
         self._dev_sh = dev_sh
-        #: per-stage pytrees of ``pinned_host`` arrays (the resident weights).
-        self.host_params: list = [jax.device_put(p, s) for p, s in zip(stage_params, host_sh)]
+        self._train_mask = train_mask
+        #: per-stage pytrees of ``pinned_host`` arrays (device memory for ``resident`` stages):
+        #: the weights. With ``optimizer``, replaced by the updated weights after each step.
+        self.host_params: list = [jax.device_put(p, s, may_alias=False if (optimizer or r) else None)
+                                  for p, s, r in zip(stage_params, host_sh, resident)]
         self._param_avals = [jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), p)
                              for p in self.host_params]
+        # shardings of the differentiable leaves (the gradients), per stage, as lists
+        self._diff_dev_sh, self._diff_grad_sh = [], []
+        for i in range(n):
+            leaves = jax.tree_util.tree_leaves(self._param_avals[i])
+            ds = jax.tree_util.tree_leaves(dev_sh[i])
+            mask = [bool(jnp.issubdtype(a.dtype, jnp.inexact)) for a in leaves]
+            self._diff_dev_sh.append([s for s, m in zip(ds, mask) if m])
+            gk = HOST_KIND if grads_to_host else DEVICE_KIND
+            self._diff_grad_sh.append([s.with_memory_kind(gk) for s, m in zip(ds, mask) if m])
+        #: per stage, the optimizer state: a list of ``(m, v)`` pairs, one per trainable leaf,
+        #: in ``pinned_host`` (or device memory); empty lists without an optimizer.
+        self.optimizer_state: list = []
+        self._state_dev_sh, self._state_host_sh = [], []
+        for i in range(n):
+            leaves = jax.tree_util.tree_leaves(self._param_avals[i])
+            ds = jax.tree_util.tree_leaves(dev_sh[i])
+            sel = [j for j, m in enumerate(train_mask[i]) if m] if optimizer is not None else []
+            sdev = [(ds[j], ds[j]) for j in sel]
+            on_host = optimizer_state_on_host and not resident[i]
+            shost = [(s.with_memory_kind(HOST_KIND if on_host else DEVICE_KIND),) * 2 for s, _ in sdev]
+            self._state_dev_sh.append(sdev)
+            self._state_host_sh.append(shost)
+            if optimizer is not None:
+                st = _optim.init_state(optimizer, [leaves[j] for j in sel])
+                self.optimizer_state.append(jax.device_put(st, shost))
+        #: number of optimizer steps applied so far.
+        self.step: int = 0
         #: bytes of each stage's weights (logical sizes), and their sum.
         self.stage_nbytes: list[int] = [tree_nbytes(p) for p in self.host_params]
         self.weight_nbytes: int = sum(self.stage_nbytes)
-        self._in_aval = None  # pytree of ShapeDtypeStruct of h (first call)
-        self._chain: list | None = None  # avals (pytrees) of the input of stage i, i = 0..n
-        self._compiled: dict = {}
-        self._saved_layout: dict = {}  # compile key -> (vjp treedef, residual sources) (remat != True)
+        #: bytes of each stage's optimizer state (logical sizes).
+        self.optimizer_state_nbytes: list[int] = [tree_nbytes(s) for s in self.optimizer_state] or [0] * n
+        self._sigs: collections.OrderedDict = collections.OrderedDict()  # input key -> _Signature
+        self._last_sig: _Signature | None = None
         #: bytes of the residuals each stage keeps from its forward for its backward in
-        #: ``train_step`` beyond its input (0 with ``remat=True``); filled by the first training call.
+        #: ``train_step`` beyond its input (0 with ``remat=True``); set by each training call.
         self.residual_nbytes: list[int] = [0] * n
-        self._stage_exe: dict = {}  # (kind, stage) -> compiled
-        self._loss_jits: dict = {}
+        self._loss_jits: collections.OrderedDict = collections.OrderedDict()
+        self._loss_shapes: dict = {}
         self._tracked: dict[int, tuple[weakref.ref, int]] = {}
         #: highest number of stages with live device buffers seen at any step since the
         #: last ``reset_stats()`` (only with ``track_residency``).
@@ -430,11 +462,59 @@ class StreamingRuntime:
         #: absolute ``time.perf_counter()`` at the start of the last traced call.
         self.trace_t0: float = float("nan")
 
+    @classmethod
+    def from_policy(cls, stage_fn, stage_params, policy: OffloadPolicy, *, optimizer: AdamW | None = None,
+                    **kwargs) -> "StreamingRuntime":
+        """A runtime that applies ``policy`` (the planner's ``Plan.policy`` or one written by hand).
+
+        The policy's fields map as follows: ``params="host"`` streams every stage,
+        ``"device"`` keeps every stage resident; ``grads`` -> ``grads_to_host``;
+        ``optimizer_state`` -> ``optimizer_state_on_host``; ``prefetch_depth``;
+        ``remat`` and ``activations``: ``remat=True`` recomputes each stage in the
+        backward, keeping the activations named ``"device"`` in ``policy.activations``
+        (``jax.ad_checkpoint.checkpoint_name``) through
+        ``jax.checkpoint_policies.save_only_these_names``; ``remat=False`` keeps every
+        residual.
+
+        Args:
+          stage_fn, stage_params: as for the constructor.
+          policy: an ``xla_swap.planning.OffloadPolicy``.
+          optimizer: an ``xla_swap.planning.AdamW`` or ``None``.
+          **kwargs: the other constructor arguments (``device``, ``sharding``, ...); those
+            the policy decides may not be given.
+
+        Raises:
+          TypeError: ``policy`` is not an ``OffloadPolicy``.
+          ValueError: ``policy.activations`` offloads names to the host (kept in device
+            memory by this runtime: not supported here); a keyword the policy decides is
+            also given; the constructor's errors.
+        """
+        if not isinstance(policy, OffloadPolicy):
+            raise TypeError(f"policy must be an xla_swap.planning.OffloadPolicy, got {type(policy).__name__}")
+        decided = {"prefetch_depth", "resident", "grads_to_host", "optimizer_state_on_host", "remat"}
+        clash = sorted(decided & set(kwargs))
+        if clash:
+            raise ValueError(f"{', '.join(clash)}: decided by the policy; change the policy instead")
+        try:
+            n = len(stage_params)
+        except TypeError:
+            n = None
+        resident = None if n is None or policy.params == "host" else [True] * n
+        return cls(stage_fn, stage_params, prefetch_depth=policy.prefetch_depth, resident=resident,
+                   grads_to_host=policy.grads == "host", optimizer=optimizer,
+                   optimizer_state_on_host=policy.optimizer_state == "host", remat=_remat_from_policy(policy),
+                   **kwargs)
+
     # ------------------------------------------------------------------ public API
     @property
     def num_executables(self) -> int:
-        """Number of distinct stage executables compiled so far (forward and backward)."""
-        return len(self._compiled)
+        """Number of distinct stage executables compiled and cached now (forward and backward, all signatures)."""
+        return sum(len(s.compiled) for s in self._sigs.values())
+
+    @property
+    def num_signatures(self) -> int:
+        """Number of input signatures whose executables are cached (at most ``max_signatures``)."""
+        return len(self._sigs)
 
     def reset_stats(self) -> None:
         """Reset ``max_resident_stages``, ``residency_trace`` and ``last_trace``."""
@@ -447,7 +527,7 @@ class StreamingRuntime:
 
         Counts ``jax.live_arrays()`` of memory kind ``device`` that this runtime created
         (streamed weights, device-side parameter gradients), grouped by stage. Deleted
-        (donated) arrays are not live.
+        (donated) arrays are not live. Stages in ``resident`` are not counted.
 
         Returns:
           int, 0..num_stages.
@@ -460,36 +540,36 @@ class StreamingRuntime:
             entry = tracked.get(id(arr))
             if entry is not None and entry[0]() is arr and arr.sharding.memory_kind == DEVICE_KIND:
                 stages.add(entry[1])
-        # forget dead entries
         for key in [k for k, (r, _) in tracked.items() if r() is None]:
             del tracked[key]
         return len(stages)
 
     def executable_memory(self) -> list[dict]:
-        """Compiled memory analysis of every executable compiled so far.
+        """Compiled memory analysis of every executable cached now.
 
         Returns:
-          list of dicts ``{"kind": "forward"|"backward", "stages": [int], "argument_bytes",
+          list of dicts ``{"kind": "forward"|"backward"|..., "stages": [int], "argument_bytes",
           "output_bytes", "alias_bytes", "temp_bytes"}`` (bytes, device memory, per call of
           the executable; ``None`` where the backend reports nothing).
         """
         out = []
-        for key, exe in self._compiled.items():
-            stages = [i for (k, i), e in self._stage_exe.items() if e is exe and k == key[1]]
-            try:
-                m = exe.memory_analysis()
-            except Exception:  # noqa: BLE001 - not every backend implements it
-                m = None
-            get = (lambda a: getattr(m, a, None)) if m is not None else (lambda a: None)
-            out.append({"kind": key[1], "stages": stages,
-                        "argument_bytes": get("argument_size_in_bytes"),
-                        "output_bytes": get("output_size_in_bytes"),
-                        "alias_bytes": get("alias_size_in_bytes"),
-                        "temp_bytes": get("temp_size_in_bytes")})
+        for sig in self._sigs.values():
+            for key, exe in sig.compiled.items():
+                stages = [i for (k, i), e in sig.stage_exe.items() if e is exe and k == key[1]]
+                try:
+                    m = exe.memory_analysis()
+                except Exception:  # noqa: BLE001 - not every backend implements it
+                    m = None
+                get = (lambda a: getattr(m, a, None)) if m is not None else (lambda a: None)
+                out.append({"kind": key[1], "stages": stages,
+                            "argument_bytes": get("argument_size_in_bytes"),
+                            "output_bytes": get("output_size_in_bytes"),
+                            "alias_bytes": get("alias_size_in_bytes"),
+                            "temp_bytes": get("temp_size_in_bytes")})
         return out
 
     def stage_input_nbytes(self) -> list[int]:
-        """Bytes of each stage's input activation (the carry), from the shapes of the first call.
+        """Bytes of each stage's input activation (the carry), for the last call's input signature.
 
         ``train_step`` keeps every stage's input on the device until that stage's backward,
         so their sum is the kept-activation part of its device memory.
@@ -497,27 +577,26 @@ class StreamingRuntime:
         Returns: list of ``num_stages`` ints (bytes). Raises: ``RuntimeError`` before the
         first ``forward``/``train_step``/``output_aval`` (the shapes are not known yet).
         """
-        if self._chain is None:
+        if self._last_sig is None:
             raise RuntimeError("stage_input_nbytes: call forward, train_step or output_aval first")
-        return [tree_nbytes(a) for a in self._chain[:-1]]
+        return [tree_nbytes(a) for a in self._last_sig.chain[:-1]]
 
     def output_aval(self, h):
-        """Shape and dtype of ``forward(h)`` without running anything (traces on first use).
+        """Shape and dtype of ``forward(h)`` without running anything (traces on first use of a signature).
 
         Returns: a ``jax.ShapeDtypeStruct`` (or a pytree of them for a pytree carry).
 
         Raises: as ``forward``.
         """
-        self._check_input(h)
-        return self._chain[-1]
+        return self._signature(h).chain[-1]
 
     def forward(self, h):
         """Run every stage in order, streaming weights ``prefetch_depth`` stages ahead.
 
         Args:
-          h: the input activation: a numpy or jax array, or a pytree of them. The first
-            call fixes its structure, shapes and dtypes (executables are compiled for them,
-            before any transfer).
+          h: the input activation: a numpy or jax array, or a pytree of them. Each new
+            structure/shape/dtype signature is traced and compiled once (before any
+            transfer) and cached (at most ``max_signatures``, least recently used dropped).
 
         Returns:
           ``jax.Array`` (or pytree) on the device (``activation_sharding``), shaped like
@@ -526,47 +605,54 @@ class StreamingRuntime:
         Raises:
           TypeError: a leaf of ``h`` is not an array; a stage returns no array or a
             non-array leaf.
-          ValueError: ``h``'s structure, shapes or dtypes differ from the first call's; a
-            stage function fails to trace (message names the stage).
+          ValueError: a leaf of ``h`` is a deleted jax array; a stage function fails to
+            trace (message names the stage).
         """
         return self._run(h, train=False)[0]
 
     __call__ = forward
 
-    def train_step(self, h, loss_fn: Callable | None = None, *, cotangent=None, loss_args: tuple = ()):
-        """Forward and backward pass; each stage's parameter gradients go to ``pinned_host``.
+    def train_step(self, h, loss_fn: Callable | None = None, *, cotangent=None, loss_args: tuple = (),
+                   lr: float | None = None):
+        """Forward and backward pass; each stage's parameter gradients go to ``pinned_host``
+        (or, with ``optimizer``, each stage is updated right after its backward).
 
         The forward keeps every stage's input on the device (L activations) and the last
         ``prefetch_depth`` stages' weights (the backward starts with them). The backward
         runs one ``jax.vjp`` executable per stage in reverse (it recomputes the stage's
         forward: per-stage rematerialisation; see ``remat`` for keeping residuals instead)
-        with the same k-deep prefetch, and sends each
-        stage's parameter gradients to host memory as soon as they are produced. With
-        ``throttle=True`` the host waits until stage i+1's gradients have reached host memory
-        before issuing stage i-k's weight transfer, so with k=1 a transfer cannot overlap the
-        whole of a stage's backward; k=2 leaves room (DESIGN.md: both directions together
-        reach ~93 GB/s on an H200, not 2x54). Weight traffic per step: (2L-k) stages in, L
-        stages of gradients out.
+        with the same k-deep prefetch. Weight traffic per step: (2L-k) stages in, and L
+        stages of gradients out (or, with ``optimizer``, L stages of weights and moments out
+        and the moments in). Gradients are taken w.r.t. the floating leaves of the
+        parameters and of ``h``; integer and bool leaves are constants.
 
         Args:
           h: input activation, as for ``forward``.
           loss_fn: ``loss_fn(out, *loss_args) -> scalar`` (shape ``()``, floating). Its
-            value and gradient w.r.t. ``out`` are computed by one jitted executable.
+            value and gradient w.r.t. ``out`` are computed by one jitted executable, cached
+            per ``loss_fn`` object (bounded: pass per-step data such as targets through
+            ``loss_args``, not a new closure per step, or every step compiles again).
           cotangent: instead of ``loss_fn``: the cotangent of the output (same structure,
-            shapes and dtypes as the output), numpy or jax arrays.
+            shapes and dtypes as the output's floating leaves), numpy or jax arrays.
           loss_args: extra arguments (e.g. targets) passed to ``loss_fn``.
+          lr: with ``optimizer``: this step's learning rate (default ``optimizer.lr``), for
+            schedules; changing it does not recompile.
 
         Returns:
           ``(loss_or_output, input_cotangent, grads)``: the scalar loss (``loss_fn`` given)
           or the forward output (``cotangent`` given), as device arrays; the cotangent of
-          ``h`` (device, shape/dtype of ``h``); a list of ``num_stages`` pytrees shaped like
-          ``stage_params[i]`` with memory kind ``pinned_host``. All asynchronous.
+          ``h`` (device, shaped like ``h``, ``None`` at integer leaves); a list of
+          ``num_stages`` pytrees shaped like ``stage_params[i]`` (``None`` at integer
+          leaves) in ``pinned_host`` (``grads_to_host``) or device memory, or ``None`` with
+          ``optimizer`` (the update is applied: ``host_params`` and ``optimizer_state``
+          hold the new values, ``step`` is incremented). All asynchronous.
 
         Raises:
           ValueError: not exactly one of ``loss_fn`` / ``cotangent``; the cotangent's shape
             or dtype differs from the output's; ``loss_fn`` does not return a scalar; the
-            input checks of ``forward``.
-          TypeError: ``loss_fn`` not callable; parameters, ``h`` or the output not floating.
+            input checks of ``forward``; ``lr <= 0``.
+          TypeError: ``loss_fn`` not callable; ``loss_args`` not a tuple; no floating
+            parameter or output leaf.
         """
         if (loss_fn is None) == (cotangent is None):
             raise ValueError("train_step needs exactly one of loss_fn and cotangent")
@@ -574,37 +660,38 @@ class StreamingRuntime:
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if not isinstance(loss_args, tuple):
             raise TypeError(f"loss_args must be a tuple, got {type(loss_args).__name__}")
-        self._check_input(h)
-        for i, avals in enumerate(self._param_avals):
-            for path, a in jax.tree_util.tree_flatten_with_path(avals)[0]:
-                if not jnp.issubdtype(a.dtype, jnp.inexact):
-                    raise TypeError(f"train_step: stage_params[{i}]{_leaf_name(path)} has dtype {a.dtype}; "
-                                    "gradients need floating parameters")
-        for i, av in enumerate(self._chain):
-            for a in jax.tree_util.tree_leaves(av):
-                if not jnp.issubdtype(a.dtype, jnp.inexact):
-                    raise TypeError(f"train_step: the input of stage {i} has dtype {a.dtype}; gradients need "
-                                    "floating activations" if i < self.num_stages else
-                                    f"train_step: the output has dtype {a.dtype}; gradients need floating outputs")
-        out_aval = self._chain[-1]
+        hyper = None
+        if self.optimizer is not None:
+            hyper = self.optimizer.hyper(self.step + 1, lr)  # raises ValueError for a bad lr
+        elif lr is not None:
+            raise ValueError("lr is only used with an optimizer; this runtime has none")
+        sig = self._signature(h)
+        if not any(_split_diff(a)[0] for a in self._param_avals):
+            raise TypeError("train_step: no stage has a floating parameter; nothing to differentiate")
+        out_aval = sig.chain[-1]
+        out_diff = _split_diff(out_aval)[0]
+        if not out_diff:
+            raise TypeError(f"train_step: the output ({_describe(out_aval)}) has no floating leaf; "
+                            "gradients need a floating output")
         if cotangent is not None:
             c = _tree_aval(cotangent, "cotangent")
-            if _aval_key(c) != _aval_key(out_aval):
+            if _aval_key(c) != _aval_key(out_diff) and _aval_key(c) != _aval_key(out_aval):
                 raise ValueError(f"cotangent has {_describe(c)}, but the output has {_describe(out_aval)}")
             loss_exe = None
         else:
             loss_exe = self._loss_exe(loss_fn, out_aval, loss_args)
-        return self._run(h, train=True, loss_exe=loss_exe, cotangent=cotangent, loss_args=loss_args)
+        return self._run(h, train=True, loss_exe=loss_exe, cotangent=cotangent, loss_args=loss_args, hyper=hyper)
 
     # ------------------------------------------------------------------ internals
-    def _check_input(self, h) -> None:
+    def _signature(self, h) -> _Signature:
+        """The cached signature of ``h`` (LRU), or a new one traced stage by stage (no state change on error)."""
         a = _tree_aval(h, "h")
-        if self._in_aval is not None:
-            if _aval_key(a) != _aval_key(self._in_aval):
-                raise ValueError(f"h has {_describe(a)}, but this runtime was compiled for {_describe(self._in_aval)} "
-                                 "on its first call; make a new StreamingRuntime (it may share host_params) for "
-                                 "another shape")
-            return
+        key = _aval_key(a)
+        sig = self._sigs.get(key)
+        if sig is not None:
+            self._sigs.move_to_end(key)
+            self._last_sig = sig
+            return sig
         chain = [a]
         for i, (f, pav) in enumerate(zip(self._fns, self._param_avals)):
             try:
@@ -617,78 +704,97 @@ class StreamingRuntime:
                 raise TypeError(f"stage {i}: stage_fn must return an array or a pytree of arrays, "
                                 f"got {jax.tree_util.tree_structure(out)}")
             chain.append(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), out))
-        self._in_aval, self._chain = a, chain
+        sig = _Signature(a, chain)
+        self._sigs[key] = sig
+        while len(self._sigs) > self.max_signatures:
+            self._sigs.popitem(last=False)
+        self._last_sig = sig
+        return sig
 
     def _spec(self, aval, sharding):
         """``ShapeDtypeStruct`` (pytree) of ``aval`` with ``sharding`` on every leaf."""
         return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), aval)
 
-    def _exe(self, kind: str, i: int, donate: bool):
+    def _exe(self, sig: _Signature, kind: str, i: int, donate: bool):
         key_stage = (kind + ("-donate" if donate else ""), i)
-        exe = self._stage_exe.get(key_stage)
+        exe = sig.stage_exe.get(key_stage)
         if exe is not None:
             return exe
         f = self._fns[i]
         pkey = (jax.tree_util.tree_structure(self._param_avals[i]),
                 tuple((a.shape, str(a.dtype), s) for a, s in zip(jax.tree_util.tree_leaves(self._param_avals[i]),
-                                                                   jax.tree_util.tree_leaves(self._dev_sh[i]))))
-        hin, hout = self._chain[i], self._chain[i + 1]
+                                                                   jax.tree_util.tree_leaves(self._dev_sh[i]))),
+                tuple(self._train_mask[i]))
+        hin, hout = sig.chain[i], sig.chain[i + 1]
         base = (self._fn_ids[i], pkey, _aval_key(hin), _aval_key(hout))
         key = (base[0], key_stage[0]) + base[1:]
-        exe = self._compiled.get(key)
+        exe = sig.compiled.get(key)
         if exe is None:
+            act = self.activation_sharding
             pspec = jax.tree_util.tree_map(self._spec, self._param_avals[i], self._dev_sh[i])
-            hspec = self._spec(hin, self.activation_sharding)
-            gspec = self._spec(hout, self.activation_sharding)
-            # the gradient of the output may reuse the input's buffer (same avals) and the
-            # streamed weights' buffers hold the weight gradients
-            same = _aval_key(hin) == _aval_key(hout)
+            hspec = self._spec(hin, act)
+            gspec = self._spec(_split_diff(hout)[0], act)
+            # the output cotangent may reuse the input cotangent's buffer (same avals)
+            same = _aval_key(_split_diff(hin)[0]) == _aval_key(_split_diff(hout)[0])
+            opt = self.optimizer
             if kind == "forward":
-                exe = jax.jit(f, out_shardings=self.activation_sharding).lower(pspec, hspec).compile()
+                exe = jax.jit(f, out_shardings=act).lower(pspec, hspec).compile()
             elif kind == "forward-save":
-                exe = self._compile_forward_save(f, base, pspec, hspec)
-            elif kind == "backward":
-                def bwd(p, x, g, f=f):
-                    _, vjp = jax.vjp(f, p, x)
-                    gp, gx = vjp(g)
-                    return gx, gp
-
-                donate_argnums = ((0, 2) if same else (0,)) if donate else ()
-                exe = jax.jit(bwd, out_shardings=(self.activation_sharding, self._dev_sh[i]),
-                              donate_argnums=donate_argnums).lower(pspec, hspec, gspec).compile()
-            else:  # "backward-saved": the vjp from the forward's residuals, no recompute
-                fwd_save = self._exe("forward-save", i, False)
-                treedef, sources = self._saved_layout[base]
-                sspec = jax.tree_util.tree_map(
-                    lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                    fwd_save.out_info[1], fwd_save.output_shardings[1])
-
-                def bwd_saved(p, x, saved, g, treedef=treedef, sources=sources):
-                    src = {"p": jax.tree_util.tree_leaves(p), "x": jax.tree_util.tree_leaves(x), "s": saved}
-                    vjp = jax.tree_util.tree_unflatten(treedef, [src[kind][j] for kind, j in sources])
-                    gp, gx = vjp(g)
-                    return gx, gp
-
-                donate_argnums = ((0, 3) if same else (0,)) if donate else ()
-                exe = jax.jit(bwd_saved, out_shardings=(self.activation_sharding, self._dev_sh[i]),
-                              donate_argnums=donate_argnums).lower(pspec, hspec, sspec, gspec).compile()
-            self._compiled[key] = exe
-        self._stage_exe[key_stage] = exe
+                exe = self._compile_forward_save(sig, f, base, pspec, hspec)
+            else:
+                saved = kind == "backward-saved"
+                if saved:
+                    fwd_save = self._exe(sig, "forward-save", i, False)
+                    core = _saved_vjp(*sig.saved_layout[base])
+                    sspec = jax.tree_util.tree_map(
+                        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                        fwd_save.out_info[1], fwd_save.output_shardings[1])
+                    specs = (pspec, hspec, sspec, gspec)
+                else:
+                    core = _recompute_vjp(f)
+                    specs = (pspec, hspec, gspec)
+                g_arg = len(specs) - 1
+                if opt is None:
+                    fn = core
+                    donate_argnums = ((0, g_arg) if same else (0,)) if donate else ()
+                    out_sh = (act, self._diff_dev_sh[i])
+                else:
+                    fn = _with_update(core, opt, self._train_mask[i])
+                    st_spec = [tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for a, sh in zip(pair, shs))
+                               for pair, shs in zip(_optim.init_state_avals(opt, self._train_avals(i)),
+                                                    self._state_dev_sh[i])]
+                    specs = specs + (st_spec, jax.ShapeDtypeStruct((3,), np.float32, sharding=act))
+                    donate_argnums = (((0, g_arg) if same else (0,)) + (len(specs) - 2,)) if donate else ()
+                    out_sh = (act, self._dev_sh[i], self._state_dev_sh[i])
+                exe = jax.jit(fn, out_shardings=out_sh, donate_argnums=donate_argnums).lower(*specs).compile()
+            sig.compiled[key] = exe
+        sig.stage_exe[key_stage] = exe
         return exe
 
-    def _compile_forward_save(self, f, base, pspec, hspec):
+    def _train_avals(self, i: int) -> list:
+        leaves = jax.tree_util.tree_leaves(self._param_avals[i])
+        return [a for a, m in zip(leaves, self._train_mask[i]) if m]
+
+    def _compile_forward_save(self, sig, f, base, pspec, hspec):
         """Compile ``(p, x) -> (y, saved)``: the stage's output and its vjp residuals minus ``p`` and ``x``.
 
         ``jax.vjp`` returns its residuals as the leaves of the vjp function (a pytree); while
         tracing, residuals that *are* the traced weights or stage input (identity) are
-        recorded as such in ``self._saved_layout[base]`` and not returned, so the weights
+        recorded as such in ``sig.saved_layout[base]`` and not returned, so the weights
         are not kept on the device between the passes.
         """
         fs = f if self.remat is False else jax.checkpoint(f, policy=self.remat)
         box = {}
 
         def fwd_save(p, x):
-            y, vjp = jax.vjp(fs, p, x)
+            pd, pc, ps = _split_diff(p)
+            xd, xc, xs = _split_diff(x)
+
+            def f2(pd, xd):
+                yd, yc, ys = _split_diff(fs(_merge_diff(pd, pc, ps), _merge_diff(xd, xc, xs)))
+                return yd, (yc, ys)
+
+            yd, vjp, (yc, ys) = jax.vjp(f2, pd, xd, has_aux=True)
             res, treedef = jax.tree_util.tree_flatten(vjp)
             pl, xl = jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(x)
             sources, saved = [], []
@@ -704,25 +810,52 @@ class StreamingRuntime:
                 sources.append(("s", len(saved)))
                 saved.append(r)
             box["layout"] = (treedef, tuple(sources))
-            return y, saved
+            return _merge_diff(yd, yc, ys), saved
 
         exe = jax.jit(fwd_save, out_shardings=(self.activation_sharding, None)).lower(pspec, hspec).compile()
-        self._saved_layout[base] = box["layout"]
+        sig.saved_layout[base] = box["layout"]
         return exe
 
     def _loss_exe(self, loss_fn, out_aval, loss_args):
+        args_aval = tuple(_tree_aval(a, f"loss_args[{j}]") for j, a in enumerate(loss_args))
+        skey = (loss_fn, _aval_key(out_aval), tuple(_aval_key(a) for a in args_aval))
         try:
-            val = jax.eval_shape(loss_fn, out_aval, *loss_args)
-        except Exception as e:  # noqa: BLE001
-            raise ValueError(f"loss_fn(out, *loss_args) failed to trace for out of shape {out_aval.shape} "
-                             f"dtype {out_aval.dtype}: {type(e).__name__}: {e}") from e
-        if not isinstance(val, jax.ShapeDtypeStruct) or val.shape != () or not jnp.issubdtype(val.dtype, jnp.inexact):
-            raise ValueError(f"loss_fn must return a floating scalar (shape ()), got {val}")
-        jitted = self._loss_jits.get(loss_fn)
+            known = self._loss_shapes.get(skey)
+        except TypeError:  # an unhashable loss_fn
+            known, skey = None, None
+        if not known:
+            try:
+                val = jax.eval_shape(loss_fn, out_aval, *args_aval)
+            except Exception as e:  # noqa: BLE001
+                raise ValueError(f"loss_fn(out, *loss_args) failed to trace for out of {_describe(out_aval)}: "
+                                 f"{type(e).__name__}: {e}") from e
+            if not isinstance(val, jax.ShapeDtypeStruct) or val.shape != () or \
+                    not jnp.issubdtype(val.dtype, jnp.inexact):
+                raise ValueError(f"loss_fn must return a floating scalar (shape ()), got {val}")
+            if skey is not None:
+                if len(self._loss_shapes) >= 4 * MAX_LOSS_FNS:
+                    self._loss_shapes.clear()
+                self._loss_shapes[skey] = True
+        jitted = self._loss_jits.get(loss_fn) if skey is not None else None
         if jitted is None:
-            vg = jax.value_and_grad(loss_fn)
+            def vg(out, *args, loss_fn=loss_fn):
+                od, oc, os_ = _split_diff(out)
+                return jax.value_and_grad(lambda od: loss_fn(_merge_diff(od, oc, os_), *args))(od)
+
             jitted = jax.jit(vg, out_shardings=(None, self.activation_sharding))
-            self._loss_jits[loss_fn] = jitted
+            if skey is not None:
+                self._loss_jits[loss_fn] = jitted
+                while len(self._loss_jits) > MAX_LOSS_FNS:
+                    evicted, _ = self._loss_jits.popitem(last=False)
+                    self._loss_shapes = {k: v for k, v in self._loss_shapes.items() if k[0] is not evicted}
+                    if not getattr(self, "_warned_loss", False):
+                        self._warned_loss = True
+                        warnings.warn("StreamingRuntime.train_step: more than "
+                                      f"{MAX_LOSS_FNS} distinct loss_fn objects; each new one compiles again. "
+                                      "Pass per-step data through loss_args instead of a new closure.",
+                                      stacklevel=3)
+        else:
+            self._loss_jits.move_to_end(loss_fn)
         return jitted
 
     def _track(self, tree, stage: int) -> None:
@@ -739,16 +872,25 @@ class StreamingRuntime:
         if r > self.max_resident_stages:
             self.max_resident_stages = r
 
-    def _run(self, h, *, train: bool, loss_exe=None, cotangent=None, loss_args=()):
-        self._check_input(h)
+    def _run(self, h, *, train: bool, loss_exe=None, cotangent=None, loss_args=(), hyper=None):
+        sig = self._signature(h)
         n, k = self.num_stages, self.prefetch_depth
         donate = self.donate and not self.trace
         # compile everything before the first transfer (errors surface before state changes)
         save = train and self.remat is not True
-        fwd = [self._exe("forward-save" if save else "forward", i, False) for i in range(n)]
-        bwd = [self._exe("backward-saved" if save else "backward", i, donate) for i in range(n)] if train else None
+        fwd = [self._exe(sig, "forward-save" if save else "forward", i, False) for i in range(n)]
+        bwd = None
+        if train:
+            # a resident stage's weights are not donated unless the optimizer replaces them
+            bwd = [self._exe(sig, "backward-saved" if save else "backward", i,
+                             donate and (self.optimizer is not None or not self.resident[i])) for i in range(n)]
         if save:
             self.residual_nbytes = [tree_nbytes(e.out_info[1]) for e in fwd]
+        elif train:
+            self.residual_nbytes = [0] * n
+        hyper_arr = None
+        if hyper is not None:
+            hyper_arr = jax.device_put(np.asarray(hyper, np.float32), self.activation_sharding)
 
         self.residency_trace = []
         watcher = None
@@ -756,12 +898,20 @@ class StreamingRuntime:
             self.trace_t0 = time.perf_counter()
             watcher = _Watcher(self.trace_t0)
         try:
-            return self._stream(h, fwd, bwd, watcher, n, k, train, donate, loss_exe, cotangent, loss_args)
+            return self._stream(sig, h, fwd, bwd, watcher, n, k, train, loss_exe, cotangent, loss_args, hyper_arr)
         finally:
             if watcher is not None:
                 self.last_trace = watcher.close()
 
-    def _fetch(self, q: dict, j: int, pass_name: str, watcher) -> None:
+    def _fetch(self, q: dict, j: int, pass_name: str, watcher, qs: dict | None = None) -> None:
+        """Start moving stage j's weights (and, into ``qs``, its optimizer state) to the device."""
+        if qs is not None and self.optimizer is not None and j not in qs:
+            qs[j] = jax.device_put(self.optimizer_state[j], self._state_dev_sh[j])
+        if j in q:
+            return
+        if self.resident[j]:
+            q[j] = self.host_params[j]
+            return
         ev = StageEvent(pass_name, j, "h2d", watcher.now()) if watcher else None
         p = jax.device_put(self.host_params[j], self._dev_sh[j])
         self._track(p, j)
@@ -769,9 +919,10 @@ class StreamingRuntime:
         if watcher:
             watcher.add(ev, p)
 
-    def _stream(self, h, fwd, bwd, watcher, n, k, train, donate, loss_exe, cotangent, loss_args):
+    def _stream(self, sig, h, fwd, bwd, watcher, n, k, train, loss_exe, cotangent, loss_args, hyper):
         throttle = self.throttle
         save = train and self.remat is not True
+        opt = self.optimizer if train else None
         saved: list = [None] * n
         x = jax.device_put(h, self.activation_sharding)
         # Forward. In training, the last k stages stay resident for the start of the backward.
@@ -808,39 +959,105 @@ class StreamingRuntime:
             loss, g = loss_exe(out, *loss_args)
             first = loss
         else:
-            g = jax.device_put(cotangent, self.activation_sharding, may_alias=False)
+            cd = _split_diff(cotangent)[0] if _aval_key(_tree_aval(cotangent, "cotangent")) == \
+                _aval_key(sig.chain[-1]) else jax.tree_util.tree_leaves(cotangent)
+            g = jax.device_put(cd, self.activation_sharding, may_alias=False)
             first = out
         del out
-        host_grads: list = [None] * n
+        host_grads: list | None = [None] * n if opt is None else None
+        qs: dict[int, Any] = {}
         prev_host = None
         for j in range(n - 1, max(-1, n - 1 - k), -1):
-            if j not in q:
-                self._fetch(q, j, "backward", watcher)
+            self._fetch(q, j, "backward", watcher, qs)
         for i in range(n - 1, -1, -1):
             p = q.pop(i)
             xi = acts[i]
             acts[i] = None
             ev = StageEvent("backward", i, "compute", watcher.now()) if watcher else None
+            args = (p, xi)
             if save:
-                si, saved[i] = saved[i], None
-                g, dp = bwd[i](p, xi, si, g)
-                del si
+                args += (saved[i],)
+                saved[i] = None
+            args += (g,)
+            if opt is not None:
+                args += (qs.pop(i), hyper)
+            res = bwd[i](*args)
+            del args, xi
+            if opt is None:
+                g, dp = res
             else:
-                g, dp = bwd[i](p, xi, g)
-            del xi
+                g, new_p, new_s = res
+            del res
             if watcher:
-                watcher.add(ev, (g, dp))
-            self._track(dp, i)
+                watcher.add(ev, g)
             ev = StageEvent("backward", i, "d2h", watcher.now()) if watcher else None
-            hg = jax.device_put(dp, self._host_sh[i])
-            host_grads[i] = hg
+            if opt is None:
+                self._track(dp, i)
+                hg = jax.device_put(dp, self._diff_grad_sh[i])
+                host_grads[i] = _merge_diff(hg, None, _split_diff(self._param_avals[i])[2])
+                moved = hg
+            else:
+                dp = (new_p, new_s)  # the device-side results, alive until this stage is recorded
+                self._track(dp, i)
+                self.host_params[i] = jax.device_put(new_p, self._host_sh[i])
+                self.optimizer_state[i] = jax.device_put(new_s, self._state_host_sh[i])
+                moved = (self.host_params[i], self.optimizer_state[i])
+                del new_p, new_s
             if watcher:
-                watcher.add(ev, hg)
+                watcher.add(ev, moved)
             if throttle and prev_host is not None:
-                jax.block_until_ready(prev_host)  # stage i+1's gradients are on the host
+                jax.block_until_ready(prev_host)  # stage i+1's results are on the host
             if i - k >= 0:
-                self._fetch(q, i - k, "backward", watcher)
+                self._fetch(q, i - k, "backward", watcher, qs)
             self._record("backward", i)
             del p, dp
-            prev_host = hg
-        return first, g, host_grads
+            prev_host = moved
+        if opt is not None:
+            self.step += 1
+        gx = _merge_diff(g, None, _split_diff(sig.in_aval)[2])
+        return first, gx, host_grads
+
+
+def _recompute_vjp(f):
+    """``(p, x, g) -> (gx, gp)``: the stage's vjp by recomputing its forward, over floating leaves only."""
+    def core(p, x, g):
+        pd, pc, ps = _split_diff(p)
+        xd, xc, xs = _split_diff(x)
+
+        def f2(pd, xd):
+            return _split_diff(f(_merge_diff(pd, pc, ps), _merge_diff(xd, xc, xs)))[0]
+
+        _, vjp = jax.vjp(f2, pd, xd)
+        gp, gx = vjp(g)
+        return gx, gp
+    return core
+
+
+def _saved_vjp(treedef, sources):
+    """``(p, x, saved, g) -> (gx, gp)``: the stage's vjp rebuilt from the forward's residuals."""
+    def core(p, x, saved, g):
+        src = {"p": jax.tree_util.tree_leaves(p), "x": jax.tree_util.tree_leaves(x), "s": saved}
+        vjp = jax.tree_util.tree_unflatten(treedef, [src[kind][j] for kind, j in sources])
+        gp, gx = vjp(g)
+        return gx, gp
+    return core
+
+
+def _with_update(core, opt: AdamW, train_mask: list):
+    """Wrap a vjp ``core`` so that it also applies ``opt`` to the trainable leaves: ``(..., state, hyper) ->
+    (gx, new_params, new_state)``."""
+    def fn(*args):
+        *core_args, state, hyper = args
+        gx, gp = core(*core_args)
+        p = core_args[0]
+        leaves, treedef = jax.tree_util.tree_flatten(p)
+        diff_idx = [j for j, a in enumerate(leaves) if jnp.issubdtype(a.dtype, jnp.inexact)]
+        grad_of = dict(zip(diff_idx, gp))
+        sel = [j for j, m in enumerate(train_mask) if m]
+        new_sel, new_state = _optim.apply_update(opt, [leaves[j] for j in sel], [grad_of[j] for j in sel],
+                                                 state, hyper)
+        new_leaves = list(leaves)
+        for j, v in zip(sel, new_sel):
+            new_leaves[j] = v
+        return gx, jax.tree_util.tree_unflatten(treedef, new_leaves), new_state
+    return fn

@@ -1,0 +1,182 @@
+"""StreamingRuntime features beyond the plain stack: several input signatures, integer
+(constant) leaves, the per-stage AdamW update with its state in ``pinned_host``, resident
+stages, ``from_policy``, and the bounded loss-function cache.
+
+References: a monolithic ``jax`` program over the whole stack with every weight in device
+memory, and a numpy AdamW written from ``torch.optim.AdamW``'s update rule.
+"""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from xla_swap.executors.streaming import MAX_LOSS_FNS, StreamingRuntime
+from xla_swap.planning import AdamW, OffloadPolicy
+
+L, D, F, T = 4, 16, 32, 8
+
+
+def layer(p, h):
+    return h + jax.nn.gelu(h @ p["a"]) @ p["b"]
+
+
+def make_params(n=L, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"a": (rng.standard_normal((D, F)) / np.sqrt(D)).astype(np.float32),
+             "b": (rng.standard_normal((F, D)) / np.sqrt(F) * 0.5).astype(np.float32)} for _ in range(n)]
+
+
+def make_input(t=T, seed=1):
+    return np.random.default_rng(seed).standard_normal((t, D)).astype(np.float32)
+
+
+def loss_fn(out, target):
+    return jnp.mean((out - target) ** 2)
+
+
+def ref_loss(params, x, target):
+    h = x
+    for p in params:
+        h = layer(p, h)
+    return loss_fn(h, target)
+
+
+def numpy_adamw(params, grads, state, step, opt: AdamW):
+    """torch.optim.AdamW's single-tensor update, in float64 numpy."""
+    b1, b2 = opt.betas
+    out_p, out_s = [], []
+    for p, g, (m, v) in zip(params, grads, state):
+        p = p * (1 - opt.lr * opt.weight_decay)
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        denom = np.sqrt(v) / np.sqrt(1 - b2 ** step) + opt.eps
+        out_p.append(p - opt.lr / (1 - b1 ** step) * m / denom)
+        out_s.append((m, v))
+    return out_p, out_s
+
+
+def test_several_input_shapes_bounded_cache():
+    params, x = make_params(), make_input()
+    rt = StreamingRuntime(layer, params, prefetch_depth=2, max_signatures=2)
+    ref = jax.jit(lambda x: jax.tree_util.tree_reduce(lambda h, p: layer(p, h), params, x,
+                                                      is_leaf=lambda n: isinstance(n, dict)))
+    for t in (8, 4, 8, 2):  # 8 is reused, 2 evicts the least recently used signature (4)
+        xt = make_input(t, seed=t)
+        np.testing.assert_allclose(np.asarray(rt.forward(xt)), np.asarray(ref(xt)), rtol=1e-5, atol=1e-5)
+    assert rt.num_signatures == 2
+    assert rt.num_executables == 2  # one forward executable per cached signature
+    # a bf16 input is another signature, traced and run the same way
+    y = rt.forward(x.astype(jnp.bfloat16))
+    assert y.dtype == jnp.float32 and rt.num_signatures == 2
+
+
+def test_integer_leaves_are_constants():
+    """An int32 carry leaf (position ids) and an int32 parameter leaf (an index buffer) get no gradient."""
+    params, x = make_params(), make_input()
+    sp = [dict(p, idx=np.arange(D, dtype=np.int32)[::-1].copy()) for p in params]
+
+    def stage(p, carry):
+        h, pos = carry
+        return layer(p, h)[:, p["idx"]] + pos[:, None].astype(h.dtype) * 0.01, pos
+
+    def mono(params, x, pos):
+        h = x
+        for p in params:
+            h, pos = stage(p, (h, pos))
+        return jnp.sum(jnp.sin(h))
+
+    pos = np.arange(T, dtype=np.int32)
+    rt = StreamingRuntime(stage, sp, prefetch_depth=2)
+    loss, (gx, gpos), grads = rt.train_step((x, pos), lambda out: jnp.sum(jnp.sin(out[0])))
+    floats = [{"a": p["a"], "b": p["b"]} for p in sp]
+    ref_val, (ref_gp, ref_gx) = jax.value_and_grad(
+        lambda fp, x: mono([dict(f, idx=p["idx"]) for f, p in zip(fp, sp)], x, pos), argnums=(0, 1))(floats, x)
+    np.testing.assert_allclose(float(loss), float(ref_val), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(gx), np.asarray(ref_gx), rtol=1e-5, atol=1e-5)
+    assert gpos is None and grads[1]["idx"] is None
+    np.testing.assert_allclose(np.asarray(grads[2]["a"]), np.asarray(ref_gp[2]["a"]), rtol=1e-5, atol=1e-5)
+    assert grads[2]["a"].sharding.memory_kind == "pinned_host"
+
+
+@pytest.mark.parametrize("remat,k,on_host", [(True, 1, True), (False, 2, True), (True, 2, False)])
+def test_adamw_update_matches_numpy_reference(remat, k, on_host):
+    params, x = make_params(), make_input()
+    target = make_input(seed=7)
+    opt = AdamW(lr=1e-2, weight_decay=0.1)
+    rt = StreamingRuntime(layer, params, prefetch_depth=k, remat=remat, optimizer=opt,
+                          optimizer_state_on_host=on_host)
+    ref_p = [[np.float64(p["a"]), np.float64(p["b"])] for p in params]
+    ref_s = [[(np.zeros((D, F)), np.zeros((D, F))), (np.zeros((F, D)), np.zeros((F, D)))] for _ in params]
+    grad = jax.jit(jax.grad(ref_loss))
+    for step in range(1, 4):
+        cur = [{"a": jnp.asarray(a, jnp.float32), "b": jnp.asarray(b, jnp.float32)} for a, b in ref_p]
+        g = grad(cur, x, target)
+        loss, _, grads = rt.train_step(x, loss_fn, loss_args=(target,))
+        assert grads is None and rt.step == step
+        np.testing.assert_allclose(float(loss), float(ref_loss(cur, x, target)), rtol=1e-5)
+        for i in range(L):
+            ref_p[i], ref_s[i] = numpy_adamw(ref_p[i], [np.float64(g[i]["a"]), np.float64(g[i]["b"])],
+                                             ref_s[i], step, opt)
+    for i in range(L):
+        np.testing.assert_allclose(np.asarray(rt.host_params[i]["a"]), ref_p[i][0], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(rt.optimizer_state[i][1][1]), ref_s[i][1][1], rtol=1e-3, atol=1e-9)
+        kind = "pinned_host" if on_host else "device"
+        assert rt.host_params[i]["a"].sharding.memory_kind == "pinned_host"
+        assert {a.sharding.memory_kind for a in jax.tree_util.tree_leaves(rt.optimizer_state[i])} == {kind}
+    # the user's arrays were copied, never donated or changed
+    np.testing.assert_array_equal(params[0]["a"], make_params()[0]["a"])
+
+
+def test_resident_stages_and_from_policy():
+    params, x = make_params(), make_input()
+    target = make_input(seed=7)
+    policy = OffloadPolicy(params="device", grads="device", prefetch_depth=2, remat=True)
+    rt = StreamingRuntime.from_policy(layer, params, policy)
+    assert rt.resident == (True,) * L and rt.prefetch_depth == 2 and rt.remat is True
+    assert rt.host_params[0]["a"].sharding.memory_kind == "device"
+    loss, _, grads = rt.train_step(x, loss_fn, loss_args=(target,))
+    ref_g = jax.grad(ref_loss)(params, x, target)
+    np.testing.assert_allclose(np.asarray(grads[3]["b"]), np.asarray(ref_g[3]["b"]), rtol=1e-5, atol=1e-6)
+    assert grads[3]["b"].sharding.memory_kind == "device"
+    resident_a = rt.host_params[0]["a"]
+    rt.train_step(x, loss_fn, loss_args=(target,))  # resident weights are neither copied nor donated
+    assert rt.host_params[0]["a"] is resident_a and not resident_a.is_deleted()
+    # a policy with an optimizer on the host, no recompute
+    host = OffloadPolicy(params="host", grads="host", optimizer_state="host", remat=False, prefetch_depth=1)
+    rt2 = StreamingRuntime.from_policy(layer, params, host, optimizer=AdamW())
+    assert rt2.resident == (False,) * L and rt2.remat is False and rt2.optimizer_state_on_host
+    with pytest.raises(ValueError, match="activations offloads"):
+        StreamingRuntime.from_policy(layer, params, OffloadPolicy(params="host", activations={"a": "host"}))
+    with pytest.raises(ValueError, match="prefetch_depth: decided by the policy"):
+        StreamingRuntime.from_policy(layer, params, host, prefetch_depth=3)
+    with pytest.raises(TypeError, match="policy must be"):
+        StreamingRuntime.from_policy(layer, params, {"params": "host"})
+
+
+def test_new_loss_closure_each_step_is_bounded():
+    params, x = make_params(2), make_input()
+    rt = StreamingRuntime(layer, params)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for s in range(MAX_LOSS_FNS + 3):
+            t = make_input(seed=s)
+            rt.train_step(x, lambda out, t=t: loss_fn(out, t))
+    assert len(rt._loss_jits) == MAX_LOSS_FNS
+    assert any("distinct loss_fn" in str(m.message) for m in w)
+
+
+def test_bad_optimizer_arguments():
+    params = make_params(2)
+    with pytest.raises(TypeError, match="optimizer must be"):
+        StreamingRuntime(layer, params, optimizer="adamw")
+    with pytest.raises(ValueError, match="AdamW lr must be > 0"):
+        AdamW(lr=0.0)
+    with pytest.raises(ValueError, match=r"betas\[1\]"):
+        AdamW(betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="resident must be"):
+        StreamingRuntime(layer, params, resident=[True])
+    rt = StreamingRuntime(layer, params)
+    with pytest.raises(ValueError, match="lr is only used with an optimizer"):
+        rt.train_step(make_input(), lambda o: jnp.sum(o), lr=0.1)

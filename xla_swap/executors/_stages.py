@@ -1,0 +1,131 @@
+"""Private helpers shared by the runtimes: pytree shape signatures, stage-function lists,
+memory-kind checks, and the split of a pytree into differentiable and constant leaves.
+
+Imports numpy and jax only (and the framework-neutral memory-kind names of
+``xla_swap.planning.policy``, the one place they are defined).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xla_swap.planning.policy import MEMORY_KINDS
+
+#: The two memory kinds the runtimes use, as JAX / PJRT name them.
+DEVICE_KIND, HOST_KIND = MEMORY_KINDS
+
+
+def tree_nbytes(tree) -> int:
+    """Total size in bytes of the array leaves of ``tree`` (logical, unsharded sizes).
+
+    Args:
+      tree: a pytree whose leaves have ``shape`` and ``dtype`` (numpy or jax arrays,
+        ``jax.ShapeDtypeStruct``); ``None`` leaves are skipped.
+
+    Returns:
+      int, bytes: ``sum(prod(leaf.shape) * leaf.dtype.itemsize)``.
+    """
+    return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree)))
+
+
+def _leaf_name(path) -> str:
+    return jax.tree_util.keystr(path) or "<root>"
+
+
+def _as_aval(x, what: str) -> jax.ShapeDtypeStruct:
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{what}: expected an array (numpy or jax), got {type(x).__name__}")
+    if isinstance(x, jax.Array) and x.is_deleted():
+        raise ValueError(f"{what}: the jax array has been deleted (donated or freed)")
+    return jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(x.dtype))
+
+
+def _tree_aval(tree, what: str):
+    """Pytree of ``ShapeDtypeStruct`` for a pytree of arrays (one array is a pytree too).
+
+    Raises:
+      TypeError: a leaf is not an array, or the pytree has no leaves (the message names ``what``
+        and the leaf path).
+      ValueError: a leaf is a deleted jax array.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    if not leaves:
+        raise TypeError(f"{what}: expected an array or a pytree of arrays, got {tree!r} (no array leaves)")
+    return jax.tree_util.tree_unflatten(
+        treedef, [_as_aval(leaf, what + jax.tree_util.keystr(path)) for path, leaf in leaves])
+
+
+def _aval_key(tree) -> tuple:
+    """Hashable (tree structure, leaf shapes and dtypes) of a pytree of avals."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(a.shape), str(np.dtype(a.dtype))) for a in leaves)
+
+
+def _describe(tree) -> str:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if treedef == jax.tree_util.tree_structure(0):
+        return f"shape {tuple(leaves[0].shape)} dtype {np.dtype(leaves[0].dtype)}"
+    return f"{treedef} with leaves " + ", ".join(f"{np.dtype(a.dtype)}{list(a.shape)}" for a in leaves)
+
+
+def _stage_fns(stage_fn, n: int) -> tuple[list, bool]:
+    """``stage_fn`` (one callable or one per stage) -> (list of n callables, shared?).
+
+    Raises:
+      TypeError: not a callable or a sequence of callables (an element is named).
+      ValueError: a sequence whose length is not ``n``.
+    """
+    if callable(stage_fn):
+        return [stage_fn] * n, True
+    if isinstance(stage_fn, Sequence) and not isinstance(stage_fn, (str, bytes)):
+        fns = list(stage_fn)
+        if len(fns) != n:
+            raise ValueError(f"stage_fn has {len(fns)} functions but stage_params has {n} stages")
+        for i, f in enumerate(fns):
+            if not callable(f):
+                raise TypeError(f"stage_fn[{i}] is not callable: {type(f).__name__}")
+        return fns, False
+    raise TypeError(f"stage_fn must be a callable or a sequence of callables, got {type(stage_fn).__name__}")
+
+
+def _check_memory_kinds(dev, who: str) -> None:
+    """Raise ``ValueError`` unless ``dev`` has the ``pinned_host`` and ``device`` memory kinds."""
+    kinds = {m.kind for m in dev.addressable_memories()}
+    if HOST_KIND not in kinds or DEVICE_KIND not in kinds:
+        raise ValueError(f"device {dev} has memory kinds {sorted(kinds)}; {who} needs {HOST_KIND!r} and "
+                         f"{DEVICE_KIND!r}")
+
+
+def _index_by_identity(items, x):
+    for j, item in enumerate(items):
+        if item is x:
+            return j
+    return None
+
+
+def _is_diff(a) -> bool:
+    """True for leaves that get gradients: floating or complex dtypes."""
+    return bool(jnp.issubdtype(a.dtype, jnp.inexact))
+
+
+def _split_diff(tree):
+    """Split a pytree into its differentiable leaves and its constant (integer/bool) leaves.
+
+    Returns:
+      ``(diff, const, spec)``: two lists of leaves and the ``spec`` that ``_merge_diff``
+      needs to rebuild the tree.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    mask = tuple(_is_diff(x) for x in leaves)
+    return ([x for x, m in zip(leaves, mask) if m], [x for x, m in zip(leaves, mask) if not m], (treedef, mask))
+
+
+def _merge_diff(diff, const, spec):
+    """Inverse of ``_split_diff``; ``const`` may be ``None`` (those leaves become ``None``)."""
+    treedef, mask = spec
+    di, ci = iter(diff), iter(const if const is not None else [None] * (len(mask) - sum(mask)))
+    return jax.tree_util.tree_unflatten(treedef, [next(di) if m else next(ci) for m in mask])

@@ -1,0 +1,136 @@
+"""Optimizer configurations: framework-neutral descriptions of an update rule and its state.
+
+An optimizer here is data (hyperparameters), like :class:`~xla_swap.planning.OffloadPolicy`:
+the planner reads its state size, the runtimes apply it
+(``xla_swap.executors.optim`` holds the JAX update), and the torch entry point builds it from
+a ``torch.optim.AdamW``. Imports neither torch nor jax.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from numbers import Real
+
+__all__ = ["AdamW"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamW:
+    """AdamW (Loshchilov & Hutter, 2019) with the update and defaults of ``torch.optim.AdamW``.
+
+    Per step t (1-based), for each parameter p with gradient g, moments m and v::
+
+        p <- p * (1 - lr * weight_decay)
+        m <- beta1 * m + (1 - beta1) * g
+        v <- beta2 * v + (1 - beta2) * g * g
+        p <- p - lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+
+    which is ``torch.optim.AdamW``'s single-tensor update (``amsgrad=False``,
+    ``maximize=False``). The arithmetic runs in float32; the moments are stored in
+    ``state_dtype``.
+
+    Args:
+      lr: learning rate (> 0, finite).
+      betas: ``(beta1, beta2)``, each in [0, 1).
+      eps: added to the denominator (> 0).
+      weight_decay: decoupled weight decay (>= 0).
+      state_dtype: dtype name of the moments, e.g. ``"float32"``; ``None`` (default) keeps
+        each parameter's own dtype, as torch does (bf16 parameters get bf16 moments).
+
+    Raises:
+      TypeError: a hyperparameter is not a real number, or ``state_dtype`` not a string/None.
+      ValueError: a hyperparameter is out of its range (the message names it).
+    """
+
+    lr: float = 1e-3
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+    state_dtype: str | None = None
+
+    def __post_init__(self):
+        for name in ("lr", "eps", "weight_decay"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, Real):
+                raise TypeError(f"AdamW {name} must be a real number, got {type(v).__name__}")
+            if not math.isfinite(float(v)):
+                raise ValueError(f"AdamW {name} must be finite, got {v!r}")
+            object.__setattr__(self, name, float(v))
+        if self.lr <= 0:
+            raise ValueError(f"AdamW lr must be > 0, got {self.lr}")
+        if self.eps <= 0:
+            raise ValueError(f"AdamW eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"AdamW weight_decay must be >= 0, got {self.weight_decay}")
+        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
+            raise TypeError(f"AdamW betas must be a pair (beta1, beta2), got {self.betas!r}")
+        betas = []
+        for i, b in enumerate(self.betas):
+            if isinstance(b, bool) or not isinstance(b, Real) or not 0.0 <= float(b) < 1.0:
+                raise ValueError(f"AdamW betas[{i}] must be a real number in [0, 1), got {b!r}")
+            betas.append(float(b))
+        object.__setattr__(self, "betas", tuple(betas))
+        if self.state_dtype is not None and not isinstance(self.state_dtype, str):
+            raise TypeError(f"AdamW state_dtype must be a dtype name (str) or None, got {type(self.state_dtype).__name__}")
+
+    #: Number of state tensors per parameter (the two moments).
+    num_moments = 2
+
+    def state_bytes(self, param_bytes: int, param_itemsize: int) -> int:
+        """Bytes of optimizer state for ``param_bytes`` bytes of parameters of ``param_itemsize`` bytes each.
+
+        Returns: int, bytes: ``2 * (param_bytes / param_itemsize) * state itemsize``.
+        """
+        n = param_bytes // param_itemsize
+        item = param_itemsize if self.state_dtype is None else _ITEMSIZE.get(self.state_dtype, 4)
+        return int(self.num_moments * n * item)
+
+    def hyper(self, step: int, lr: float | None = None) -> tuple[float, float, float]:
+        """The step's scalars, computed in float64 as torch does: ``(1 - lr*wd, lr/(1-b1^t), sqrt(1-b2^t))``.
+
+        Args:
+          step: the 1-based step number t (int >= 1).
+          lr: the learning rate of this step (default ``self.lr``), e.g. from a schedule.
+
+        Raises: ValueError: ``step < 1`` or ``lr <= 0``.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ValueError(f"step must be an int >= 1, got {step!r}")
+        lr = self.lr if lr is None else float(lr)
+        if not lr > 0:
+            raise ValueError(f"lr must be > 0, got {lr!r}")
+        b1, b2 = self.betas
+        return 1.0 - lr * self.weight_decay, lr / (1.0 - b1 ** step), math.sqrt(1.0 - b2 ** step)
+
+    @classmethod
+    def from_torch(cls, optimizer) -> "AdamW":
+        """The configuration of a ``torch.optim.AdamW`` (or ``Adam``) instance, from its first param group.
+
+        Raises:
+          TypeError: ``optimizer`` is not a torch AdamW/Adam.
+          ValueError: options this update does not implement are on (``amsgrad``,
+            ``maximize``, several param groups with different hyperparameters, ``Adam`` with
+            weight decay, which is L2 rather than decoupled).
+        """
+        name = type(optimizer).__name__
+        groups = getattr(optimizer, "param_groups", None)
+        if name not in ("AdamW", "Adam") or not groups:
+            raise TypeError(f"optimizer must be a torch.optim.AdamW (or an xla_swap AdamW), got {name}")
+        keys = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+        g0 = {k: groups[0].get(k) for k in keys}
+        for i, g in enumerate(groups[1:], 1):
+            if any(g.get(k) != g0[k] for k in keys):
+                raise ValueError(f"optimizer.param_groups[{i}] has other hyperparameters than group 0; "
+                                 "one configuration for all parameters is supported")
+        if g0["amsgrad"] or g0["maximize"]:
+            raise ValueError("optimizer: amsgrad=True and maximize=True are not supported")
+        wd = float(g0["weight_decay"] or 0.0)
+        if name == "Adam" and wd:
+            raise ValueError("optimizer: torch.optim.Adam with weight_decay is L2 regularisation, not AdamW's "
+                             "decoupled decay; use torch.optim.AdamW")
+        lr = g0["lr"]
+        lr = float(lr.item() if hasattr(lr, "item") else lr)
+        return cls(lr=lr, betas=tuple(float(b) for b in g0["betas"]), eps=float(g0["eps"]), weight_decay=wd)
+
+
+_ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
