@@ -17,7 +17,14 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch_xla
 import torch_xla.core.xla_builder as xb
+import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from xla_swap.frontend._checks import (buffer_deleted, check_bool, check_callable, check_name, check_tensor_list,
+                                       check_xla_tensor, needs_materialization)
+from xla_swap.frontend.offload import ANNOTATION_TARGET, runtime_supports_annotations
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +47,23 @@ def _metric_count(name: str) -> int:
     return int(data[0]) if data is not None else 0
 
 
+def _check_counters(counters) -> tuple:
+    if isinstance(counters, (str, bytes)) or not isinstance(counters, (list, tuple)):
+        raise TypeError(f"counters: expected a list or tuple of metric names, got {type(counters).__name__} "
+                        f"{counters!r}")
+    if not counters:
+        raise ValueError("counters: expected at least one metric name, got an empty sequence")
+    known = set(HOST_TRANSFER_COUNTERS) | set(met.counter_names()) | set(met.metric_names())
+    for i, c in enumerate(counters):
+        if not isinstance(c, str):
+            raise TypeError(f"counters[{i}]: expected a metric name (str), got {type(c).__name__}")
+        if c not in known:
+            raise ValueError(f"counters[{i}]: {c!r} is not a torch_xla metric this process knows; expected one of "
+                             f"{', '.join(HOST_TRANSFER_COUNTERS)} or a recorded metric "
+                             f"(torch_xla.debug.metrics.counter_names() / metric_names())")
+    return tuple(counters)
+
+
 @contextlib.contextmanager
 def host_transfer_guard(counters: Sequence[str] = HOST_TRANSFER_COUNTERS, *, raise_on_transfer: bool = True
                         ) -> Iterator[dict]:
@@ -49,21 +73,26 @@ def host_transfer_guard(counters: Sequence[str] = HOST_TRANSFER_COUNTERS, *, rai
     clear them, so other metric readers in the process are unaffected.
 
     Args:
-      counters: torch_xla counter or metric names to watch. Default:
-        ``TransferFromDeviceTime`` (any device-to-host copy) and ``ReplicateShardedData``
-        (an SPMD-sharded tensor gathered to one device, the step before a host copy).
+      counters: a list or tuple of torch_xla counter or metric names to watch (one name is
+        not accepted: ``("TransferFromDeviceTime",)``). Default: ``TransferFromDeviceTime``
+        (any device-to-host copy) and ``ReplicateShardedData`` (an SPMD-sharded tensor
+        gathered to one device, the step before a host copy). A name must be one of
+        :data:`HOST_TRANSFER_COUNTERS` or a metric torch_xla has already recorded in this
+        process, so a misspelt name cannot make the guard silently never fire.
       raise_on_transfer: if False, only record; the caller inspects the yielded dict.
 
     Yields:
       A dict ``{counter_name: increments seen inside the block}``, filled on exit.
 
     Raises:
+      TypeError: ``counters`` is a string or not a list/tuple of strings;
+        ``raise_on_transfer`` is not a bool (on entry).
+      ValueError: ``counters`` is empty or names an unknown metric (on entry).
       HostTransferError: on exit, when any watched counter increased; the message names
         each offending counter and by how much.
     """
-    counters = tuple(counters)
-    if not counters or not all(isinstance(c, str) and c for c in counters):
-        raise ValueError(f"counters: expected a non-empty sequence of metric names, got {counters!r}")
+    counters = _check_counters(counters)
+    check_bool(raise_on_transfer, "raise_on_transfer")
     before = {c: _metric_count(c) for c in counters}
     seen: dict = {}
     yield seen
@@ -75,12 +104,7 @@ def host_transfer_guard(counters: Sequence[str] = HOST_TRANSFER_COUNTERS, *, rai
         raise HostTransferError(f"device-to-host transfer inside host_transfer_guard: {what}")
 
 
-def _check_xla_tensor(t, where: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{where}: expected a torch.Tensor on an XLA device, got {type(t).__name__}")
-    if t.device.type != "xla":
-        raise TypeError(f"{where}: expected a tensor on an XLA device, got a tensor on {t.device} "
-                        f"(move it with .to(torch_xla.device()))")
+_check_xla_tensor = check_xla_tensor
 
 
 def sharding_spec(t: torch.Tensor) -> str:
@@ -127,26 +151,70 @@ class _RecomputeVJP(torch.autograd.Function):
     """Forward: run the lowered computation. Backward: re-run ``fn`` eagerly and differentiate it.
 
     Gradients are those of the traced function (like ``torch.utils.checkpoint``): the
-    backward recomputes the forward in torch_xla and calls ``torch.autograd.grad``.
+    backward recomputes the forward in torch_xla, with the RNG state the forward's random
+    ops used, and calls ``torch.autograd.grad``. ``tensors`` are the call's inputs followed
+    by the captured tensors that require grad (so autograd delivers their gradients).
     """
 
     @staticmethod
-    def forward(ctx, lowered, *inputs):
-        ctx.lowered = lowered
-        ctx.save_for_backward(*inputs)
-        return tuple(lowered._run(inputs))
+    def forward(ctx, lowered, num_inputs, *tensors):
+        ctx.lowered, ctx.num_inputs = lowered, num_inputs
+        ctx.save_for_backward(*tensors)
+        return tuple(lowered._run(tensors[:num_inputs]))
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        needs = ctx.needs_input_grad[1:]
-        inputs = [x.detach().requires_grad_(n) for x, n in zip(ctx.saved_tensors, needs)]
-        with torch.enable_grad():
+        saved = ctx.saved_tensors
+        n = ctx.num_inputs
+        needs = ctx.needs_input_grad[2:]
+        inputs = [x.detach().requires_grad_(need) for x, need in zip(saved[:n], needs[:n])]
+        captured = list(saved[n:])  # the user's own leaves: fn reads them, so differentiate w.r.t. them
+        with torch.enable_grad(), _rng_state(ctx.lowered._rng_state):
             outs = ctx.lowered._call_fn(inputs)
-        diff = [x for x in inputs if x.requires_grad]
-        pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
-        grads = torch.autograd.grad([o for o, _ in pairs], diff, [g for _, g in pairs], allow_unused=True)
-        it = iter(grads)
-        return (None,) + tuple(next(it) if x.requires_grad else None for x in inputs)
+        targets = [x for x in inputs if x.requires_grad] + [c for c, need in zip(captured, needs[n:]) if need]
+        pairs = [(o, g) for o, g in zip(outs, grad_outputs)
+                 if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+        grads = iter(torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs], allow_unused=True)
+                     if pairs and targets else [None] * len(targets))
+        return (None, None) + tuple(next(grads) if need else None for need in needs)
+
+
+@contextlib.contextmanager
+def _rng_state(state):
+    """Run the block with torch_xla's running RNG state set to ``state``, then restore it.
+
+    Like ``torch.utils.checkpoint``'s RNG preservation: the recomputation draws the same
+    random numbers (dropout masks) as the traced forward. ``None``: leave the RNG alone.
+    """
+    if state is None:
+        yield
+        return
+    device = torch_xla.device()
+    before = xm.get_rng_state(device)
+    xm.set_rng_state(state, device)
+    try:
+        yield
+    finally:
+        xm.set_rng_state(before, device)
+
+
+class _SourceRecorder(TorchFunctionMode):
+    """Records every tensor argument of the torch functions ``fn`` calls while it is traced.
+
+    Among them are the user's own captured tensors (module parameters, buffers, tensors of
+    a closure), which the lowering maps back to its ``captured`` parameters by device data.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.seen: dict = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for a in tree_flatten((args, kwargs))[0]:
+            if isinstance(a, torch.Tensor) and a.device.type == "xla":
+                self.seen.setdefault(id(a), a)
+        return func(*args, **kwargs)
 
 
 class LoweredComputation:
@@ -162,7 +230,8 @@ class LoweredComputation:
       output_shapes / output_dtypes: of the outputs, in order.
     """
 
-    def __init__(self, name, hlo_proto, parameters, inputs, outputs, fn=None):
+    def __init__(self, name, hlo_proto, parameters, inputs, outputs, fn=None, *, sources=None, user_inputs=None,
+                 rng_state=None, grad_leaves=()):
         self.name = name
         self.hlo_proto = hlo_proto
         self.parameters = parameters
@@ -170,10 +239,20 @@ class LoweredComputation:
         self.output_dtypes = [o.dtype for o in outputs]
         self._input_meta = [(tuple(x.shape), x.dtype) for x in inputs]
         self._fn = fn
+        self._rng_state = rng_state
         self._computation = xb.computation_from_module_proto(name, hlo_proto)
         self.hlo_text = xb.get_computation_hlo(self._computation)
+        self._has_annotations = ANNOTATION_TARGET in self.hlo_text
         self._handles = {data_handle(p.tensor): p.id for p in parameters}
-        self._input_ids = {id(x): i for i, x in enumerate(inputs)}
+        # The caller's tensors (kept alive, so their ids stay theirs) -> input index.
+        self._user_inputs = list(user_inputs if user_inputs is not None else inputs)
+        self._input_ids = {id(x): i for i, x in enumerate(self._user_inputs)}
+        # Captured parameter id -> the user's tensor that fed it (lower_fn only): a call reads its current data.
+        self._sources = dict(sources or {})
+        self._source_ids = {id(t): pid for pid, t in self._sources.items()}
+        # Leaf tensors fn reads (directly or through other tensors): the candidates for gradients.
+        leaves = list(grad_leaves) + [t for t in self._sources.values() if t.is_leaf]
+        self._leaves = list({id(t): t for t in leaves}.values())
 
     # -- table queries -------------------------------------------------------------------
     def parameter_id(self, tensor: torch.Tensor) -> int:
@@ -181,15 +260,21 @@ class LoweredComputation:
 
         Raises:
           TypeError: ``tensor`` is not an XLA tensor.
-          ValueError: ``tensor`` does not feed any parameter of this lowering.
+          ValueError: ``tensor`` does not feed any parameter of this lowering, or it is a view
+            or a pending computation (not device data of its own).
         """
-        _check_xla_tensor(tensor, "tensor")
+        check_xla_tensor(tensor, "tensor")
         if id(tensor) in self._input_ids:
             return self.input_parameters[self._input_ids[id(tensor)]].id
-        if torch_xla._XLAC._get_tensors_xla_device_data_node([tensor])[1]:
-            pid = self._handles.get(data_handle(tensor))
-            if pid is not None:
-                return pid
+        if id(tensor) in self._source_ids:
+            return self._source_ids[id(tensor)]
+        if needs_materialization(tensor):
+            raise ValueError(f"tensor: shape {tuple(tensor.shape)} is a view or a pending computation, not device "
+                             f"data, so it feeds no HLO parameter of '{self.name}'; pass the tensor it was made "
+                             f"from")
+        pid = None if buffer_deleted(tensor) else self._handles.get(data_handle(tensor))
+        if pid is not None:
+            return pid
         raise ValueError(f"tensor: shape {tuple(tensor.shape)} {tensor.dtype} is not part of the lowering "
                          f"'{self.name}' (it feeds none of its {len(self.parameters)} HLO parameters)")
 
@@ -218,14 +303,48 @@ class LoweredComputation:
         if len(inputs) != len(self._input_meta):
             raise ValueError(f"inputs: expected {len(self._input_meta)} tensors, got {len(inputs)}")
         for i, (x, (shape, dtype)) in enumerate(zip(inputs, self._input_meta)):
-            _check_xla_tensor(x, f"inputs[{i}]")
+            check_xla_tensor(x, f"inputs[{i}]")
             if x.dtype != dtype:
                 raise TypeError(f"inputs[{i}]: expected dtype {dtype}, got {x.dtype}")
             if tuple(x.shape) != shape:
                 raise ValueError(f"inputs[{i}]: expected shape {list(shape)}, got {list(x.shape)}")
 
+    def _captured_args(self) -> dict:
+        """Captured parameter id -> the tensor that feeds it now, checked before anything runs.
+
+        A captured tensor of :func:`lower_fn` is read from the user's tensor as it is now (an
+        in-place update after lowering is seen by the forward and the recomputing backward
+        alike); other captured entries are the table's device data, which must still exist.
+        """
+        args = {}
+        for p in self.parameters:
+            if p.kind != "captured":
+                continue
+            src = self._sources.get(p.id)
+            if src is not None:
+                if tuple(src.shape) != p.shape or src.dtype != p.dtype or src.device.type != "xla":
+                    raise ValueError(f"captured parameter {p.id}: its tensor is now {list(src.shape)} {src.dtype} on "
+                                     f"{src.device}, lowered as {list(p.shape)} {p.dtype}; lower '{self.name}' again")
+                args[p.id] = src
+            elif buffer_deleted(p.tensor):
+                raise ValueError(f"captured parameter {p.id} ({list(p.shape)} {p.dtype}): its device buffer was "
+                                 f"deleted after lowering (the tensor was updated in place and its buffer donated); "
+                                 f"lower '{self.name}' again, or lower with lower_fn, which reads captured tensors "
+                                 f"at call time")
+            else:
+                args[p.id] = p.tensor
+        return args
+
+    def _check_runnable(self) -> None:
+        if self._has_annotations and not runtime_supports_annotations():
+            raise ValueError(f"'{self.name}' contains {ANNOTATION_TARGET} custom calls (xla_swap place_to_host / "
+                             f"place_to_device, kept by emit_annotations(True)), which the torch_xla runtime of "
+                             f"this process cannot compile; run its hlo_proto with "
+                             f"xla_swap.executors.PjrtExecutor, or lower it without emit_annotations(True)")
+
     def _run(self, inputs) -> list:
-        args = [p.tensor for p in self.parameters]
+        captured = self._captured_args()
+        args = [captured.get(p.id, p.tensor) for p in self.parameters]
         for p in self.input_parameters:
             args[p.id] = inputs[p.input_index]
         return torch_xla._XLAC._xla_user_computation(f"xla_swap::{self.name}", args, self._computation)
@@ -237,7 +356,13 @@ class LoweredComputation:
     def __call__(self, *inputs: torch.Tensor) -> list:
         """Execute the lowered computation lazily in the torch_xla runtime on new inputs.
 
-        Captured parameters are fed from the table (their current device data).
+        Captured parameters: with :func:`lower_fn`, each is read from the user's tensor that
+        fed it (its current device data, so an in-place update after lowering is used by the
+        forward and the recomputing backward alike); with :func:`lower`, from the table.
+        Gradients (``lower_fn`` only, when grad mode is on and an input or a captured tensor
+        requires grad): the backward recomputes ``fn`` under the RNG state of the trace (the
+        forward's dropout masks), and captured leaf tensors that require grad (e.g. an
+        ``nn.Module``'s parameters) get their ``.grad`` like in eager mode.
 
         Args:
           *inputs: XLA tensors with the shapes and dtypes of the example inputs.
@@ -247,59 +372,47 @@ class LoweredComputation:
 
         Raises:
           ValueError: wrong number of inputs or a wrong shape (names ``inputs[i]``); an input
-            requires grad but the computation was lowered from tensors (forward-only).
+            requires grad but the computation was lowered from tensors (forward-only); a
+            captured tensor changed shape/dtype or its buffer was deleted since lowering; the
+            HLO holds host-offload annotations the torch_xla runtime cannot compile (the
+            message names the custom call). All are raised before anything runs.
           TypeError: an input is not an XLA tensor or has the wrong dtype.
         """
         self._check_inputs(inputs)
-        needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
+        self._check_runnable()
+        self._captured_args()  # fail before anything is queued
+        grad_on = torch.is_grad_enabled()
+        trainable = [t for t in self._leaves if t.requires_grad] if grad_on else []
+        needs_grad = grad_on and (any(x.requires_grad for x in inputs) or bool(trainable))
         if not needs_grad:
             return list(self._run(inputs))
         if self._fn is None:
             raise ValueError("inputs: an input requires grad, but this computation was lowered from tensors "
                              "(forward-only); lower it with lower_fn(fn, *inputs) to get gradients")
-        return list(_RecomputeVJP.apply(self, *inputs))
+        return list(_RecomputeVJP.apply(self, len(inputs), *inputs, *trainable))
 
     execute = __call__
 
 
 def _materialize(tensors) -> None:
-    """Make ``tensors`` device data (execute their pending graphs), without syncing anything else."""
-    pending = [t for t in tensors if not torch_xla._XLAC._get_tensors_xla_device_data_node([t])[1]]
+    """Make ``tensors`` device data (execute their pending graphs, views included), without syncing anything else."""
+    pending = [t for t in tensors if needs_materialization(t)]
     if pending:
         torch_xla._XLAC._xla_sync_multi(pending, devices=[], wait=True)
 
 
-def lower(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor] = (), *, name: str | None = None,
-          _fn: Callable | None = None) -> LoweredComputation:
-    """Lower the pending torch_xla graph that produces ``outputs`` into an HLO module.
+def _check_lower_args(outputs, inputs, name):
+    outputs = check_tensor_list(outputs, "outputs", allow_empty=False)
+    inputs = check_tensor_list(inputs, "inputs", allow_empty=True)
+    if name is not None:
+        check_name(name, "name", identifier=True)
+    return outputs, inputs
 
-    Args:
-      outputs: non-empty sequence of XLA tensors (lazy results) to lower.
-      inputs: XLA tensors that the caller will replace at execution time. Each must be device
-        data (it is materialised here if it still has a pending graph) and must feed a
-        parameter of the lowering. Every other device tensor the graph reads is ``captured``.
-      name: the HLO module name (letters, digits, ``_``); a unique one is made if None.
 
-    Returns:
-      :class:`LoweredComputation`.
-
-    Raises:
-      ValueError: ``outputs`` is empty; an input is not read by the graph of ``outputs``;
-        ``name`` is not an identifier.
-      TypeError: an output or input is not a tensor on an XLA device.
-    """
-    outputs, inputs = list(outputs), list(inputs)
-    if not outputs:
-        raise ValueError("outputs: expected at least one XLA tensor to lower, got an empty sequence")
-    for i, t in enumerate(outputs):
-        _check_xla_tensor(t, f"outputs[{i}]")
-    for i, t in enumerate(inputs):
-        _check_xla_tensor(t, f"inputs[{i}]")
+def _build(outputs, inputs, name, *, fn=None, sources=(), user_inputs=None, rng_state=None,
+           grad_leaves=()) -> LoweredComputation:
     if name is None:
         name = f"xla_swap_lowered_{next(_names)}"
-    if not name.isidentifier():
-        raise ValueError(f"name: expected an identifier (letters, digits, '_'), got {name!r}")
-    _materialize(inputs)
     ctx = torch_xla._XLAC.lowering.LoweringContext(name)
     ctx.build(outputs)
     input_ids = [ctx.tensor_parameter_id(x) for x in inputs]
@@ -313,16 +426,73 @@ def lower(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor] = (), 
         params.append(HloParameter(
             id=pid, tensor=t, shape=tuple(t.shape), dtype=t.dtype, nbytes=t.numel() * t.element_size(),
             sharding=sharding_spec(t), kind="input" if pid in by_id else "captured", input_index=by_id.get(pid)))
-    lowered = LoweredComputation(name, ctx.hlo(), params, inputs, outputs, fn=_fn)
+    # The user's tensors behind captured parameters, matched by device buffer.
+    captured = {data_handle(p.tensor): p.id for p in params if p.kind == "captured"}
+    by_pid = {}
+    for t in sources:
+        if not needs_materialization(t) and not buffer_deleted(t):
+            pid = captured.get(data_handle(t))
+            if pid is not None:
+                by_pid.setdefault(pid, t)
+    lowered = LoweredComputation(name, ctx.hlo(), params, inputs, outputs, fn=fn, sources=by_pid,
+                                 user_inputs=user_inputs, rng_state=rng_state, grad_leaves=grad_leaves)
     log.debug("lowered %s: %d parameters, %d bytes", name, len(params), lowered.total_bytes)
     return lowered
+
+
+def lower(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor] = (), *, name: str | None = None,
+          _fn: Callable | None = None) -> LoweredComputation:
+    """Lower the pending torch_xla graph that produces ``outputs`` into an HLO module.
+
+    Captured parameters are the table's device data (a snapshot): calling the result after
+    a captured tensor was updated in place and its buffer donated raises a ``ValueError``;
+    :func:`lower_fn` reads captured tensors at call time instead.
+
+    Args:
+      outputs: non-empty list or tuple of XLA tensors (lazy results) to lower.
+      inputs: list or tuple of XLA tensors that the caller will replace at execution time.
+        Each must be device data (not a view or a pending computation: ``torch_xla.sync()``
+        it before computing ``outputs``, or use :func:`lower_fn`), must feed a parameter of
+        the lowering, and must not be the same device data as another input. Every other
+        device tensor the graph reads is ``captured``.
+      name: the HLO module name (letters, digits, ``_``); a unique one is made if None.
+
+    Returns:
+      :class:`LoweredComputation`.
+
+    Raises:
+      ValueError: ``outputs`` is empty; an input is a view or pending computation, is the
+        same device data as an earlier input, or is not read by the graph of ``outputs``;
+        ``name`` is not an identifier.
+      TypeError: ``outputs`` / ``inputs`` is not a list or tuple (e.g. one tensor, None);
+        an output or input is not a tensor on an XLA device; ``name`` is not a str.
+    """
+    if _fn is not None:
+        check_callable(_fn, "_fn")
+    outputs, inputs = _check_lower_args(outputs, inputs, name)
+    seen = {}
+    for i, x in enumerate(inputs):
+        if needs_materialization(x):
+            raise ValueError(f"inputs[{i}]: shape {list(x.shape)} is a view or a pending computation, not device "
+                             f"data, so it cannot become an HLO parameter; torch_xla.sync() it before computing "
+                             f"outputs, or use lower_fn (which materialises its inputs first)")
+        h = data_handle(x)
+        if h in seen:
+            raise ValueError(f"inputs[{i}]: the same device data as inputs[{seen[h]}]; the graph reads it once, so "
+                             f"both would feed one HLO parameter. Pass distinct tensors, or use lower_fn, which "
+                             f"gives each input its own parameter")
+        seen[h] = i
+    return _build(outputs, inputs, name, fn=_fn)
 
 
 def lower_fn(fn: Callable, *example_inputs: torch.Tensor, name: str | None = None) -> LoweredComputation:
     """Trace ``fn(*example_inputs)`` lazily and lower it; inputs become ``input`` parameters.
 
-    The result can be called on new inputs of the same shapes and dtypes; when an input
-    requires grad, the backward recomputes ``fn`` in torch_xla and differentiates it.
+    The result can be called on new inputs of the same shapes and dtypes; when an input (or
+    a captured tensor) requires grad, the backward recomputes ``fn`` in torch_xla and
+    differentiates it, with the forward's RNG state (like ``torch.utils.checkpoint``).
+    Every example input gets its own HLO parameter, even when the same tensor is passed
+    twice. Inputs that are views or pending computations are materialised first.
 
     Args:
       fn: a function of XLA tensors returning a tensor or a tuple/list of tensors.
@@ -330,17 +500,58 @@ def lower_fn(fn: Callable, *example_inputs: torch.Tensor, name: str | None = Non
       name: as in :func:`lower`.
 
     Raises:
-      TypeError: ``fn`` is not callable, an input is not an XLA tensor, or ``fn`` returns
-        something other than XLA tensors.
+      TypeError: ``fn`` is not callable, an input is not an XLA tensor, ``name`` is not a
+        str, or ``fn`` returns something other than XLA tensors (names ``outputs[i]``).
       ValueError: as in :func:`lower`, e.g. ``fn`` ignores one of its inputs.
     """
-    if not callable(fn):
-        raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
+    check_callable(fn, "fn")
     for i, t in enumerate(example_inputs):
-        _check_xla_tensor(t, f"example_inputs[{i}]")
+        check_xla_tensor(t, f"example_inputs[{i}]")
+    if name is not None:
+        check_name(name, "name", identifier=True)
     _materialize(example_inputs)
-    detached = [x.detach() for x in example_inputs]
-    with torch.no_grad():
+    detached, seen = [], set()
+    for x in example_inputs:
+        d = x.detach()
+        h = data_handle(d)
+        if h in seen:  # the same buffer twice: give this input a buffer (and so a parameter) of its own
+            d = _copy(d)
+            h = data_handle(d)
+        seen.add(h)
+        detached.append(d)
+    rng_state = xm.get_rng_state(torch_xla.device())
+    recorder = _SourceRecorder()
+    # Grad mode on, so that the captured leaves that require grad are visible in the trace's graph.
+    with torch.enable_grad(), recorder:
         outs = fn(*detached)
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-    return lower(outs, detached, name=name, _fn=fn)
+    for i, o in enumerate(outs):
+        check_xla_tensor(o, f"outputs[{i}] (returned by fn)")
+    leaves = _grad_leaves(outs)
+    sources = list(leaves) + [t for t in recorder.seen.values() if all(t is not d for d in detached)]
+    outs = [o.detach() for o in outs]
+    return _build(outs, detached, name, fn=fn, sources=sources, user_inputs=list(example_inputs),
+                  rng_state=rng_state, grad_leaves=leaves)
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of device-data ``t`` in a device buffer of its own (``clone`` would share the buffer)."""
+    c = torch.where(torch.ones((), dtype=torch.bool, device=t.device), t, t)
+    _materialize([c])
+    return c
+
+
+def _grad_leaves(outs) -> list:
+    """The leaf tensors requiring grad that ``outs``' autograd graph reaches (captured weights)."""
+    found, seen = [], set()
+    stack = [o.grad_fn for o in outs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)
+        if isinstance(var, torch.Tensor):
+            found.append(var)
+        stack.extend(n for n, _ in node.next_functions)
+    return found

@@ -38,6 +38,9 @@ import torch_xla.runtime as xr
 
 log = logging.getLogger(__name__)
 
+#: The custom-call target of the placement annotations in the HLO.
+ANNOTATION_TARGET = "annotate_device_placement"
+
 _MLIR_DTYPES = {
     torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.float64: "f64",
     torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.uint8: "ui8", torch.bool: "i1",

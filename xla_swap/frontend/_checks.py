@@ -1,0 +1,125 @@
+"""Argument checks shared by the front end's public entry points (private).
+
+Every public function of :mod:`xla_swap.frontend` validates its arguments with these helpers
+before it changes any state (torch_xla graphs, RNG, caches), so bad input raises a
+``TypeError`` / ``ValueError`` that names the argument instead of an internal error or a
+C++ check failure.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import torch
+import torch_xla
+
+
+def check_xla_tensor(t, where: str) -> torch.Tensor:
+    """``t`` must be a ``torch.Tensor`` on an XLA device; raises ``TypeError`` naming ``where``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where}: expected a torch.Tensor on an XLA device, got {type(t).__name__}")
+    if t.device.type != "xla":
+        raise TypeError(f"{where}: expected a tensor on an XLA device, got a tensor on {t.device} "
+                        f"(move it with .to(torch_xla.device()))")
+    return t
+
+
+def check_tensor_list(seq, where: str, *, allow_empty: bool) -> list:
+    """``seq`` must be a list/tuple of XLA tensors (not one tensor, not a string, not None).
+
+    Returns it as a list. Raises ``TypeError`` for a wrong container or element type,
+    ``ValueError`` for an empty sequence when ``allow_empty`` is False.
+    """
+    if isinstance(seq, torch.Tensor):
+        raise TypeError(f"{where}: expected a list or tuple of XLA tensors, got a single tensor "
+                        f"(wrap it: [{where.split('[')[0]}])")
+    if not isinstance(seq, (list, tuple)):
+        raise TypeError(f"{where}: expected a list or tuple of XLA tensors, got {type(seq).__name__}")
+    seq = list(seq)
+    if not seq and not allow_empty:
+        raise ValueError(f"{where}: expected at least one XLA tensor to lower, got an empty sequence")
+    for i, t in enumerate(seq):
+        check_xla_tensor(t, f"{where}[{i}]")
+    return seq
+
+
+def check_bool(value, where: str) -> bool:
+    """``value`` must be a ``bool`` (numpy bools accepted); raises ``TypeError`` naming ``where``."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__name__ == "bool_" and type(value).__module__ == "numpy":
+        return bool(value)
+    raise TypeError(f"{where}: expected a bool, got {value!r}")
+
+
+def check_callable(fn, where: str) -> Callable:
+    """``fn`` must be callable; raises ``TypeError`` naming ``where``."""
+    if not callable(fn):
+        raise TypeError(f"{where}: expected a callable, got {type(fn).__name__}")
+    return fn
+
+
+def check_name(name, where: str, *, identifier: bool) -> str:
+    """``name`` must be a non-empty ``str`` (a Python identifier when ``identifier``)."""
+    if not isinstance(name, str):
+        raise TypeError(f"{where}: expected a str, got {type(name).__name__}")
+    if not name or (identifier and not name.isidentifier()):
+        what = "an identifier (letters, digits, '_')" if identifier else "a non-empty string"
+        raise ValueError(f"{where}: expected {what}, got {name!r}")
+    return name
+
+
+def needs_materialization(t: torch.Tensor) -> bool:
+    """True when ``t`` is not device data itself: a pending computation or a view."""
+    return bool(torch_xla._XLAC._check_tensor_need_materialization([t])[0])
+
+
+def buffer_deleted(t: torch.Tensor) -> bool:
+    """True when the device buffer behind device-data tensor ``t`` was deleted (donated)."""
+    try:
+        torch_xla._XLAC._get_tensors_handle([t])
+    except RuntimeError as e:
+        if "IsDeleted" in str(e) or "is deleted" in str(e):
+            return True
+        raise
+    return False
+
+
+_INT_LIST = r"\d+(?:,\d+)*"
+_SHARDING_RE = re.compile(
+    r"\{(?:replicated|manual|maximal device=\d+|"
+    rf"devices=\[(?P<tile>{_INT_LIST})\](?:(?P<ids>{_INT_LIST})|<=\[{_INT_LIST}\](?:T\({_INT_LIST}\))?)"
+    r"(?P<rep> last_tile_dim_replicate)?(?: last_tile_dims=\{[a-z_, ]+\})?)\}")
+
+
+def check_sharding(sharding, where: str, ndim: int | None = None) -> str:
+    """``sharding`` must be ``""`` or an HLO OpSharding string such as ``'{devices=[4,1]0,1,2,3}'``.
+
+    With ``ndim``, a tiled sharding must have one tile dimension per tensor dimension (plus one
+    for ``last_tile_dim_replicate``) and list as many devices as the tiles multiply to.
+
+    Raises:
+      TypeError: not a ``str``.
+      ValueError: not a parseable OpSharding, or inconsistent with ``ndim``.
+    """
+    if not isinstance(sharding, str):
+        raise TypeError(f"{where}: expected an OpSharding string, got {type(sharding).__name__}")
+    if sharding == "":
+        return sharding
+    m = _SHARDING_RE.fullmatch(sharding)
+    if m is None:
+        raise ValueError(f"{where}: {sharding!r} is not an OpSharding string (e.g. '{{replicated}}' or "
+                         f"'{{devices=[4,1]0,1,2,3}}')")
+    if m.group("tile") is not None:
+        tile = [int(d) for d in m.group("tile").split(",")]
+        extra = 1 if m.group("rep") else 0
+        if ndim is not None and len(tile) != ndim + extra:
+            raise ValueError(f"{where}: {sharding!r} tiles {len(tile) - extra} dimensions, the tensor has {ndim}")
+        if m.group("ids") is not None:
+            n = 1
+            for d in tile:
+                n *= d
+            if len(m.group("ids").split(",")) != n:
+                raise ValueError(f"{where}: {sharding!r} lists {len(m.group('ids').split(','))} devices for "
+                                 f"{n} tiles")
+    return sharding
