@@ -171,7 +171,7 @@ import math
 import numbers
 from typing import Iterable, Mapping, Sequence
 
-from xla_swap.planning.policy import OffloadPolicy
+from xla_swap.planning.policy import FrozenMapping, OffloadPolicy
 
 __all__ = [
     "GB", "GiB", "Link", "H200_PINNED", "LayerCost", "Plan", "InfeasibleBudgetError",
@@ -188,6 +188,9 @@ GiB = 1 << 30
 #: ``"xla_cpu"`` - XLA:CPU, which strips the annotations and materialises per-layer slices.
 TARGETS = ("accelerator", "xla_cpu")
 
+#: Largest number of layers the model accepts (the search simulates every layer).
+MAX_LAYERS = 10_000
+
 #: Maximum number of named activations the exhaustive search enumerates (3**6 placements).
 MAX_NAMED_ACTIVATIONS = 6
 _REL_TIE = 1e-9
@@ -195,25 +198,38 @@ _REL_TIE = 1e-9
 
 # --------------------------------------------------------------------------- validation helpers
 
+#: Largest byte count accepted anywhere (2**63 - 1, what an int64 byte counter holds): larger
+#: values are typos, and would overflow the float arithmetic of the time model.
+MAX_BYTES = (1 << 63) - 1
+
+
 def _as_bytes(owner: str, field: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{owner}.{field} must be a non-negative integer number of bytes, got {value!r}")
     if isinstance(value, numbers.Integral):
         value = int(value)
     else:
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            raise ValueError(f"{owner}.{field} must be <= 2**63 - 1 bytes, got {value!r}") from None
         if not math.isfinite(value) or not value.is_integer():
             raise ValueError(f"{owner}.{field} must be a whole number of bytes, got {value!r}")
         value = int(value)
     if value < 0:
         raise ValueError(f"{owner}.{field} must be >= 0 bytes, got {value}")
+    if value > MAX_BYTES:
+        raise ValueError(f"{owner}.{field} must be <= 2**63 - 1 bytes, got a number with {len(str(value))} digits")
     return value
 
 
 def _as_float(owner: str, field: str, value, *, positive: bool) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{owner}.{field} must be a real number, got {value!r}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:
+        value = math.inf
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         need = "> 0" if positive else ">= 0"
         raise ValueError(f"{owner}.{field} must be finite and {need}, got {value!r}")
@@ -259,8 +275,14 @@ class Link:
     def __post_init__(self):
         for name in ("h2d_gbps", "d2h_gbps"):
             object.__setattr__(self, name, _as_float("Link", name, getattr(self, name), positive=True))
-        both = self.h2d_gbps + self.d2h_gbps if self.both_gbps is None else self.both_gbps
-        object.__setattr__(self, "both_gbps", _as_float("Link", "both_gbps", both, positive=True))
+        if self.both_gbps is None:  # full duplex: the error, if any, is about the two fields given
+            both = self.h2d_gbps + self.d2h_gbps
+            if not math.isfinite(both):
+                raise ValueError(f"Link.h2d_gbps + Link.d2h_gbps (the default both_gbps) must be finite, got "
+                                 f"{self.h2d_gbps!r} + {self.d2h_gbps!r}")
+        else:
+            both = _as_float("Link", "both_gbps", self.both_gbps, positive=True)
+        object.__setattr__(self, "both_gbps", both)
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "Link":
@@ -354,7 +376,7 @@ class LayerCost:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"{o}.activations: names must be non-empty strings, got {name!r}")
             acts[name] = _as_bytes(o, f"activations[{name!r}]", b)
-        setf("activations", dict(sorted(acts.items())))
+        setf("activations", FrozenMapping(sorted(acts.items())))
         if self.working_bytes is None:
             setf("working_bytes", sum(acts.values()) + self.intermediate_bytes)
         else:
@@ -380,7 +402,7 @@ class LayerCost:
                     raise ValueError(f"{o}.recompute_s[{name!r}]: not a named activation of this layer "
                                      f"(activations: {sorted(acts)})")
                 rec[name] = _as_float(o, f"recompute_s[{name!r}]", s, positive=False)
-            setf("recompute_s", dict(sorted(rec.items())))
+            setf("recompute_s", FrozenMapping(sorted(rec.items())))
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "LayerCost":
@@ -514,14 +536,17 @@ class Plan:
 
 def _resolve_layers(layers, num_layers) -> list[LayerCost]:
     if isinstance(layers, LayerCost):
-        if isinstance(num_layers, bool) or not isinstance(num_layers, numbers.Integral) or num_layers < 1:
-            raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
+        if isinstance(num_layers, bool) or not isinstance(num_layers, numbers.Integral) or not \
+                1 <= num_layers <= MAX_LAYERS:
+            raise ValueError(f"num_layers must be an int in 1..{MAX_LAYERS}, got {num_layers!r}")
         return [layers] * int(num_layers)
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
         raise TypeError("layers must be a LayerCost or a non-empty sequence of LayerCost")
     for i, l in enumerate(layers):
         if not isinstance(l, LayerCost):
             raise TypeError(f"layers[{i}] must be a LayerCost, got {type(l).__name__}")
+    if len(layers) > MAX_LAYERS:
+        raise ValueError(f"layers: at most {MAX_LAYERS} LayerCost, got {len(layers)}")
     if num_layers is not None and num_layers != len(layers):
         raise ValueError(f"num_layers={num_layers!r} does not match the {len(layers)} LayerCost given")
     return list(layers)
@@ -710,12 +735,19 @@ def evaluate(policy: OffloadPolicy, layers: LayerCost | Sequence[LayerCost], num
     ``"device"`` (saved on the device); in inference activation placements are ignored.
 
     Returns: a :class:`Plan` (``budget_bytes`` / ``min_budget_bytes`` are ``None``).
-    Raises: TypeError / ValueError for invalid arguments, naming them.
+    Raises: TypeError / ValueError for invalid arguments, naming them; ``ValueError`` when
+    ``policy.activations`` names an activation no layer has (as the scan helpers do when no
+    ``offload_name`` tagged it).
     """
     if not isinstance(policy, OffloadPolicy):
         raise TypeError(f"policy must be an OffloadPolicy, got {type(policy).__name__}")
-    return _build(policy, _resolve_layers(layers, num_layers), _check_training(training), _check_link(link),
-                  target=_check_target(target))
+    layers = _resolve_layers(layers, num_layers)
+    known = {n for l in layers for n in l.activations}
+    unknown = sorted(set(policy.activations) - known)
+    if unknown:
+        raise ValueError(f"policy.activations names {unknown}, which no layer's LayerCost.activations has; "
+                         f"known names: {sorted(known) or 'none'}")
+    return _build(policy, layers, _check_training(training), _check_link(link), target=_check_target(target))
 
 
 def _candidates(layers: list[LayerCost], training: bool, max_depth: int):

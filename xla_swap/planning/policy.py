@@ -5,6 +5,7 @@ Framework-neutral: imports neither torch nor jax.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Mapping
 
 #: The device memory kind, as JAX / PJRT name it.
@@ -17,8 +18,58 @@ PLACEMENTS = ("device", "host")
 ACTIVATION_PLACEMENTS = ("device", "host", "remat")
 
 
+class FrozenMapping(dict):
+    """A read-only ``dict`` (sorted by key): the mappings held by frozen policies and costs.
+
+    Every mutating method raises ``TypeError``, so a policy's hash and meaning cannot change
+    after construction. Still a ``dict`` for ``json`` / ``dataclasses.asdict``; pickles and
+    copies as a new frozen mapping.
+    """
+
+    __slots__ = ()
+
+    def _readonly(self, *args, **kwargs):
+        raise TypeError(f"{type(self).__name__} is read-only; build a new object with dataclasses.replace(...)")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _readonly
+
+    def __hash__(self):
+        return hash(tuple(self.items()))
+
+    def __reduce__(self):
+        return (type(self), (dict(self),))
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __repr__(self):
+        return repr(dict(self))
+
+
+def as_int(name: str, value, minimum: int) -> int:
+    """``value`` as an ``int`` >= ``minimum``: any integral number (``numpy.int64`` too), not a bool.
+
+    Raises:
+      TypeError: not an integral number, or a bool.
+      ValueError: smaller than ``minimum``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool) and not (type(value).__name__ == "bool_" and type(value).__module__ == "numpy"):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
 def _check_choice(name: str, value, allowed) -> None:
-    if value not in allowed:
+    if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"{name}={value!r} is not a placement; expected one of {', '.join(map(repr, allowed))}")
 
 
@@ -42,12 +93,18 @@ class OffloadPolicy:
       remat: whether untagged intermediates of each layer are recomputed in the
         backward pass (``True``) or saved on the device (``False``).
       prefetch_depth: how many layers ahead the streaming runtime transfers
-        weights (k >= 1). The in-graph scan helpers ignore it.
+        weights (an integral number k >= 1, ``numpy.int64`` included; stored as an
+        ``int``). The in-graph scan helpers ignore it.
       optimizer_state: ``"device"`` or ``"host"``: where the training loop keeps
         optimizer state (Adam moments). Used by the planner and the examples.
 
+    ``activations`` is stored as a read-only :class:`FrozenMapping` sorted by name, so the
+    policy's hash and meaning cannot change after construction.
+
     Raises:
       ValueError: an argument is not one of the values listed above, naming it.
+      TypeError: ``activations`` is not a mapping, ``remat`` is not a bool, or
+        ``prefetch_depth`` is not an integral number.
     """
 
     params: str = "device"
@@ -63,16 +120,16 @@ class OffloadPolicy:
         _check_choice("optimizer_state", self.optimizer_state, PLACEMENTS)
         if not isinstance(self.activations, Mapping):
             raise TypeError(f"activations must be a mapping name -> placement, got {type(self.activations).__name__}")
+        _check_bool("remat", self.remat)
         for name, where in self.activations.items():
             if not isinstance(name, str) or not name:
                 raise ValueError(f"activations: names must be non-empty strings, got {name!r}")
             _check_choice(f"activations[{name!r}]", where, ACTIVATION_PLACEMENTS)
-        if not isinstance(self.remat, bool):
-            raise TypeError(f"remat must be a bool, got {type(self.remat).__name__}")
-        if not isinstance(self.prefetch_depth, int) or isinstance(self.prefetch_depth, bool) or self.prefetch_depth < 1:
-            raise ValueError(f"prefetch_depth must be an int >= 1, got {self.prefetch_depth!r}")
+        depth = as_int("prefetch_depth", self.prefetch_depth, 1)
         # Freeze the mapping so the policy is hashable and cannot change under a compiled program.
-        object.__setattr__(self, "activations", dict(sorted(self.activations.items())))
+        object.__setattr__(self, "activations", FrozenMapping(sorted(self.activations.items())))
+        object.__setattr__(self, "remat", bool(self.remat))
+        object.__setattr__(self, "prefetch_depth", depth)
 
     def __hash__(self):
         return hash((self.params, self.grads, tuple(self.activations.items()), self.remat,
