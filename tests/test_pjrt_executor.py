@@ -344,3 +344,218 @@ def test_torch_xla_lowering_runs_with_its_sharding_strings(num_devices):
     (out,) = ex(*placed)
     expected = (torch.tanh(x_cpu @ cpu["w1"] + cpu["b"]) @ cpu["w2"] * 0.5).numpy()
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-5)
+
+
+# -- host callbacks, bool dtypes, donation, argument checks, result memory kinds, policies ---------
+_CALLBACK_SCRIPT = r"""
+import numpy as np, jax, jax.numpy as jnp
+from jax.experimental import io_callback
+from xla_swap.executors.pjrt import PjrtExecutor, compile_lowered
+
+def dbg(x):
+    jax.debug.print("x={x}", x=x)
+    return x * 2
+
+def pure(x):
+    return jax.pure_callback(lambda a: np.asarray(a) * 2, jax.ShapeDtypeStruct(x.shape, x.dtype), x) + 1
+
+def io(x):
+    return io_callback(lambda a: np.asarray(a) + 1, jax.ShapeDtypeStruct(x.shape, x.dtype), x) * 3
+
+x = np.arange(4, dtype=np.float32)
+for fn in (dbg, pure, io):
+    low = jax.jit(fn).lower(x)
+    for build in (lambda: compile_lowered(low),
+                  lambda: PjrtExecutor(low.compiler_ir("hlo").as_serialized_hlo_module_proto())):
+        try:
+            ex = build()
+            ex(x)
+            print("NOT REFUSED", fn.__name__)
+        except ValueError as e:
+            print("REFUSED", fn.__name__, str(e).splitlines()[0][:300])
+(out,) = compile_lowered(jax.jit(lambda a: a * 2).lower(x))(x)   # the process is still usable
+print("STILL WORKS", np.asarray(out).tolist())
+"""
+
+
+def test_host_callbacks_are_refused_before_compiling():
+    """jax.debug.print / pure_callback / io_callback: a ValueError naming the callback, not a segfault."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _CALLBACK_SCRIPT], env=env, cwd=root, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, f"exit code {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    refused = [ln for ln in r.stdout.splitlines() if ln.startswith("REFUSED")]
+    assert len(refused) == 6, r.stdout
+    assert all("calls back into Python on the host" in ln and "python" in ln and "callback" in ln for ln in refused)
+    assert "NOT REFUSED" not in r.stdout
+    assert "STILL WORKS [0.0, 2.0, 4.0, 6.0]" in r.stdout
+
+
+def test_bool_parameters_and_results(setup):
+    """i1 (HLO pred) is numpy bool, not jax's float0: calls work and byte counts are 1 per element."""
+    def fn(m, x):
+        return jnp.where(m, x, 0.0), jnp.logical_and(m, x > 0)
+
+    m = np.array([[True, False, True, True]] * B)
+    x = np.linspace(-1, 1, B * 4, dtype=np.float32).reshape(B, 4)
+    ex = compile_lowered(jax.jit(fn).lower(m, x))
+    assert ex.parameters[0].dtype == np.dtype(bool) and ex.output_dtypes == (np.dtype(np.float32), np.dtype(bool))
+    assert ex.parameters[0].nbytes == B * 4
+    report = ex.memory_report()
+    assert report.parameter_bytes == (B * 4, B * 4 * 4)
+    assert report.output_bytes == (B * 4 * 4, B * 4)
+    got = ex(ex.put(0, m), x)
+    want = fn(m, x)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.spmd
+def test_donating_lowering_never_deletes_the_callers_arrays(setup, num_devices):
+    """A module that aliases inputs to outputs (donation) is compiled without it: put() results survive."""
+    s = setup
+
+    def step(w, x):
+        return w * 0.5, layered(w, x)
+
+    lowered = jax.jit(step, donate_argnums=(0, 1)).lower(s["w"], s["x"])
+    proto = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
+    assert "input_output_alias" in lowered.compiler_ir("hlo").as_hlo_text().split("\n", 1)[0]   # it donates
+    ids = ",".join(map(str, range(num_devices)))
+    spec = f"{{devices=[1,{num_devices},1]{ids}}}" if num_devices > 1 else "{replicated}"
+    for ex in (compile_lowered(lowered),                                               # one device
+               PjrtExecutor(proto, placements={0: ParameterPlacement("device", spec)})):  # SPMD, torch_xla style
+        assert ex.donated_parameters == (0, 1)                     # w aliases result 0, x result 1
+        assert "input_output_alias" not in ex.compiled_hlo_text().split("\n", 1)[0]
+        w, x = ex.put(0, s["w"]), ex.put(1, s["x"])
+        for _ in range(2):
+            w_half, out = ex(w, x)
+            assert not w.is_deleted() and not x.is_deleted()
+            np.testing.assert_allclose(np.asarray(out), reference(layered, s), rtol=1e-5, atol=1e-6)
+            np.testing.assert_array_equal(np.asarray(w_half), s["w"] * 0.5)
+        np.testing.assert_array_equal(np.asarray(w), s["w"])       # the user's buffer is unchanged
+
+
+def test_bad_arguments_name_the_argument_before_any_state_change(setup, host_executor, num_devices):
+    s, ex = setup, host_executor
+    lowered = lower_host(layered, s)
+    with pytest.raises(TypeError, match=r"placements: expected a mapping .* got list"):
+        compile_lowered(lowered, placements=["pinned_host", "device"])
+    with pytest.raises(TypeError, match=r"placements: expected a mapping .* got str"):
+        compile_lowered(lowered, placements="pinned_host")
+    with pytest.raises(TypeError, match=r"result_memory_kinds: expected a mapping .* got tuple"):
+        compile_lowered(lowered, result_memory_kinds=("pinned_host",))
+    with pytest.raises(TypeError, match=r"devices: expected a sequence of jax devices, got one Device"):
+        PjrtExecutor(jax.jit(layered).lower(s["w"], s["x"]).compiler_ir("hlo").as_serialized_hlo_module_proto(),
+                     devices=jax.devices()[0])
+    with pytest.raises(TypeError, match=r"devices: expected a sequence of jax devices, got int"):
+        compile_lowered(lowered, devices=3)
+    with pytest.raises(ValueError, match=r"result_memory_kinds: result index 4 does not exist; the module has 1"):
+        compile_lowered(lowered, result_memory_kinds={4: "pinned_host"})
+    with pytest.raises(ValueError, match=r"result_memory_kinds\[0\]: unknown memory kind 'hbm'"):
+        compile_lowered(lowered, result_memory_kinds={0: "hbm"})
+    # an uneven sharding is refused at construction, not at call time
+    odd = np.ones((num_devices + 2, D), np.float32) if num_devices > 1 else None
+    if odd is not None:
+        proto = jax.jit(jnp.tanh).lower(odd).compiler_ir("hlo").as_serialized_hlo_module_proto()
+        spec = f"{{devices=[{num_devices},1]{','.join(map(str, range(num_devices)))}}}"
+        with pytest.raises(ValueError, match=rf"placements\[0\]: sharding .* splits dimension 0 of size "
+                                             rf"{num_devices + 2} into {num_devices} shards"):
+            PjrtExecutor(proto, placements={0: ParameterPlacement("device", spec)})
+    # deleted jax arrays: a ValueError naming the parameter, nothing placed
+    before = ex.transfer_count
+    dead = jnp.asarray(s["x"])
+    dead.delete()
+    with pytest.raises(ValueError, match=r"call: argument 1: parameter 1 got a deleted jax.Array"):
+        ex(s["w"], dead)
+    with pytest.raises(ValueError, match=r"put: parameter 1 got a deleted jax.Array"):
+        ex.put(1, dead)
+    with pytest.raises(ValueError, match=r"put_all: argument 1: parameter 1 got a deleted jax.Array"):
+        ex.put_all([s["w"], dead])
+    assert ex.transfer_count == before
+    _still_works(ex, s)
+
+
+@pytest.mark.spmd
+def test_result_memory_kinds_for_a_module_without_them(setup, num_devices):
+    """An HloModuleProto (no memory kinds, as torch_xla's): gradients written to pinned_host on request."""
+    s = setup
+    proto = jax.jit(grad_loss).lower(s["w"], s["x"]).compiler_ir("hlo").as_serialized_hlo_module_proto()
+    ids = ",".join(map(str, range(num_devices)))
+    spec = f"{{devices=[1,{num_devices},1]{ids}}}" if num_devices > 1 else "{replicated}"
+    plain = PjrtExecutor(proto, placements={0: ParameterPlacement("pinned_host", spec)})
+    assert plain.output_shardings[0].memory_kind == "device"
+    ex = PjrtExecutor(proto, placements={0: ParameterPlacement("pinned_host", spec)},
+                      result_memory_kinds={0: "pinned_host"})
+    assert ex.output_shardings[0].memory_kind == "pinned_host"
+    report = ex.memory_report()
+    assert report.output_memory_spaces == ("pinned_host",)
+    assert report.host_output_bytes == report.output_bytes[0] > 0
+    (g,) = ex(ex.put(0, s["w"]), s["x"])
+    assert g.sharding.memory_kind == "pinned_host"
+    np.testing.assert_allclose(np.asarray(g), reference(grad_loss, s), rtol=1e-5, atol=1e-6)
+    # and back to the device for a JAX lowering that put it on the host
+    lowered = jax.jit(lambda w, x: jax.device_put(grad_loss(w, x), jax.memory.Space.Host),
+                      in_shardings=(s["w_host"], s["x_sh"])).lower(s["w"], s["x"])
+    assert compile_lowered(lowered).output_shardings[0].memory_kind == "pinned_host"
+    ex_dev = compile_lowered(lowered, result_memory_kinds={0: "device"})
+    assert ex_dev.memory_report().output_memory_spaces == ("device",)
+    (g_dev,) = ex_dev(s["w"], s["x"])
+    assert g_dev.sharding.memory_kind == "device"
+    np.testing.assert_allclose(np.asarray(g_dev), reference(grad_loss, s), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.spmd
+def test_from_policy_places_weights_and_gradients(setup, num_devices):
+    """An OffloadPolicy plus a framework-neutral parameter table gives the placements."""
+    from types import SimpleNamespace
+    from xla_swap.executors.pjrt import placements_for_policy
+    from xla_swap.planning import OffloadPolicy
+    s = setup
+
+    def step(w, x):
+        return loss(w, x), grad_loss(w, x)
+
+    proto = jax.jit(step).lower(s["w"], s["x"]).compiler_ir("hlo").as_serialized_hlo_module_proto()
+    ids = ",".join(map(str, range(num_devices)))
+    spec = f"{{devices=[1,{num_devices},1]{ids}}}" if num_devices > 1 else "{replicated}"
+    lowering = SimpleNamespace(hlo_proto=proto, parameters=[SimpleNamespace(id=0, sharding=spec, kind="input"),
+                                                            SimpleNamespace(id=1, sharding="{replicated}", kind="input")])
+    policy = OffloadPolicy(params="host", grads="host")
+    p = placements_for_policy(policy, lowering.parameters, weights=[0], grad_results=[1])
+    assert p.placements == {0: ParameterPlacement("pinned_host", spec), 1: ParameterPlacement("device", "{replicated}")}
+    assert p.result_memory_kinds == {1: "pinned_host"}
+    ex = PjrtExecutor.from_policy(lowering, policy, weights=[0], grad_results=[1])
+    assert ex.parameter_memory_kinds == ("pinned_host", "device")
+    assert ex.parameters[0].hlo_sharding == spec
+    report = ex.memory_report()
+    assert report.parameter_memory_spaces == ("pinned_host", "device")
+    assert report.output_memory_spaces == ("device", "pinned_host")
+    lval, g = ex(ex.put(0, s["w"]), s["x"])
+    assert g.sharding.memory_kind == "pinned_host" and lval.sharding.memory_kind == "device"
+    np.testing.assert_allclose(np.asarray(g), reference(grad_loss, s), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(lval), float(reference(loss, s)), rtol=1e-5)
+    # the all-device policy: everything on the device, shardings still from the table
+    ex_dev = PjrtExecutor.from_policy(lowering, OffloadPolicy(), weights=[0])
+    assert ex_dev.memory_report().parameter_memory_spaces == ("device", "device")
+    assert ex_dev.memory_report().output_memory_spaces == ("device", "device")
+    # errors name the argument, before compiling
+    with pytest.raises(ValueError, match="weights: policy.params='host' needs the indices"):
+        PjrtExecutor.from_policy(lowering, policy, grad_results=[1])
+    with pytest.raises(ValueError, match="grad_results: policy.grads='host' needs the result indices"):
+        PjrtExecutor.from_policy(lowering, policy, weights=[0])
+    with pytest.raises(ValueError, match=r"weights: parameter index 7 does not exist; the module has 2"):
+        PjrtExecutor.from_policy(lowering, policy, weights=[7], grad_results=[1])
+    with pytest.raises(ValueError, match=r"result_memory_kinds: result index 5 does not exist"):
+        PjrtExecutor.from_policy(lowering, policy, weights=[0], grad_results=[5])
+    with pytest.raises(TypeError, match="policy: expected an xla_swap.planning.OffloadPolicy"):
+        PjrtExecutor.from_policy(lowering, "host", weights=[0])
+    with pytest.raises(TypeError, match="weights: expected int parameter indices"):
+        PjrtExecutor.from_policy(lowering, policy, weights=["w"], grad_results=[1])
+    # without a table (a jax Lowered): weights by index, shardings from the module
+    ex_j = PjrtExecutor.from_policy(jax.jit(step, in_shardings=(s["w_dev"], s["x_sh"])).lower(s["w"], s["x"]),
+                                    policy, weights=[0], grad_results=[1])
+    assert ex_j.memory_report().parameter_memory_spaces == ("pinned_host", "device")
+    assert ex_j.output_shardings[1].memory_kind == "pinned_host"

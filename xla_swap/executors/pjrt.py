@@ -45,6 +45,8 @@ from jax._src.lib.mlir import ir
 from jax._src.sharding_impls import GSPMDSharding
 from jax.sharding import SingleDeviceSharding
 
+from xla_swap.planning.policy import DEVICE, MEMORY_KINDS, PINNED_HOST
+
 # ``jax.enable_x64`` is the current name; older releases only have the experimental one.
 if hasattr(jax, "enable_x64"):
     def _enable_x64():
@@ -54,8 +56,8 @@ else:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-#: Memory kinds an entry parameter may be placed in.
-MEMORY_KINDS = ("device", "pinned_host")
+# Memory kinds an entry parameter or result may be placed in: ``MEMORY_KINDS`` (``DEVICE``,
+# ``PINNED_HOST``) of ``xla_swap.planning.policy``, re-exported here.
 #: The environment variable that caps PJRT GPU's pinned host memory pool (in GiB, default 64).
 HOST_MEMORY_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 #: The PJRT GPU default of :data:`HOST_MEMORY_LIMIT_ENV`, in GiB.
@@ -97,7 +99,7 @@ class ParameterPlacement:
         ``"{replicated}"``), or a :class:`jax.sharding.Sharding` over exactly the executor's
         devices, in order (its memory kind is replaced by ``memory_kind``).
     """
-    memory_kind: str = "device"
+    memory_kind: str = DEVICE
     sharding: Any = None
 
 
@@ -307,10 +309,20 @@ _IR_DTYPES: dict = {}
 
 
 def _ir_to_dtype(t) -> np.dtype:
+    """numpy dtype of an MLIR element type.
+
+    Several numpy dtypes lower to the same MLIR type: ``i1`` is jax's ``float0`` (the
+    tangent type of integers, no bytes), ``bool`` and ``int1``. An HLO/StableHLO ``i1``
+    (HLO ``pred``) value is a bool, so ``bool`` is taken and ``float0`` (a void dtype) never.
+    """
     if not _IR_DTYPES:
+        _IR_DTYPES["i1"] = np.dtype(np.bool_)
         for dt, factory in _jmlir._dtype_to_ir_type.items():
             try:
-                _IR_DTYPES.setdefault(str(factory()), np.dtype(dt))
+                dtype = np.dtype(dt)
+                if dtype.kind == "V":      # float0
+                    continue
+                _IR_DTYPES.setdefault(str(factory()), dtype)
             except Exception:  # a factory this MLIR build lacks
                 pass
     key = str(t)
@@ -420,7 +432,7 @@ _SHAPE_RE = re.compile(r"^\s*([a-z0-9]+)\[([0-9,]*)\]")
 def _memory_space(shape_str: str) -> str:
     m = re.search(r"S\((\d+)\)", shape_str)
     space = int(m.group(1)) if m else 0
-    return "device" if space == 0 else "pinned_host" if space == HOST_MEMORY_SPACE else f"S({space})"
+    return DEVICE if space == 0 else PINNED_HOST if space == HOST_MEMORY_SPACE else f"S({space})"
 
 
 def _shape_bytes(shape_str: str, dtype: np.dtype) -> int:
@@ -453,6 +465,245 @@ def _default_host_limit(platform: str) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------
+# argument checks and module rewrites done before anything reaches the compiler
+# ---------------------------------------------------------------------------------------
+def _check_host_limit_arg(value) -> None:
+    if not (value is None or isinstance(value, str) and value == _AUTO or isinstance(value, (int, np.integer))
+            and not isinstance(value, bool) and value >= 0):
+        raise ValueError(f"host_memory_limit_bytes: expected None, 'auto' or a non-negative int, got {value!r}")
+
+
+def _check_mapping(value, name: str) -> dict:
+    """``dict(value)`` for a mapping (``{}`` for None); TypeError naming ``name`` otherwise."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{name}: expected a mapping {{index: ...}} (a dict) or None, got {type(value).__name__} "
+                        f"{value!r:.80}")
+    return dict(value)
+
+
+def _check_index_keys(mapping: dict, name: str, count: int, what: str, plural: str) -> None:
+    for k in mapping:
+        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 0 <= k < count:
+            raise ValueError(f"{name}: {what} index {k!r} does not exist; the module has {count} {plural}"
+                             + (f" (valid indices 0..{count - 1})" if count else ""))
+
+
+def _check_devices_arg(devices):
+    """None, or ``devices`` as a tuple; TypeError for a lone Device, a string or a non-iterable."""
+    if devices is None:
+        return None
+    if isinstance(devices, xc.Device):
+        raise TypeError(f"devices: expected a sequence of jax devices, got one Device ({devices}); pass [device]")
+    if isinstance(devices, (str, bytes, Mapping)) or not hasattr(devices, "__iter__"):
+        raise TypeError(f"devices: expected a sequence of jax devices, got {type(devices).__name__} {devices!r:.80}")
+    return tuple(devices)
+
+
+#: Custom-call targets that call back into Python on the host (jax.debug.print, jax.pure_callback,
+#: jax.experimental.io_callback): ``xla_python_cpu_callback``, ``xla_ffi_python_gpu_callback``,
+#: ``xla_ffi_partitioned_python_cpu_callback``, ...
+_HOST_CALLBACK_RE = re.compile(r'(?:custom_call\s*@|call_target_name\s*=\s*")([\w.]*python[\w.]*callback[\w.]*)')
+
+
+def _refuse_host_callbacks(mod: ir.Module) -> None:
+    """ValueError when the module calls back into Python on the host.
+
+    Such a custom call refers to a Python function registered with the compile call that
+    jax itself makes (an index into its host-callback list); a module compiled without that
+    list crashes the process when the call runs (a segmentation fault, measured with jaxlib
+    0.10.2), so it is refused here, before it reaches the compiler.
+    """
+    text = mod.operation.get_asm(large_elements_limit=16)
+    targets = sorted(set(_HOST_CALLBACK_RE.findall(text)))
+    if targets:
+        raise ValueError(
+            f"module: the program calls back into Python on the host (custom call {', '.join(targets)}: "
+            "jax.debug.print, jax.pure_callback or jax.experimental.io_callback). PjrtExecutor cannot compile "
+            "host callbacks (the compiled program would crash calling them); remove them from the function "
+            "before lowering, or run it with jax.jit")
+
+
+#: Module attributes and argument attributes by which a module donates its inputs.
+_DONATION_MODULE_ATTRS = ("mhlo.input_output_alias", "mhlo.buffer_donor")
+_DONATION_ARG_ATTRS = ("tf.aliasing_output", "jax.buffer_donor")
+
+
+def _strip_donation(mod: ir.Module, arg_attrs: list) -> tuple:
+    """Remove every input donation (input/output aliases, buffer donors) from ``mod`` in place.
+
+    ``arg_attrs`` (``@main``'s argument attribute dicts) lose their donation entries too.
+    Returns the sorted indices of the parameters the module donated.
+    """
+    donated = set()
+    attrs = mod.operation.attributes
+    for name in _DONATION_MODULE_ATTRS:
+        if name in attrs:
+            donated |= {int(m) for m in re.findall(r"parameter_number\s*=\s*(\d+)", str(attrs[name]))}
+            del attrs[name]
+    for i, entries in enumerate(arg_attrs):
+        for name in _DONATION_ARG_ATTRS:
+            if entries.pop(name, None) is not None:
+                donated.add(i)
+    return tuple(sorted(donated))
+
+
+def _check_even(hs: xc.HloSharding, shape: tuple, where: str) -> None:
+    """ValueError when a tiled sharding does not split every dimension evenly (jax arrays need that)."""
+    if not hs.is_tiled():
+        return
+    tiles = list(hs.tile_assignment_dimensions())[:len(shape)]
+    for d, (size, t) in enumerate(zip(shape, tiles)):
+        if t > 1 and size % t:
+            raise ValueError(f"{where}: sharding {hs} splits dimension {d} of size {size} into {t} shards, which "
+                             f"does not divide it (shape {list(shape)}); jax arrays need even shards: choose a "
+                             f"sharding whose shard counts divide the shape")
+
+
+# ---------------------------------------------------------------------------------------
+# an OffloadPolicy as placements
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PolicyPlacements:
+    """The :class:`PjrtExecutor` arguments an ``OffloadPolicy`` gives for one lowered module.
+
+    Pass them on as ``PjrtExecutor(module, p.placements, result_memory_kinds=p.result_memory_kinds)``
+    (what :meth:`PjrtExecutor.from_policy` does).
+
+    Attributes:
+      placements: ``{parameter index: ParameterPlacement}``: with a parameter table, one
+        entry per parameter (memory kind from the policy, sharding from the table); without
+        one, an entry for each weight only (sharding kept from the module).
+      result_memory_kinds: ``{result index: memory kind}`` for the gradient results.
+      weights: the parameter indices the policy's ``params`` placed, sorted.
+      grad_results: the result indices the policy's ``grads`` placed, sorted.
+    """
+    placements: Mapping
+    result_memory_kinds: Mapping
+    weights: tuple = ()
+    grad_results: tuple = ()
+
+
+def _check_ids(ids, name: str, limit: int | None, what: str, known: set | None = None) -> tuple:
+    if ids is None:
+        return ()
+    if isinstance(ids, (str, bytes, Mapping)) or not hasattr(ids, "__iter__"):
+        raise TypeError(f"{name}: expected an iterable of int {what} indices, got {type(ids).__name__} {ids!r:.80}")
+    out = []
+    for k in ids:
+        if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
+            raise TypeError(f"{name}: expected int {what} indices, got {type(k).__name__} {k!r:.80}")
+        k = int(k)
+        if k < 0 or (limit is not None and k >= limit) or (known is not None and k not in known):
+            count = len(known) if known is not None else limit
+            raise ValueError(f"{name}: {what} index {k} does not exist; the module has {count} {what}(s)")
+        out.append(k)
+    if len(set(out)) != len(out):
+        raise ValueError(f"{name}: duplicate {what} indices in {sorted(out)}")
+    return tuple(sorted(out))
+
+
+def _parameter_table(parameters) -> dict | None:
+    """``{index: HLO sharding string or None}`` from a framework-neutral parameter table."""
+    if parameters is None:
+        return None
+    if isinstance(parameters, (int, np.integer)) and not isinstance(parameters, bool):
+        if parameters < 0:
+            raise ValueError(f"parameters: a parameter count must be >= 0, got {parameters}")
+        return {i: None for i in range(int(parameters))}
+    if isinstance(parameters, Mapping):
+        items = list(parameters.items())
+    elif isinstance(parameters, (str, bytes)) or not hasattr(parameters, "__iter__"):
+        raise TypeError(f"parameters: expected a parameter table (records with .id and .sharding, e.g. "
+                        f"LoweredComputation.parameters), a mapping {{index: sharding}}, a parameter count or None, "
+                        f"got {type(parameters).__name__}")
+    else:
+        items = []
+        for j, rec in enumerate(parameters):
+            if not hasattr(rec, "id"):
+                raise TypeError(f"parameters[{j}]: expected a record with .id and .sharding (an HloParameter), "
+                                f"got {type(rec).__name__}")
+            items.append((rec.id, getattr(rec, "sharding", None)))
+    table = {}
+    for k, sharding in items:
+        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 0:
+            raise TypeError(f"parameters: parameter ids must be ints >= 0, got {k!r}")
+        if sharding is not None and not isinstance(sharding, (str, jax.sharding.Sharding)):
+            raise TypeError(f"parameters[{k}]: sharding must be an HLO sharding string, a jax Sharding or None, "
+                            f"got {type(sharding).__name__}")
+        if int(k) in table:
+            raise ValueError(f"parameters: parameter id {k} appears twice")
+        table[int(k)] = sharding
+    return table
+
+
+def placements_for_policy(policy, parameters=None, *, weights=(), grad_results=None,
+                          num_results: int | None = None) -> PolicyPlacements:
+    """Turn an ``OffloadPolicy`` into :class:`PjrtExecutor` placements for one lowered module.
+
+    What the executor applies of the policy: ``params`` (``"host"``: the ``weights``
+    parameters in ``pinned_host``, ``"device"``: on the device; every other parameter on the
+    device) and ``grads`` (``"host"``: the ``grad_results`` results written to
+    ``pinned_host``). ``activations`` and ``remat`` are already part of a module lowered
+    through ``xla_swap.frontend.scan`` with the same policy; ``prefetch_depth`` and
+    ``optimizer_state`` are not used by this executor (they belong to the streaming runtime
+    and the training loop).
+
+    Args:
+      policy: an ``xla_swap.planning.OffloadPolicy``.
+      parameters: the module's parameter table, framework-neutral: a sequence of records with
+        ``.id`` (int entry parameter index) and ``.sharding`` (an HLO sharding string such as
+        ``"{devices=[1,4,1]0,1,2,3}"``, a jax Sharding, or None), e.g. torch_xla's
+        ``LoweredComputation.parameters``; or a mapping ``{index: sharding or None}``; or the
+        parameter count (int; shardings kept from the module); or None (unknown: placements
+        only for ``weights``, indices checked by the executor).
+      weights: entry parameter indices of the per-layer (stacked) weights that
+        ``policy.params`` places, e.g. ``[lowered.parameter_id(w) for w in stacked]``.
+        Required (non-empty) when ``policy.params == "host"``.
+      grad_results: result indices holding those weights' gradients, placed by
+        ``policy.grads``. Required when ``policy.grads == "host"`` (pass ``()`` for a
+        forward-only module: nothing is then placed on the host for the gradients).
+      num_results: the module's result count, to check ``grad_results`` (optional; the
+        executor checks them too).
+
+    Returns:
+      :class:`PolicyPlacements`.
+
+    Raises:
+      TypeError: ``policy`` is not an ``OffloadPolicy``; ``parameters``, ``weights`` or
+        ``grad_results`` have the wrong type (non-int indices, a string).
+      ValueError: a weight or gradient index that does not exist (names it and the count);
+        duplicate indices; ``policy.params == "host"`` with no weights;
+        ``policy.grads == "host"`` with ``grad_results`` not given.
+    """
+    from xla_swap.planning.policy import OffloadPolicy
+    if not isinstance(policy, OffloadPolicy):
+        raise TypeError(f"policy: expected an xla_swap.planning.OffloadPolicy, got {type(policy).__name__}")
+    table = _parameter_table(parameters)
+    known = set(table) if table is not None else None
+    w = _check_ids(weights, "weights", None, "parameter", known)
+    if num_results is not None and (not isinstance(num_results, (int, np.integer)) or isinstance(num_results, bool)
+                                    or num_results < 0):
+        raise ValueError(f"num_results: expected an int >= 0 or None, got {num_results!r}")
+    g = _check_ids(grad_results, "grad_results", num_results, "result")
+    if policy.params == "host" and not w:
+        raise ValueError("weights: policy.params='host' needs the indices of the weight parameters to place in "
+                         "pinned_host (e.g. [lowered.parameter_id(w) for w in stacked_weights]); none given")
+    if policy.grads == "host" and grad_results is None:
+        raise ValueError("grad_results: policy.grads='host' needs the result indices of the weights' gradients "
+                         "(pass () for a module that returns no gradients)")
+    weight_kind = PINNED_HOST if policy.params == "host" else DEVICE
+    if table is None:
+        placements = {i: ParameterPlacement(weight_kind) for i in w}
+    else:
+        placements = {i: ParameterPlacement(weight_kind if i in w else DEVICE, sharding)
+                      for i, sharding in sorted(table.items())}
+    results = {i: (PINNED_HOST if policy.grads == "host" else DEVICE) for i in g}
+    return PolicyPlacements(placements, results, w, g)
+
+
+# ---------------------------------------------------------------------------------------
 # the executor
 # ---------------------------------------------------------------------------------------
 class PjrtExecutor:
@@ -468,22 +719,44 @@ class PjrtExecutor:
       placements: ``{param_index: "device" | "pinned_host" | ParameterPlacement | Sharding}``.
         Parameters not named keep their defaults: memory kind ``"device"`` (for a JAX
         lowering: the memory kind JAX lowered it with), sharding as the module's parameter
-        carries it (replicated if none).
-      devices: the jax devices to run on, in SPMD partition order. Default: the first N of
-        ``jax.devices()``, N being the device count the module's shardings (or its
+        carries it (replicated if none). A tiled sharding must split every dimension evenly.
+        :meth:`from_policy` / :func:`placements_for_policy` build this from an
+        ``OffloadPolicy``.
+      devices: a sequence of jax devices to run on, in SPMD partition order. Default: the
+        first N of ``jax.devices()``, N being the device count the module's shardings (or its
         ``mhlo.num_partitions``) name -- all devices for a module lowered over all of them --
         and a single device when the module is not partitioned.
+      result_memory_kinds: ``{result_index: "device" | "pinned_host"}``: the memory kind a
+        result is written to (e.g. the gradients of host-resident weights to
+        ``"pinned_host"``), for any module, torch_xla's ``HloModuleProto`` included. Results
+        not named keep the memory kind the module declares (a JAX lowering's
+        ``out_shardings``), else ``"device"``.
       host_memory_limit_bytes: cap, in bytes over all devices, on live ``pinned_host`` arrays
         of this platform that :meth:`put` and :meth:`__call__` check before placing host
         arrays. ``"auto"`` (default): on GPU ``$XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` (default
         64) GiB, the size of PJRT GPU's pinned pool; on CPU no limit. ``None``: no limit.
 
+    Donation: a module that donates inputs (``jax.jit(..., donate_argnums=...)``, HLO
+    ``input_output_alias``) is compiled WITHOUT donation, so a call never deletes the
+    caller's arrays (the results of :meth:`put` among them); ``donated_parameters`` lists
+    what the module asked to donate. The cost is the memory donation would have saved: the
+    results get buffers of their own.
+
+    Host callbacks (``jax.debug.print``, ``jax.pure_callback``, ``io_callback``) are refused
+    with a ValueError before compiling: the Python functions they call are not part of the
+    module, and the compiled program would crash the process when calling them.
+
+    All arguments are checked before anything is compiled or placed.
+
     Raises:
-      TypeError: ``module`` is none of the accepted types; a placement value has a wrong type.
-      ValueError: ``module`` cannot be read; a placement names a parameter index that does
-        not exist (the message names the index and the parameter count); an unknown memory
-        kind (or one the devices lack); an invalid sharding string or one whose rank does not
-        match; a jax Sharding over other devices; a device count the module cannot use
+      TypeError: ``module`` is none of the accepted types; ``placements`` or
+        ``result_memory_kinds`` is not a mapping (a list, a string); ``devices`` is a single
+        Device, a string or not iterable; a placement value has a wrong type.
+      ValueError: ``module`` cannot be read; the module calls host callbacks; a placement
+        (or result memory kind) names an index that does not exist (the message names the
+        index and the count); an unknown memory kind (or one the devices lack); an invalid
+        sharding string, one whose rank does not match, or one that splits a dimension
+        unevenly; a jax Sharding over other devices; a device count the module cannot use
         (shardings over K devices but ``len(devices) != K``, or K larger than
         ``len(jax.devices())``); duplicate devices or devices of several platforms.
       jax.errors.JaxRuntimeError: XLA rejected the module while compiling.
@@ -494,17 +767,19 @@ class PjrtExecutor:
       parameters: tuple of :class:`ParameterInfo`, one per entry parameter.
       output_shapes / output_dtypes: global shapes and numpy dtypes of the results.
       output_shardings: the jax Shardings (with memory kinds) of the results.
+      donated_parameters: sorted indices of the parameters the module donated (compiled
+        without donation, see above).
       transfer_count: number of arrays this executor has placed (copied) so far, by
         :meth:`put`/:meth:`put_all` or implicitly in :meth:`__call__`.
     """
 
     def __init__(self, module, placements: Mapping | None = None, devices: Sequence | None = None, *,
-                 host_memory_limit_bytes: int | None | str = _AUTO):
-        if not (host_memory_limit_bytes is None or isinstance(host_memory_limit_bytes, str) and
-                host_memory_limit_bytes == _AUTO or isinstance(host_memory_limit_bytes, (int, np.integer))
-                and not isinstance(host_memory_limit_bytes, bool) and host_memory_limit_bytes >= 0):
-            raise ValueError(f"host_memory_limit_bytes: expected None, 'auto' or a non-negative int, "
-                             f"got {host_memory_limit_bytes!r}")
+                 result_memory_kinds: Mapping | None = None, host_memory_limit_bytes: int | None | str = _AUTO):
+        # -- arguments: every check before the module is read ----------------------------
+        _check_host_limit_arg(host_memory_limit_bytes)
+        placements = _check_mapping(placements, "placements")
+        result_memory_kinds = _check_mapping(result_memory_kinds, "result_memory_kinds")
+        devices = _check_devices_arg(devices)
         src = _load(module)
         self.transfer_count = 0
         with _jmlir.make_ir_context() as ctx, ir.Location.unknown(ctx):
@@ -516,16 +791,18 @@ class PjrtExecutor:
             out_metas = [_tensor_meta(t, f"result {i}") for i, t in enumerate(ftype.results)]
             arg_attrs = _attr_dicts(main, "arg_attrs", n_in)
             res_attrs = _attr_dicts(main, "res_attrs", n_out)
+            _refuse_host_callbacks(mod)
 
             # -- placements: validate everything before touching anything ----------------
-            placements = dict(placements or {})
-            for k in placements:
-                if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 0 <= k < n_in:
-                    raise ValueError(f"placements: parameter index {k!r} does not exist; the module has "
-                                     f"{n_in} entry parameter(s) (valid indices 0..{n_in - 1})")
+            _check_index_keys(placements, "placements", n_in, "parameter", "entry parameter(s)")
+            _check_index_keys(result_memory_kinds, "result_memory_kinds", n_out, "result", "result(s)")
+            for i, kind in result_memory_kinds.items():
+                if not isinstance(kind, str) or kind not in MEMORY_KINDS:
+                    raise ValueError(f"result_memory_kinds[{i}]: unknown memory kind {kind!r}; expected one of "
+                                     f"{MEMORY_KINDS}")
             kinds, shard_specs = [], []   # per parameter: memory kind, (hlo string | jax Sharding | None)
             for i in range(n_in):
-                kind = (src.arg_memory_kinds[i] if i < len(src.arg_memory_kinds) else None) or "device"
+                kind = (src.arg_memory_kinds[i] if i < len(src.arg_memory_kinds) else None) or DEVICE
                 spec = None
                 p = placements.get(i)
                 if p is not None:
@@ -534,7 +811,7 @@ class PjrtExecutor:
                     elif isinstance(p, ParameterPlacement):
                         kind, spec = p.memory_kind, p.sharding
                     elif isinstance(p, jax.sharding.Sharding):
-                        kind, spec = p.memory_kind or "device", p
+                        kind, spec = p.memory_kind or DEVICE, p
                     else:
                         raise TypeError(f"placements[{i}]: expected 'device', 'pinned_host', a ParameterPlacement "
                                         f"or a jax Sharding, got {type(p).__name__}")
@@ -577,8 +854,7 @@ class PjrtExecutor:
                 if n > len(available):
                     raise ValueError(f"devices: the module is partitioned over {n} devices, but only "
                                      f"{len(available)} {available[0].platform} device(s) are available")
-                devices = available[:n]
-            devices = tuple(devices)
+                devices = tuple(available[:n])
             if not devices or not all(isinstance(d, xc.Device) for d in devices):
                 raise ValueError(f"devices: expected a non-empty sequence of jax devices, got {devices!r}")
             if len(set(devices)) != len(devices):
@@ -601,6 +877,7 @@ class PjrtExecutor:
                                      f"were given; pass {k} devices")
                 if not hs.is_tiled() and k > n:
                     raise ValueError(f"devices: parameter {i} is placed on {hs}, but only {n} device(s) were given")
+                _check_even(hs, metas[i][0], f"placements[{i}]" if shard_specs[i] is not None else f"parameter {i}")
             for i, spec in enumerate(shard_specs):
                 if isinstance(spec, jax.sharding.Sharding) and not spec.is_fully_replicated \
                         and tuple(spec._device_assignment) != devices:
@@ -611,10 +888,21 @@ class PjrtExecutor:
                 if kind not in mem_kinds:
                     raise ValueError(f"placements[{i}]: memory kind {kind!r} is not supported by "
                                      f"{devices[0].platform} devices (they have {sorted(mem_kinds)})")
+            res_kinds = [result_memory_kinds.get(i) or (src.result_memory_kinds[i]
+                                                        if i < len(src.result_memory_kinds) else None)
+                         for i in range(n_out)]
+            for i, kind in enumerate(res_kinds):
+                if kind is not None and kind not in mem_kinds:
+                    where = f"result_memory_kinds[{i}]" if i in result_memory_kinds else f"result {i}"
+                    raise ValueError(f"{where}: memory kind {kind!r} is not supported by {devices[0].platform} "
+                                     f"devices (they have {sorted(mem_kinds)})")
             if n > 1:
                 hlo_shardings = [hs if hs is not None else xc.HloSharding.replicate() for hs in hlo_shardings]
 
-            # -- rewrite @main's argument attributes -----------------------------------------
+            # -- rewrite the module: no donation, @main's argument and result attributes -----
+            #: indices of the parameters the module itself donated (its input/output aliases),
+            #: compiled WITHOUT donation: the caller's arrays are never deleted by a call.
+            self.donated_parameters = _strip_donation(mod, arg_attrs)
             new_arg_attrs = []
             for i, entries in enumerate(arg_attrs):
                 entries = dict(entries)
@@ -630,9 +918,8 @@ class PjrtExecutor:
             new_res_attrs = []
             for i, entries in enumerate(res_attrs):
                 entries = dict(entries)
-                rk = src.result_memory_kinds[i] if i < len(src.result_memory_kinds) else None
-                if rk and "mhlo.memory_kind" not in entries:
-                    entries["mhlo.memory_kind"] = ir.StringAttr.get(rk)
+                if i in result_memory_kinds or (res_kinds[i] and "mhlo.memory_kind" not in entries):
+                    entries["mhlo.memory_kind"] = ir.StringAttr.get(res_kinds[i])
                 new_res_attrs.append(ir.DictAttr.get(entries))
             main.attributes["res_attrs"] = ir.ArrayAttr.get(new_res_attrs)
             res_has_sharding = [_str_attr(a, "mhlo.sharding") is not None for a in res_attrs]
@@ -678,7 +965,7 @@ class PjrtExecutor:
         out_ops = self._exe.get_output_shardings() if n_out else []
         shardings = []
         for i in range(n_out):
-            kind = out_kinds[i] if i < len(out_kinds) else "device"
+            kind = out_kinds[i] if i < len(out_kinds) else DEVICE
             op = out_ops[i] if out_ops and i < len(out_ops) else None
             if n == 1 or op is None:
                 s = (SingleDeviceSharding(devices[0], memory_kind=kind) if n == 1 else
@@ -696,7 +983,46 @@ class PjrtExecutor:
         self.host_memory_limit_bytes = host_memory_limit_bytes
         self._report = None
         log.info("compiled PJRT executable: %d parameter(s) (%d in pinned_host), %d result(s), %d %s device(s)",
-                 n_in, kinds.count("pinned_host"), n_out, n, self.platform)
+                 n_in, kinds.count(PINNED_HOST), n_out, n, self.platform)
+
+    @classmethod
+    def from_policy(cls, module, policy, *, weights=(), grad_results=None, parameters=None,
+                    devices: Sequence | None = None, host_memory_limit_bytes: int | None | str = _AUTO
+                    ) -> "PjrtExecutor":
+        """Compile ``module`` with the placements an ``OffloadPolicy`` gives (see :func:`placements_for_policy`).
+
+        Args:
+          module: a lowering with a parameter table, duck-typed: an object with ``hlo_proto``
+            (serialized ``HloModuleProto`` bytes) and ``parameters`` (records with ``.id``
+            and ``.sharding``), such as torch_xla's ``LoweredComputation`` (no torch import
+            here); or anything :class:`PjrtExecutor` takes (then pass ``parameters`` or keep
+            the module's shardings).
+          policy: an ``xla_swap.planning.OffloadPolicy``; ``params`` and ``grads`` are applied.
+          weights: entry parameter indices of the stacked per-layer weights (required when
+            ``policy.params == "host"``), e.g. ``[lowered.parameter_id(w) for w in stacked]``.
+          grad_results: result indices of those weights' gradients (required when
+            ``policy.grads == "host"``; ``()`` for a forward-only module).
+          parameters: the parameter table when ``module`` carries none (see
+            :func:`placements_for_policy`); given with a lowering, it replaces the
+            lowering's own table.
+          devices, host_memory_limit_bytes: as for :class:`PjrtExecutor`.
+
+        Returns:
+          :class:`PjrtExecutor`; every parameter placed with the table's sharding, the weights
+          in ``policy.params``'s memory kind, the gradient results in ``policy.grads``'s.
+
+        Raises:
+          TypeError / ValueError: as :func:`placements_for_policy` and :class:`PjrtExecutor`
+            (all raised before compiling).
+        """
+        if hasattr(module, "hlo_proto") and hasattr(module, "parameters"):
+            table = module.parameters if parameters is None else parameters
+            module = module.hlo_proto
+        else:
+            table = parameters
+        p = placements_for_policy(policy, table, weights=weights, grad_results=grad_results)
+        return cls(module, p.placements, devices, result_memory_kinds=p.result_memory_kinds,
+                   host_memory_limit_bytes=host_memory_limit_bytes)
 
     # -- introspection ---------------------------------------------------------------------
     @property
@@ -736,8 +1062,8 @@ class PjrtExecutor:
         p_bytes = tuple(_shape_bytes(s, p.dtype) for s, p in zip(self._param_layout, self.parameters))
         o_spaces = tuple(_memory_space(s) for s in self._result_layout)
         o_bytes = tuple(_shape_bytes(s, d) for s, d in zip(self._result_layout, self.output_dtypes))
-        host_p = sum(b for s, b in zip(p_spaces, p_bytes) if s == "pinned_host")
-        host_o = sum(b for s, b in zip(o_spaces, o_bytes) if s == "pinned_host")
+        host_p = sum(b for s, b in zip(p_spaces, p_bytes) if s == PINNED_HOST)
+        host_o = sum(b for s, b in zip(o_spaces, o_bytes) if s == PINNED_HOST)
         arg, harg = raw.get("argument_size_in_bytes", 0), raw.get("host_argument_size_in_bytes", 0)
         out, hout = raw.get("output_size_in_bytes", 0), raw.get("host_output_size_in_bytes", 0)
         if (host_p or host_o) and not (harg or hout):
@@ -766,9 +1092,14 @@ class PjrtExecutor:
         return int(index)
 
     def _check_value(self, index: int, x, where: str):
-        """Shape and dtype check; returns ``x`` (jax.Array) or ``np.asarray(x)``."""
+        """Liveness, shape and dtype check; returns ``x`` (jax.Array) or ``np.asarray(x)``."""
         p = self.parameters[index]
-        if not isinstance(x, jax.Array):
+        if isinstance(x, jax.Array):
+            if x.is_deleted():
+                raise ValueError(f"{where}: parameter {index} got a deleted jax.Array (shape {list(x.shape)}, "
+                                 f"{np.dtype(x.dtype)}): it was donated to another computation or .delete()d; "
+                                 f"pass a live array")
+        else:
             x = np.asarray(x)
         if tuple(x.shape) != p.shape:
             raise ValueError(f"{where}: parameter {index} expects shape {list(p.shape)}, got {list(x.shape)}")
@@ -786,7 +1117,7 @@ class PjrtExecutor:
             return False
         if tuple(x.shape) != p.shape or np.dtype(x.dtype) != p.dtype:
             return False
-        kind = x.sharding.memory_kind or "device"
+        kind = x.sharding.memory_kind or DEVICE
         if kind != p.memory_kind:
             return False
         try:
@@ -797,7 +1128,7 @@ class PjrtExecutor:
     @staticmethod
     def _host_bytes(p: ParameterInfo) -> int:
         """Pinned host bytes an array of ``p`` occupies over all devices (0 for device params)."""
-        if p.memory_kind != "pinned_host":
+        if p.memory_kind != PINNED_HOST:
             return 0
         return p.shard_nbytes * len(p.sharding.addressable_devices)
 
@@ -806,7 +1137,7 @@ class PjrtExecutor:
         total = 0
         for a in jax.live_arrays(self.platform):
             s = a.sharding
-            if s.memory_kind != "pinned_host":
+            if s.memory_kind != PINNED_HOST:
                 continue
             total += int(math.prod(s.shard_shape(a.shape))) * a.dtype.itemsize * len(s.addressable_devices)
         return total
@@ -835,7 +1166,7 @@ class PjrtExecutor:
             with self._x64():
                 out = jax.device_put(x, p.sharding)
         except Exception as e:
-            if p.memory_kind == "pinned_host" and _is_resource_exhausted(e):
+            if p.memory_kind == PINNED_HOST and _is_resource_exhausted(e):
                 raise HostMemoryError(
                     f"parameter {index}: the runtime could not allocate {self._host_bytes(p)} bytes of pinned_host "
                     f"memory ({HOST_MEMORY_LIMIT_ENV} caps the PJRT GPU pinned pool, default "
@@ -860,7 +1191,8 @@ class PjrtExecutor:
           ``memory_kind`` is the parameter's); ``array`` itself when it is already placed.
 
         Raises:
-          ValueError: ``index`` does not exist (names it and the parameter count); wrong shape.
+          ValueError: ``index`` does not exist (names it and the parameter count); wrong shape;
+            ``array`` is a deleted jax.Array.
           TypeError: wrong dtype (names the parameter, expected and got).
           HostMemoryError: a ``pinned_host`` placement would exceed ``host_memory_limit_bytes``,
             or the runtime ran out of pinned host memory.
@@ -881,7 +1213,7 @@ class PjrtExecutor:
           list of jax.Arrays, one per parameter.
 
         Raises:
-          ValueError: ``len(arrays) != num_parameters``; a wrong shape.
+          ValueError: ``len(arrays) != num_parameters``; a wrong shape; a deleted jax.Array.
           TypeError: a wrong dtype.
           HostMemoryError: as in :meth:`put`, for the total of the host placements.
         """
@@ -906,7 +1238,8 @@ class PjrtExecutor:
         Args:
           *args: one value per entry parameter, numpy arrays or jax.Arrays of the parameter's
             global shape and exact dtype. Arrays already placed (see :meth:`is_placed`, e.g.
-            the results of :meth:`put`) are used as they are; others are placed first.
+            the results of :meth:`put`) are used as they are; others are placed first. No
+            argument is donated: every array stays valid after the call.
 
         Returns:
           list of jax.Arrays, one per result, with global shapes ``output_shapes``, dtypes
@@ -914,7 +1247,7 @@ class PjrtExecutor:
 
         Raises:
           ValueError: wrong number of arguments; a wrong shape (names the parameter index,
-            expected and got).
+            expected and got); a deleted jax.Array. Nothing is placed or run then.
           TypeError: a wrong dtype.
           HostMemoryError: the host placements of the arguments plus the host outputs and host
             temporaries would exceed ``host_memory_limit_bytes``, or the runtime ran out of
@@ -955,8 +1288,8 @@ class PjrtExecutor:
 
 
 def compile_lowered(lowered: "jax.stages.Lowered", placements: Mapping | None = None,
-                    devices: Sequence | None = None, *, host_memory_limit_bytes: int | None | str = _AUTO
-                    ) -> PjrtExecutor:
+                    devices: Sequence | None = None, *, result_memory_kinds: Mapping | None = None,
+                    host_memory_limit_bytes: int | None | str = _AUTO) -> PjrtExecutor:
     """Compile a ``jax.jit(f, ...).lower(...)`` result on the same path as torch_xla HLO.
 
     The lowering's HLO (``compiler_ir('hlo')``) is compiled like an ``HloModuleProto`` from
@@ -966,19 +1299,23 @@ def compile_lowered(lowered: "jax.stages.Lowered", placements: Mapping | None = 
     Args:
       lowered: a :class:`jax.stages.Lowered`. Its entry parameters are the flattened
         arguments jax kept (unused ones are dropped by jax).
-      placements, devices, host_memory_limit_bytes: as for :class:`PjrtExecutor`.
+      placements, devices, result_memory_kinds, host_memory_limit_bytes: as for
+        :class:`PjrtExecutor` (``result_memory_kinds`` overrides the lowering's own).
 
     Returns:
       :class:`PjrtExecutor`.
 
     Raises:
       TypeError: ``lowered`` is not a ``jax.stages.Lowered``.
-      ValueError: as for :class:`PjrtExecutor`; the lowering hoisted constants into arguments.
+      ValueError: as for :class:`PjrtExecutor` (host callbacks are refused); the lowering
+        hoisted constants into arguments.
     """
     if not isinstance(lowered, jax.stages.Lowered):
         raise TypeError(f"lowered: expected a jax.stages.Lowered (jax.jit(f).lower(...)), got {type(lowered).__name__}")
-    return PjrtExecutor(lowered, placements, devices, host_memory_limit_bytes=host_memory_limit_bytes)
+    return PjrtExecutor(lowered, placements, devices, result_memory_kinds=result_memory_kinds,
+                        host_memory_limit_bytes=host_memory_limit_bytes)
 
 
 __all__ = ["PjrtExecutor", "ParameterPlacement", "ParameterInfo", "MemoryReport", "HostMemoryError",
-           "compile_lowered", "MEMORY_KINDS", "HOST_MEMORY_LIMIT_ENV", "HOST_MEMORY_SPACE"]
+           "PolicyPlacements", "placements_for_policy", "compile_lowered", "MEMORY_KINDS", "DEVICE", "PINNED_HOST",
+           "HOST_MEMORY_LIMIT_ENV", "HOST_MEMORY_SPACE"]
