@@ -1,0 +1,482 @@
+"""The torch entry point: train and serve a stack of ``nn.Module`` layers larger than device
+memory, with weights, gradients and AdamW state in host memory.
+
+    stack = SwappedStack(model.model.layers, first=embed, last=head,
+                         optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4))
+    loss = stack.train_step(input_ids, labels, loss_fn=torch.nn.functional.cross_entropy)
+    logits = stack(input_ids)          # serving: torch tensors in and out
+    stack.sync_modules()               # the trained weights back into the nn.Modules
+
+Design (``docs/design.md``):
+
+* **Bridge.** Each stage (``first``, every layer, ``last``) is turned into a JAX function by
+  torchax (it ships with torch_xla and runs without it): the module's ``forward`` runs under
+  torchax's environment inside ``torch.func.functional_call`` with the weights passed in,
+  so unmodified modules (Hugging Face layers included) trace into one XLA executable per
+  distinct stage. Layers with identical parameter names, shapes and dtypes share layer 0's
+  function, so an L-layer stack compiles one forward and one backward executable. The
+  weights are copied from the modules to host memory directly (never through the device).
+* **Runtime.** The stages run in :class:`xla_swap.executors.StreamingRuntime`: each stage's
+  weights live in their own ``pinned_host`` buffers and are streamed to the device
+  ``prefetch_depth`` stages ahead, in the forward and again in the backward.
+* **Optimizer.** With an optimizer (an :class:`xla_swap.planning.AdamW`, or a
+  ``torch.optim.AdamW`` whose hyperparameters are read), each stage is updated on the device
+  right after its backward: its moments come from ``pinned_host`` with its weights, and the
+  new weights and moments go back. Gradients never leave the device; AdamW state never
+  lives on it beyond the prefetch window. The update is ``torch.optim.AdamW``'s.
+  Without an optimizer, ``train_step`` writes the gradients into the modules' ``.grad``.
+* **Carry.** ``first(*inputs)`` returns the hidden state ``h``, or ``(h, layer_kwargs)``
+  where ``layer_kwargs`` is a dict of tensors every layer gets as keyword arguments
+  (attention mask, rotary ``position_embeddings``); each layer is called
+  ``layer(h, **layer_kwargs)`` (a tuple result's first element is the new ``h``); ``last(h)``
+  gives the output. Integer tensors (token ids) are constants: they get no gradient.
+
+The module imports torch, torchax, jax and numpy; not torch_xla.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from xla_swap.executors.streaming import StreamingRuntime
+from xla_swap.planning.optimizer import AdamW
+from xla_swap.planning.policy import OffloadPolicy
+
+__all__ = ["SwappedStack", "causal_lm_stages", "DEFAULT_POLICY"]
+
+log = logging.getLogger(__name__)
+
+#: The policy used when none is given: weights, gradients and optimizer state in host
+#: memory, each stage recomputed in the backward, two stages prefetched.
+DEFAULT_POLICY = OffloadPolicy(params="host", grads="host", optimizer_state="host", remat=True, prefetch_depth=2)
+
+_SHARD_RULES = ("fsdp", "replicate")
+
+
+def _torchax():
+    try:
+        import torchax
+    except ImportError as e:  # pragma: no cover - torchax ships with torch_xla; on other machines pip install it
+        raise ImportError("xla_swap.stack needs torchax (it ships with torch_xla; or `pip install torchax`)") from e
+    return torchax
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU numpy copy of a torch tensor; bfloat16 becomes ``ml_dtypes.bfloat16`` (jax's)."""
+    t = t.detach().to("cpu")
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).numpy().view(jnp.bfloat16)
+    return t.contiguous().numpy()
+
+
+def _to_torch(a) -> torch.Tensor:
+    """A CPU torch tensor from a jax or numpy array (a copy)."""
+    a = np.asarray(a)
+    if a.dtype == jnp.bfloat16:
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(a.copy())
+
+
+def _input_to_numpy(t: torch.Tensor) -> np.ndarray:
+    """An input tensor as numpy; 64-bit integers become int32 unless jax runs with x64 (token ids)."""
+    a = _to_numpy(t)
+    if a.dtype == np.int64 and not jax.config.jax_enable_x64:
+        if a.size and (a.max() > np.iinfo(np.int32).max or a.min() < np.iinfo(np.int32).min):
+            raise ValueError("an int64 input holds values outside int32; enable jax x64 to pass it")
+        a = a.astype(np.int32)
+    return a
+
+
+def _inputs_to_jax(x, what: str):
+    """A torch tensor, or a tuple/list of them, as numpy arrays (same structure; a tensor stays one leaf)."""
+    if isinstance(x, torch.Tensor):
+        return _input_to_numpy(x)
+    if isinstance(x, (tuple, list)) and x and all(isinstance(t, torch.Tensor) for t in x):
+        return tuple(_input_to_numpy(t) for t in x)
+    raise TypeError(f"{what} must be a torch.Tensor or a non-empty tuple of torch.Tensors, got {type(x).__name__}")
+
+
+def _module_fn(mod: torch.nn.Module, env):
+    """``f(states, args, kwargs) -> outputs``: ``mod.forward`` as a JAX function of its weights (torchax)."""
+    def f(states, args, kwargs=None):
+        states, args, kwargs = env.j2t_iso((states, args, kwargs or {}))
+        with env:
+            res = torch.func.functional_call(mod, states, args, kwargs, tie_weights=False)
+            return env.t2j_iso(res)
+    return f
+
+
+def _torch_fn(fn: Callable, env):
+    """A torch function of tensors as a JAX function of arrays (torchax)."""
+    def f(*args):
+        args = env.j2t_iso(args)
+        with env:
+            res = fn(*args)
+            return env.t2j_iso(res)
+    return f
+
+
+def _signature(mod: torch.nn.Module) -> tuple:
+    return (type(mod), tuple((n, tuple(t.shape), t.dtype) for n, t in mod.state_dict(keep_vars=True).items()))
+
+
+def _split_carry(out, stage: str):
+    if isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[1], dict):
+        return out[0], dict(out[1])
+    if isinstance(out, (tuple, list)):
+        raise TypeError(f"{stage} must return a tensor or (tensor, dict of layer keyword tensors), "
+                        f"got a {type(out).__name__} of length {len(out)}")
+    return out, {}
+
+
+class SwappedStack:
+    """A stack of torch layers whose weights, gradients and optimizer state live in host memory.
+
+    Args:
+      layers: a non-empty sequence of ``torch.nn.Module`` (e.g. ``model.model.layers`` of a
+        Hugging Face decoder, unmodified). Called ``layer(h, **layer_kwargs)``.
+      first: optional module run before the layers on the user's inputs, e.g. the embedding:
+        ``first(*inputs) -> h`` or ``(h, layer_kwargs)`` (see the module docstring). Without
+        it, the first input is ``h``.
+      last: optional module run after the layers, e.g. final norm and LM head: ``last(h) -> out``.
+      policy: an :class:`xla_swap.planning.OffloadPolicy` (default ``DEFAULT_POLICY``):
+        ``params`` host/device, ``grads``, ``optimizer_state``, ``remat``, ``prefetch_depth``.
+        Not together with ``budget_bytes``.
+      budget_bytes: instead of ``policy``: device memory (bytes) for weights and optimizer
+        state. Stages are kept resident from the last one backwards while they fit beside
+        the streaming window of ``prefetch_depth + 1`` stages (the last stages are the first
+        the backward needs); the rest are streamed.
+      optimizer: ``None`` (``train_step`` fills ``.grad``), an ``xla_swap.planning.AdamW``, or
+        a ``torch.optim.AdamW`` (its hyperparameters are read; its own state is not used).
+      loss_fn: default ``loss_fn(output, *targets) -> scalar`` torch function for
+        ``train_step`` (e.g. ``torch.nn.functional.cross_entropy``).
+      devices: the ``jax`` devices to run on (default: ``jax.devices()``, all local devices).
+      shard: with several devices: ``"fsdp"`` (default; each weight with >= 2 dimensions is
+        split over all devices on its largest evenly divisible dimension, others replicated;
+        each device keeps its shard in its own host memory), ``"replicate"``, or a callable
+        ``(name, shape) -> tuple`` giving a ``PartitionSpec`` over the mesh axis ``"d"``.
+      prefetch_depth: overrides ``policy.prefetch_depth`` when given.
+      max_signatures: input shapes whose executables stay cached (serving several batch
+        sizes and sequence lengths).
+
+    Raises:
+      TypeError: a layer / ``first`` / ``last`` is not an ``nn.Module``; ``policy``,
+        ``optimizer``, ``loss_fn``, ``devices`` or ``shard`` has the wrong type.
+      ValueError: ``layers`` is empty; both ``policy`` and ``budget_bytes``; a bad budget;
+        a parameter shared by two stages (tied weights are not supported); a torch
+        optimizer with options AdamW here does not implement; ``shard`` is unknown.
+      ImportError: torchax is not installed.
+    """
+
+    def __init__(self, layers: Sequence[torch.nn.Module], *, first: torch.nn.Module | None = None,
+                 last: torch.nn.Module | None = None, policy: OffloadPolicy | None = None,
+                 budget_bytes: int | None = None, optimizer=None, loss_fn: Callable | None = None,
+                 devices: Sequence[jax.Device] | None = None, shard: str | Callable = "fsdp",
+                 prefetch_depth: int | None = None, max_signatures: int = 8):
+        # ---- validation (no state changes) ----
+        if isinstance(layers, torch.nn.Module) and not isinstance(layers, (torch.nn.ModuleList, torch.nn.Sequential)):
+            raise TypeError("layers must be a sequence of nn.Modules (e.g. model.model.layers), got one module")
+        layers = list(layers) if isinstance(layers, (Sequence, torch.nn.ModuleList, torch.nn.Sequential)) else None
+        if not layers:
+            raise ValueError("layers must be a non-empty sequence of torch.nn.Module")
+        for i, m in enumerate(layers):
+            if not isinstance(m, torch.nn.Module):
+                raise TypeError(f"layers[{i}] must be a torch.nn.Module, got {type(m).__name__}")
+        for name, m in (("first", first), ("last", last)):
+            if m is not None and not isinstance(m, torch.nn.Module):
+                raise TypeError(f"{name} must be a torch.nn.Module or None, got {type(m).__name__}")
+        if policy is not None and budget_bytes is not None:
+            raise ValueError("give either policy or budget_bytes, not both")
+        if policy is not None and not isinstance(policy, OffloadPolicy):
+            raise TypeError(f"policy must be an xla_swap.planning.OffloadPolicy, got {type(policy).__name__}")
+        if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
+                                         or budget_bytes <= 0):
+            raise ValueError(f"budget_bytes must be a positive int (bytes), got {budget_bytes!r}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = AdamW.from_torch(optimizer)
+        elif optimizer is not None and not isinstance(optimizer, AdamW):
+            raise TypeError("optimizer must be None, an xla_swap.planning.AdamW or a torch.optim.AdamW, "
+                            f"got {type(optimizer).__name__}")
+        if not (callable(shard) or shard in _SHARD_RULES):
+            raise ValueError(f"shard must be one of {_SHARD_RULES} or a callable (name, shape) -> spec, got {shard!r}")
+        devices = list(jax.devices()) if devices is None else devices
+        if isinstance(devices, jax.Device) or not isinstance(devices, Sequence) or not devices or \
+                not all(isinstance(d, jax.Device) for d in devices):
+            raise TypeError(f"devices must be a non-empty sequence of jax.Device, got {devices!r}")
+        policy = policy or DEFAULT_POLICY
+        if prefetch_depth is not None:
+            policy = OffloadPolicy(params=policy.params, grads=policy.grads, activations=policy.activations,
+                                   remat=policy.remat, prefetch_depth=prefetch_depth,
+                                   optimizer_state=policy.optimizer_state)
+        modules = ([first] if first is not None else []) + layers + ([last] if last is not None else [])
+        owner: dict[int, str] = {}
+        names = (["first"] if first is not None else []) + [f"layers[{i}]" for i in range(len(layers))] + \
+            (["last"] if last is not None else [])
+        for name, m in zip(names, modules):
+            for pn, p in m.named_parameters():
+                if id(p) in owner and owner[id(p)] != name:
+                    raise ValueError(f"parameter {name}.{pn} is also in {owner[id(p)]}: weights shared between "
+                                     "stages (tied embeddings) are not supported; untie them")
+                owner[id(p)] = name
+        tx = _torchax()
+        env = tx.default_env()
+
+        # ---- stage functions: one per distinct layer signature ----
+        self.modules: list[torch.nn.Module] = modules
+        self.stage_names: list[str] = names
+        self.has_first, self.has_last = first is not None, last is not None
+        self._env = env
+        fns = []
+        if first is not None:
+            ffn = _module_fn(first, env)
+
+            def first_stage(w, inputs, ffn=ffn):
+                return _split_carry(ffn(w, tuple(inputs)), "first")
+            fns.append(first_stage)
+        shared: dict = {}
+        for i, m in enumerate(layers):
+            sig = _signature(m)
+            if sig not in shared:
+                lfn = _module_fn(m, env)
+
+                def layer_stage(w, carry, lfn=lfn, first_stage=(i == 0 and first is None)):
+                    if first_stage and not (isinstance(carry, tuple) and len(carry) == 2 and isinstance(carry[1], dict)):
+                        carry = (carry[0] if isinstance(carry, tuple) else carry, {})
+                    h, kw = carry
+                    out = lfn(w, (h,), kw)
+                    if isinstance(out, (tuple, list)):
+                        out = out[0]
+                    return out, kw
+                shared[sig] = layer_stage
+            fns.append(shared[sig])
+        if last is not None:
+            lastfn = _module_fn(last, env)
+
+            def last_stage(w, carry, lastfn=lastfn):
+                return lastfn(w, (carry[0],))
+            fns.append(last_stage)
+
+        # ---- weights: torch -> host numpy (never through the device) ----
+        stage_params, trainable = [], []
+        for m in modules:
+            params = {n: _to_numpy(p) for n, p in m.named_parameters()}
+            buffers = {n: _to_numpy(b) for n, b in m.named_buffers()}
+            trainable.append(set(params))
+            stage_params.append({**buffers, **params})
+        self._trainable = trainable
+        n_dev = len(devices)
+        mesh = Mesh(np.array(devices), ("d",)) if n_dev > 1 else None
+        self.mesh = mesh
+
+        def spec_for(name, shape):
+            if callable(shard):
+                return tuple(shard(name, tuple(shape)) or ())
+            if shard == "replicate" or len(shape) < 2:
+                return ()
+            dims = sorted(range(len(shape)), key=lambda d: -shape[d])
+            for d in dims:
+                if shape[d] % n_dev == 0:
+                    return tuple("d" if j == d else None for j in range(len(shape)))
+            return ()
+
+        sharding = None
+        if mesh is not None:
+            def sharding(i, path, leaf):
+                return NamedSharding(mesh, PartitionSpec(*spec_for(path[0].key, leaf.shape)))
+
+        resident = None
+        k = policy.prefetch_depth
+        if budget_bytes is not None:
+            resident = self._resident_for_budget(stage_params, trainable, optimizer, budget_bytes, k)
+        kwargs = dict(sharding=sharding, activation_sharding=NamedSharding(mesh, PartitionSpec())) \
+            if sharding is not None else dict(device=devices[0])
+        rt_policy = policy
+        if resident is not None:
+            rt = StreamingRuntime(fns, stage_params, prefetch_depth=k, resident=resident,
+                                  grads_to_host=policy.grads == "host", optimizer=optimizer,
+                                  optimizer_state_on_host=policy.optimizer_state == "host",
+                                  remat=policy.remat, trainable=lambda i, path: path[0].key in trainable[i],
+                                  track_residency=False, max_signatures=max_signatures, **kwargs)
+        else:
+            rt = StreamingRuntime.from_policy(fns, stage_params, rt_policy, optimizer=optimizer,
+                                              trainable=lambda i, path: path[0].key in trainable[i],
+                                              track_residency=False, max_signatures=max_signatures, **kwargs)
+        #: the :class:`~xla_swap.executors.StreamingRuntime` that runs the stages.
+        self.runtime: StreamingRuntime = rt
+        #: the policy in force (``budget_bytes`` given: ``params`` reads "host", see ``runtime.resident``).
+        self.policy: OffloadPolicy = policy
+        self.optimizer: AdamW | None = optimizer
+        self.loss_fn = loss_fn
+        self._jax_losses: dict = {}
+
+    @staticmethod
+    def _resident_for_budget(stage_params, trainable, optimizer, budget, k) -> list[bool]:
+        """Stages kept in device memory for ``budget`` bytes: from the last backwards while they fit."""
+        def nbytes(i):
+            w = sum(a.nbytes for a in stage_params[i].values())
+            if optimizer is not None:
+                w += sum(optimizer.state_bytes(stage_params[i][n].nbytes, stage_params[i][n].itemsize)
+                         for n in trainable[i])
+            return w
+        sizes = [nbytes(i) for i in range(len(stage_params))]
+        window = sum(sorted(sizes, reverse=True)[:k + 1])
+        if window > budget:
+            raise ValueError(f"budget_bytes={budget} is below the streaming window: {k + 1} stages of weights "
+                             f"and optimizer state need {window} bytes")
+        if sum(sizes) <= budget:
+            return [True] * len(sizes)
+        resident, used = [False] * len(sizes), window
+        for i in reversed(range(len(sizes))):
+            if used + sizes[i] > budget:
+                break
+            resident[i], used = True, used + sizes[i]
+        return resident
+
+    # ------------------------------------------------------------------ serving
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """Run the stack on ``inputs`` (torch tensors on the CPU); returns a CPU torch tensor.
+
+        Each new input shape compiles once (bounded cache, ``max_signatures``).
+
+        Raises: TypeError: an input is not a torch.Tensor; ValueError: a stage fails to trace
+        (the message names it).
+        """
+        x = self._carry_in(inputs)
+        return self._out(self.runtime.forward(x))
+
+    __call__ = forward
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, inputs, targets=(), *, loss_fn: Callable | None = None, lr: float | None = None
+                   ) -> torch.Tensor:
+        """One training step: forward, ``loss_fn(output, *targets)``, backward, optimizer step.
+
+        Args:
+          inputs: a torch tensor or a tuple of them (the arguments of ``first``).
+          targets: a torch tensor or a tuple of them, passed to the loss after the output.
+          loss_fn: a torch function ``(output, *targets) -> scalar`` (default: the constructor's).
+          lr: this step's learning rate (a schedule), default the optimizer's.
+
+        Returns: the loss, a 0-d float32 CPU torch tensor. With an optimizer the weights are
+        updated (in host memory: ``sync_modules()`` copies them into the modules); without
+        one the gradients are added to the modules' ``.grad`` (CPU tensors).
+
+        Raises:
+          TypeError: ``inputs``/``targets`` not tensors; no ``loss_fn``.
+          ValueError: the loss is not a floating scalar; a stage fails to trace.
+        """
+        loss_fn = loss_fn or self.loss_fn
+        if loss_fn is None or not callable(loss_fn):
+            raise TypeError("train_step needs a loss_fn (here or in the constructor): (output, *targets) -> scalar")
+        x = self._carry_in(inputs if isinstance(inputs, (tuple, list)) else (inputs,))
+        t = () if targets is None or (isinstance(targets, tuple) and not targets) else \
+            _inputs_to_jax(targets if isinstance(targets, (tuple, list)) else (targets,), "targets")
+        jloss = self._jax_losses.get(loss_fn)
+        if jloss is None:
+            jloss = _torch_fn(loss_fn, self._env)
+            if len(self._jax_losses) >= 8:
+                self._jax_losses.pop(next(iter(self._jax_losses)))
+            self._jax_losses[loss_fn] = jloss
+        loss, _, grads = self.runtime.train_step(x, jloss, loss_args=tuple(t), lr=lr)
+        if grads is not None:
+            self._accumulate_grads(grads)
+        return _to_torch(loss).float()
+
+    def _accumulate_grads(self, grads) -> None:
+        for m, g, names in zip(self.modules, grads, self._trainable):
+            params = dict(m.named_parameters())
+            for n in names:
+                if g.get(n) is None:
+                    continue
+                gt = _to_torch(g[n]).to(params[n].dtype)
+                if params[n].grad is None:
+                    params[n].grad = gt
+                else:
+                    params[n].grad.add_(gt)
+
+    # ------------------------------------------------------------------ weights
+    def state_dicts(self) -> list[dict[str, torch.Tensor]]:
+        """The current weights of every stage as CPU torch tensors: ``[{name: tensor}, ...]`` (copies)."""
+        return [{n: _to_torch(p[n]) for n in names} for p, names in zip(self.runtime.host_params, self._trainable)]
+
+    def sync_modules(self) -> None:
+        """Copy the current (trained) weights into the ``nn.Module`` parameters, in place."""
+        with torch.no_grad():
+            for m, sd in zip(self.modules, self.state_dicts()):
+                params = dict(m.named_parameters())
+                for n, t in sd.items():
+                    params[n].copy_(t)
+
+    # ------------------------------------------------------------------ internals
+    def _carry_in(self, inputs):
+        if not inputs:
+            raise TypeError("forward/train_step need at least one input tensor")
+        x = _inputs_to_jax(tuple(inputs), "inputs")
+        return x if self.has_first else (x[0], {}) if len(x) == 1 else (x[0], {})
+
+    def _out(self, y):
+        if isinstance(y, tuple) and len(y) == 2 and isinstance(y[1], dict):
+            y = y[0]
+        return jax.tree_util.tree_map(_to_torch, y)
+
+
+class _CausalLMFirst(torch.nn.Module):
+    """Token embedding, rotary position embeddings and the causal mask of a Hugging Face decoder."""
+
+    def __init__(self, embed_tokens, rotary_emb):
+        super().__init__()
+        self.embed_tokens, self.rotary_emb = embed_tokens, rotary_emb
+
+    def forward(self, input_ids):
+        h = self.embed_tokens(input_ids)
+        t = input_ids.shape[1]
+        pos = torch.arange(t, device=input_ids.device)[None, :]
+        cos, sin = self.rotary_emb(h, pos)
+        mask = torch.full((t, t), torch.finfo(h.dtype).min, dtype=h.dtype, device=h.device).triu(1)[None, None]
+        return h, {"attention_mask": mask, "position_embeddings": (cos, sin)}
+
+
+class _CausalLMLast(torch.nn.Module):
+    """Final norm and LM head of a Hugging Face decoder."""
+
+    def __init__(self, norm, lm_head):
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+
+    def forward(self, h):
+        return self.lm_head(self.norm(h))
+
+
+def causal_lm_stages(model: torch.nn.Module):
+    """Split a Hugging Face Llama-style causal LM into ``(first, layers, last)`` for ``SwappedStack``.
+
+    ``first`` embeds the tokens and computes the rotary position embeddings and a causal
+    additive mask (every layer gets ``attention_mask`` and ``position_embeddings``);
+    ``layers`` is ``model.model.layers`` (unmodified); ``last`` is the final norm and the LM head.
+    The modules share the model's parameters (no copy).
+
+    Args:
+      model: e.g. ``transformers.LlamaForCausalLM`` (needs ``model.model.embed_tokens``,
+        ``.rotary_emb``, ``.layers``, ``.norm`` and ``model.lm_head``). Inputs are unpadded
+        ``input_ids`` of shape ``[batch, seq]``.
+
+    Raises: TypeError: the model lacks one of those attributes.
+    """
+    inner = getattr(model, "model", None)
+    need = ("embed_tokens", "rotary_emb", "layers", "norm")
+    if inner is None or not all(hasattr(inner, a) for a in need) or not hasattr(model, "lm_head"):
+        raise TypeError("model must be a Llama-style causal LM with model.model.embed_tokens, .rotary_emb, .layers, "
+                        f".norm and model.lm_head, got {type(model).__name__}")
+    if model.lm_head.weight is inner.embed_tokens.weight:
+        raise ValueError("the model ties lm_head to embed_tokens (tie_word_embeddings=True); untie them for "
+                         "SwappedStack")
+    return _CausalLMFirst(inner.embed_tokens, inner.rotary_emb), list(inner.layers), \
+        _CausalLMLast(inner.norm, model.lm_head)
