@@ -67,3 +67,31 @@ def test_compiler_options_reach_xla(params, x):
     bad = InGraphRuntime(layer, params, compiler_options={"xla_no_such_option": True})
     with pytest.raises(Exception, match="xla_no_such_option"):
         bad.forward(x)
+
+
+def test_stage_errors_name_the_stage_and_deleted_arrays_are_refused(params, x):
+    """A shape mismatch inside one stage names that stage; deleted arrays give a ValueError; no state changes."""
+    bad = list(params)
+    bad[3] = {"a": params[3]["a"][:8], "b": params[3]["b"]}           # [8, F] instead of [D, F]
+    rt = InGraphRuntime(layer, bad)
+    with pytest.raises(TypeError, match=r"stage 3: stage_fn\(stage_params\[3\], h\) failed while tracing, with h "
+                                        r"of shape \(8, 16\) dtype float32 and stage_params\[3\] of .*float32\[8, 32\]"):
+        rt.forward(x)
+    assert rt.copy_start_count() == 0 and rt.memory_analysis() is None     # nothing compiled
+    two = InGraphRuntime([layer, lambda p, h: h @ p["b"]], params[:2])
+    with pytest.raises(TypeError, match=r"stage 1: stage_fn\[1\]\(stage_params\[1\], h\)"):
+        two.forward(x)
+
+    rt = InGraphRuntime(layer, params)
+    dead = jnp.asarray(x)
+    dead.delete()
+    with pytest.raises(ValueError, match="h: the jax array has been deleted"):
+        rt.forward(dead)
+    gone = jnp.asarray(params[0]["a"])
+    gone.delete()
+    with pytest.raises(ValueError, match=r"stage_params\[0\]\['a'\]: the jax array has been deleted"):
+        InGraphRuntime(layer, [{"a": gone, "b": params[0]["b"]}] + list(params[1:]))
+    check_close(rt.forward(x), mono_forward(stacked(params), x))   # still usable
+    rt.host_params[5]["b"].delete()
+    with pytest.raises(ValueError, match=r"host_params\[5\]\['b'\]: the pinned_host weight array has been deleted"):
+        rt.forward(x)

@@ -5,7 +5,7 @@ traced into one ``jax.jit``; every stage's weights are *separate* ``pinned_host`
 parameters. XLA:GPU turns each ``device_put`` of a whole host buffer into an asynchronous
 ``copy-start``/``copy-done`` pair on a second stream and overlaps it with the previous
 stage's compute; it does not do that for dynamic slices of one stacked host buffer (the
-``lax.scan`` form), which it reads on the compute stream (DESIGN.md, one H200: 161 ms vs
+``lax.scan`` form), which it reads on the compute stream (measured on one H200: 161 ms vs
 240 ms for the 8-layer 1 GiB/layer bf16 FFN stack at 8192 tokens, floor 159 ms). How far
 ahead XLA prefetches is XLA's choice (its scheduler); ``copy_start_count`` and
 ``memory_analysis`` of the compiled program tell what it did.
@@ -24,8 +24,8 @@ from typing import Any, Callable, Sequence
 import jax
 from jax.sharding import SingleDeviceSharding
 
-from .streaming import (DEVICE_KIND, HOST_KIND, _aval_key, _check_memory_kinds, _describe, _stage_fns, _tree_aval,
-                        tree_nbytes)
+from ._stages import (DEVICE_KIND, HOST_KIND, _aval_key, _check_memory_kinds, _describe, _stage_fns, _tree_aval,
+                      tree_nbytes)
 
 __all__ = ["InGraphRuntime"]
 
@@ -54,7 +54,8 @@ class InGraphRuntime:
       TypeError: ``stage_fn`` (or an element) is not callable; a parameter leaf is not an
         array; ``device`` is not a ``jax.Device``; ``compiler_options`` is not a dict.
       ValueError: ``stage_params`` is empty or not a sequence; the number of stage
-        functions differs from the number of stages; the device lacks a memory kind.
+        functions differs from the number of stages; a parameter leaf is a deleted jax
+        array; the device lacks a memory kind.
     """
 
     def __init__(self, stage_fn: Callable | Sequence[Callable], stage_params: Sequence[Any], *,
@@ -63,7 +64,7 @@ class InGraphRuntime:
                 or len(stage_params) == 0:
             raise ValueError("stage_params must be a non-empty sequence (list/tuple) of per-stage pytrees")
         n = len(stage_params)
-        fns, _ = _stage_fns(stage_fn, n)
+        fns, shared = _stage_fns(stage_fn, n)
         for i, p in enumerate(stage_params):
             _tree_aval(p, f"stage_params[{i}]")
         if device is not None and not isinstance(device, jax.Device):
@@ -75,6 +76,7 @@ class InGraphRuntime:
         self.num_stages = n
         self.compiler_options = dict(compiler_options or {})
         self._fns = fns
+        self._shared_fn = shared
         self._host = SingleDeviceSharding(dev, memory_kind=HOST_KIND)
         self._dev = SingleDeviceSharding(dev, memory_kind=DEVICE_KIND)
         #: per-stage pytrees of ``pinned_host`` arrays (the program's weight parameters).
@@ -86,16 +88,35 @@ class InGraphRuntime:
         self._in_aval = None
 
     def _program(self, params, h):
-        for f, p in zip(self._fns, params):
-            h = f(jax.device_put(p, self._dev), h)
+        for i, (f, p) in enumerate(zip(self._fns, params)):
+            h_in = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), h)
+            try:
+                h = f(jax.device_put(p, self._dev), h)
+            except (TypeError, ValueError) as e:   # shape/dtype errors while tracing: name the stage
+                fn = "stage_fn" if self._shared_fn else f"stage_fn[{i}]"
+                raise (TypeError if isinstance(e, TypeError) else ValueError)(
+                    f"stage {i}: {fn}(stage_params[{i}], h) failed while tracing, with h of {_describe(h_in)} and "
+                    f"stage_params[{i}] of {_describe(p)}: {e}") from e
         return h
+
+    def _check_live(self) -> None:
+        for i, p in enumerate(self.host_params):
+            for path, leaf in jax.tree_util.tree_flatten_with_path(p)[0]:
+                if leaf.is_deleted():
+                    raise ValueError(f"host_params[{i}]{jax.tree_util.keystr(path)}: the pinned_host weight array "
+                                     f"has been deleted (donated or freed); make a new InGraphRuntime")
 
     def compile(self, h):
         """Compile for the shapes of ``h`` (done by the first ``forward``); returns ``jax.stages.Compiled``.
 
         Raises:
-          TypeError: a leaf of ``h`` is not an array.
-          ValueError: ``h`` differs in structure, shapes or dtypes from the first call's.
+          TypeError: a leaf of ``h`` is not an array; a stage function raised a TypeError
+            while tracing (e.g. a shape mismatch in a matmul): the message names the stage
+            (``stage i: stage_fn[i](stage_params[i], h)``) with the shapes of its ``h`` and
+            its parameters.
+          ValueError: ``h`` differs in structure, shapes or dtypes from the first call's; a
+            leaf of ``h`` is a deleted jax array; a stage function raised a ValueError while
+            tracing (named as above). Nothing is compiled or cached then.
         """
         aval = _tree_aval(h, "h")
         if self._compiled is not None:
@@ -112,9 +133,13 @@ class InGraphRuntime:
     def forward(self, h):
         """Run the stack on ``h`` (array or pytree; numpy or jax); returns the output on the device.
 
-        Asynchronous (``jax.block_until_ready`` waits). Raises: as ``compile``.
+        Asynchronous (``jax.block_until_ready`` waits).
+
+        Raises:
+          as ``compile``; ValueError: a weight array of ``host_params`` was deleted.
         """
         exe = self.compile(h)
+        self._check_live()
         return exe(self.host_params, jax.device_put(h, self._dev))
 
     __call__ = forward
