@@ -1,0 +1,520 @@
+#!/usr/bin/env python
+"""Anchor measurements: the FFN stack trained with the usual torch CPU-offload tools.
+
+The stack is the one of ``benchmarks/gpu_stack.py`` written as a torch module: ``L`` layers,
+each ``h + b(gelu(a(h), approximate="tanh"))`` with ``a = nn.Linear(D, F, bias=False)`` and
+``b = nn.Linear(F, D, bias=False)``, weights drawn from N(0, 0.02^2) in the given dtype
+(bfloat16 by default). The input is ``(T, D)`` in the same dtype, the loss
+``mean(out.float() ** 2)``.
+
+Two anchors, each in one process with a world size of 1:
+
+* :func:`fsdp2_cpu_offload_step`: ``torch.distributed.fsdp.fully_shard`` on every layer and on
+  the root with ``CPUOffloadPolicy(pin_memory=True)``: parameters and gradients live in pinned
+  host memory, each layer is copied to the device for its forward and again for its backward,
+  and ``torch.optim.AdamW(foreach=True)`` steps on the host (on the bf16 parameters
+  themselves: no fp32 master copy, optimizer states in bf16).
+* :func:`deepspeed_zero_offload_step`: DeepSpeed ZeRO stage 3 with ``offload_param`` and
+  ``offload_optimizer`` on the CPU (pinned), bf16 enabled (so fp32 master weights and fp32
+  Adam states on the host), optimizer ``DeepSpeedCPUAdam`` (JIT-built with ninja at first
+  use) or, when that cannot be built, ``torch.optim.AdamW`` on the host (``torch_adam``);
+  the dict says which ran.
+
+Each returns the medians over ``reps`` steps, after one warm-up step, in seconds:
+``forward_s`` (a forward under ``torch.no_grad()``), ``forward_backward_s``, ``optimizer_s``
+(the optimizer step, with zeroing the gradients) and ``step_s`` (forward + backward +
+optimizer, one host timer over the three); ``peak_device_bytes`` is
+``torch.cuda.max_memory_allocated()`` over the timed steps (None on CPU). Every timed region
+starts and ends with ``torch.cuda.synchronize()`` (on CUDA) around ``time.perf_counter()``.
+The dict also holds the samples of every rep, ``setup_s`` (building and sharding the model)
+and ``host_peak_rss_bytes`` (the process' peak resident set, bytes; the weights are drawn on
+the device and then moved to the host by the offloading tool). DeepSpeed may log to stdout:
+the JSON line of the CLI is the last line.
+
+Both set ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and
+``NVSHMEM_DISABLE_NVLS=1`` (``os.environ.setdefault``) before initialising
+``torch.distributed`` (nccl on CUDA, gloo on CPU; ``MASTER_ADDR``/``MASTER_PORT`` set when
+absent), and destroy the process group they created at the end.
+
+Run one anchor per process, one JSON line on stdout::
+
+    python benchmarks/anchors.py --anchor fsdp2 --shape 8192,32768,8 --tokens 8192 --reps 3
+    python benchmarks/anchors.py --anchor deepspeed --shape 4096,14336,16 --tokens 8192
+
+This module imports torch only (DeepSpeed inside :func:`deepspeed_zero_offload_step`).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import socket
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "FFNLayer",
+    "make_ffn_stack",
+    "fsdp2_cpu_offload_step",
+    "deepspeed_zero_offload_step",
+    "parse_args",
+    "main",
+]
+
+_NO_MULTICAST_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+class FFNLayer(nn.Module):
+    """One layer of the stack: ``h + b(gelu(a(h), approximate="tanh"))``, no biases."""
+
+    def __init__(self, D: int, F_: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.a = nn.Linear(D, F_, bias=False, dtype=dtype, device=device)
+        self.b = nn.Linear(F_, D, bias=False, dtype=dtype, device=device)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.b(F.gelu(self.a(h), approximate="tanh"))
+
+
+def make_ffn_stack(
+    D: int,
+    F: int,
+    L: int,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> nn.Sequential:
+    """``nn.Sequential`` of ``L`` :class:`FFNLayer` (``D -> F -> D``), weights N(0, 0.02^2).
+
+    The weights are drawn on ``device`` in ``dtype`` from a generator seeded with ``seed``
+    (the same seed and device give the same weights). 2*D*F*L parameters.
+    """
+    device = torch.device(device)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    layers = []
+    with torch.no_grad():
+        for _ in range(L):
+            layer = FFNLayer(D, F, dtype, device)
+            for p in layer.parameters():
+                p.normal_(0.0, 0.02, generator=gen)
+            layers.append(layer)
+    return nn.Sequential(*layers)
+
+
+# ---------------------------------------------------------------------------------------
+# helpers
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _set_dist_env() -> None:
+    """The no-multicast variables and MASTER_ADDR/MASTER_PORT (a free port), where not set."""
+    for k, v in _NO_MULTICAST_ENV.items():
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
+def _init_process_group(device: torch.device) -> bool:
+    """Initialise a world-size-1 process group; True when this call created it."""
+    import torch.distributed as dist
+
+    _set_dist_env()
+    if dist.is_initialized():
+        return False
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    else:
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    return True
+
+
+def _destroy_process_group(created: bool) -> None:
+    import torch.distributed as dist
+
+    if created and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _release_cached(device: torch.device) -> None:
+    """After set-up: give back the device copies of the weights the offloading freed."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def _timed(device: torch.device, fn: Callable[[], Any]) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().pow(2).mean()
+
+
+def _host_peak_rss_bytes() -> int:
+    # Linux reports ru_maxrss in KiB.
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _result(samples: dict[str, list[float]], device: torch.device, **extra: Any) -> dict:
+    res: dict[str, Any] = {}
+    for k, v in samples.items():
+        res[k] = statistics.median(v) if v else None
+    if device.type == "cuda":
+        res["peak_device_bytes"] = int(torch.cuda.max_memory_allocated(device))
+        res["peak_device_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
+        res["device_name"] = torch.cuda.get_device_name(device)
+    else:
+        res["peak_device_bytes"] = None
+        res["device_name"] = "cpu"
+    res["host_peak_rss_bytes"] = _host_peak_rss_bytes()
+    res["samples"] = samples
+    res["torch"] = torch.__version__
+    res.update(extra)
+    return res
+
+
+def _measure(
+    device: torch.device,
+    reps: int,
+    forward: Callable[[], Any],
+    forward_backward: Callable[[], Any],
+    optimizer_step: Callable[[], Any] | None,
+) -> dict[str, list[float]]:
+    """One untimed warm-up (forward, then a whole step), then ``reps`` timed reps."""
+    forward()
+    forward_backward()
+    if optimizer_step is not None:
+        optimizer_step()
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    samples: dict[str, list[float]] = {
+        "forward_s": [],
+        "forward_backward_s": [],
+        "optimizer_s": [],
+        "step_s": [],
+    }
+    for _ in range(reps):
+        samples["forward_s"].append(_timed(device, forward))
+        _sync(device)
+        t0 = time.perf_counter()
+        forward_backward()
+        _sync(device)
+        t1 = time.perf_counter()
+        if optimizer_step is not None:
+            optimizer_step()
+            _sync(device)
+        t2 = time.perf_counter()
+        samples["forward_backward_s"].append(t1 - t0)
+        if optimizer_step is not None:
+            samples["optimizer_s"].append(t2 - t1)
+        samples["step_s"].append(t2 - t0)
+    return samples
+
+
+# ---------------------------------------------------------------------------------------
+# FSDP2
+
+
+def fsdp2_cpu_offload_step(
+    D: int,
+    F: int,
+    L: int,
+    T: int,
+    reps: int = 3,
+    *,
+    optimizer: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+    lr: float = 1e-4,
+) -> dict:
+    """FSDP2 (``fully_shard``) with ``CPUOffloadPolicy`` on one device: medians of ``reps``.
+
+    Every layer and the root are wrapped with
+    ``fully_shard(..., mesh=<1-device mesh>, offload_policy=CPUOffloadPolicy(pin_memory=...))``
+    (``pin_memory=True`` on CUDA; False on CPU, where there is nothing to pin for). The model
+    is built on ``device`` (default: ``cuda:0`` if available, else CPU) and moved to the host
+    by ``fully_shard``. ``torch.optim.AdamW(lr, foreach=True)`` steps on the host copies.
+
+    Returns a dict: ``forward_s``, ``forward_backward_s``, ``optimizer_s`` (None when
+    ``optimizer`` is False), ``step_s`` (seconds, medians), ``peak_device_bytes`` (bytes, or
+    None on CPU), ``samples`` (all reps, seconds), ``setup_s``, ``host_peak_rss_bytes``,
+    the configuration and versions. Initialises (and destroys) a world-size-1 process group
+    (nccl on CUDA, gloo on CPU) unless one exists.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    device = torch.device(device) if device is not None else _default_device()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    created = _init_process_group(device)
+    try:
+        t_setup = time.perf_counter()
+        mesh = init_device_mesh(device.type, (1,))
+        pin = device.type == "cuda"
+        policy = CPUOffloadPolicy(pin_memory=pin)
+        model = make_ffn_stack(D, F, L, dtype, device, seed)
+        for layer in model:
+            fully_shard(layer, mesh=mesh, offload_policy=policy)
+        fully_shard(model, mesh=mesh, offload_policy=policy)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True) if optimizer else None
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed + 1)
+        x = torch.randn(T, D, dtype=dtype, device=device, generator=gen)
+        _release_cached(device)
+        setup_s = time.perf_counter() - t_setup
+        param_device = next(model.parameters()).to_local().device.type
+
+        def forward():
+            with torch.no_grad():
+                return model(x)
+
+        def forward_backward():
+            _loss(model(x)).backward()
+
+        def optimizer_step():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        if opt is None:
+            def clear_grads():
+                model.zero_grad(set_to_none=True)
+            fb = lambda: (forward_backward(), clear_grads())  # noqa: E731
+        else:
+            fb = forward_backward
+        samples = _measure(device, reps, forward, fb, optimizer_step if opt else None)
+        return _result(
+            samples,
+            device,
+            anchor="fsdp2",
+            D=D, F=F, L=L, T=T, reps=reps,
+            dtype=str(dtype).replace("torch.", ""),
+            optimizer="torch.optim.AdamW(foreach=True)" if opt else None,
+            pin_memory=pin,
+            param_device=param_device,
+            setup_s=setup_s,
+        )
+    finally:
+        _destroy_process_group(created)
+
+
+# ---------------------------------------------------------------------------------------
+# DeepSpeed
+
+
+def deepspeed_config(D: int, F: int, *, stage: int = 3, torch_adam: bool = False,
+                     lr: float = 1e-4, pin_memory: bool = True) -> dict:
+    """The DeepSpeed config of :func:`deepspeed_zero_offload_step` (a plain dict).
+
+    ZeRO ``stage`` 3 offloads parameters and optimizer to the CPU (ZeRO-Infinity without
+    NVMe); stage 2 offloads the optimizer only (ZeRO-Offload). The prefetch bucket holds one
+    layer (2*D*F elements), the persistence threshold is 0 (every parameter offloaded).
+    """
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "offload_optimizer": {"device": "cpu", "pin_memory": pin_memory},
+        "contiguous_gradients": True,
+        "overlap_comm": True,
+    }
+    if stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin_memory}
+        zero["stage3_param_persistence_threshold"] = 0
+        zero["stage3_prefetch_bucket_size"] = 2 * D * F
+    opt_params: dict[str, Any] = {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
+                                  "weight_decay": 0.01}
+    if torch_adam:
+        opt_params["torch_adam"] = True
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+        "bf16": {"enabled": True},
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": opt_params},
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def _cpu_adam_buildable() -> tuple[bool, str]:
+    """Try to JIT-build (or load) DeepSpeed's CPU Adam extension; (ok, message)."""
+    try:
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+
+        CPUAdamBuilder().load()
+        return True, ""
+    except Exception as e:  # noqa: BLE001 - any build failure means the fallback
+        return False, f"{type(e).__name__}: {e}"[-2000:]
+
+
+def deepspeed_zero_offload_step(
+    D: int,
+    F: int,
+    L: int,
+    T: int,
+    reps: int = 3,
+    *,
+    stage: int = 3,
+    optimizer: str = "auto",
+    device: torch.device | str | None = None,
+    seed: int = 0,
+    lr: float = 1e-4,
+) -> dict:
+    """DeepSpeed ZeRO ``stage`` (3: params + optimizer offloaded to the CPU; 2: optimizer
+    only), bf16, world size 1: medians of ``reps`` steps, after one warm-up step.
+
+    ``optimizer``: ``"auto"`` builds DeepSpeedCPUAdam (ninja JIT; may take a minute) and falls
+    back to ``torch.optim.AdamW`` on the host (``torch_adam: true``) if the build fails;
+    ``"cpu_adam"`` or ``"torch_adam"`` force one. The dict's ``optimizer`` names the one that
+    ran, ``cpu_adam_error`` says why CPU Adam was not used.
+
+    Returns the keys of :func:`fsdp2_cpu_offload_step` (seconds, bytes) plus ``config`` (the
+    DeepSpeed config) and ``deepspeed`` (its version); or ``{"error": "...", ...}`` (never an
+    exception) when DeepSpeed is not importable, CUDA is missing, or the run fails.
+    """
+    for k, v in _NO_MULTICAST_ENV.items():
+        os.environ.setdefault(k, v)
+    try:
+        import deepspeed
+    except Exception as e:  # noqa: BLE001 - ImportError or a broken install
+        return {"anchor": "deepspeed", "error": f"deepspeed not importable: "
+                f"{type(e).__name__}: {e}"}
+    device = torch.device(device) if device is not None else _default_device()
+    if device.type != "cuda":
+        return {"anchor": "deepspeed", "error": "the deepspeed anchor needs a CUDA device",
+                "deepspeed": deepspeed.__version__}
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    created = False
+    info: dict[str, Any] = {"anchor": "deepspeed", "deepspeed": deepspeed.__version__,
+                            "D": D, "F": F, "L": L, "T": T, "reps": reps, "stage": stage}
+    try:
+        for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(k, v)  # deepspeed.comm reads them
+        created = _init_process_group(device)
+        deepspeed.init_distributed(dist_backend="nccl", auto_mpi_discovery=False)
+        use_torch_adam = optimizer == "torch_adam"
+        if optimizer == "auto":
+            ok, msg = _cpu_adam_buildable()
+            use_torch_adam = not ok
+            if msg:
+                info["cpu_adam_error"] = msg
+        config = deepspeed_config(D, F, stage=stage, torch_adam=use_torch_adam, lr=lr)
+        info["config"] = json.loads(json.dumps(config))  # a copy: deepspeed may edit its own
+        t_setup = time.perf_counter()
+        model = make_ffn_stack(D, F, L, torch.bfloat16, device, seed)
+        engine, opt, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=config)
+        info["optimizer"] = type(getattr(opt, "optimizer", opt)).__name__
+        info["zero_optimizer"] = type(opt).__name__
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed + 1)
+        x = torch.randn(T, D, dtype=torch.bfloat16, device=device, generator=gen)
+        _release_cached(device)
+        info["setup_s"] = time.perf_counter() - t_setup
+
+        def forward():
+            with torch.no_grad():
+                return engine(x)
+
+        def forward_backward():
+            engine.backward(_loss(engine(x)))
+
+        def optimizer_step():
+            engine.step()  # also zeroes the gradients
+
+        samples = _measure(device, reps, forward, forward_backward, optimizer_step)
+        return _result(samples, device, **info)
+    except Exception as e:  # noqa: BLE001 - report, never raise
+        info["error"] = f"{type(e).__name__}: {e}"[-4000:]
+        info["traceback"] = traceback.format_exc()[-8000:]
+        return info
+    finally:
+        with contextlib.suppress(Exception):
+            _destroy_process_group(created)
+
+
+# ---------------------------------------------------------------------------------------
+# CLI
+
+
+def _shape(s: str) -> tuple[int, int, int]:
+    parts = [int(p) for p in s.split(",")]
+    if len(parts) != 3 or min(parts) <= 0:
+        raise argparse.ArgumentTypeError(f"--shape wants D,F,L (positive ints), got {s!r}")
+    return parts[0], parts[1], parts[2]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The CLI: ``--anchor fsdp2|deepspeed --shape D,F,L --tokens T --reps N`` (+ options)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--anchor", choices=["fsdp2", "deepspeed"], required=True)
+    p.add_argument("--shape", type=_shape, default=(8192, 32768, 8), help="D,F,L")
+    p.add_argument("--tokens", type=int, default=8192, help="T")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="default: cuda:0 if available, else cpu")
+    p.add_argument("--no-optimizer", action="store_true",
+                   help="fsdp2 only: forward and backward, no optimizer step")
+    p.add_argument("--stage", type=int, choices=[2, 3], default=3, help="deepspeed only")
+    p.add_argument("--ds-optimizer", choices=["auto", "cpu_adam", "torch_adam"],
+                   default="auto", help="deepspeed only")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run one anchor and print its dict as one JSON line on stdout; return the dict."""
+    args = parse_args(argv)
+    D, F_, L = args.shape
+    if args.anchor == "fsdp2":
+        try:
+            res = fsdp2_cpu_offload_step(D, F_, L, args.tokens, args.reps,
+                                         optimizer=not args.no_optimizer,
+                                         device=args.device, seed=args.seed)
+        except Exception as e:  # noqa: BLE001 - one JSON line either way
+            res = {"anchor": "fsdp2", "error": f"{type(e).__name__}: {e}"[-4000:],
+                   "traceback": traceback.format_exc()[-8000:]}
+    else:
+        res = deepspeed_zero_offload_step(D, F_, L, args.tokens, args.reps, stage=args.stage,
+                                          optimizer=args.ds_optimizer, device=args.device,
+                                          seed=args.seed)
+    sys.stdout.flush()
+    print(json.dumps(res, default=str), flush=True)
+    return res
+
+
+if __name__ == "__main__":
+    sys.exit(1 if "error" in main() else 0)

@@ -1,0 +1,109 @@
+"""CPU checks of ``benchmarks/anchors.py`` (the FSDP2 / DeepSpeed anchors of the GPU benchmark).
+
+FSDP2 with ``CPUOffloadPolicy`` runs on CPU (gloo, world size 1, ``pin_memory=False``), so
+the anchor itself runs here on a tiny stack; DeepSpeed is not installed here, and its anchor
+must then answer with an error dict rather than raise.
+"""
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+
+import pytest
+import torch
+
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "anchors.py"
+_spec = importlib.util.spec_from_file_location("xla_swap_bench_anchors", _PATH)
+anchors = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(anchors)
+
+_TIMES = ("forward_s", "forward_backward_s", "optimizer_s", "step_s")
+
+
+@pytest.fixture
+def restore_env():
+    """The anchors set MASTER_ADDR/PORT and the no-multicast variables: undo that."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_make_ffn_stack_shapes_and_determinism():
+    m = anchors.make_ffn_stack(16, 32, 3, torch.float32, "cpu", seed=5)
+    assert len(m) == 3
+    assert m[0].a.weight.shape == (32, 16) and m[0].b.weight.shape == (16, 32)
+    assert m[0].a.bias is None and m[0].b.bias is None
+    assert all(p.dtype == torch.float32 for p in m.parameters())
+    again = anchors.make_ffn_stack(16, 32, 3, torch.float32, "cpu", seed=5)
+    other = anchors.make_ffn_stack(16, 32, 3, torch.float32, "cpu", seed=6)
+    for p, q in zip(m.parameters(), again.parameters()):
+        assert torch.equal(p, q)
+    assert not torch.equal(m[0].a.weight, other[0].a.weight)
+    w = torch.cat([p.flatten() for p in m.parameters()])
+    assert 0.015 < w.std().item() < 0.025
+    x = torch.randn(4, 16)
+    h = x + m[0].b(torch.nn.functional.gelu(m[0].a(x), approximate="tanh"))
+    torch.testing.assert_close(m[0](x), h)
+    assert m(x).shape == (4, 16)
+
+
+def test_parse_args():
+    a = anchors.parse_args(["--anchor", "deepspeed", "--shape", "4096,14336,16",
+                            "--tokens", "2048", "--reps", "5"])
+    assert (a.anchor, a.shape, a.tokens, a.reps) == ("deepspeed", (4096, 14336, 16), 2048, 5)
+    assert a.stage == 3 and a.ds_optimizer == "auto" and not a.no_optimizer
+    d = anchors.parse_args(["--anchor", "fsdp2"])
+    assert d.shape == (8192, 32768, 8) and d.tokens == 8192
+    with pytest.raises(SystemExit):
+        anchors.parse_args(["--anchor", "fsdp2", "--shape", "1,2"])
+    with pytest.raises(SystemExit):
+        anchors.parse_args(["--anchor", "ddp"])
+
+
+def test_fsdp2_cpu_offload_cli_one_json_line(capsys, restore_env):
+    res = anchors.main(["--anchor", "fsdp2", "--shape", "64,128,2", "--tokens", "16",
+                        "--reps", "1", "--device", "cpu"])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip()]
+    out = json.loads(lines[-1])
+    assert "error" not in out, out.get("traceback")
+    assert out == json.loads(json.dumps(res))
+    for k in _TIMES:
+        assert out[k] > 0 and len(out["samples"][k]) == 1
+    assert out["step_s"] >= out["forward_backward_s"]
+    assert out["peak_device_bytes"] is None  # CPU: no device memory to report
+    assert out["param_device"] == "cpu" and out["pin_memory"] is False
+    assert (out["D"], out["F"], out["L"], out["T"]) == (64, 128, 2, 16)
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0"
+    assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    assert os.environ["NVSHMEM_DISABLE_NVLS"] == "1"
+    assert not torch.distributed.is_initialized()  # it destroyed the group it made
+
+
+def test_fsdp2_without_optimizer(restore_env):
+    res = anchors.fsdp2_cpu_offload_step(32, 64, 1, 8, 2, optimizer=False, device="cpu")
+    assert res["optimizer"] is None and res["optimizer_s"] is None
+    assert res["forward_s"] > 0 and len(res["samples"]["forward_backward_s"]) == 2
+    assert not torch.distributed.is_initialized()
+
+
+def test_deepspeed_missing_gives_error_dict(monkeypatch, capsys, restore_env):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # makes `import deepspeed` fail
+    res = anchors.deepspeed_zero_offload_step(64, 128, 2, 16, 1)
+    assert isinstance(res, dict) and "deepspeed not importable" in res["error"]
+    out = anchors.main(["--anchor", "deepspeed", "--shape", "64,128,2", "--tokens", "16"])
+    assert "error" in out
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["anchor"] == "deepspeed"
+
+
+def test_deepspeed_config_offloads_both():
+    c = anchors.deepspeed_config(64, 128)
+    z = c["zero_optimization"]
+    assert z["stage"] == 3 and c["bf16"]["enabled"]
+    assert z["offload_param"] == {"device": "cpu", "pin_memory": True}
+    assert z["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert "torch_adam" not in c["optimizer"]["params"]
+    c2 = anchors.deepspeed_config(64, 128, stage=2, torch_adam=True)
+    assert "offload_param" not in c2["zero_optimization"]
+    assert c2["optimizer"]["params"]["torch_adam"] is True
