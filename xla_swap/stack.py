@@ -164,6 +164,9 @@ class SwappedStack:
       prefetch_depth: overrides ``policy.prefetch_depth`` when given.
       max_signatures: input shapes whose executables stay cached (serving several batch
         sizes and sequence lengths).
+      accumulate_grads: without an optimizer, add each step's gradients to the modules'
+        ``.grad`` (default; a host copy of every gradient per step). ``False`` leaves them in
+        ``pinned_host`` as ``last_grads`` (one pytree of jax arrays per stage) instead.
 
     Raises:
       TypeError: a layer / ``first`` / ``last`` is not an ``nn.Module``; ``policy``,
@@ -178,7 +181,7 @@ class SwappedStack:
                  last: torch.nn.Module | None = None, policy: OffloadPolicy | None = None,
                  budget_bytes: int | None = None, optimizer=None, loss_fn: Callable | None = None,
                  devices: Sequence[jax.Device] | None = None, shard: str | Callable = "fsdp",
-                 prefetch_depth: int | None = None, max_signatures: int = 8):
+                 prefetch_depth: int | None = None, max_signatures: int = 8, accumulate_grads: bool = True):
         # ---- validation (no state changes) ----
         if isinstance(layers, torch.nn.Module) and not isinstance(layers, (torch.nn.ModuleList, torch.nn.Sequential)):
             raise TypeError("layers must be a sequence of nn.Modules (e.g. model.model.layers), got one module")
@@ -198,6 +201,8 @@ class SwappedStack:
         if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
                                          or budget_bytes <= 0):
             raise ValueError(f"budget_bytes must be a positive int (bytes), got {budget_bytes!r}")
+        if not isinstance(accumulate_grads, bool):
+            raise TypeError(f"accumulate_grads must be a bool, got {type(accumulate_grads).__name__}")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -315,6 +320,10 @@ class SwappedStack:
         self.policy: OffloadPolicy = policy
         self.optimizer: AdamW | None = optimizer
         self.loss_fn = loss_fn
+        self.accumulate_grads = accumulate_grads
+        #: without an optimizer and with ``accumulate_grads=False``: the last step's gradients
+        #: (per stage, ``{name: jax.Array}`` in ``pinned_host``).
+        self.last_grads: list | None = None
         self._jax_losses: dict = {}
 
     @staticmethod
@@ -387,7 +396,10 @@ class SwappedStack:
             self._jax_losses[loss_fn] = jloss
         loss, _, grads = self.runtime.train_step(x, jloss, loss_args=tuple(t), lr=lr)
         if grads is not None:
-            self._accumulate_grads(grads)
+            if self.accumulate_grads:
+                self._accumulate_grads(grads)
+            else:
+                self.last_grads = grads
         return _to_torch(loss).float()
 
     def _accumulate_grads(self, grads) -> None:
