@@ -390,7 +390,12 @@ class SwappedStack:
             _inputs_to_jax(targets if isinstance(targets, (tuple, list)) else (targets,), "targets")
         jloss = self._jax_losses.get(loss_fn)
         if jloss is None:
-            jloss = _torch_fn(loss_fn, self._env)
+            tfn = _torch_fn(loss_fn, self._env)
+
+            def jloss(out, *targets, tfn=tfn):
+                if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
+                    out = out[0]  # no `last` stage: the output is the layers' (h, layer_kwargs) carry
+                return tfn(out, *targets)
             if len(self._jax_losses) >= 8:
                 self._jax_losses.pop(next(iter(self._jax_losses)))
             self._jax_losses[loss_fn] = jloss

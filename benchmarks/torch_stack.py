@@ -1,0 +1,293 @@
+#!/usr/bin/env python
+"""The torch entry point on the GPU: a torch-written FFN stack through ``SwappedStack``
+against the JAX-written ``StreamingRuntime`` row and the physical floor, with and without
+the AdamW step, and the torch CPU-offload anchors.
+
+Stack: ``L`` layers ``h + b(gelu(a(h), approximate="tanh"))``, ``a = nn.Linear(D, F)``,
+``b = nn.Linear(F, D)`` without bias, bf16, input ``(T, D)`` bf16; loss ``mean(out.float()**2)``.
+Every row starts from host (numpy / CPU torch) input and ends with the output or loss on
+the host, so the torch and JAX rows do the same work but for the bridge.
+
+Rows per shape (medians of ``--reps`` after one warm-up; seconds):
+
+* ``ondev_*``: the same StreamingRuntime with every stage ``resident`` (weights, and for
+  ``ondev_adamw`` the moments, in device memory, nothing transferred): on-device compute.
+* ``jax_fwd`` / ``jax_train``: the JAX-written layer, weights in ``pinned_host``, k=2.
+* ``torch_fwd`` / ``torch_train`` / ``torch_adamw``: ``SwappedStack`` over ``nn.Module``
+  layers (default policy, k=2); ``torch_train`` keeps the gradients in ``pinned_host``
+  (``accumulate_grads=False``); ``torch_adamw`` applies torch AdamW's update per stage on the
+  device with bf16 moments (torch's choice for bf16 parameters) in ``pinned_host``.
+
+Floors (W = weight bytes, M = moment bytes, k = 2; bandwidths measured in the same run by
+moving the weights themselves): forward ``max(ondev_fwd, W/H2D)``; training
+``max(ondev_train, (2L-k)/L*W/H2D, W/D2H, ((2L-k)/L*W + W)/both)``; AdamW step
+``max(ondev_adamw, in/H2D, out/D2H, (in+out)/both)`` with ``in = (2L-k)/L*W + M`` and
+``out = W + M`` (the host-memory term is 0: no arithmetic runs on the host).
+
+    PYTHONPATH=. python3 benchmarks/torch_stack.py --out-dir /tmp/out              # GPU, both shapes
+    PYTHONPATH=. python3 benchmarks/torch_stack.py --shapes 64,128,2,16 --reps 1   # CPU smoke test
+
+Writes ``torch_stack.json`` (raw samples and analysis) into ``--out-dir`` (nothing when not
+given) and prints the table. ``analyze`` is a pure function of the raw JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+TARGETS = {"torch_fwd": 1.05, "torch_train": 1.10, "torch_vs_jax": 1.03}
+
+
+def _shape(s):
+    parts = [int(v) for v in s.split(",")]
+    if len(parts) != 4 or min(parts) <= 0:
+        raise argparse.ArgumentTypeError(f"a shape is D,F,L,T (positive ints), got {s!r}")
+    return tuple(parts)
+
+
+def _rand(rng, shape, dtype):
+    """Random N(0, 0.02^2) weights fast: a random [rows, 1024] block tiled along the columns."""
+    cols = min(shape[1], 1024)
+    blk = (rng.standard_normal((shape[0], cols), dtype=np.float32) * 0.02).astype(dtype)
+    return np.ascontiguousarray(np.tile(blk, (1, shape[1] // cols)))
+
+
+def _timeit(fn, reps):
+    fn()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def measure_shape(D, F, L, T, reps, k=2):
+    """Every xla_swap row of one shape: {row: [seconds, ...]} plus bandwidths (bytes/s) and byte counts."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from xla_swap.executors import StreamingRuntime
+    from xla_swap.planning import AdamW, OffloadPolicy
+    from xla_swap.stack import SwappedStack, _to_torch
+
+    bf16 = jnp.bfloat16
+    rng = np.random.default_rng(0)
+    wt = [{"a": _rand(rng, (F, D), bf16), "b": _rand(rng, (D, F), bf16)} for _ in range(L)]  # torch layout
+    wj = [{"a": np.ascontiguousarray(w["a"].T), "b": np.ascontiguousarray(w["b"].T)} for w in wt]
+    x_np = (rng.standard_normal((T, D), dtype=np.float32) * 0.5).astype(bf16)
+    x_t = _to_torch(x_np)
+    W = sum(a.nbytes for w in wt for a in w.values())
+    res = {"shape": [D, F, L, T], "weight_bytes": W, "moment_bytes": 2 * W, "k": k, "rows": {}}
+    rows = res["rows"]
+
+    def stage_jax(w, h):
+        return h + jax.nn.gelu(h @ w["a"], approximate=True) @ w["b"]
+
+    def jloss(o):
+        return jnp.mean(o.astype(jnp.float32) ** 2)
+
+    def tloss(o):
+        return (o.float() ** 2).mean()
+
+    class FFN(torch.nn.Module):
+        def __init__(self, w):
+            super().__init__()
+            self.a = torch.nn.Linear(D, F, bias=False)
+            self.b = torch.nn.Linear(F, D, bias=False)
+            with torch.no_grad():
+                self.a.weight = torch.nn.Parameter(_to_torch(w["a"]))
+                self.b.weight = torch.nn.Parameter(_to_torch(w["b"]))
+
+        def forward(self, h):
+            return h + self.b(torch.nn.functional.gelu(self.a(h), approximate="tanh"))
+
+    layers = [FFN(w) for w in wt]
+
+    # ---- bandwidths: move the weights themselves ----
+    rt = StreamingRuntime(stage_jax, wj, prefetch_depth=k, track_residency=False)
+    dev = jax.devices()[0]
+    dsh = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+    hsh = dsh.with_memory_kind("pinned_host")
+    h2d, d2h, both = [], [], []
+    on_dev = jax.block_until_ready(jax.device_put(rt.host_params, dsh))
+    for _ in range(3):
+        t = time.perf_counter()
+        jax.block_until_ready(jax.device_put(rt.host_params, dsh))
+        h2d.append(W / (time.perf_counter() - t))
+        t = time.perf_counter()
+        jax.block_until_ready(jax.device_put(on_dev, hsh))
+        d2h.append(W / (time.perf_counter() - t))
+        t = time.perf_counter()
+        jax.block_until_ready((jax.device_put(rt.host_params, dsh), jax.device_put(on_dev, hsh)))
+        both.append(2 * W / (time.perf_counter() - t))
+    del on_dev
+    res["bw"] = {"h2d": max(h2d), "d2h": max(d2h), "both": max(both)}
+
+    # ---- JAX-written rows ----
+    rows["jax_fwd"] = _timeit(lambda: np.asarray(rt.forward(x_np)), reps)
+    rows["jax_train"] = _timeit(lambda: jax.block_until_ready(rt.train_step(x_np, jloss)[::2]), reps)
+    ref_out = np.asarray(rt.forward(x_np)).astype(np.float32)
+    del rt
+    gc.collect()
+    # ---- on-device (every stage resident) ----
+    rt = StreamingRuntime(stage_jax, wj, prefetch_depth=k, track_residency=False, resident=[True] * L,
+                          grads_to_host=False)
+    rows["ondev_fwd"] = _timeit(lambda: np.asarray(rt.forward(x_np)), reps)
+    rows["ondev_train"] = _timeit(lambda: jax.block_until_ready(rt.train_step(x_np, jloss)[::2]), reps)
+    del rt
+    gc.collect()
+    rt = StreamingRuntime(stage_jax, wj, prefetch_depth=k, track_residency=False, resident=[True] * L,
+                          optimizer=AdamW(lr=1e-5), optimizer_state_on_host=False)
+    rows["ondev_adamw"] = _timeit(
+        lambda: jax.block_until_ready((rt.train_step(x_np, jloss)[0], rt.host_params, rt.optimizer_state)), reps)
+    del rt
+    gc.collect()
+    # ---- torch-written rows through the entry point ----
+    pol = OffloadPolicy(params="host", grads="host", optimizer_state="host", remat=True, prefetch_depth=k)
+    st = SwappedStack(layers, policy=pol, devices=jax.devices()[:1], accumulate_grads=False)
+    rows["torch_fwd"] = _timeit(lambda: st(x_t), reps)
+    out_t = st(x_t).float().numpy()
+    res["torch_vs_jax_max_abs_diff"] = float(np.abs(out_t - ref_out).max())
+
+    def torch_train():
+        st.train_step(x_t, loss_fn=tloss)
+        jax.block_until_ready(st.last_grads)
+    rows["torch_train"] = _timeit(torch_train, reps)
+    del st
+    gc.collect()
+    st = SwappedStack(layers, policy=pol, devices=jax.devices()[:1], optimizer=AdamW(lr=1e-5), loss_fn=tloss)
+
+    def torch_adamw():
+        st.train_step(x_t)
+        jax.block_until_ready((st.runtime.host_params, st.runtime.optimizer_state))
+    rows["torch_adamw"] = _timeit(torch_adamw, reps)
+    res["adamw_moment_dtype"] = str(jax.tree_util.tree_leaves(st.runtime.optimizer_state[0])[0].dtype)
+    del st
+    gc.collect()
+    return res
+
+
+def analyze(raw: dict) -> dict:
+    """Medians, floors and ratios of one shape's raw measurement (pure: JSON in, JSON out)."""
+    med = {k: statistics.median(v) for k, v in raw["rows"].items()}
+    D, F, L, T = raw["shape"]
+    W, M, k, bw = raw["weight_bytes"], raw["moment_bytes"], raw["k"], raw["bw"]
+    w_in = (2 * L - k) / L * W
+    floors = {
+        "fwd": max(med["ondev_fwd"], W / bw["h2d"]),
+        "train": max(med["ondev_train"], w_in / bw["h2d"], W / bw["d2h"], (w_in + W) / bw["both"]),
+        "adamw": max(med["ondev_adamw"], (w_in + M) / bw["h2d"], (W + M) / bw["d2h"],
+                     (w_in + M + W + M) / bw["both"]),
+    }
+    ratio = {
+        "jax_fwd": med["jax_fwd"] / floors["fwd"], "torch_fwd": med["torch_fwd"] / floors["fwd"],
+        "jax_train": med["jax_train"] / floors["train"], "torch_train": med["torch_train"] / floors["train"],
+        "torch_adamw": med["torch_adamw"] / floors["adamw"],
+        "torch_vs_jax_fwd": med["torch_fwd"] / med["jax_fwd"],
+        "torch_vs_jax_train": med["torch_train"] / med["jax_train"],
+    }
+    return {"shape": raw["shape"], "median_s": med, "floor_s": floors, "ratio": ratio,
+            "bw_GBps": {k_: v / 1e9 for k_, v in bw.items()}}
+
+
+def analyze_anchor(anchor: dict, ours_s: float) -> dict:
+    """Whole-step ratio anchor / xla_swap (pure)."""
+    if "error" in anchor or "step_s" not in anchor:
+        return {"error": anchor.get("error", "no step_s")}
+    return {"step_s": anchor["step_s"], "speedup_of_xla_swap": anchor["step_s"] / ours_s,
+            "optimizer": anchor.get("optimizer", "torch AdamW (foreach)")}
+
+
+def render(results: list[dict], anchors: dict) -> str:
+    """The markdown table of ``analyze`` results and anchors."""
+    lines = ["| shape D,F,L,T | torch fwd / floor | JAX fwd / floor | torch/JAX fwd | torch train / floor | "
+             "JAX train / floor | torch/JAX train | torch AdamW step / floor (median s) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for a in results:
+        r, m = a["ratio"], a["median_s"]
+        lines.append(f"| {','.join(map(str, a['shape']))} | {r['torch_fwd']:.3f}x | {r['jax_fwd']:.3f}x | "
+                     f"{r['torch_vs_jax_fwd']:.3f} | {r['torch_train']:.3f}x | {r['jax_train']:.3f}x | "
+                     f"{r['torch_vs_jax_train']:.3f} | {r['torch_adamw']:.3f}x ({m['torch_adamw']:.3f} s) |")
+    for name, a in anchors.items():
+        if "error" in a:
+            lines.append(f"\n{name}: not measured ({a['error'][:200]})")
+        else:
+            lines.append(f"\n{name}: whole step {a['step_s']:.3f} s; xla_swap's whole step (AdamW included) is "
+                         f"{a['speedup_of_xla_swap']:.1f}x faster ({a['optimizer']})")
+    return "\n".join(lines)
+
+
+def run_anchor(name, shape, reps, timeout):
+    D, F, L, T = shape
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "anchors.py"),
+           "--anchor", name, "--shape", f"{D},{F},{L}", "--tokens", str(T), "--reps", str(reps)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    last = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if not last:
+        return {"error": f"rc {p.returncode}: {p.stderr[-800:]}"}
+    return json.loads(last[-1])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", type=_shape, nargs="+", default=[(8192, 32768, 8, 8192), (4096, 14336, 16, 16384)],
+                   help="D,F,L,T ...")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--anchors", nargs="*", default=[], choices=["fsdp2", "deepspeed"],
+                   help="anchors to run at the first shape, each in its own process")
+    p.add_argument("--anchor-reps", type=int, default=2)
+    p.add_argument("--anchor-timeout-s", type=int, default=300)
+    p.add_argument("--out-dir", default=None)
+    p.add_argument("--render", default=None, help="re-render the table of a torch_stack.json, run nothing")
+    p.add_argument("--anchor-files", nargs="*", default=[],
+                   help="with --render: NAME=PATH of an anchors.py output (its last JSON line) to compare with")
+    args = p.parse_args(argv)
+    if args.render:
+        data = json.load(open(args.render))
+        results = [analyze(r) for r in data["raw"]]
+        anchors = dict(data["anchors"])
+        for spec in args.anchor_files:
+            name, path = spec.split("=", 1)
+            lines = [ln for ln in open(path).read().splitlines() if ln.startswith("{")]
+            raw = json.loads(lines[-1]) if lines else {"error": f"no JSON line in {path}"}
+            anchors[name] = analyze_anchor(raw, results[0]["median_s"]["torch_adamw"])
+        print(render(results, anchors))
+        return 0
+    raws = []
+    for shape in args.shapes:
+        t = time.perf_counter()
+        raws.append(measure_shape(*shape, reps=args.reps))
+        a = analyze(raws[-1])
+        print(json.dumps({"shape": shape, "ratio": a["ratio"], "bw_GBps": a["bw_GBps"],
+                          "wall_s": time.perf_counter() - t}), flush=True)
+    results = [analyze(r) for r in raws]
+    anchors = {}
+    for name in args.anchors:
+        raw = run_anchor(name, args.shapes[0], args.anchor_reps, args.anchor_timeout_s)
+        print(json.dumps({"anchor": name, **{k: raw.get(k) for k in ("step_s", "forward_s", "optimizer_s",
+                                                                       "optimizer", "error")}}), flush=True)
+        anchors[name] = analyze_anchor(raw, results[0]["median_s"]["torch_adamw"])
+        anchors[name]["raw"] = raw
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, "torch_stack.json"), "w") as f:
+            json.dump({"raw": raws, "anchors": anchors, "argv": sys.argv}, f, indent=1)
+    print(render(results, anchors))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
