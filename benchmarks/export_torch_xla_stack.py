@@ -102,6 +102,16 @@ def layer_fn(h, w):
     return h + torch.nn.functional.gelu(h @ w["a"], approximate="tanh") @ w["b"], None
 
 
+def stack_policy():
+    """The policy the stack is lowered with and run by: ``OffloadPolicy(params="host")``.
+
+    The same object drives the lowering (:func:`lower_stack`) and the executor's placements
+    (``PjrtExecutor.from_policy(proto, stack_policy(), weights=[roles["w1"], roles["w2"]])``).
+    """
+    from xla_swap.planning import OffloadPolicy
+    return OffloadPolicy(params="host")
+
+
 def lower_stack(w1, w2, x):
     """Lower ``scan(layer, x, {"a": w1, "b": w2}, policy=OffloadPolicy(params="host"))`` with annotations.
 
@@ -114,9 +124,8 @@ def lower_stack(w1, w2, x):
       ``{"w1": id, "w2": id, "x": id}`` (HLO entry parameter ids).
     """
     from xla_swap.frontend import emit_annotations, lower_fn, scan
-    from xla_swap.planning import OffloadPolicy
 
-    policy = OffloadPolicy(params="host")
+    policy = stack_policy()
 
     def forward(h):
         out, _ = scan(layer_fn, h, {"a": w1, "b": w2}, policy=policy)
@@ -231,7 +240,7 @@ def check(args, command: str) -> dict:
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
-    from xla_swap.executors import ParameterPlacement, PjrtExecutor
+    from xla_swap.executors.pjrt import PjrtExecutor
 
     dev = torch_xla.device()
     dt = _torch_dtype(args.dtype)
@@ -270,9 +279,9 @@ def check(args, command: str) -> dict:
         proto, meta = load_artifact(out_dir, D, F, L, args.dtype, T)
         assert proto is not None, meta
         r = meta["roles"]
-        exe = PjrtExecutor(proto, placements={r["w1"]: ParameterPlacement("pinned_host"),
-                                              r["w2"]: ParameterPlacement("pinned_host"),
-                                              r["x"]: ParameterPlacement("device")})
+        # the policy's placements: the stacked weights in pinned_host, everything else on the device
+        exe = PjrtExecutor.from_policy(proto, stack_policy(), weights=[r["w1"], r["w2"]],
+                                       parameters=len(r))
         values = [None] * exe.num_parameters
         values[r["w1"]], values[r["w2"]], values[r["x"]] = to_np(w1_cpu), to_np(w2_cpu), to_np(x_cpu)
         placed = exe.put_all(values)

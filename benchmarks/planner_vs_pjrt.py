@@ -13,13 +13,11 @@ describes the layers only.
 
 How it is compiled
 ------------------
-``PjrtExecutor`` with the stacked weights in ``pinned_host`` when ``policy.params == "host"``.
-The executor has no per-result placement argument, but it honours the result memory kinds of a
-StableHLO module it is given (as for a JAX lowering): for ``policy.grads == "host"`` the
-torch_xla ``HloModuleProto`` is converted to StableHLO (jaxlib's ``hlo_to_stablehlo``) and
-``mhlo.memory_kind = "pinned_host"`` is set on the gradient results of ``@main``. The compiled
-entry layout then carries ``S(5)`` on those results, and ``memory_report()`` counts them as
-host output bytes.
+``PjrtExecutor.from_policy(lowered, policy, weights=..., grad_results=...)``: the same policy
+the scan was lowered with places the stacked weights in ``pinned_host`` when ``policy.params ==
+"host"`` and writes the gradient results to ``pinned_host`` when ``policy.grads == "host"``
+(the executor's ``result_memory_kinds``). The compiled entry layout then carries ``S(5)`` on
+those parameters and results, and ``memory_report()`` counts them as host bytes.
 
 What is compared, and why on one device
 ---------------------------------------
@@ -204,44 +202,12 @@ def lower_train_step(cfg, policy, weights: dict):
     return lowered, [lowered.parameter_id(weights[k]) for k in names]
 
 
-def with_result_memory_kinds(hlo_proto: bytes, kinds: dict) -> str:
-    """StableHLO text of ``hlo_proto`` with ``mhlo.memory_kind`` set on results ``{index: kind}``
-    (other result attributes, e.g. ``mhlo.sharding``, kept). ``PjrtExecutor`` compiles a
-    StableHLO module's result memory kinds into the entry layout (``S(5)`` for pinned_host)."""
-    from jax._src.interpreters import mlir as jmlir
-    from jax._src.lib import xla_client as xc
-    from jax._src.lib.mlir import ir
-    text = xc._xla.mlir.hlo_to_stablehlo(hlo_proto)
-    with jmlir.make_ir_context():
-        mod = ir.Module.parse(text)
-        main = next(op for op in mod.body.operations if op.operation.name == "func.func"
-                    and ir.StringAttr(op.attributes["sym_name"]).value == "main")
-        n = len(ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value).results)
-        old = list(ir.ArrayAttr(main.attributes["res_attrs"])) if "res_attrs" in main.attributes else []
-        attrs = []
-        for i in range(n):
-            entries = {}
-            if i < len(old):
-                d = ir.DictAttr(old[i])
-                entries = {d[j].name: d[j].attr for j in range(len(d))}
-            if i in kinds:
-                entries["mhlo.memory_kind"] = ir.StringAttr.get(kinds[i])
-            attrs.append(ir.DictAttr.get(entries))
-        main.attributes["res_attrs"] = ir.ArrayAttr.get(attrs)
-        return str(mod)
-
-
 def compile_step(lowered, weight_ids, policy):
-    """``PjrtExecutor`` for the lowered step: weights in pinned_host when ``policy.params ==
-    "host"``, gradient results (1..) in pinned_host when ``policy.grads == "host"``."""
-    from xla_swap.executors import ParameterPlacement, PjrtExecutor
-    host = set(weight_ids) if policy.params == "host" else set()
-    placements = {p.id: ParameterPlacement("pinned_host" if p.id in host else "device", p.sharding)
-                  for p in lowered.parameters}
-    module = lowered.hlo_proto
-    if policy.grads == "host":
-        module = with_result_memory_kinds(module, {i: "pinned_host" for i in range(1, 1 + len(weight_ids))})
-    return PjrtExecutor(module, placements=placements)
+    """``PjrtExecutor`` for the lowered step, placed by ``policy``: weights in pinned_host when
+    ``policy.params == "host"``, the gradient results (1..) in pinned_host when ``policy.grads == "host"``."""
+    from xla_swap.executors.pjrt import PjrtExecutor
+    return PjrtExecutor.from_policy(lowered, policy, weights=weight_ids,
+                                    grad_results=range(1, 1 + len(weight_ids)))
 
 
 def compiler_facts(exe) -> dict:

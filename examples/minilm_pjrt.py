@@ -13,7 +13,6 @@ uses torch to convert the CPU tensors it is given to numpy.
 from __future__ import annotations
 
 import math
-from typing import Iterable
 
 import numpy as np
 
@@ -25,10 +24,12 @@ PREFETCH_DEPTH = 2
 # PJRT executor on torch_xla's HLO
 # ---------------------------------------------------------------------------------------
 def stacked_weight_ids(lowered, num_layers: int = 6) -> list:
-    """Parameter ids of ``lowered`` that are stacked per-layer weights.
+    """Parameter ids of ``lowered`` that look like stacked per-layer weights (a shape heuristic).
 
-    A parameter counts as one when it is ``captured`` (not a caller input), has rank >= 2 and
-    its leading dimension is ``num_layers`` (the ``[L, ...]`` stacks of ``minilm.load_weights``).
+    A fallback for callers that do not name the weights: a parameter counts as one when it is
+    ``captured`` (not a caller input), has rank >= 2 and its leading dimension is
+    ``num_layers`` (the ``[L, ...]`` stacks of ``minilm.load_weights``). Prefer passing the
+    stacked tensors themselves to :func:`run_lowered_with_pjrt` (``weights=``).
 
     Returns:
       sorted list of int parameter ids.
@@ -37,23 +38,25 @@ def stacked_weight_ids(lowered, num_layers: int = 6) -> list:
                   if p.kind == "captured" and len(p.shape) >= 2 and p.shape[0] == num_layers)
 
 
-def run_lowered_with_pjrt(lowered, policy, *, host_param_ids: Iterable[int] | None = None, num_layers: int = 6):
-    """Compile and run a torch_xla lowering with PJRT (jaxlib), weights optionally in pinned_host.
+def run_lowered_with_pjrt(lowered, policy, *, weights=None, num_layers: int = 6):
+    """Compile and run a torch_xla lowering with PJRT (jaxlib), placed by the policy it was lowered with.
 
-    Every entry parameter is placed with the HLO sharding string torch_xla reported for it
-    (``HloParameter.sharding``); the stacked layer weights get memory kind ``pinned_host``
-    when ``policy.swaps_params`` (see :func:`stacked_weight_ids`), all others ``device``.
-    Parameter values are read from their torch_xla tensors (``.cpu().numpy()``: a
-    device-to-host copy, so call this outside a ``host_transfer_guard``).
+    The executor is ``PjrtExecutor.from_policy(lowered, policy, weights=ids, grad_results=())``:
+    every entry parameter keeps the HLO sharding string torch_xla reported for it
+    (``HloParameter.sharding``), the stacked layer weights get memory kind ``pinned_host``
+    when ``policy.params == "host"``, all others ``device``; the module is a forward, so it
+    returns no gradients. Parameter values are read from their torch_xla tensors
+    (``.cpu().numpy()``: a device-to-host copy, so call this outside a ``host_transfer_guard``).
 
     Args:
       lowered: ``xla_swap.frontend.lowering.LoweredComputation`` whose first output is the
         ``[B, 384]`` float32 sentence embedding (lowered with ``emit_annotations(True)``
         when the weights are to live in host memory).
-      policy: ``xla_swap.planning.OffloadPolicy``; only ``swaps_params`` is read.
-      host_param_ids: explicit parameter ids to place in ``pinned_host`` (overrides the
-        policy-based choice; an empty iterable keeps everything on the device).
-      num_layers: leading dimension of the stacked weights (6 for MiniLM-L6).
+      policy: the ``xla_swap.planning.OffloadPolicy`` the scan was lowered with.
+      weights: the stacked layer weights: XLA tensors that feed the lowering (their ids come
+        from ``lowered.parameter_id``) or int parameter ids. Default: :func:`stacked_weight_ids`
+        (the shape heuristic).
+      num_layers: leading dimension of the stacked weights for the heuristic (6 for MiniLM-L6).
 
     Returns:
       ``(embeddings, report)``: ``np.ndarray`` of the first output (``[B, 384]`` float32
@@ -61,31 +64,23 @@ def run_lowered_with_pjrt(lowered, policy, *, host_param_ids: Iterable[int] | No
       ``parameter_memory_spaces[i]`` is ``"pinned_host"`` for the host parameters).
 
     Raises:
-      ValueError: ``host_param_ids`` names a parameter id the lowering does not have; the
-        executor's errors (sharding strings, device count, e.g. fewer jax devices than the
-        lowering's SPMD mesh).
+      ValueError: a weight id the lowering does not have, or a tensor that feeds none of its
+        parameters; the executor's errors (sharding strings, device count, e.g. fewer jax
+        devices than the lowering's SPMD mesh).
       TypeError: a parameter tensor's dtype differs from the compiled parameter's.
       jax.errors.JaxRuntimeError: XLA failed to compile or run the module.
     """
 
-    from xla_swap.executors import ParameterPlacement, PjrtExecutor
+    from xla_swap.executors.pjrt import PjrtExecutor
 
-    params = list(lowered.parameters)
-    known = {p.id for p in params}
-    if host_param_ids is None:
-        host = set(stacked_weight_ids(lowered, num_layers)) if policy.swaps_params else set()
+    if weights is None:
+        ids = stacked_weight_ids(lowered, num_layers)
     else:
-        host = {int(i) for i in host_param_ids}
-        unknown = sorted(host - known)
-        if unknown:
-            raise ValueError(f"host_param_ids: parameter id(s) {unknown} do not exist; the lowering "
-                             f"'{lowered.name}' has parameters {sorted(known)}")
-    placements = {p.id: ParameterPlacement("pinned_host" if p.id in host else "device", p.sharding)
-                  for p in params}
-    values = {p.id: p.tensor.detach().cpu().numpy() for p in params}
+        ids = [w if isinstance(w, (int, np.integer)) else lowered.parameter_id(w) for w in weights]
     # torch_xla's HLO has s64 parameters (token ids, scalar constants): the executor places and
     # runs them with jax's x64 mode on.
-    executor = PjrtExecutor(lowered.hlo_proto, placements=placements)
+    executor = PjrtExecutor.from_policy(lowered, policy, weights=ids, grad_results=())
+    values = {p.id: p.tensor.detach().cpu().numpy() for p in lowered.parameters}
     placed = executor.put_all([values[i] for i in range(executor.num_parameters)])
     outputs = executor(*placed)
     embeddings = np.array(outputs[0])  # a writable host copy
