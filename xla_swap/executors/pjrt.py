@@ -19,6 +19,16 @@ partitioning (``use_shardy_partitioner=False``: Shardy ignores the ``mhlo.shardi
 attributes of a module that has no ``sdy`` annotations, such as torch_xla's, and the
 parameters then come out replicated).
 
+Result memory kinds: a JAX lowering declares them (``out_shardings`` with a memory kind); for
+any module, torch_xla's included, ``PjrtExecutor(..., result_memory_kinds={i: "pinned_host"})``
+sets ``mhlo.memory_kind`` on result ``i`` of ``@main`` the same way, e.g. for the gradients
+of host-resident weights. :meth:`PjrtExecutor.from_policy` derives both the parameter
+placements and the result memory kinds from an ``OffloadPolicy``.
+
+What is refused or changed before compiling: host callbacks (the compiled program would
+crash calling them) and input donation (stripped, so a call never deletes the caller's
+arrays).
+
 Memory statistics are per device: under SPMD ``get_compiled_memory_stats()`` describes the
 partitioned module that each device runs (``argument_size_in_bytes`` of a parameter
 ``f32[4,8,8]`` sharded 4 ways counts ``4*2*8*4`` bytes, not ``4*8*8*4``). The CPU client does
