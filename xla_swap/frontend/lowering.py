@@ -212,7 +212,8 @@ class _SourceRecorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for a in tree_flatten((args, kwargs))[0]:
-            if isinstance(a, torch.Tensor) and a.device.type == "xla":
+            # Plain XLA tensors and parameters only: not the fake/functional tensors of a nested trace.
+            if (type(a) is torch.Tensor or isinstance(a, torch.nn.Parameter)) and a.device.type == "xla":
                 self.seen.setdefault(id(a), a)
         return func(*args, **kwargs)
 
@@ -430,10 +431,14 @@ def _build(outputs, inputs, name, *, fn=None, sources=(), user_inputs=None, rng_
     captured = {data_handle(p.tensor): p.id for p in params if p.kind == "captured"}
     by_pid = {}
     for t in sources:
-        if not needs_materialization(t) and not buffer_deleted(t):
+        try:
+            if needs_materialization(t) or buffer_deleted(t):
+                continue
             pid = captured.get(data_handle(t))
-            if pid is not None:
-                by_pid.setdefault(pid, t)
+        except RuntimeError:  # not a tensor of the torch_xla runtime (e.g. left over from a nested trace)
+            continue
+        if pid is not None:
+            by_pid.setdefault(pid, t)
     lowered = LoweredComputation(name, ctx.hlo(), params, inputs, outputs, fn=fn, sources=by_pid,
                                  user_inputs=user_inputs, rng_state=rng_state, grad_leaves=grad_leaves)
     log.debug("lowered %s: %d parameters, %d bytes", name, len(params), lowered.total_bytes)

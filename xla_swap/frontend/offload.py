@@ -36,6 +36,8 @@ import torch_xla
 import torch_xla.core.xla_builder as xb
 import torch_xla.runtime as xr
 
+from xla_swap.frontend._checks import check_bool, check_name, check_sharding, check_xla_tensor
+
 log = logging.getLogger(__name__)
 
 #: The custom-call target of the placement annotations in the HLO.
@@ -57,9 +59,19 @@ def emit_annotations(enabled: bool = True):
     Used around tracing/lowering whose HLO goes to the PJRT executor (which honours
     ``pinned_host``), whatever the torch_xla runtime could run. Re-entrant. Process-wide, not
     thread-local, because autograd runs the backward of XLA tensors on its own threads.
+    Calling a :class:`~xla_swap.frontend.lowering.LoweredComputation` that holds the emitted
+    annotations on a runtime that cannot compile them raises a ``ValueError`` naming the
+    custom call, before anything runs.
+
+    Args:
+      enabled: ``True`` to emit, ``False`` to drop.
+
+    Raises:
+      TypeError: ``enabled`` is not a bool (on entry).
     """
+    enabled = check_bool(enabled, "enabled")
     prev = _forced[0]
-    _forced[0] = bool(enabled)
+    _forced[0] = enabled
     try:
         yield
     finally:
@@ -140,32 +152,65 @@ def _annotate(x: torch.Tensor, placement: str, sharding: str) -> torch.Tensor:
     if not annotations_enabled():
         return x.clone()
     if xr.is_spmd():
-        sharding = sharding or torch_xla._XLAC._get_xla_sharding_spec(x) or "{replicated}"
+        # The operand's sharding: the one given, else x's own. An intermediate of a traced
+        # function (e.g. a named activation inside scan) has none yet: for a lowering
+        # (emit_annotations, compiled by jaxlib's XLA) the annotation then carries no sharding,
+        # as JAX emits it, and XLA's sharding propagation gives it the operand's, so offloading
+        # adds no all-gather. {replicated} would gather the whole tensor on every device first.
+        # torch_xla's own compiler rejects a side-effecting call without a sharding, so
+        # annotations it runs fall back to {replicated}.
+        sharding = sharding or torch_xla._XLAC._get_xla_sharding_spec(x) or (
+            "" if _forced[0] else "{replicated}")
     else:
         sharding = ""
     comp = _annotation_computation(tuple(x.shape), x.dtype, placement, sharding)
     return torch_xla._XLAC._xla_user_computation(f"xla_swap::to_{placement}", [x], comp)[0]
 
 
+def _check_annotated(x, sharding, where: str = "x") -> None:
+    check_xla_tensor(x, where)
+    if x.dtype not in _MLIR_DTYPES:
+        raise TypeError(f"{where}: dtype {x.dtype} is not supported by the offload annotations "
+                        f"(supported: {', '.join(map(str, _MLIR_DTYPES))})")
+    check_sharding(sharding, "sharding", x.dim())
+
+
 @torch.library.custom_op("xla_swap::place_to_host", mutates_args=())
+def _place_to_host_op(x: torch.Tensor, sharding: str = "") -> torch.Tensor:
+    return _annotate(x, "pinned_host", sharding)
+
+
+@torch.library.custom_op("xla_swap::place_to_device", mutates_args=())
+def _place_to_device_op(x: torch.Tensor, sharding: str = "", grad_to_host: bool = False) -> torch.Tensor:
+    return _annotate(x, "device", sharding)
+
+
+@torch.library.custom_op("xla_swap::offload_name", mutates_args=())
+def _offload_name_op(x: torch.Tensor, name: str) -> torch.Tensor:
+    return x.clone()
+
+
 def place_to_host(x: torch.Tensor, sharding: str = "") -> torch.Tensor:
     """Annotate ``x`` to live in host memory (``pinned_host``) from here on.
 
     Args:
       x: XLA tensor, any shape; dtypes f32/bf16/f16/f64/i8/i32/i64/u8/bool.
-      sharding: OpSharding string for the annotation under SPMD; default: ``x``'s own
-        sharding, or ``{replicated}`` when ``x`` has none.
+      sharding: OpSharding string for the annotation under SPMD (e.g.
+        ``'{devices=[4,1]0,1,2,3}'``, one tile dimension per dimension of ``x``); default
+        ``""``: ``x``'s own sharding, or ``{replicated}`` when ``x`` has none.
 
     Returns:
       A tensor equal to ``x`` (same shape and dtype). Its gradient is moved back to the device.
 
     Raises:
-      TypeError: ``x`` is not on an XLA device, or its dtype is not supported.
+      TypeError: ``x`` is not a tensor on an XLA device, or its dtype is not supported;
+        ``sharding`` is not a str.
+      ValueError: ``sharding`` is not an OpSharding string, or its tiling does not fit ``x``.
     """
-    return _annotate(x, "pinned_host", sharding)
+    _check_annotated(x, sharding)
+    return torch.ops.xla_swap.place_to_host(x, sharding)
 
 
-@torch.library.custom_op("xla_swap::place_to_device", mutates_args=())
 def place_to_device(x: torch.Tensor, sharding: str = "", grad_to_host: bool = False) -> torch.Tensor:
     """Annotate ``x`` (a host-resident value) to be brought to device memory.
 
@@ -179,41 +224,52 @@ def place_to_device(x: torch.Tensor, sharding: str = "", grad_to_host: bool = Fa
       A tensor equal to ``x``.
 
     Raises:
-      TypeError: as in :func:`place_to_host`.
+      TypeError: as in :func:`place_to_host`; ``grad_to_host`` is not a bool.
+      ValueError: as in :func:`place_to_host`.
     """
-    return _annotate(x, "device", sharding)
+    _check_annotated(x, sharding)
+    grad_to_host = check_bool(grad_to_host, "grad_to_host")
+    return torch.ops.xla_swap.place_to_device(x, sharding, grad_to_host)
 
 
-@torch.library.custom_op("xla_swap::offload_name", mutates_args=())
 def offload_name(x: torch.Tensor, name: str) -> torch.Tensor:
     """Tag activation ``x`` with ``name`` (identity), torchprime-style.
 
     An :class:`~xla_swap.planning.OffloadPolicy` decides, per name, whether the scan helpers
     save the tagged tensor on the host, on the device, or recompute it in the backward pass.
 
+    Args:
+      x: a tensor (any device: on CPU it is a plain identity, e.g. in a reference loop).
+      name: the activation's name, a non-empty str.
+
+    Returns:
+      A tensor equal to ``x``.
+
     Raises:
+      TypeError: ``x`` is not a tensor; ``name`` is not a str.
       ValueError: ``name`` is empty.
     """
-    if not name:
-        raise ValueError("name: expected a non-empty activation name")
-    return x.clone()
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    check_name(name, "name", identifier=False)
+    return torch.ops.xla_swap.offload_name(x, name)
 
 
-for _op in (place_to_host, place_to_device):
+for _op in (_place_to_host_op, _place_to_device_op):
     _op.register_fake(lambda x, sharding="", *a: torch.empty_like(x))
-offload_name.register_fake(lambda x, name: torch.empty_like(x))
+_offload_name_op.register_fake(lambda x, name: torch.empty_like(x))
 
 
 def _setup(ctx, inputs, output):
     ctx.args = inputs[1:]
 
 
-place_to_host.register_autograd(
+_place_to_host_op.register_autograd(
     lambda ctx, g: (torch.ops.xla_swap.place_to_device(g, ctx.args[0], False), None), setup_context=_setup)
-place_to_device.register_autograd(
+_place_to_device_op.register_autograd(
     lambda ctx, g: ((torch.ops.xla_swap.place_to_host(g, ctx.args[0]) if ctx.args[1] else g), None, None),
     setup_context=_setup)
-offload_name.register_autograd(lambda ctx, g: (g, None), setup_context=_setup)
+_offload_name_op.register_autograd(lambda ctx, g: (g, None), setup_context=_setup)
 
 PLACE_TO_HOST = torch.ops.xla_swap.place_to_host.default
 PLACE_TO_DEVICE = torch.ops.xla_swap.place_to_device.default

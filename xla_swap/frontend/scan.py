@@ -17,6 +17,7 @@ policy they call torch_xla's functions unchanged. Otherwise:
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Callable
 
 import torch
@@ -28,6 +29,7 @@ from torch_xla.experimental import scan as _txs
 from torch_xla.experimental.scan_layers import (_create_or_get_cached_one_layer_fn, _ensure_same_structure,
                                                _extract_weights_and_buffers)
 
+from xla_swap.frontend._checks import check_bool, check_callable
 from xla_swap.frontend.offload import (OFFLOAD_NAME, PLACE_TO_DEVICE, PLACE_TO_HOST, place_to_device,
                                        slice_sharding)
 from xla_swap.planning.policy import ALL_DEVICE, OffloadPolicy
@@ -85,6 +87,8 @@ def policy_partition(policy: OffloadPolicy) -> Callable:
                 weight_only.add(n)
 
         def recomputable(n: fx.Node) -> bool:
+            if n.op == "get_attr":
+                return True  # a constant of the traced function (e.g. torch.tensor([...])): both graphs hold it
             if n.op != "call_function":
                 return False
             if n in weight_only or n.target in _VIEW_OPS:
@@ -185,12 +189,52 @@ def _tag_of(n: fx.Node):
 
 def _leaves(tree, what: str):
     flat, spec = tree_flatten(tree)
+    if not flat:
+        raise ValueError(f"{what}: expected a pytree with at least one XLA tensor, got {tree!r}")
     for i, t in enumerate(flat):
-        if t is not None and not isinstance(t, torch.Tensor):
+        if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what}: leaf {i} is a {type(t).__name__}, expected a torch.Tensor")
         if isinstance(t, torch.Tensor) and t.device.type != "xla":
             raise TypeError(f"{what}: leaf {i} is on {t.device}, expected a tensor on an XLA device")
     return flat, spec
+
+
+def _uses_policy(policy: OffloadPolicy) -> bool:
+    """False when ``policy`` is the all-device one: the helpers then call torch_xla's functions unchanged."""
+    return not (policy.is_all_device and not policy.activations and not policy.remat)
+
+
+def _check_scan_args(fn, init, xs, partition_fn, is_fn_pure, policy, *, fn_name: str = "fn",
+                     pure_name: str = "is_fn_pure"):
+    """The argument checks of :func:`scan` / :func:`scan_layers`, before anything is traced.
+
+    Returns ``(policy, flat_xs)``.
+    """
+    policy = _check_policy(policy)
+    check_callable(fn, fn_name)
+    check_callable(partition_fn, "partition_fn")
+    is_fn_pure = check_bool(is_fn_pure, pure_name)
+    _leaves(init, "init")
+    flat_xs, _ = _leaves(xs, "xs")
+    for i, t in enumerate(flat_xs):
+        if t is not None and t.dim() == 0:
+            raise ValueError(f"xs: leaf {i} is 0-d; every tensor of xs needs a leading (layer) dimension to scan over")
+    lengths = {t.shape[0] for t in flat_xs if t is not None}
+    if not flat_xs or not lengths:
+        raise ValueError("xs: expected at least one tensor with a leading (layer) dimension")
+    if len(lengths) > 1:
+        raise ValueError(f"xs: leaves disagree on the leading dimension: {sorted(lengths)}")
+    if 0 in lengths:
+        raise ValueError("xs: the leading (layer) dimension is 0; expected at least one layer")
+    if _uses_policy(policy):
+        if partition_fn is not default_partition:
+            raise ValueError(f"partition_fn: {policy} is implemented by xla_swap's own partitioner "
+                             f"(policy_partition), so a custom partition_fn cannot be used with it; drop "
+                             f"partition_fn, or use the all-device policy")
+        if is_fn_pure:
+            warnings.warn(f"{pure_name}=True is ignored with {policy}: the policy path traces the function on "
+                          f"every call (its partitioner is not cacheable by torch_xla)", UserWarning, stacklevel=3)
+    return policy, flat_xs
 
 
 def scan(fn: Callable, init, xs, partition_fn: Callable = default_partition, is_fn_pure: bool = False, *,
@@ -206,33 +250,27 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = default_partition, is_
       xs: pytree of XLA tensors with a common leading dimension L (L >= 1). With
         ``policy.params == "host"`` every leaf is a stacked weight kept in host memory; its
         layer dimension (0) must not be sharded.
-      partition_fn: AOTAutograd partitioner, used as-is with the all-device policy. With
-        any other policy :func:`policy_partition` replaces it (it must insert the swaps).
-      is_fn_pure: as in torch_xla (enables its tracing cache).
+      partition_fn: AOTAutograd partitioner, used as-is with the all-device policy. Any
+        other policy is implemented by :func:`policy_partition` (it must insert the swaps),
+        so a custom ``partition_fn`` is refused there.
+      is_fn_pure: as in torch_xla (enables its tracing cache); with a policy other than the
+        all-device one it is ignored, with a ``UserWarning``.
       policy: an :class:`~xla_swap.planning.OffloadPolicy`.
 
     Returns:
       ``(final_carry, ys)`` exactly as torch_xla's scan.
 
-    Raises:
-      TypeError: ``policy`` is not an OffloadPolicy; a leaf of ``init``/``xs`` is not an XLA
-        tensor.
-      ValueError: ``xs`` is empty, its leaves disagree on L, a stacked weight is sharded
-        along the layer dimension, or the policy names an activation no ``offload_name``
-        tagged.
+    Raises (all before anything is traced, except the last ValueError):
+      TypeError: ``fn`` or ``partition_fn`` is not callable; ``is_fn_pure`` is not a bool;
+        ``policy`` is not an OffloadPolicy; a leaf of ``init``/``xs`` is not an XLA tensor.
+      ValueError: ``init`` has no tensor; ``xs`` is empty, has a 0-d leaf, a zero-length or disagreeing leading
+        dimension; a custom ``partition_fn`` with a non-all-device policy; a stacked weight
+        is sharded along the layer dimension; the policy names an activation no
+        ``offload_name`` tagged (raised while tracing).
     """
-    policy = _check_policy(policy)
-    _leaves(init, "init")
-    flat_xs, xs_spec = _leaves(xs, "xs")
-    lengths = {t.shape[0] for t in flat_xs if t is not None and t.dim() > 0}
-    if not flat_xs or not lengths:
-        raise ValueError("xs: expected at least one tensor with a leading (layer) dimension")
-    if len(lengths) > 1:
-        raise ValueError(f"xs: leaves disagree on the leading dimension: {sorted(lengths)}")
-    if policy.is_all_device and not policy.activations and not policy.remat:
+    policy, flat_xs = _check_scan_args(fn, init, xs, partition_fn, is_fn_pure, policy)
+    if not _uses_policy(policy):
         return _txs.scan(fn, init, xs, partition_fn=partition_fn, is_fn_pure=is_fn_pure)
-    if partition_fn is not default_partition:
-        log.info("scan: policy %s replaces the given partition_fn", policy)
     if policy.swaps_params:
         shardings = [slice_sharding(torch_xla._XLAC._get_xla_sharding_spec(t)) if t is not None else None
                      for t in flat_xs]
@@ -268,14 +306,32 @@ def scan_layers(layers, input_data, partition_fn: Callable = default_partition, 
 
     Raises:
       ValueError: ``layers`` is empty, or the layers' parameter names or shapes differ (the
-        message names the layer index and the parameter).
-      TypeError: ``policy`` is not an OffloadPolicy.
+        message names the layer index and the parameter); a custom ``partition_fn`` with a
+        policy other than the all-device one.
+      TypeError: ``layers`` is not a sequence of ``torch.nn.Module`` (the message names
+        ``layers[i]``); ``policy`` is not an OffloadPolicy; ``partition_fn`` is not
+        callable; ``is_layer_pure`` is not a bool; a leaf of ``input_data`` is not an XLA
+        tensor.
     """
     policy = _check_policy(policy)
+    if isinstance(layers, (torch.nn.Module, str, bytes)) or not hasattr(layers, "__iter__"):
+        raise TypeError(f"layers: expected a sequence of torch.nn.Module, got {type(layers).__name__}")
     layers = list(layers)
     if not layers:
         raise ValueError("layers: expected at least one layer")
-    if policy.is_all_device and not policy.activations and not policy.remat:
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, torch.nn.Module):
+            raise TypeError(f"layers[{i}]: expected a torch.nn.Module, got {type(layer).__name__}")
+    check_callable(partition_fn, "partition_fn")
+    check_bool(is_layer_pure, "is_layer_pure")
+    _leaves(input_data, "input_data")
+    if _uses_policy(policy) and partition_fn is not default_partition:
+        raise ValueError(f"partition_fn: {policy} is implemented by xla_swap's own partitioner "
+                         f"(policy_partition), so a custom partition_fn cannot be used with it")
+    if is_layer_pure and _uses_policy(policy):
+        warnings.warn(f"is_layer_pure=True is ignored with {policy}: the policy path traces the layer on every "
+                      f"call", UserWarning, stacklevel=2)
+    if not _uses_policy(policy):
         from torch_xla.experimental.scan_layers import scan_layers as _sl
         return _sl(layers, input_data, partition_fn=partition_fn, is_layer_pure=is_layer_pure)
     pb = [_extract_weights_and_buffers(layer) for layer in layers]
