@@ -146,6 +146,29 @@ def mask_bias(attention_mask: torch.Tensor) -> torch.Tensor:
     return (1.0 - attention_mask[:, None, None, :].float()) * -1e9
 
 
+def load_bert():
+    """The shipped model as an unmodified ``transformers.BertModel`` (fp32, eval mode, CPU)."""
+    from transformers import BertModel
+
+    return BertModel.from_pretrained(str(MODEL_DIR)).eval()
+
+
+class EmbedWithMask(torch.nn.Module):
+    """First stage for ``xla_swap.stack.SwappedStack``: BERT's embeddings, plus the additive
+    attention mask every ``BertLayer`` takes as its ``attention_mask`` keyword.
+
+    ``forward(input_ids [B, S] int, attention_mask [B, S] 0/1) -> (h [B, S, H], {"attention_mask": [B, 1, 1, S]})``
+    """
+
+    def __init__(self, embeddings: torch.nn.Module):
+        super().__init__()
+        self.embeddings = embeddings
+
+    def forward(self, input_ids, attention_mask):
+        h = self.embeddings(input_ids=input_ids)
+        return h, {"attention_mask": mask_bias(attention_mask).to(h.dtype)}
+
+
 def mean_pool_normalize(h: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Mean over non-padding tokens, then L2 normalisation (sentence-transformers' pipeline): ``[B, H]``."""
     m = attention_mask[..., None].to(h.dtype)
