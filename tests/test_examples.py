@@ -13,3 +13,14 @@ def test_policy_example_runs():
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "5 to-device and 3 to-host annotations" in r.stdout
+
+
+def test_train_llama_example_runs(tmp_path):
+    """The Llama training example (SwappedStack, AdamW state in pinned_host) runs and passes its checks."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "train_llama.py"), "--steps", "4", "--layers", "2",
+                        "--dim", "32", "--seq", "16", "--batch", "2", "--out", str(tmp_path)],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "[FAIL]" not in r.stdout and (tmp_path / "train_llama_loss.png").exists()
