@@ -691,15 +691,15 @@ def run_one(args, b: Bench, variant: str, tokens: int, res: dict, check: bool = 
             r = InGraphRuntime(fns, igr.host_params, device=b.dev, compiler_options=opts)
             return r.compile(x), (lambda: r.forward(x))
     elif variant == "torch_xla-lowered":
-        from xla_swap.executors import ParameterPlacement, PjrtExecutor
+        from export_torch_xla_stack import stack_policy
+        from xla_swap.executors import PjrtExecutor
 
         proto, meta = artifact
         roles = meta["roles"]
         SA, SB = b.stacked_host_weights()
         t = time.perf_counter()
-        exe = PjrtExecutor(proto, placements={roles["w1"]: ParameterPlacement("pinned_host"),
-                                              roles["w2"]: ParameterPlacement("pinned_host"),
-                                              roles["x"]: ParameterPlacement("device")})
+        exe = PjrtExecutor.from_policy(proto, stack_policy(), weights=[roles["w1"], roles["w2"]],
+                                       parameters=len(roles))
         extra["compile_s"] = time.perf_counter() - t
         values = [None] * exe.num_parameters
         values[roles["w1"]], values[roles["w2"]], values[roles["x"]] = SA, SB, x

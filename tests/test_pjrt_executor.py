@@ -412,6 +412,20 @@ def test_bool_parameters_and_results(setup):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+def test_bfloat16_and_float8_parameters(setup):
+    """bfloat16 (and fp8) are void-kind numpy dtypes like float0, but real types: they must stay supported."""
+    def fn(x, y):
+        return (x.astype(jnp.float32) * 2).astype(jnp.bfloat16), y.astype(jnp.float32)
+
+    x = (np.arange(B * 4, dtype=np.float32).reshape(B, 4) / 7).astype(jnp.bfloat16)
+    y = np.ones((B, 4), jnp.float8_e4m3fn)
+    ex = compile_lowered(jax.jit(fn).lower(x, y))
+    assert ex.parameters[0].dtype == jnp.bfloat16 and ex.parameters[1].dtype == jnp.float8_e4m3fn
+    assert ex.memory_report().parameter_bytes == (B * 4 * 2, B * 4)
+    got = ex(x, y)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(fn(x, y)[0]))
+
+
 @pytest.mark.spmd
 def test_donating_lowering_never_deletes_the_callers_arrays(setup, num_devices):
     """A module that aliases inputs to outputs (donation) is compiled without it: put() results survive."""
@@ -559,3 +573,15 @@ def test_from_policy_places_weights_and_gradients(setup, num_devices):
                                     policy, weights=[0], grad_results=[1])
     assert ex_j.memory_report().parameter_memory_spaces == ("pinned_host", "device")
     assert ex_j.output_shardings[1].memory_kind == "pinned_host"
+
+
+def test_negative_gpu_host_memory_limit_env_is_refused(monkeypatch):
+    """A negative or non-finite XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB is an error naming the variable, not a negative pool."""
+    from xla_swap.executors import pjrt
+    gpu = next(iter(pjrt._GPU_PLATFORMS))
+    for bad in ("-1", "nan", "inf"):
+        monkeypatch.setenv(pjrt.HOST_MEMORY_LIMIT_ENV, bad)
+        with pytest.raises(ValueError, match="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"):
+            pjrt._default_host_limit(gpu)
+    monkeypatch.setenv(pjrt.HOST_MEMORY_LIMIT_ENV, "2")
+    assert pjrt._default_host_limit(gpu) == 2 << 30

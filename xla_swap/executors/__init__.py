@@ -1,8 +1,8 @@
 """Executors that run lowered programs with real host-memory semantics. Import with jax alone (no torch)."""
 from xla_swap.executors.pjrt import (HostMemoryError, MemoryReport, ParameterInfo, ParameterPlacement, PjrtExecutor,
-                                     compile_lowered)
+                                     PolicyPlacements, compile_lowered, placements_for_policy)
 from xla_swap.executors.ingraph import InGraphRuntime
 from xla_swap.executors.streaming import StreamingRuntime, tree_nbytes
 
 __all__ = ["HostMemoryError", "MemoryReport", "ParameterInfo", "ParameterPlacement", "PjrtExecutor",
-           "compile_lowered", "InGraphRuntime", "StreamingRuntime", "tree_nbytes"]
+           "PolicyPlacements", "placements_for_policy", "compile_lowered", "InGraphRuntime", "StreamingRuntime", "tree_nbytes"]

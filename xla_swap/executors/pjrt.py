@@ -330,7 +330,7 @@ def _ir_to_dtype(t) -> np.dtype:
         for dt, factory in _jmlir._dtype_to_ir_type.items():
             try:
                 dtype = np.dtype(dt)
-                if dtype.kind == "V":      # float0
+                if dtype == jax.dtypes.float0:  # (bfloat16 and the fp8 types are void-kind too: keep them)
                     continue
                 _IR_DTYPES.setdefault(str(factory()), dtype)
             except Exception:  # a factory this MLIR build lacks
@@ -469,9 +469,12 @@ def _default_host_limit(platform: str) -> int | None:
         return None
     value = os.environ.get(HOST_MEMORY_LIMIT_ENV, str(DEFAULT_GPU_HOST_MEMORY_LIMIT_GB))
     try:
-        return int(float(value) * (1 << 30))
+        gib = float(value)
     except ValueError:
         raise ValueError(f"{HOST_MEMORY_LIMIT_ENV}={value!r} is not a number of GiB") from None
+    if not gib >= 0 or gib == float("inf"):
+        raise ValueError(f"{HOST_MEMORY_LIMIT_ENV}={value!r} must be a finite number of GiB >= 0")
+    return int(gib * (1 << 30))
 
 
 # ---------------------------------------------------------------------------------------
