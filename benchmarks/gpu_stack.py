@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""GPU benchmark: the 8-layer bf16 FFN stack of DESIGN.md, host-offloaded in several ways.
+"""GPU benchmark: the 8-layer bf16 FFN stack of docs/measured.md, host-offloaded in several ways.
 
 Stack: ``layer(h) = h + gelu(h @ a) @ b`` with ``a: (D, F)``, ``b: (F, D)`` in bfloat16;
 D=8192, F=32768 gives 1 GiB of weights per layer, 8 GiB for 8 layers. Inputs ``(T, D)``
-bfloat16 for T in ``--tokens`` (default 8192 32768). The reference figures (DESIGN.md,
+bfloat16 for T in ``--tokens`` (default 8192 32768). The reference figures (docs/measured.md,
 one H200, jax 0.11.2): pinned H2D/D2H 54-55 GB/s each way, ~93 GB/s both at once;
 on-device forward 100 ms / 416 ms, per-layer streaming 167 ms / 438 ms, floor 159 / 419 ms.
 

@@ -5,7 +5,7 @@ frontend_attributes={_xla_buffer_placement="pinned_host"|"device"}`` (the form J
 torch_xla 2.9's ``place_to_host`` / ``place_to_device`` emit it without a ``sharding``, so the
 SPMD partitioner rejects it (``Side-effect HLO must have sharding``), and its IR node hashes
 only the call target, so the two directions collide in torch_xla's graph hash (measured; see
-DESIGN.md). Here each annotation is a tiny StableHLO module (custom call + sharding +
+docs/measured.md). Here each annotation is a tiny StableHLO module (custom call + sharding +
 placement) applied with ``_xla_user_computation``: the IR node's hash is the hash of that
 module, so direction and sharding are part of it, and the custom call carries its sharding.
 
