@@ -5,8 +5,9 @@ the AdamW step, and the torch CPU-offload anchors.
 
 Stack: ``L`` layers ``h + b(gelu(a(h), approximate="tanh"))``, ``a = nn.Linear(D, F)``,
 ``b = nn.Linear(F, D)`` without bias, bf16, input ``(T, D)`` bf16; loss ``mean(out.float()**2)``.
-Every row starts from host (numpy / CPU torch) input and ends with the output or loss on
-the host, so the torch and JAX rows do the same work but for the bridge.
+Inputs and outputs stay on the device: the JAX rows take a device array and return one;
+the torch rows take a CUDA torch tensor and return one (shared with jax through DLPack; on a
+machine without CUDA, CPU tensors), so both do the same work but for the bridge.
 
 Rows per shape (medians of ``--reps`` after one warm-up; seconds):
 
@@ -16,7 +17,9 @@ Rows per shape (medians of ``--reps`` after one warm-up; seconds):
 * ``torch_fwd`` / ``torch_train`` / ``torch_adamw``: ``SwappedStack`` over ``nn.Module``
   layers (default policy, k=2); ``torch_train`` keeps the gradients in ``pinned_host``
   (``accumulate_grads=False``); ``torch_adamw`` applies torch AdamW's update per stage on the
-  device with bf16 moments (torch's choice for bf16 parameters) in ``pinned_host``.
+  device with bf16 moments (torch's choice for bf16 parameters) in ``pinned_host``;
+  ``torch_adamw_devstate`` keeps the moments in device memory (``optimizer_state="device"``,
+  the placement a planner picks when they fit): only the weights cross PCIe.
 
 Floors (W = weight bytes, M = moment bytes, k = 2; bandwidths measured in the same run by
 moving the weights themselves): forward ``max(ondev_fwd, W/H2D)``; training
@@ -89,6 +92,11 @@ def measure_shape(D, F, L, T, reps, k=2):
     W = sum(a.nbytes for w in wt for a in w.values())
     res = {"shape": [D, F, L, T], "weight_bytes": W, "moment_bytes": 2 * W, "k": k, "rows": {}}
     rows = res["rows"]
+    t_start = time.perf_counter()
+
+    def note(name):
+        print(json.dumps({"row": name, "median_s": statistics.median(rows[name]) if name in rows else None,
+                          "elapsed_s": round(time.perf_counter() - t_start, 1)}), flush=True)
 
     def stage_jax(w, h):
         return h + jax.nn.gelu(h @ w["a"], approximate=True) @ w["b"]
@@ -134,44 +142,68 @@ def measure_shape(D, F, L, T, reps, k=2):
     res["bw"] = {"h2d": max(h2d), "d2h": max(d2h), "both": max(both)}
 
     # ---- JAX-written rows ----
-    rows["jax_fwd"] = _timeit(lambda: np.asarray(rt.forward(x_np)), reps)
-    rows["jax_train"] = _timeit(lambda: jax.block_until_ready(rt.train_step(x_np, jloss)[::2]), reps)
-    ref_out = np.asarray(rt.forward(x_np)).astype(np.float32)
+    note("bandwidth")
+    x_dev = jax.device_put(x_np, dev)
+    rows["jax_fwd"] = _timeit(lambda: jax.block_until_ready(rt.forward(x_dev)), reps)
+    note("jax_fwd")
+    rows["jax_train"] = _timeit(lambda: jax.block_until_ready(rt.train_step(x_dev, jloss)[::2]), reps)
+    note("jax_train")
+    ref_out = np.asarray(rt.forward(x_dev)).astype(np.float32)
     del rt
     gc.collect()
     # ---- on-device (every stage resident) ----
     rt = StreamingRuntime(stage_jax, wj, prefetch_depth=k, track_residency=False, resident=[True] * L,
                           grads_to_host=False)
-    rows["ondev_fwd"] = _timeit(lambda: np.asarray(rt.forward(x_np)), reps)
-    rows["ondev_train"] = _timeit(lambda: jax.block_until_ready(rt.train_step(x_np, jloss)[::2]), reps)
+    rows["ondev_fwd"] = _timeit(lambda: jax.block_until_ready(rt.forward(x_dev)), reps)
+    rows["ondev_train"] = _timeit(lambda: jax.block_until_ready(rt.train_step(x_dev, jloss)[::2]), reps)
+    note("ondev_train")
     del rt
     gc.collect()
     rt = StreamingRuntime(stage_jax, wj, prefetch_depth=k, track_residency=False, resident=[True] * L,
                           optimizer=AdamW(lr=1e-5), optimizer_state_on_host=False)
     rows["ondev_adamw"] = _timeit(
-        lambda: jax.block_until_ready((rt.train_step(x_np, jloss)[0], rt.host_params, rt.optimizer_state)), reps)
+        lambda: jax.block_until_ready((rt.train_step(x_dev, jloss)[0], rt.host_params, rt.optimizer_state)), reps)
+    note("ondev_adamw")
     del rt
     gc.collect()
     # ---- torch-written rows through the entry point ----
     pol = OffloadPolicy(params="host", grads="host", optimizer_state="host", remat=True, prefetch_depth=k)
     st = SwappedStack(layers, policy=pol, devices=jax.devices()[:1], accumulate_grads=False)
-    rows["torch_fwd"] = _timeit(lambda: st(x_t), reps)
-    out_t = st(x_t).float().numpy()
+    cuda = torch.cuda.is_available()
+    x_c = x_t.cuda() if cuda else x_t
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def torch_fwd():
+        out = st(x_c)
+        sync()
+        return out
+    rows["torch_fwd"] = _timeit(torch_fwd, reps)
+    note("torch_fwd")
+    out_t = torch_fwd().float().cpu().numpy()
+    res["torch_output_device"] = str(torch_fwd().device)
     res["torch_vs_jax_max_abs_diff"] = float(np.abs(out_t - ref_out).max())
 
     def torch_train():
-        st.train_step(x_t, loss_fn=tloss)
+        st.train_step(x_c, loss_fn=tloss)
         jax.block_until_ready(st.last_grads)
     rows["torch_train"] = _timeit(torch_train, reps)
+    note("torch_train")
     del st
     gc.collect()
     st = SwappedStack(layers, policy=pol, devices=jax.devices()[:1], optimizer=AdamW(lr=1e-5), loss_fn=tloss)
 
     def torch_adamw():
-        st.train_step(x_t)
+        st.train_step(x_c)
         jax.block_until_ready((st.runtime.host_params, st.runtime.optimizer_state))
     rows["torch_adamw"] = _timeit(torch_adamw, reps)
+    note("torch_adamw")
     res["adamw_moment_dtype"] = str(jax.tree_util.tree_leaves(st.runtime.optimizer_state[0])[0].dtype)
+    del st
+    gc.collect()
+    dpol = OffloadPolicy(params="host", grads="host", optimizer_state="device", remat=True, prefetch_depth=k)
+    st = SwappedStack(layers, policy=dpol, devices=jax.devices()[:1], optimizer=AdamW(lr=1e-5), loss_fn=tloss)
+    rows["torch_adamw_devstate"] = _timeit(torch_adamw, reps)
+    note("torch_adamw_devstate")
     del st
     gc.collect()
     return res
@@ -188,11 +220,14 @@ def analyze(raw: dict) -> dict:
         "train": max(med["ondev_train"], w_in / bw["h2d"], W / bw["d2h"], (w_in + W) / bw["both"]),
         "adamw": max(med["ondev_adamw"], (w_in + M) / bw["h2d"], (W + M) / bw["d2h"],
                      (w_in + M + W + M) / bw["both"]),
+        # moments in device memory: the weight traffic of training, compute of the on-device AdamW step
+        "adamw_devstate": max(med["ondev_adamw"], w_in / bw["h2d"], W / bw["d2h"], (w_in + W) / bw["both"]),
     }
     ratio = {
         "jax_fwd": med["jax_fwd"] / floors["fwd"], "torch_fwd": med["torch_fwd"] / floors["fwd"],
         "jax_train": med["jax_train"] / floors["train"], "torch_train": med["torch_train"] / floors["train"],
         "torch_adamw": med["torch_adamw"] / floors["adamw"],
+        "torch_adamw_devstate": med["torch_adamw_devstate"] / floors["adamw_devstate"],
         "torch_vs_jax_fwd": med["torch_fwd"] / med["jax_fwd"],
         "torch_vs_jax_train": med["torch_train"] / med["jax_train"],
     }
@@ -200,30 +235,34 @@ def analyze(raw: dict) -> dict:
             "bw_GBps": {k_: v / 1e9 for k_, v in bw.items()}}
 
 
-def analyze_anchor(anchor: dict, ours_s: float) -> dict:
+def analyze_anchor(anchor: dict, ours_s: float, ours_devstate_s: float) -> dict:
     """Whole-step ratio anchor / xla_swap (pure)."""
     if "error" in anchor or "step_s" not in anchor:
         return {"error": anchor.get("error", "no step_s")}
     return {"step_s": anchor["step_s"], "speedup_of_xla_swap": anchor["step_s"] / ours_s,
+            "speedup_devstate": anchor["step_s"] / ours_devstate_s,
             "optimizer": anchor.get("optimizer", "torch AdamW (foreach)")}
 
 
 def render(results: list[dict], anchors: dict) -> str:
     """The markdown table of ``analyze`` results and anchors."""
     lines = ["| shape D,F,L,T | torch fwd / floor | JAX fwd / floor | torch/JAX fwd | torch train / floor | "
-             "JAX train / floor | torch/JAX train | torch AdamW step / floor (median s) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "JAX train / floor | torch/JAX train | torch AdamW step / floor (median s) | "
+             "AdamW, moments on device / floor (median s) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for a in results:
         r, m = a["ratio"], a["median_s"]
         lines.append(f"| {','.join(map(str, a['shape']))} | {r['torch_fwd']:.3f}x | {r['jax_fwd']:.3f}x | "
                      f"{r['torch_vs_jax_fwd']:.3f} | {r['torch_train']:.3f}x | {r['jax_train']:.3f}x | "
-                     f"{r['torch_vs_jax_train']:.3f} | {r['torch_adamw']:.3f}x ({m['torch_adamw']:.3f} s) |")
+                     f"{r['torch_vs_jax_train']:.3f} | {r['torch_adamw']:.3f}x ({m['torch_adamw']:.3f} s) | "
+                     f"{r['torch_adamw_devstate']:.3f}x ({m['torch_adamw_devstate']:.3f} s) |")
     for name, a in anchors.items():
         if "error" in a:
             lines.append(f"\n{name}: not measured ({a['error'][:200]})")
         else:
-            lines.append(f"\n{name}: whole step {a['step_s']:.3f} s; xla_swap's whole step (AdamW included) is "
-                         f"{a['speedup_of_xla_swap']:.1f}x faster ({a['optimizer']})")
+            lines.append(f"\n{name}: whole step {a['step_s']:.3f} s; xla_swap's whole step (AdamW, moments in "
+                         f"pinned_host) is {a['speedup_of_xla_swap']:.1f}x faster; with the moments on the device "
+                         f"{a['speedup_devstate']:.1f}x ({a['optimizer']})")
     return "\n".join(lines)
 
 
@@ -263,7 +302,8 @@ def main(argv=None):
             name, path = spec.split("=", 1)
             lines = [ln for ln in open(path).read().splitlines() if ln.startswith("{")]
             raw = json.loads(lines[-1]) if lines else {"error": f"no JSON line in {path}"}
-            anchors[name] = analyze_anchor(raw, results[0]["median_s"]["torch_adamw"])
+            anchors[name] = analyze_anchor(raw, results[0]["median_s"]["torch_adamw"],
+                                           results[0]["median_s"]["torch_adamw_devstate"])
         print(render(results, anchors))
         return 0
     raws = []
@@ -279,7 +319,8 @@ def main(argv=None):
         raw = run_anchor(name, args.shapes[0], args.anchor_reps, args.anchor_timeout_s)
         print(json.dumps({"anchor": name, **{k: raw.get(k) for k in ("step_s", "forward_s", "optimizer_s",
                                                                        "optimizer", "error")}}), flush=True)
-        anchors[name] = analyze_anchor(raw, results[0]["median_s"]["torch_adamw"])
+        anchors[name] = analyze_anchor(raw, results[0]["median_s"]["torch_adamw"],
+                                           results[0]["median_s"]["torch_adamw_devstate"])
         anchors[name]["raw"] = raw
     if args.out_dir:
         os.makedirs(args.out_dir, exist_ok=True)

@@ -83,14 +83,29 @@ def _to_torch(a) -> torch.Tensor:
     return torch.from_numpy(a.copy())
 
 
-def _input_to_numpy(t: torch.Tensor) -> np.ndarray:
-    """An input tensor as numpy; 64-bit integers become int32 unless jax runs with x64 (token ids)."""
-    a = _to_numpy(t)
-    if a.dtype == np.int64 and not jax.config.jax_enable_x64:
-        if a.size and (a.max() > np.iinfo(np.int32).max or a.min() < np.iinfo(np.int32).min):
+def _input_to_numpy(t: torch.Tensor):
+    """An input tensor for the runtime; 64-bit integers become int32 unless jax runs with x64 (token ids).
+
+    A CUDA tensor is shared with jax through DLPack (no copy through the host); anything
+    else becomes a numpy array.
+    """
+    if t.dtype == torch.int64 and not jax.config.jax_enable_x64:
+        if t.numel() and (int(t.max()) > np.iinfo(np.int32).max or int(t.min()) < np.iinfo(np.int32).min):
             raise ValueError("an int64 input holds values outside int32; enable jax x64 to pass it")
-        a = a.astype(np.int32)
-    return a
+        t = t.to(torch.int32)
+    if t.device.type == "cuda":
+        return jax.dlpack.from_dlpack(t.detach().contiguous())
+    return _to_numpy(t)
+
+
+def _out_to_torch(a, cuda: bool) -> torch.Tensor:
+    """A runtime output as a torch tensor: on CUDA through DLPack (no copy) when ``cuda`` and the
+    array lives on a GPU, else a CPU copy."""
+    if cuda and isinstance(a, jax.Array) and a.sharding.memory_kind in (None, "device"):
+        shard = a.addressable_shards[0].data if len(a.devices()) > 1 and a.is_fully_replicated else a
+        if len(shard.devices()) == 1 and next(iter(shard.devices())).platform == "gpu":
+            return torch.from_dlpack(shard)
+    return _to_torch(a)
 
 
 def _inputs_to_jax(x, what: str):
@@ -351,7 +366,11 @@ class SwappedStack:
 
     # ------------------------------------------------------------------ serving
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """Run the stack on ``inputs`` (torch tensors on the CPU); returns a CPU torch tensor.
+        """Run the stack on ``inputs``; returns a torch tensor.
+
+        Inputs on the CPU give a CPU output (copied from the device); CUDA inputs (on the
+        GPU the runtime uses) are shared with jax through DLPack and give a CUDA output,
+        also shared (no copy through the host: the way to serve at the floor).
 
         Each new input shape compiles once (bounded cache, ``max_signatures``).
 
@@ -359,7 +378,8 @@ class SwappedStack:
         (the message names it).
         """
         x = self._carry_in(inputs)
-        return self._out(self.runtime.forward(x))
+        cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in inputs)
+        return self._out(self.runtime.forward(x), cuda)
 
     __call__ = forward
 
@@ -439,10 +459,10 @@ class SwappedStack:
         x = _inputs_to_jax(tuple(inputs), "inputs")
         return x if self.has_first else (x[0], {}) if len(x) == 1 else (x[0], {})
 
-    def _out(self, y):
+    def _out(self, y, cuda: bool):
         if isinstance(y, tuple) and len(y) == 2 and isinstance(y[1], dict):
             y = y[0]
-        return jax.tree_util.tree_map(_to_torch, y)
+        return jax.tree_util.tree_map(lambda a: _out_to_torch(a, cuda), y)
 
 
 class _CausalLMFirst(torch.nn.Module):
