@@ -39,6 +39,7 @@ def _top_level_modules_after(import_stmt: str) -> set:
 @pytest.mark.parametrize("package, forbidden", [
     ("xla_swap.executors", {"torch", "torch_xla", "torchax"}),
     ("xla_swap.planning", {"torch", "torch_xla", "torchax", "jax", "jaxlib"}),
+    ("xla_swap", {"torch", "torch_xla", "torchax", "jax", "jaxlib"}),   # SwappedStack loads lazily
 ])
 def test_package_imports_without(package, forbidden):
     loaded = _top_level_modules_after(f"import {package}")
@@ -94,3 +95,12 @@ def test_import_parser_sees_relative_and_absolute_forms(tmp_path):
     assert mods.count("xla_swap.executors") == 3
     assert "xla_swap.executors.StreamingRuntime" in mods
     assert "xla_swap.executors.streaming" in mods
+
+
+def test_torch_entry_point_runs_without_torch_xla():
+    """``xla_swap.stack`` (SwappedStack) is for machines without torch_xla: it imports neither torch_xla
+    nor the torch_xla front end."""
+    loaded = _top_level_modules_after("import xla_swap.stack")
+    assert "torch_xla" not in loaded
+    imported = {m for m, _ in _imported_modules(ROOT / "xla_swap" / "stack.py")}
+    assert not any(m.startswith(("xla_swap.frontend", "torch_xla")) for m in imported), sorted(imported)

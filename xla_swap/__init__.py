@@ -5,8 +5,18 @@ Layers (each importable on its own):
 * ``xla_swap.frontend``  - torch_xla front end: lowering, offload annotations, scan helpers.
 * ``xla_swap.planning``  - framework-neutral: placement policy, planner, HLO inspection.
 * ``xla_swap.executors`` - PJRT executor and streaming runtime (jax only, no torch).
+* ``xla_swap.stack``     - the torch entry point ``SwappedStack`` (torch + torchax + jax, no torch_xla),
+  also reachable as ``xla_swap.SwappedStack`` (imported on first use).
 
 This top-level module imports nothing heavy, so ``import xla_swap.planning`` and
 ``import xla_swap.executors`` work on machines without torch_xla.
 """
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    """Lazy access to the torch entry point: ``xla_swap.SwappedStack`` imports torch and jax on first use."""
+    if name in ("SwappedStack", "causal_lm_stages"):
+        from xla_swap import stack
+        return getattr(stack, name)
+    raise AttributeError(f"module 'xla_swap' has no attribute {name!r}")
