@@ -190,6 +190,22 @@ def train(cfg: Config, policy, steps: int, progress: bool = False) -> list:
     return losses
 
 
+def save_loss_plot(losses: list, title: str, path) -> None:
+    """Write the loss curve (cross-entropy per step) as a PNG at ``path`` (matplotlib, Agg)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(losses) + 1), losses, marker=".")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy loss")
+    ax.set_title(title, fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
@@ -211,18 +227,8 @@ def main(argv=None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(losses) + 1), losses, marker=".")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy loss")
-    ax.set_title(f"decoder {cfg.layers}x{cfg.dim}, policy params={planned.policy.params}, "
-                 f"grads={planned.policy.grads}", fontsize=9)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "train_decoder_loss.png", dpi=120)
+    save_loss_plot(losses, f"decoder {cfg.layers}x{cfg.dim}, policy params={planned.policy.params}, "
+                   f"grads={planned.policy.grads}", out / "train_decoder_loss.png")
     (out / "train_decoder_loss.json").write_text(json.dumps(
         {"config": dataclasses.asdict(cfg), "policy": str(planned.policy), "budget_bytes": budget,
          "params_plus_adam_bytes": total, "losses": losses, "command": " ".join(sys.argv)}, indent=1))

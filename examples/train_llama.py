@@ -81,18 +81,9 @@ def main(argv=None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(losses) + 1), losses, marker=".")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy loss")
-    ax.set_title(f"LlamaForCausalLM {args.layers}x{args.dim} via SwappedStack "
-                 f"({rt.num_stages} stages, weights + AdamW state in pinned_host)", fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "train_llama_loss.png", dpi=120)
+    train_decoder.save_loss_plot(losses, f"LlamaForCausalLM {args.layers}x{args.dim} via SwappedStack "
+                                 f"({rt.num_stages} stages, weights + AdamW state in pinned_host)",
+                                 out / "train_llama_loss.png")
     (out / "train_llama_loss.json").write_text(json.dumps(
         {"args": vars(args), "policy": str(stack.policy), "devices": len(jax.devices()), "losses": losses,
          "weight_bytes": rt.weight_nbytes, "optimizer_state_bytes": sum(rt.optimizer_state_nbytes),
