@@ -812,7 +812,16 @@ class StreamingRuntime:
             box["layout"] = (treedef, tuple(sources))
             return _merge_diff(yd, yc, ys), saved
 
-        exe = jax.jit(fwd_save, out_shardings=(self.activation_sharding, None)).lower(pspec, hspec).compile()
+        try:
+            exe = jax.jit(fwd_save, out_shardings=(self.activation_sharding, None)).lower(pspec, hspec).compile()
+        except ValueError as e:
+            # The partitioner may pick a residual sharding that jax cannot express over the mesh
+            # (IndivisibleError, seen for a [1, 4, 1, 2] attention residual over 8 devices): keep
+            # those residuals in the activation sharding instead.
+            if "divisible" not in str(e):
+                raise
+            exe = jax.jit(fwd_save, out_shardings=(self.activation_sharding, self.activation_sharding)
+                          ).lower(pspec, hspec).compile()
         sig.saved_layout[base] = box["layout"]
         return exe
 
