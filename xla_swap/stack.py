@@ -402,8 +402,9 @@ class SwappedStack:
           TypeError: ``inputs``/``targets`` not tensors; no ``loss_fn``.
           ValueError: the loss is not a floating scalar; a stage fails to trace.
         """
-        loss_fn = loss_fn or self.loss_fn
-        if loss_fn is None or not callable(loss_fn):
+        if loss_fn is None:
+            loss_fn = self.loss_fn
+        if loss_fn is None or not callable(loss_fn) or isinstance(loss_fn, torch.Tensor):
             raise TypeError("train_step needs a loss_fn (here or in the constructor): (output, *targets) -> scalar")
         x = self._carry_in(inputs if isinstance(inputs, (tuple, list)) else (inputs,))
         t = () if targets is None or (isinstance(targets, tuple) and not targets) else \

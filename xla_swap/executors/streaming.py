@@ -29,6 +29,7 @@ import dataclasses
 import queue
 import threading
 import time
+import types
 import warnings
 import weakref
 from typing import Any, Callable, Sequence
@@ -277,9 +278,9 @@ class StreamingRuntime:
                                 ("optimizer_state_on_host", optimizer_state_on_host)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{flag_name} must be a bool, got {type(flag).__name__}")
-        if not (isinstance(remat, bool) or callable(remat)):
-            raise TypeError(f"remat must be a bool or a jax.checkpoint_policies policy (callable), "
-                            f"got {type(remat).__name__}")
+        if not (isinstance(remat, bool) or callable(remat)) or isinstance(remat, (type, types.BuiltinFunctionType)):
+            raise TypeError(f"remat must be a bool or a jax.checkpoint_policies policy (a function), "
+                            f"got {remat!r}")
         _optim.check_optimizer(optimizer)
         if trainable is not None and not callable(trainable):
             raise TypeError(f"trainable must be a callable (stage_index, leaf_path) -> bool, "

@@ -50,12 +50,7 @@ class AdamW:
 
     def __post_init__(self):
         for name in ("lr", "eps", "weight_decay"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, Real):
-                raise TypeError(f"AdamW {name} must be a real number, got {type(v).__name__}")
-            if not math.isfinite(float(v)):
-                raise ValueError(f"AdamW {name} must be finite, got {v!r}")
-            object.__setattr__(self, name, float(v))
+            object.__setattr__(self, name, _finite(f"AdamW {name}", getattr(self, name)))
         if self.lr <= 0:
             raise ValueError(f"AdamW lr must be > 0, got {self.lr}")
         if self.eps <= 0:
@@ -66,9 +61,10 @@ class AdamW:
             raise TypeError(f"AdamW betas must be a pair (beta1, beta2), got {self.betas!r}")
         betas = []
         for i, b in enumerate(self.betas):
-            if isinstance(b, bool) or not isinstance(b, Real) or not 0.0 <= float(b) < 1.0:
+            b = _finite(f"AdamW betas[{i}]", b)
+            if not 0.0 <= b < 1.0:
                 raise ValueError(f"AdamW betas[{i}] must be a real number in [0, 1), got {b!r}")
-            betas.append(float(b))
+            betas.append(b)
         object.__setattr__(self, "betas", tuple(betas))
         if self.state_dtype is not None and not isinstance(self.state_dtype, str):
             raise TypeError(f"AdamW state_dtype must be a dtype name (str) or None, got {type(self.state_dtype).__name__}")
@@ -96,7 +92,7 @@ class AdamW:
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 1:
             raise ValueError(f"step must be an int >= 1, got {step!r}")
-        lr = self.lr if lr is None else float(lr)
+        lr = self.lr if lr is None else _finite("lr", lr)
         if not lr > 0:
             raise ValueError(f"lr must be > 0, got {lr!r}")
         b1, b2 = self.betas
@@ -131,6 +127,19 @@ class AdamW:
         lr = g0["lr"]
         lr = float(lr.item() if hasattr(lr, "item") else lr)
         return cls(lr=lr, betas=tuple(float(b) for b in g0["betas"]), eps=float(g0["eps"]), weight_decay=wd)
+
+
+def _finite(name: str, v) -> float:
+    """``v`` as a finite float; TypeError for a non-real (bools too), ValueError for inf/nan/overflow."""
+    if isinstance(v, bool) or not isinstance(v, Real):
+        raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
+    try:
+        f = float(v)
+    except OverflowError:
+        raise ValueError(f"{name} must be finite, got {v!r}") from None
+    if not math.isfinite(f):
+        raise ValueError(f"{name} must be finite, got {v!r}")
+    return f
 
 
 _ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
