@@ -76,7 +76,18 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def _to_torch(a) -> torch.Tensor:
-    """A CPU torch tensor from a jax or numpy array (a copy)."""
+    """A CPU torch tensor from a jax or numpy array (a copy).
+
+    A jax array that spans devices of other processes (multi-process runs) is gathered first:
+    a replicated one from this process's first shard, a sharded one with
+    ``jax.experimental.multihost_utils.process_allgather`` (every process must call this).
+    """
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        if a.is_fully_replicated:
+            a = a.addressable_shards[0].data
+        else:
+            from jax.experimental import multihost_utils
+            a = multihost_utils.process_allgather(a, tiled=True)
     a = np.asarray(a)
     if a.dtype == jnp.bfloat16:
         return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)

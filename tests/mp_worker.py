@@ -1,0 +1,105 @@
+"""Worker of tests/test_multiprocess.py: one process of a ``jax.distributed`` run on CPU.
+
+``python tests/mp_worker.py PROCESS_ID NUM_PROCESSES PORT DEVICES_PER_PROCESS OUT_JSON``
+
+Runs, over all processes' devices as one mesh: ``StreamingRuntime`` (weights sharded FSDP-style,
+forward and a training step) and ``SwappedStack`` (torch ``nn.Module`` layers, 4 AdamW steps).
+Asserts that each process's pinned_host buffers hold only its own devices' shards, and writes the
+gathered results (process 0) as JSON for the test to compare with the single-process run.
+"""
+import json
+import os
+import sys
+
+pid, nproc, port, ndev, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ndev}"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+
+if nproc > 1:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=nproc, process_id=pid)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from xla_swap.executors import StreamingRuntime  # noqa: E402
+from xla_swap.planning import AdamW  # noqa: E402
+from xla_swap.stack import SwappedStack  # noqa: E402
+
+D, F = 8, 16
+devices = jax.devices()
+assert len(devices) == nproc * ndev
+mesh = Mesh(np.array(devices), ("d",))
+local = set(jax.local_devices())
+
+
+def gather(a):
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True)) if not a.is_fully_addressable \
+        else np.asarray(a)
+
+
+def only_local_shards(tree):
+    for a in jax.tree_util.tree_leaves(tree):
+        assert a.sharding.memory_kind == "pinned_host", a.sharding
+        assert {s.device for s in a.addressable_shards} <= local
+        assert len(a.addressable_shards) == ndev  # this process pins exactly its own devices' shards
+
+
+# --- StreamingRuntime, FSDP-style: each weight split over every device of every process ---
+rng = np.random.default_rng(0)
+params = [{"a": rng.standard_normal((D, F)).astype(np.float32) * 0.3,
+           "b": rng.standard_normal((F, D)).astype(np.float32) * 0.3} for _ in range(3)]
+
+
+def layer(p, h):
+    return h + jnp.tanh(h @ p["a"]) @ p["b"]
+
+
+def sharding(i, path, leaf):
+    return NamedSharding(mesh, P(None, "d") if "a" in jax.tree_util.keystr(path) else P("d", None))
+
+
+rt = StreamingRuntime(layer, params, sharding=sharding, activation_sharding=NamedSharding(mesh, P()),
+                      prefetch_depth=2, track_residency=False)
+for p in rt.host_params:
+    only_local_shards(p)
+x = rng.standard_normal((4, D)).astype(np.float32)
+y = rt.forward(x)
+loss, gx, grads = rt.train_step(x, lambda o: jnp.sum(o ** 2))
+result = {"y": gather(y).tolist(), "loss": float(gather(loss)), "gx": gather(gx).tolist(),
+          "grads": [{k: gather(v).tolist() for k, v in g.items()} for g in grads]}
+for g in grads:
+    only_local_shards(g)
+
+# --- SwappedStack: torch layers, AdamW, weights and moments sharded over all processes ---
+torch.manual_seed(0)
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(D, F), torch.nn.Linear(F, D)
+
+    def forward(self, h):
+        return h + self.down(torch.nn.functional.gelu(self.up(h)))
+
+
+blocks = [Block() for _ in range(3)]
+stack = SwappedStack(blocks, optimizer=AdamW(lr=1e-2), loss_fn=lambda o, t: ((o - t) ** 2).mean())
+only_local_shards(stack.runtime.host_params[1]["up.weight"])
+only_local_shards(stack.runtime.optimizer_state[1])
+xt, tt = torch.randn(6, D), torch.randn(6, D)
+losses = [float(stack.train_step(xt, tt)) for _ in range(4)]
+stack.sync_modules()
+result["stack_losses"] = losses
+result["stack_params"] = [{n: p.detach().numpy().tolist() for n, p in b.named_parameters()} for b in blocks]
+
+if pid == 0:
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+print("OK", pid, flush=True)
