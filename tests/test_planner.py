@@ -16,7 +16,7 @@ from xla_swap.planning.policy import OffloadPolicy
 
 MiB = 1 << 20
 
-# --- the DESIGN.md stack: 8 bf16 FFN layers, D=8192, F=32768 (1 GiB of weights each), 8192 tokens,
+# --- the docs/measured.md stack: 8 bf16 FFN layers, D=8192, F=32768 (1 GiB of weights each), 8192 tokens,
 # 100 ms forward for the stack on an H200, Adam state in fp32.
 D, F, T, L = 8192, 32768, 8192, 8
 N_BIG = 2 * D * F
@@ -130,13 +130,17 @@ def test_design_stack_shrinking_budget_sequence():
         (("host", "device", "device", ("remat",), True, 1), remat + params_host),                # 45.125
         (("host", "host", "device", ("remat",), False, 1), ffn_remat + params_host + grads_host),  # 41.625
         (("host", "host", "device", ("remat",), True, 1), remat + params_host + grads_host),       # 38.125
-        # optimizer state to host frees L x O = 32 GiB, so the activations come back to the device
+        # optimizer state to host frees L x O = 32 GiB, so the activations come back to the device; the
+        # streamed update keeps the last k layers resident across the turn (StreamingRuntime), so a deeper
+        # prefetch saves weight traffic while its (k+1)-layer optimizer window P + G + O fits
+        *[(("host", "host", "host", ("device",), False, k), (k + 1) * (P + G + O)) for k in (4, 3, 2)],
         (("host", "host", "host", ("device",), False, 1), 2 * P + G + L * (A + U + C) + W + C),   # 13.125
         # the minimum: the optimizer step streams a 2-layer window of P + G + O (12 GiB)
         (("host", "host", "host", ("remat",), False, 1), 2 * (P + G + O)),
     ]
     assert [b / GiB for _, b in got] == [58.125, 55.125, 54.625, 51.125, 48.625, 45.125, 41.625, 38.125,
-                                         13.125, 12.0]
+                                         30.0, 24.0, 18.0, 13.125, 12.0]
+    assert all(p.optimizer_mode == ("streamed" if p.policy.optimizer_state == "host" else "device") for p in plans)
     # The order the module docstring claims.
     assert first_leave_order(plans) == ["activations", "params", "grads", "optimizer_state"]
     # Step times by hand for the first moves: offloading ffn_hidden (512 MiB / 54 GB/s = 9.9 ms < 12.5 ms
@@ -151,21 +155,23 @@ def test_design_stack_shrinking_budget_sequence():
 
 def test_small_stack_shrinking_budget_sequence():
     plans = sweep(SMALL, 6)
+    # Compute-bound: a layer's weights and Adam state cross the link in the backward (streamed optimizer mode)
+    # faster than the layer computes, so all three leave the device first (module docstring, order claimed).
     assert [short(p.policy) for p in plans] == [
         ("device", "device", "device", ("device", "device"), False, 1),
-        ("device", "device", "device", ("device", "host"), False, 1),
-        ("device", "device", "device", ("device", "remat"), False, 1),
-        ("device", "device", "device", ("host", "remat"), False, 1),
-        ("device", "device", "device", ("remat", "remat"), False, 1),
-        ("host", "device", "device", ("host", "remat"), False, 1),
-        ("host", "device", "device", ("remat", "remat"), False, 1),
-        ("device", "device", "device", ("device", "remat"), True, 1),
+        ("host", "host", "host", ("device", "device"), False, 1),
+        ("host", "host", "host", ("device", "host"), False, 2),
+        ("host", "host", "host", ("device", "host"), False, 1),
+        ("host", "host", "host", ("device", "remat"), False, 1),
+        ("host", "host", "host", ("host", "remat"), False, 2),
+        ("host", "host", "host", ("host", "remat"), False, 1),
+        ("host", "host", "host", ("remat", "remat"), False, 1),
         ("device", "device", "device", ("remat", "remat"), True, 1),
-        ("host", "device", "device", ("remat", "remat"), True, 1),
-        ("host", "host", "device", ("remat", "remat"), True, 1),
+        ("host", "host", "host", ("device", "remat"), True, 1),
         ("host", "host", "host", ("remat", "remat"), True, 1),
     ]
-    assert first_leave_order(plans) == ["activations", "params", "grads", "optimizer_state"]
+    assert first_leave_order(plans) == ["grads", "optimizer_state", "params", "activations"]
+    assert {p.optimizer_mode for p in plans[1:]} == {"streamed", "device"}
     assert [p.step_s for p in plans] == sorted(p.step_s for p in plans)
 
 
@@ -349,7 +355,7 @@ def test_flops_estimate_and_remat_accounting():
 
 
 def test_explain_table():
-    p = plan(BIG, L, 30 * GiB)
+    p = plan(BIG, L, 40 * GiB)     # forward/backward peak (working set shown); the state stays on the device
     text = p.explain()
     assert isinstance(p, Plan)
     for word in ("params", "grads", "optimizer_state", "activation ffn_hidden", "working set", "predicted step",
@@ -424,3 +430,108 @@ def test_bad_plan_arguments():
         with pytest.raises(ValueError, match="target"):
             call()
     assert plan(BIG, L, 30 * GiB).target == "accelerator"     # still usable; the default target
+
+
+# ----------------------------------------------------------------------------- optimizer state in host memory
+
+# The default shape of benchmarks/results/torch_stack/README.md (H100): 8 bf16 FFN layers, D=8192, F=32768, bf16
+# AdamW moments (as torch keeps them for bf16 parameters), prefetch depth k=2, pinned link 53.9 / 54.6 / 75.1 GB/s,
+# host memory 21.2 GB/s (docs/measured.md, section 7).
+TS_N = 2 * D * F                                  # parameters per layer
+TS_LINK = Link(h2d_gbps=53.886, d2h_gbps=54.643, both_gbps=75.106, host_memory_gbps=21.2)
+TS_ONDEV_ADAMW_S = 0.359      # whole step, moments in device memory (median; the README's "ondev_adamw" samples)
+TS_STREAMED_S = 0.831         # whole step, moments streamed through pinned_host (median)
+TS_HOST_POLICY = OffloadPolicy(params="host", grads="host", optimizer_state="host", prefetch_depth=2)
+
+
+def ts_layer(total_compute_s=TS_ONDEV_ADAMW_S):
+    """One layer whose forward + backward (2x forward) adds up, over L layers, to ``total_compute_s``."""
+    return LayerCost(param_bytes=2 * TS_N, optimizer_bytes=adam_state_bytes(TS_N, 2), forward_s=total_compute_s / (3 * L))
+
+
+def test_host_update_bytes_default_is_adamw_traffic():
+    layer = ts_layer()
+    # read param + grad + m + v, write param + m + v: 14 bytes per bf16 parameter
+    assert layer.host_update_bytes == 2 * layer.param_bytes + layer.grad_bytes + 2 * layer.optimizer_bytes == 14 * TS_N
+    assert dataclasses.replace(layer, host_update_bytes=123).host_update_bytes == 123
+    assert Link(54, 54).host_memory_gbps == 21.2                     # the docs/measured.md default
+    assert TS_LINK.host_update_s(21.2 * GB) == pytest.approx(1.0)
+
+
+def test_streamed_mode_wins_and_matches_measured_step_at_default_shape():
+    layer = ts_layer()
+    p = evaluate(TS_HOST_POLICY, layer, L, TS_LINK)
+    assert p.optimizer_mode == "streamed"
+    assert set(p.optimizer_mode_s) == {"streamed", "host"}
+    assert p.optimizer_mode_s["streamed"] < p.optimizer_mode_s["host"]
+    assert p.step_s == p.optimizer_mode_s["streamed"]
+    # PCIe floor of the streamed step (the README's 0.77 s): in = (2L - k) weights + L x moments, out = L x
+    # (weights + moments), both directions at once at the both-ways figure; compute 0.359 s is below it.
+    k, W, M = TS_HOST_POLICY.prefetch_depth, layer.param_bytes, layer.optimizer_bytes
+    tin, tout = (2 * L - k) * W + L * M, L * (W + M)
+    floor = max(TS_ONDEV_ADAMW_S, (tin + tout) / (TS_LINK.both_gbps * GB))
+    assert p.floor_s == pytest.approx(floor, rel=1e-9)
+    assert p.step_s >= p.floor_s
+    assert p.step_s == pytest.approx(TS_STREAMED_S, rel=0.15)       # measured 0.831 s
+    # The host mode is bounded by host memory: L layers x 14 bytes/parameter / 21.2 GB/s.
+    host_s = L * layer.host_update_bytes / (TS_LINK.host_memory_gbps * GB)
+    assert p.optimizer_mode_s["host"] >= host_s
+    text = p.explain()
+    assert "optimizer mode: streamed" in text
+    assert f"streamed {p.optimizer_mode_s['streamed']:.4f} s" in text and f"host {p.optimizer_mode_s['host']:.4f} s" in text
+
+
+def test_host_mode_overlaps_the_backward():
+    layer = ts_layer()
+    link = TS_LINK
+    on = evaluate(TS_HOST_POLICY, layer, L, link, optimizer_mode="host")
+    off = evaluate(TS_HOST_POLICY, layer, L, link, optimizer_mode="host", host_overlap=False)
+    assert on.optimizer_mode == off.optimizer_mode == "host"
+    h = layer.host_update_bytes / (link.host_memory_gbps * GB)       # one layer's CPU update
+    assert on.host_update_s == pytest.approx(L * h)
+    # Host-bound here: ZeRO-Offload's overlap hides all but the forward and the first layer's backward + D2H
+    # behind the L updates (max(backward, host update) + ...); without overlap the updates follow the backward.
+    device_only = off.phase_s["forward"] + off.phase_s["backward"]
+    assert off.step_s == pytest.approx(device_only + L * h)
+    assert max(device_only, on.phase_s["forward"] + L * h) <= on.step_s < off.step_s
+    assert dict(on.phase_layers["host update"]) == {i: (pytest.approx(h), 0.0) for i in range(L)}
+
+
+def test_host_mode_wins_with_fast_host_memory_and_slow_pcie():
+    layer = ts_layer()
+    slow = Link(h2d_gbps=4.0, d2h_gbps=4.0, both_gbps=6.0, host_memory_gbps=2000.0)
+    p = evaluate(TS_HOST_POLICY, layer, L, slow)
+    assert p.optimizer_mode == "host"
+    assert p.optimizer_mode_s["host"] < p.optimizer_mode_s["streamed"]
+    # streamed moves L x moments more each way than host mode (which sends only the gradients out)
+    assert p.optimizer_mode_s["streamed"] - p.optimizer_mode_s["host"] >= \
+        L * layer.optimizer_bytes / (slow.both_gbps * GB) * 0.9
+    # plan() picks the mode too, and can be restricted to one
+    q = plan(layer, L, 1 << 50, slow, optimizer_mode="host")
+    assert q.policy.optimizer_state == "host" and q.optimizer_mode == "host"
+    r = plan(layer, L, 1 << 50, slow, optimizer_mode="device")
+    assert r.policy.optimizer_state == "device" and r.optimizer_mode == "device"
+    # with the default link, the streamed mode wins the same search
+    s = plan(layer, L, 1 << 50, TS_LINK, optimizer_mode=None)
+    assert s.optimizer_mode in ("device", "streamed")
+
+
+def test_bad_optimizer_mode_arguments_are_named():
+    layer = ts_layer()
+    for kwargs in (dict(host_memory_gbps=0), dict(host_memory_gbps=-1.0), dict(host_memory_gbps=float("nan"))):
+        with pytest.raises(ValueError, match="host_memory_gbps"):
+            Link(h2d_gbps=54, d2h_gbps=54, **kwargs)
+    with pytest.raises(ValueError, match="host_update_bytes"):
+        LayerCost(param_bytes=1, forward_s=0.1, host_update_bytes=-1)
+    with pytest.raises(ValueError, match="optimizer_mode"):
+        evaluate(TS_HOST_POLICY, layer, L, optimizer_mode="cpu")
+    with pytest.raises(ValueError, match="optimizer_mode"):
+        plan(layer, L, 1 << 50, optimizer_mode="gpu")
+    with pytest.raises(ValueError, match="optimizer_mode"):      # state on the host cannot run in "device" mode
+        evaluate(TS_HOST_POLICY, layer, L, optimizer_mode="device")
+    with pytest.raises(ValueError, match="optimizer_mode"):
+        evaluate(OffloadPolicy(), layer, L, optimizer_mode="streamed")
+    with pytest.raises(ValueError, match="host_overlap"):
+        evaluate(TS_HOST_POLICY, layer, L, host_overlap="yes")
+    with pytest.raises(ValueError, match="host_overlap"):
+        plan(layer, L, 1 << 50, host_overlap=None)

@@ -116,7 +116,38 @@ both-at-once bandwidth (DESIGN.md: 54-55 GB/s each way, ~93 GB/s together, pinne
   params + grads + optimizer state; out: host-placed params + optimizer state; compute:
   ``optimizer_s`` (0 unless given; the update is memory-bound and small).
 
-Step time = sum of the phases.  Floor = ``max(total compute, total in / h2d, total out / d2h,
+Step time = sum of the phases (optimizer state on the device: mode ``"device"``).
+
+Optimizer modes (``optimizer_state="host"``; :data:`OPTIMIZER_MODES`, ``Plan.optimizer_mode``)
+----------------------------------------------------------------------------------------------
+With the state in host memory the planner times two ways to run the step and keeps the faster
+(``evaluate`` / ``plan`` ``optimizer_mode=`` forces one).  Both simulate the whole step as one
+stream (forward rows, then backward rows; the backward's first copies may overlap the forward's
+tail), keep the last ``k`` layers' weights resident across the turn as ``StreamingRuntime`` does
+(``2L - k`` layers of weights in per step), and share the link as copies overlap (a copy alone
+gets its direction's full bandwidth; copies in both directions split ``both_gbps``):
+
+* ``"streamed"`` (``StreamingRuntime(optimizer=AdamW, optimizer_state_on_host=True)``): per layer,
+  in the backward: in = weights + ``optimizer_bytes`` (the moments); out = new weights + moments;
+  compute = backward + recompute + ``optimizer_s`` (the update on the device).  Gradients never
+  leave the device.  Bounded by PCIe bytes / bandwidth and device compute.
+* ``"host"`` (ZeRO-Offload, Ren et al. 2021; FSDP2 ``CPUOffloadPolicy``): the backward sends each
+  layer's gradient out (D2H); the CPU then updates the layer in host memory in
+  ``LayerCost.host_update_bytes / Link.host_memory_gbps`` seconds (AdamW reads param + grad + m + v
+  and writes param + m + v: 14 bytes per bf16 parameter), one layer at a time.  With
+  ``host_overlap=True`` (ZeRO-Offload) a layer's update starts once its gradient arrived, so the
+  step is about max(backward, host update) plus the last layer's update; with ``False`` (FSDP2)
+  the updates follow the whole backward.  Host memory bandwidth is the third resource.
+
+Their floor is ``max(device compute, PCIe bytes / bandwidth, host update bytes / host memory
+bandwidth)``.  Calibration: at the default shape of benchmarks/results/torch_stack/README.md
+(H100, 8 bf16 layers D=8192 F=32768, bf16 moments, k=2, 0.359 s of device compute) the streamed
+mode predicts 0.865 s against 0.831 s measured; the host mode's CPU update alone, 14 bytes x
+4.29e9 parameters / 21.2 GB/s = 2.84 s, against 2.62 s for FSDP2's ``AdamW(foreach=True)`` on 16
+cores (docs/measured.md, 8b).  The memory model does not tell the
+modes apart: it keeps the optimizer-phase window of ``k+1`` layers of params + grads + state.
+
+Step time of the ``"device"`` mode = sum of the phases.  Floor = ``max(total compute, total in / h2d, total out / d2h,
 (total in + out) / both)`` - the best any schedule could do for that policy's traffic
 (DESIGN.md's "floor = max(compute, 8 GiB / 54 GB/s)").
 
@@ -153,7 +184,11 @@ the all-device footprint, the component classes first leave the device in this o
    costliest (its bytes round-trip through the optimizer step) but frees the most (Adam: 4x the
    bf16 weights), so once it moves, activations may return to the device.
 
-Steps 3 and 4 are structural and hold for every input; 1-before-2 is the cost model's verdict
+Steps 3 and 4 are structural and hold for every input (rules 1-2) *among the classes that leave
+before the optimizer state*; but when the streamed optimizer mode hides a layer's weights and state
+behind its backward compute (a compute-bound stack such as the small BERT-like stack of the tests),
+parameters, gradients and optimizer state leave the device together, first, and activations after;
+ 1-before-2 is the cost model's verdict
 whenever offloading or recomputing a layer's activations costs less than its weights' round trips
 - true for the DESIGN.md stack and the small BERT-like stack of the tests; a stack where it is not
 (e.g. huge activations on a slow link) gets parameters first.  A smaller budget may bring an
@@ -175,7 +210,8 @@ from xla_swap.planning.policy import FrozenMapping, OffloadPolicy
 
 __all__ = [
     "GB", "GiB", "Link", "H200_PINNED", "LayerCost", "Plan", "InfeasibleBudgetError",
-    "adam_state_bytes", "evaluate", "plan", "min_feasible_bytes", "TARGETS",
+    "adam_state_bytes", "evaluate", "plan", "min_feasible_bytes", "TARGETS", "OPTIMIZER_MODES",
+    "HOST_MEMORY_GBPS",
 ]
 
 #: Bytes per GB (link bandwidths are in GB/s, as in DESIGN.md).
@@ -187,6 +223,21 @@ GiB = 1 << 30
 #: XLA:TPU, whose host offloader turns placement annotations into copies (the default) - and
 #: ``"xla_cpu"`` - XLA:CPU, which strips the annotations and materialises per-layer slices.
 TARGETS = ("accelerator", "xla_cpu")
+
+#: Where and how the optimizer step runs (module docstring, "Optimizer modes"): ``"device"`` - the
+#: state lives in device memory (``OffloadPolicy.optimizer_state="device"``); ``"streamed"`` - the
+#: state lives in host memory and each layer's state crosses PCIe in the backward, the update runs
+#: on the device right after the layer's backward (``StreamingRuntime(optimizer=...,
+#: optimizer_state_on_host=True)``); ``"host"`` - the gradients go to host memory and the update runs
+#: on the CPU, bounded by host memory bandwidth (ZeRO-Offload / FSDP2 ``CPUOffloadPolicy``).
+OPTIMIZER_MODES = ("device", "streamed", "host")
+
+#: Host memory bandwidth in GB/s (1e9 bytes/s) of the GPU host: a 2 GiB bf16 ``copy_`` moved
+#: 21.2 GB/s (docs/measured.md, section 7, the FSDP2 anchor on the H100 machine).  Used as the
+#: bytes *touched* (read + written) per second by a CPU optimizer update: with it the model gives
+#: 14 bytes/parameter x 4.29e9 parameters / 21.2 GB/s = 2.84 s for the default stack's AdamW, against
+#: 2.62 s measured for ``torch.optim.AdamW(foreach=True)`` on 16 cores (docs/measured.md, 8b).
+HOST_MEMORY_GBPS = 21.2
 
 #: Largest number of layers the model accepts (the search simulates every layer).
 MAX_LAYERS = 10_000
@@ -263,6 +314,10 @@ class Link:
       both_gbps: aggregate bandwidth (sum of both directions) when both move at once; ``None``
         means full duplex (``h2d_gbps + d2h_gbps``).  DESIGN.md measured ~93 GB/s on an H200,
         not 2 x 54.
+      host_memory_gbps: host memory bandwidth in GB/s: the bytes a CPU optimizer update reads
+        plus writes per second (the third resource, beside PCIe and device compute, of the
+        ``"host"`` optimizer mode).  Default :data:`HOST_MEMORY_GBPS` = 21.2 GB/s, the bf16 copy
+        measured on the H100 host (docs/measured.md, section 7).
 
     Raises:
       TypeError / ValueError: a bandwidth is not a finite number > 0 (the message names it).
@@ -271,8 +326,11 @@ class Link:
     h2d_gbps: float
     d2h_gbps: float
     both_gbps: float | None = None
+    host_memory_gbps: float = HOST_MEMORY_GBPS
 
     def __post_init__(self):
+        object.__setattr__(self, "host_memory_gbps",
+                           _as_float("Link", "host_memory_gbps", self.host_memory_gbps, positive=True))
         for name in ("h2d_gbps", "d2h_gbps"):
             object.__setattr__(self, name, _as_float("Link", name, getattr(self, name), positive=True))
         if self.both_gbps is None:  # full duplex: the error, if any, is about the two fields given
@@ -296,6 +354,11 @@ class Link:
         if in_bytes and out_bytes:
             t = max(t, (in_bytes + out_bytes) / (self.both_gbps * GB))
         return t
+
+    def host_update_s(self, touched_bytes: float) -> float:
+        """Seconds for a CPU optimizer update that reads plus writes ``touched_bytes`` bytes of host
+        memory: ``touched_bytes / host_memory_gbps`` (the update is memory-bound)."""
+        return touched_bytes / (self.host_memory_gbps * GB)
 
 
 #: Pinned host memory on an NVIDIA H200 (DESIGN.md, measured 2026-11-22): 54 GB/s each way,
@@ -339,7 +402,14 @@ class LayerCost:
       recompute_s: ``{name: seconds}`` to recompute a named activation placed ``"remat"``;
         by default its share of the saved bytes times ``forward_s`` (a heuristic).
         ``remat=True`` always costs one full forward.
-      optimizer_s: time of the layer's optimizer update on the device (default 0).
+      optimizer_s: time of the layer's optimizer update on the device, seconds (default 0); in
+        the ``"streamed"`` optimizer mode it runs right after the layer's backward.
+      host_update_bytes: bytes of host memory the layer's optimizer update reads plus writes
+        when it runs on the CPU (the ``"host"`` optimizer mode).  ``None`` (default) means
+        ``2 * param_bytes + grad_bytes + 2 * optimizer_bytes``: AdamW reads the weights, the
+        gradient and both moments and writes the weights and both moments, each in its own dtype
+        (14 bytes per bf16 parameter with bf16 moments; docs/measured.md, section 7).  Give it
+        for other layouts, e.g. fp32 master weights beside bf16 device weights.
 
     Raises:
       TypeError / ValueError: a field has the wrong type, is negative / not finite, a time is
@@ -360,6 +430,7 @@ class LayerCost:
     backward_factor: float = 2.0
     recompute_s: Mapping[str, float] | None = None
     optimizer_s: float = 0.0
+    host_update_bytes: int | None = None
 
     def __post_init__(self):
         o = "LayerCost"
@@ -369,6 +440,8 @@ class LayerCost:
              else _as_bytes(o, "grad_bytes", self.grad_bytes))
         for k in ("optimizer_bytes", "intermediate_bytes", "carry_bytes"):
             setf(k, _as_bytes(o, k, getattr(self, k)))
+        setf("host_update_bytes", 2 * self.param_bytes + self.grad_bytes + 2 * self.optimizer_bytes
+             if self.host_update_bytes is None else _as_bytes(o, "host_update_bytes", self.host_update_bytes))
         if not isinstance(self.activations, Mapping):
             raise TypeError(f"{o}.activations must be a mapping name -> bytes, got {type(self.activations).__name__}")
         acts = {}
@@ -466,7 +539,15 @@ class Plan:
       budget_bytes: the budget planned for (``None`` from :func:`evaluate`).
       min_budget_bytes: minimum feasible budget over the search space (``None`` from evaluate).
       num_layers, training, link, target: the inputs (``target``: see :func:`evaluate`).
-      phase_layers: per phase, ``((layer, (compute_s, transfer_s)), ...)`` in layer order.
+      phase_layers: per phase, ``((layer, (compute_s, transfer_s)), ...)`` in layer order; in the
+        ``"host"`` optimizer mode also ``"host update"``: ``(layer, (CPU update seconds, 0.0))``.
+      optimizer_mode: how the optimizer step runs, one of :data:`OPTIMIZER_MODES` (``None`` in
+        inference): ``"device"`` when ``policy.optimizer_state == "device"``, else the faster (or
+        the requested) of ``"streamed"`` and ``"host"``.
+      optimizer_mode_s: ``{mode: predicted step seconds}`` for every mode the policy's placement
+        allows (``{"device": ...}``, or ``{"streamed": ..., "host": ...}``); empty in inference.
+      host_update_s: total seconds of CPU optimizer update, ``sum(host_update_bytes) /
+        host_memory_gbps`` (0 unless ``optimizer_mode == "host"``).
     """
 
     policy: OffloadPolicy
@@ -487,6 +568,9 @@ class Plan:
     budget_bytes: int | None = None
     min_budget_bytes: int | None = None
     target: str = "accelerator"
+    optimizer_mode: str | None = None
+    optimizer_mode_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    host_update_s: float = 0.0
 
     @property
     def slowdown(self) -> float:
@@ -501,7 +585,8 @@ class Plan:
                  f"activations={dict(p.activations)} remat={p.remat} prefetch_depth={p.prefetch_depth}",
                  f"mode: {'training' if self.training else 'inference'}, {self.num_layers} layers, memory model "
                  f"for {self.target}, link "
-                 f"h2d {self.link.h2d_gbps:g} / d2h {self.link.d2h_gbps:g} / both {self.link.both_gbps:g} GB/s",
+                 f"h2d {self.link.h2d_gbps:g} / d2h {self.link.d2h_gbps:g} / both {self.link.both_gbps:g} GB/s"
+                 + (f", optimizer mode {self.optimizer_mode}" if self.optimizer_mode else ""),
                  "",
                  f"{'component':<34}{'device bytes':>16}{'device GiB':>12}{'host bytes':>16}{'host GiB':>12}"]
         names = list(dict.fromkeys([*self.device_components, *self.host_components]))
@@ -528,6 +613,10 @@ class Plan:
             lines.append(row)
         lines.append("")
         lines.append("phases: " + ", ".join(f"{k} {v:.4f} s" for k, v in self.phase_s.items()))
+        if self.optimizer_mode is not None:
+            modes = ", ".join(f"{m} {t:.4f} s" for m, t in self.optimizer_mode_s.items())
+            lines.append(f"optimizer mode: {self.optimizer_mode} (predicted step per mode: {modes}; host memory "
+                         f"{self.link.host_memory_gbps:g} GB/s, host update {self.host_update_s:.4f} s)")
         lines.append(f"predicted step {self.step_s:.4f} s / floor {self.floor_s:.4f} s = {self.slowdown:.3f}x")
         return "\n".join(lines)
 
@@ -665,6 +754,160 @@ def _phases(policy: OffloadPolicy, layers: list[LayerCost], training: bool):
     return out
 
 
+def _shared_rates(link: Link, n_in: bool, n_out: bool) -> tuple[float, float]:
+    """(H2D, D2H) bytes/s while the copies in ``n_in`` / ``n_out`` run: alone, a direction gets its own
+    bandwidth; together they split ``both_gbps`` in proportion to their own bandwidths (each capped
+    at it, the other taking what is left)."""
+    h, d, b = link.h2d_gbps * GB, link.d2h_gbps * GB, link.both_gbps * GB
+    if not (n_in and n_out):
+        return (h if n_in else 0.0), (d if n_out else 0.0)
+    r_in = min(h, b * h / (h + d))
+    r_out = min(d, b - r_in)
+    return min(h, b - r_out), r_out
+
+
+def _simulate_shared(rows: list[tuple[float, int, int]], k: int, link: Link) -> tuple[list[float], list[float]]:
+    """The streaming schedule of :func:`_simulate` over ``rows`` = [(compute_s, in_bytes, out_bytes)], with
+    the link shared *as the copies overlap*: an event simulation in which a copy moves at its own
+    direction's full bandwidth while it runs alone and at its share of ``both_gbps`` while copies run
+    in both directions (``_simulate`` gives every copy of a phase its share for the whole phase).
+
+    Dependencies as in ``_simulate``: in-copy j waits for in-copy j-1 and compute j-k-1; compute j for
+    compute j-1, in-copy j and out-copy j-2; out-copy j for compute j and out-copy j-1.
+    Returns (compute end times, out-copy end times), seconds from the start.
+    """
+    n = len(rows)
+    e_in: list = [None] * n
+    e_c: list = [None] * n
+    e_out: list = [None] * n
+    done = lambda e, j: j < 0 or (e[j] is not None and e[j] <= t)  # noqa: E731
+    t, ai, ac, ao = 0.0, 0, 0, 0
+    act_in = act_out = None            # [row, remaining bytes, total bytes]
+    while True:
+        changed = True
+        while changed:                  # start whatever is ready at time t
+            changed = False
+            if act_in is None and ai < n and done(e_in, ai - 1) and done(e_c, ai - k - 1):
+                if rows[ai][1]:
+                    act_in = [ai, float(rows[ai][1]), float(rows[ai][1])]
+                else:
+                    e_in[ai] = t
+                ai += 1
+                changed = True
+            if ac < n and done(e_c, ac - 1) and done(e_in, ac) and done(e_out, ac - 2):
+                e_c[ac] = t + rows[ac][0]
+                ac += 1
+                changed = True
+            if act_out is None and ao < n and done(e_c, ao) and done(e_out, ao - 1):
+                if rows[ao][2]:
+                    act_out = [ao, float(rows[ao][2]), float(rows[ao][2])]
+                else:
+                    e_out[ao] = t
+                ao += 1
+                changed = True
+        if ao == n and act_out is None and ac == n:
+            return e_c, e_out
+        r_in, r_out = _shared_rates(link, act_in is not None, act_out is not None)
+        events = [e for e in e_c if e is not None and e > t]
+        if act_in is not None:
+            events.append(t + act_in[1] / r_in)
+        if act_out is not None:
+            events.append(t + act_out[1] / r_out)
+        t_next = min(events)
+        dt = t_next - t
+        for act, r, e in ((act_in, r_in, e_in), (act_out, r_out, e_out)):
+            if act is not None:
+                if t + act[1] / r <= t_next:    # the same expression as its event: it ends now
+                    e[act[0]] = t_next
+                else:
+                    act[1] = max(act[1] - r * dt, 0.0)
+        if act_in is not None and e_in[act_in[0]] is not None:
+            act_in = None
+        if act_out is not None and e_out[act_out[0]] is not None:
+            act_out = None
+        t = t_next
+
+
+def _offloaded_optimizer(policy: OffloadPolicy, layers: list[LayerCost], link: Link, mode: str,
+                         host_overlap: bool = True) -> dict:
+    """Time model of a training step whose optimizer state lives in host memory, in ``mode``
+    ``"streamed"`` or ``"host"`` (module docstring, "Optimizer modes").
+
+    Returns a dict: ``step_s``, ``floor_s``, ``phase_s`` (forward, backward, optimizer: the exposed
+    part of the host update), ``phase_layers``, ``layer_transfer_s``, ``layer_compute_s`` (device
+    only), ``host_update_s`` (seconds of CPU update, summed).
+    """
+    ph, gh = policy.params == "host", policy.grads == "host"
+    streamed = mode == "streamed"
+    L, k = len(layers), policy.prefetch_depth
+    placed = _placements(policy, layers)
+    host_acts = [n for n, w in placed.items() if w == "host"]
+    remat_acts = [n for n, w in placed.items() if w == "remat"]
+    act = [sum(l.activations.get(n, 0) for n in host_acts) for l in layers]
+    rows = [(i, l.forward_time_s, l.param_bytes if ph else 0, act[i]) for i, l in enumerate(layers)]
+    resident = min(k, L)               # StreamingRuntime keeps the last k layers across the turn
+    for i in reversed(range(L)):
+        l = layers[i]
+        rec = l.forward_time_s if policy.remat else \
+            min(l.forward_time_s, sum(l.recompute_time_s(n) for n in remat_acts if n in l.activations))
+        w_in = l.param_bytes if (ph and i < L - resident) else 0
+        if streamed:   # moments in; new weights + moments out; the gradient stays on the device
+            rows.append((i, l.backward_time_s + rec + l.optimizer_s, w_in + act[i] + l.optimizer_bytes,
+                         l.param_bytes + l.optimizer_bytes))
+        else:          # the gradient goes to host memory; the update runs on the CPU
+            rows.append((i, l.backward_time_s + rec, w_in + act[i], l.grad_bytes if gh else 0))
+    e_c, e_out = _simulate_shared([r[1:] for r in rows], k, link)
+    device_end = max(e_c[-1], e_out[-1])
+    host_s = [0.0 if streamed else link.host_update_s(l.host_update_bytes) for l in layers]
+    end = device_end
+    if not streamed:
+        u = 0.0 if host_overlap else device_end
+        for j in range(L, 2 * L):          # backward rows, in execution order
+            i = rows[j][0]
+            u = max(u, e_out[j]) + host_s[i]
+        end = max(device_end, u)
+    xfer, comp = [0.0] * L, [0.0] * L
+    pl = {"forward": [], "backward": []}
+    for j, (i, c, bi, bo) in enumerate(rows):
+        x = link.transfer_s(bi, bo)
+        xfer[i] += x
+        comp[i] += c
+        pl["forward" if j < L else "backward"].append((i, (c, x)))
+    if not streamed:
+        pl["host update"] = [(i, (host_s[i], 0.0)) for i in range(L)]
+    tin, tout = sum(r[2] for r in rows), sum(r[3] for r in rows)
+    floor = max(sum(r[1] for r in rows), link.transfer_s(tin, tout), sum(host_s))
+    fwd_s = e_c[L - 1]
+    return {"step_s": end, "floor_s": floor,
+            "phase_s": {"forward": fwd_s, "backward": device_end - fwd_s, "optimizer": end - device_end},
+            "phase_layers": {name: tuple(sorted(v)) for name, v in pl.items()},
+            "layer_transfer_s": tuple(xfer), "layer_compute_s": tuple(comp), "host_update_s": sum(host_s)}
+
+
+def _offloaded_floor(policy: OffloadPolicy, layers: list[LayerCost], link: Link, mode: str) -> float:
+    """A lower bound of :func:`_offloaded_optimizer`'s step time (its ``floor_s``), without simulating."""
+    ph, gh = policy.params == "host", policy.grads == "host"
+    streamed = mode == "streamed"
+    placed = _placements(policy, layers)
+    L, resident = len(layers), min(policy.prefetch_depth, len(layers))
+    acts = sum(l.activations.get(n, 0) for l in layers for n, w in placed.items() if w == "host")
+    remat_acts = [n for n, w in placed.items() if w == "remat"]
+    comp = sum(l.forward_time_s + l.backward_time_s
+               + (l.forward_time_s if policy.remat else
+                  min(l.forward_time_s, sum(l.recompute_time_s(n) for n in remat_acts if n in l.activations)))
+               + (l.optimizer_s if streamed else 0.0) for l in layers)
+    w = sum(l.param_bytes for l in layers) if ph else 0
+    w_bwd = sum(l.param_bytes for l in layers[:L - resident]) if ph else 0
+    if streamed:
+        tin = w + w_bwd + acts + sum(l.optimizer_bytes for l in layers)
+        tout = acts + sum(l.param_bytes + l.optimizer_bytes for l in layers)
+        host = 0.0
+    else:
+        tin, tout = w + w_bwd + acts, acts + (sum(l.grad_bytes for l in layers) if gh else 0)
+        host = sum(link.host_update_s(l.host_update_bytes) for l in layers)
+    return max(comp, link.transfer_s(tin, tout), host)
+
+
 def _floor(phases, link: Link) -> float:
     comp = sum(r[1] for rows in phases.values() for r in rows)
     tin = sum(r[2] for rows in phases.values() for r in rows)
@@ -694,8 +937,42 @@ def _check_target(target) -> str:
     return target
 
 
-def _build(policy, layers, training, link, budget=None, min_budget=None, target="accelerator") -> Plan:
+def _check_optimizer_mode(optimizer_mode) -> str | None:
+    if optimizer_mode is not None and (not isinstance(optimizer_mode, str) or optimizer_mode not in OPTIMIZER_MODES):
+        raise ValueError(f"optimizer_mode must be None (the faster) or one of {', '.join(map(repr, OPTIMIZER_MODES))}, "
+                         f"got {optimizer_mode!r}")
+    return optimizer_mode
+
+
+def _check_host_overlap(host_overlap) -> bool:
+    if not isinstance(host_overlap, bool):
+        raise ValueError(f"host_overlap must be a bool (True: the CPU update of a layer overlaps the backward of the "
+                         f"layers before it, as in ZeRO-Offload), got {host_overlap!r}")
+    return host_overlap
+
+
+def _modes_of(policy: OffloadPolicy, optimizer_mode: str | None) -> tuple[str, ...]:
+    """Optimizer modes a training policy allows, restricted to ``optimizer_mode`` when given."""
+    allowed = ("device",) if policy.optimizer_state == "device" else ("streamed", "host")
+    if optimizer_mode is None:
+        return allowed
+    return (optimizer_mode,) if optimizer_mode in allowed else ()
+
+
+def _build(policy, layers, training, link, budget=None, min_budget=None, target="accelerator",
+           optimizer_mode=None, host_overlap=True) -> Plan:
     peak, phase, comps, host = _memory(policy, layers, training, target)
+    if training and policy.optimizer_state == "host":
+        res = {m: _offloaded_optimizer(policy, layers, link, m, host_overlap) for m in ("streamed", "host")}
+        mode = optimizer_mode or min(res, key=lambda m: (res[m]["step_s"], m != "streamed"))
+        r = res[mode]
+        return Plan(policy=policy, device_bytes=peak, host_bytes=sum(host.values()),
+                    layer_transfer_s=r["layer_transfer_s"], layer_compute_s=r["layer_compute_s"],
+                    step_s=r["step_s"], floor_s=r["floor_s"], phase_s=r["phase_s"], device_components=comps,
+                    host_components=host, peak_phase=phase, num_layers=len(layers), training=training, link=link,
+                    phase_layers=r["phase_layers"], budget_bytes=budget, min_budget_bytes=min_budget, target=target,
+                    optimizer_mode=mode, optimizer_mode_s={m: v["step_s"] for m, v in res.items()},
+                    host_update_s=r["host_update_s"] if mode == "host" else 0.0)
     phases = _phases(policy, layers, training)
     phase_s = _step(phases, policy, link)
     L = len(layers)
@@ -713,11 +990,14 @@ def _build(policy, layers, training, link, budget=None, min_budget=None, target=
                 layer_compute_s=tuple(comp), step_s=sum(phase_s.values()), floor_s=_floor(phases, link),
                 phase_s=phase_s, device_components=comps, host_components=host, peak_phase=phase,
                 num_layers=L, training=training, link=link, phase_layers=phase_layers,
-                budget_bytes=budget, min_budget_bytes=min_budget, target=target)
+                budget_bytes=budget, min_budget_bytes=min_budget, target=target,
+                optimizer_mode="device" if training else None,
+                optimizer_mode_s={"device": sum(phase_s.values())} if training else {})
 
 
 def evaluate(policy: OffloadPolicy, layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
-             link: Link = H200_PINNED, *, training: bool = True, target: str = "accelerator") -> Plan:
+             link: Link = H200_PINNED, *, training: bool = True, target: str = "accelerator",
+             optimizer_mode: str | None = None, host_overlap: bool = True) -> Plan:
     """Predict device bytes and step time of one ``policy`` (no budget, no search).
 
     Args:
@@ -730,6 +1010,14 @@ def evaluate(policy: OffloadPolicy, layers: LayerCost | Sequence[LayerCost], num
         (default; XLA:GPU / XLA:TPU with host offloading) or ``"xla_cpu"`` (XLA:CPU strips the
         placement annotations, prefetches nothing and materialises per-layer slices; module
         docstring, "Target").  The time model is the same for both.
+      optimizer_mode: ``None`` (default: with ``policy.optimizer_state == "host"`` the faster of
+        ``"streamed"`` and ``"host"``), or one of :data:`OPTIMIZER_MODES`, which must match the
+        policy's ``optimizer_state`` (``"device"`` for ``"device"``; ``"streamed"`` / ``"host"`` for
+        ``"host"``).  Ignored in inference.  Module docstring, "Optimizer modes".
+      host_overlap: in the ``"host"`` mode, whether each layer's CPU update starts as soon as its
+        gradient reached host memory, overlapping the backward of the layers before it (True,
+        ZeRO-Offload; default) or only after the whole backward (False, FSDP2's
+        ``optimizer.step()`` after ``loss.backward()``).
 
     Named activations of the layers that ``policy.activations`` does not mention are treated as
     ``"device"`` (saved on the device); in inference activation placements are ignored.
@@ -737,7 +1025,8 @@ def evaluate(policy: OffloadPolicy, layers: LayerCost | Sequence[LayerCost], num
     Returns: a :class:`Plan` (``budget_bytes`` / ``min_budget_bytes`` are ``None``).
     Raises: TypeError / ValueError for invalid arguments, naming them; ``ValueError`` when
     ``policy.activations`` names an activation no layer has (as the scan helpers do when no
-    ``offload_name`` tagged it).
+    ``offload_name`` tagged it), when ``optimizer_mode`` is not in :data:`OPTIMIZER_MODES` or does
+    not match ``policy.optimizer_state``, or when ``host_overlap`` is not a bool.
     """
     if not isinstance(policy, OffloadPolicy):
         raise TypeError(f"policy must be an OffloadPolicy, got {type(policy).__name__}")
@@ -747,7 +1036,14 @@ def evaluate(policy: OffloadPolicy, layers: LayerCost | Sequence[LayerCost], num
     if unknown:
         raise ValueError(f"policy.activations names {unknown}, which no layer's LayerCost.activations has; "
                          f"known names: {sorted(known) or 'none'}")
-    return _build(policy, layers, _check_training(training), _check_link(link), target=_check_target(target))
+    training = _check_training(training)
+    mode = _check_optimizer_mode(optimizer_mode)
+    overlap = _check_host_overlap(host_overlap)
+    if training and mode is not None and not _modes_of(policy, mode):
+        raise ValueError(f"optimizer_mode={mode!r} does not match policy.optimizer_state="
+                         f"{policy.optimizer_state!r}: use {' or '.join(map(repr, _modes_of(policy, None)))}")
+    return _build(policy, layers, training, _check_link(link), target=_check_target(target),
+                  optimizer_mode=mode if training else None, host_overlap=overlap)
 
 
 def _candidates(layers: list[LayerCost], training: bool, max_depth: int):
@@ -798,7 +1094,7 @@ def min_feasible_bytes(layers: LayerCost | Sequence[LayerCost], num_layers: int 
 
 def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None, budget_bytes: int | None = None,
          link: Link = H200_PINNED, *, training: bool = True, max_prefetch_depth: int = 4,
-         target: str = "accelerator") -> Plan:
+         target: str = "accelerator", optimizer_mode: str | None = None, host_overlap: bool = True) -> Plan:
     """Choose the policy with the lowest predicted step time whose predicted device bytes fit.
 
     Args:
@@ -810,8 +1106,14 @@ def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
         no gradients, optimizer state or saved activations; the policy's activations are empty).
       max_prefetch_depth: largest ``prefetch_depth`` considered (1..16, default 4).
       target: the compiler the memory model describes (:data:`TARGETS`; see :func:`evaluate`).
+      optimizer_mode: ``None`` (default): every policy; one with its optimizer state in host memory
+        is timed in the faster of the ``"streamed"`` and ``"host"`` modes.  One of
+        :data:`OPTIMIZER_MODES`: only the policies that allow it (``"device"``: state on the
+        device; ``"streamed"`` / ``"host"``: state on the host), timed in that mode.  Ignored in
+        inference.
+      host_overlap: as in :func:`evaluate` (the ``"host"`` mode's overlap with the backward).
 
-    Returns: a :class:`Plan`.  Search, tie-breaking and the order in which shrinking budgets move
+    Returns: a :class:`Plan` (its ``optimizer_mode`` says how the optimizer step runs).  Search, tie-breaking and the order in which shrinking budgets move
     components to the host: see the module docstring.
 
     Raises:
@@ -823,32 +1125,46 @@ def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
     training = _check_training(training)
     link = _check_link(link)
     target = _check_target(target)
+    mode = _check_optimizer_mode(optimizer_mode) if training else _check_optimizer_mode(optimizer_mode) and None
+    overlap = _check_host_overlap(host_overlap)
     if budget_bytes is None:
         raise ValueError("budget_bytes is required (device-memory budget in bytes)")
     budget = _as_bytes("plan", "budget_bytes", budget_bytes)
     space = _space(layers, training, max_prefetch_depth, target)
+    if mode is not None:
+        space = [c for c in space if _modes_of(c[1], mode)]
     min_idx, min_pol, min_peak = min(space, key=lambda t: (t[2], _complexity(t[1]), t[0]))
     feasible = [(idx, pol, peak) for idx, pol, peak in space if peak <= budget]
     if not feasible:
         raise InfeasibleBudgetError(budget, min_peak, min_pol)
     # Branch and bound on the floor (a lower bound of the step time) to avoid simulating everything.
+    # A policy with its optimizer state on the host is one candidate per allowed mode.
     scored = []
     for idx, pol, peak in feasible:
-        phases = _phases(pol, layers, training)
-        scored.append((_floor(phases, link), idx, pol, peak, phases))
-    scored.sort(key=lambda t: (t[0], t[1]))
+        if training and pol.optimizer_state == "host":
+            for m in _modes_of(pol, mode):
+                scored.append((_offloaded_floor(pol, layers, link, m), idx, pol, peak, m))
+        else:
+            phases = _phases(pol, layers, training)
+            scored.append((_floor(phases, link), idx, pol, peak, phases))
+    scored.sort(key=lambda t: (t[0], t[1], isinstance(t[4], str) and t[4] != "streamed"))
     best = math.inf
     timed = []
-    for fl, idx, pol, peak, phases in scored:
+    for fl, idx, pol, peak, how in scored:
         if fl > best * (1 + _REL_TIE):
             break
-        t = sum(_step(phases, pol, link).values())
+        if isinstance(how, str):
+            t = _offloaded_optimizer(pol, layers, link, how, overlap)["step_s"]
+        else:
+            t = sum(_step(how, pol, link).values())
         best = min(best, t)
-        timed.append((t, idx, pol, peak))
+        timed.append((t, idx, pol, peak, how if isinstance(how, str) else None))
     near = [c for c in timed if c[0] <= best * (1 + _REL_TIE)]
 
     def host_bytes(pol):
         return _memory(pol, layers, training, target)[3]
 
-    _, _, chosen, _ = min(near, key=lambda c: (sum(host_bytes(c[2]).values()), _complexity(c[2]), c[3], c[1]))
-    return _build(chosen, layers, training, link, budget, min_peak, target)
+    _, _, chosen, _, how = min(near, key=lambda c: (sum(host_bytes(c[2]).values()), _complexity(c[2]), c[3], c[1],
+                                                     c[4] not in (None, "streamed")))
+    return _build(chosen, layers, training, link, budget, min_peak, target, optimizer_mode=how,
+                  host_overlap=overlap)
