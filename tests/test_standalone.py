@@ -53,7 +53,6 @@ def outside_references() -> list:
 
 
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs a git checkout")
-@pytest.mark.xfail(strict=False, reason="docstring references pending")
 def test_no_reference_to_files_outside_the_repo():
     hits = outside_references()
     assert not hits, "tracked files cite files outside the repository (use docs/):\n" + "\n".join(hits)

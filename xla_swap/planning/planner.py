@@ -3,7 +3,7 @@
 Framework-neutral and dependency-free: pure Python, imports neither torch, torch_xla nor jax.
 
 Units everywhere: **bytes** for sizes, **seconds** for times, **GB/s = 1e9 bytes/s** for link
-bandwidths (the unit of ``../shared/DESIGN.md``); GiB (2**30 bytes) appears only in messages.
+bandwidths (the unit of ``docs/measured.md``); GiB (2**30 bytes) appears only in messages.
 
 How it works
 ------------
@@ -26,7 +26,7 @@ whose host offloader turns the placement annotations into copies; see "Target" b
 XLA:CPU):
 
 * ``params``: all ``L`` layers if ``"device"``; if ``"host"``, a window of the ``k+1`` largest
-  layers (the layer being computed plus ``k`` prefetched - the double buffer of DESIGN.md's
+  layers (the layer being computed plus ``k`` prefetched - the double buffer of docs/measured.md's
   streaming runs when ``k = 1``).
 * ``grads`` (training): all ``L`` layers if ``"device"``; if ``"host"``, the in-flight gradient
   of one layer (the largest).
@@ -101,7 +101,7 @@ starts when it finished.  The resulting per-layer time is ``max(compute_i, trans
 state; the first layer's prefetch and the last layer's outbound copy are exposed (not overlapped);
 with uniform layers the phase takes ``max(x + L*c, L*x + c)``.  ``transfer_i = max(in/h2d,
 out/d2h, (in+out)/both)``: when both directions move in one phase each gets its share of the
-both-at-once bandwidth (DESIGN.md: 54-55 GB/s each way, ~93 GB/s together, pinned, on an H200).
+both-at-once bandwidth (docs/measured.md: 54-55 GB/s each way, ~93 GB/s together, pinned, on an H200).
 
 * forward: compute ``f_i``; in: the layer's weights if params are on host; out: its
   host-placed named activations (training).
@@ -149,7 +149,7 @@ modes apart: it keeps the optimizer-phase window of ``k+1`` layers of params + g
 
 Step time of the ``"device"`` mode = sum of the phases.  Floor = ``max(total compute, total in / h2d, total out / d2h,
 (total in + out) / both)`` - the best any schedule could do for that policy's traffic
-(DESIGN.md's "floor = max(compute, 8 GiB / 54 GB/s)").
+(docs/measured.md's "floor = max(compute, 8 GiB / 54 GB/s)").
 
 Search and the order in which shrinking budgets move things to the host
 ---------------------------------------------------------------------
@@ -190,7 +190,7 @@ behind its backward compute (a compute-bound stack such as the small BERT-like s
 parameters, gradients and optimizer state leave the device together, first, and activations after;
  1-before-2 is the cost model's verdict
 whenever offloading or recomputing a layer's activations costs less than its weights' round trips
-- true for the DESIGN.md stack and the small BERT-like stack of the tests; a stack where it is not
+- true for the docs/measured.md stack and the small BERT-like stack of the tests; a stack where it is not
 (e.g. huge activations on a slow link) gets parameters first.  A smaller budget may bring an
 earlier class back to the device when a later move frees more.  In inference only the parameters
 (and the prefetch depth) are placed: parameters are the only class that moves.
@@ -214,7 +214,7 @@ __all__ = [
     "HOST_MEMORY_GBPS",
 ]
 
-#: Bytes per GB (link bandwidths are in GB/s, as in DESIGN.md).
+#: Bytes per GB (link bandwidths are in GB/s, as in docs/measured.md).
 GB = 1_000_000_000
 #: Bytes per GiB (used in messages and tables only).
 GiB = 1 << 30
@@ -312,7 +312,7 @@ class Link:
       h2d_gbps: host-to-device bandwidth when only that direction moves.
       d2h_gbps: device-to-host bandwidth when only that direction moves.
       both_gbps: aggregate bandwidth (sum of both directions) when both move at once; ``None``
-        means full duplex (``h2d_gbps + d2h_gbps``).  DESIGN.md measured ~93 GB/s on an H200,
+        means full duplex (``h2d_gbps + d2h_gbps``).  docs/measured.md measured ~93 GB/s on an H200,
         not 2 x 54.
       host_memory_gbps: host memory bandwidth in GB/s: the bytes a CPU optimizer update reads
         plus writes per second (the third resource, beside PCIe and device compute, of the
@@ -361,7 +361,7 @@ class Link:
         return touched_bytes / (self.host_memory_gbps * GB)
 
 
-#: Pinned host memory on an NVIDIA H200 (DESIGN.md, measured 2026-11-22): 54 GB/s each way,
+#: Pinned host memory on an NVIDIA H200 (docs/measured.md, measured 2026-11-22): 54 GB/s each way,
 #: ~93 GB/s both at once.
 H200_PINNED = Link(h2d_gbps=54.0, d2h_gbps=54.0, both_gbps=93.0)
 
@@ -1004,7 +1004,7 @@ def evaluate(policy: OffloadPolicy, layers: LayerCost | Sequence[LayerCost], num
       policy: the :class:`OffloadPolicy` to evaluate.
       layers: one :class:`LayerCost` repeated ``num_layers`` times, or one per layer.
       num_layers: number of layers (required with a single LayerCost).
-      link: host link bandwidths (GB/s); default :data:`H200_PINNED` (DESIGN.md).
+      link: host link bandwidths (GB/s); default :data:`H200_PINNED` (docs/measured.md).
       training: forward + backward + optimizer step (True) or forward only (False).
       target: the compiler the memory model describes, one of :data:`TARGETS`: ``"accelerator"``
         (default; XLA:GPU / XLA:TPU with host offloading) or ``"xla_cpu"`` (XLA:CPU strips the
@@ -1101,7 +1101,7 @@ def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
       layers: one :class:`LayerCost` repeated ``num_layers`` times, or a sequence, one per layer.
       num_layers: number of layers (required with a single LayerCost; must match a sequence).
       budget_bytes: device-memory budget in bytes (required).
-      link: host link bandwidths in GB/s; default :data:`H200_PINNED` (54/54/93 GB/s, DESIGN.md).
+      link: host link bandwidths in GB/s; default :data:`H200_PINNED` (54/54/93 GB/s, docs/measured.md).
       training: True for forward + backward + optimizer step, False for inference (forward only:
         no gradients, optimizer state or saved activations; the policy's activations are empty).
       max_prefetch_depth: largest ``prefetch_depth`` considered (1..16, default 4).
