@@ -784,35 +784,8 @@ class StreamingRuntime:
         recorded as such in ``sig.saved_layout[base]`` and not returned, so the weights
         are not kept on the device between the passes.
         """
-        fs = f if self.remat is False else jax.checkpoint(f, policy=self.remat)
         box = {}
-
-        def fwd_save(p, x):
-            pd, pc, ps = _split_diff(p)
-            xd, xc, xs = _split_diff(x)
-
-            def f2(pd, xd):
-                yd, yc, ys = _split_diff(fs(_merge_diff(pd, pc, ps), _merge_diff(xd, xc, xs)))
-                return yd, (yc, ys)
-
-            yd, vjp, (yc, ys) = jax.vjp(f2, pd, xd, has_aux=True)
-            res, treedef = jax.tree_util.tree_flatten(vjp)
-            pl, xl = jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(x)
-            sources, saved = [], []
-            for r in res:
-                j = _index_by_identity(pl, r)
-                if j is not None:
-                    sources.append(("p", j))
-                    continue
-                j = _index_by_identity(xl, r)
-                if j is not None:
-                    sources.append(("x", j))
-                    continue
-                sources.append(("s", len(saved)))
-                saved.append(r)
-            box["layout"] = (treedef, tuple(sources))
-            return _merge_diff(yd, yc, ys), saved
-
+        fwd_save = _forward_save_fn(f, self.remat, box)
         try:
             exe = jax.jit(fwd_save, out_shardings=(self.activation_sharding, None)).lower(pspec, hspec).compile()
         except ValueError as e:
@@ -825,6 +798,69 @@ class StreamingRuntime:
                           ).lower(pspec, hspec).compile()
         sig.saved_layout[base] = box["layout"]
         return exe
+
+    def layer_cost(self, h, stage: int, *, measure_reps: int = 0, flops_per_s: float | None = None):
+        """A planner ``LayerCost`` for one stage, derived from its compiled executables (and, optionally, timed).
+
+        Args:
+          h: an input of the stack (its signature fixes the shapes).
+          stage: the stage index.
+          measure_reps: > 0 times the stage's forward that many times on the device (weights
+            copied there first; median, seconds) as ``forward_s``.
+          flops_per_s: instead of ``measure_reps``: the achieved FLOP/s to divide the compiled
+            forward's FLOPs (XLA's cost analysis) by. Exactly one of the two.
+
+        Returns: ``xla_swap.planning.LayerCost`` with ``param_bytes`` (the stage's weights),
+          ``grad_bytes`` (its floating leaves), ``optimizer_bytes`` (this runtime's optimizer
+          state of the stage, 0 without one), ``carry_bytes`` (the stage input),
+          ``intermediate_bytes`` (the residuals ``jax.vjp`` keeps beyond weights and input,
+          with ``remat`` other than ``True``: what ``remat=False`` would save),
+          ``working_bytes`` (the compiled backward's temporaries), and ``forward_s`` or ``flops``.
+
+        Raises: ValueError: ``stage`` out of range; neither or both of ``measure_reps`` and
+          ``flops_per_s``; the backend reports no FLOPs; the checks of ``forward``.
+        """
+        from xla_swap.planning import LayerCost
+        if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)) or not 0 <= stage < self.num_stages:
+            raise ValueError(f"stage must be an int in [0, {self.num_stages}), got {stage!r}")
+        if isinstance(measure_reps, bool) or not isinstance(measure_reps, int) or measure_reps < 0:
+            raise ValueError(f"measure_reps must be an int >= 0, got {measure_reps!r}")
+        if (measure_reps > 0) == (flops_per_s is not None):
+            raise ValueError("layer_cost needs exactly one of measure_reps > 0 (time the stage) and flops_per_s")
+        sig = self._signature(h)
+        f, pav, hin = self._fns[stage], self._param_avals[stage], sig.chain[stage]
+        box: dict = {}
+        saved = jax.eval_shape(_forward_save_fn(f, False, box), pav, hin)[1]
+        fwd = self._exe(sig, "forward", stage, False)
+        bwd = self._exe(sig, "backward", stage, False) if self.optimizer is None else None
+        try:
+            working = int(bwd.memory_analysis().temp_size_in_bytes) if bwd is not None else None
+        except Exception:  # noqa: BLE001 - not every backend reports it
+            working = None
+        kw = {}
+        if measure_reps:
+            p = jax.device_put(self.host_params[stage], self._dev_sh[stage])
+            x = jax.device_put(jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), hin),
+                               self.activation_sharding)
+            jax.block_until_ready(fwd(p, x))
+            ts = []
+            for _ in range(measure_reps):
+                t = time.perf_counter()
+                jax.block_until_ready(fwd(p, x))
+                ts.append(time.perf_counter() - t)
+            kw["forward_s"] = float(np.median(ts))
+        else:
+            cost = fwd.cost_analysis()
+            cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+            flops = float((cost or {}).get("flops", 0.0))
+            if not flops > 0:
+                raise ValueError("the backend's cost analysis reports no FLOPs for this stage; pass measure_reps")
+            kw.update(flops=flops, flops_per_s=flops_per_s)
+        return LayerCost(param_bytes=self.stage_nbytes[stage],
+                         grad_bytes=tree_nbytes(_split_diff(pav)[0]),
+                         optimizer_bytes=self.optimizer_state_nbytes[stage],
+                         carry_bytes=tree_nbytes(hin), intermediate_bytes=tree_nbytes(saved),
+                         working_bytes=working, **kw)
 
     def _loss_exe(self, loss_fn, out_aval, loss_args):
         args_aval = tuple(_tree_aval(a, f"loss_args[{j}]") for j, a in enumerate(loss_args))
@@ -1026,6 +1062,45 @@ class StreamingRuntime:
             self.step += 1
         gx = _merge_diff(g, None, _split_diff(sig.in_aval)[2])
         return first, gx, host_grads
+
+
+def _forward_save_fn(f, remat, box: dict):
+    """``(p, x) -> (y, saved)``: a stage's output and its vjp residuals minus ``p`` and ``x``.
+
+    ``jax.vjp`` returns its residuals as the leaves of the vjp function (a pytree); while
+    tracing, residuals that *are* the traced weights or stage input (identity) are recorded as
+    such in ``box["layout"] = (vjp treedef, sources)`` and not returned, so the weights are not
+    kept on the device between the passes. ``remat``: ``False`` keeps every residual, a
+    ``jax.checkpoint_policies`` policy those ``jax.checkpoint`` saves.
+    """
+    fs = f if remat is False else jax.checkpoint(f, policy=remat)
+
+    def fwd_save(p, x):
+        pd, pc, ps = _split_diff(p)
+        xd, xc, xs = _split_diff(x)
+
+        def f2(pd, xd):
+            yd, yc, ys = _split_diff(fs(_merge_diff(pd, pc, ps), _merge_diff(xd, xc, xs)))
+            return yd, (yc, ys)
+
+        yd, vjp, (yc, ys) = jax.vjp(f2, pd, xd, has_aux=True)
+        res, treedef = jax.tree_util.tree_flatten(vjp)
+        pl, xl = jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(x)
+        sources, saved = [], []
+        for r in res:
+            j = _index_by_identity(pl, r)
+            if j is not None:
+                sources.append(("p", j))
+                continue
+            j = _index_by_identity(xl, r)
+            if j is not None:
+                sources.append(("x", j))
+                continue
+            sources.append(("s", len(saved)))
+            saved.append(r)
+        box["layout"] = (treedef, tuple(sources))
+        return _merge_diff(yd, yc, ys), saved
+    return fwd_save
 
 
 def _recompute_vjp(f):
