@@ -12,60 +12,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from streaming_cases import (D, F, L, T, check_close, chunk_stages, layer, live_device_arrays, loss_fn, make_input,
+                             make_params, mono_forward, mono_loss, stacked)
 from xla_swap.executors.streaming import StageEvent, StreamingRuntime, tree_nbytes
-
-L, D, F, T = 8, 16, 32, 8
-
-
-def layer(p, h):
-    return h + jax.nn.gelu(h @ p["a"]) @ p["b"]
-
-
-def make_params(n=L, d=D, f=F, seed=0):
-    rng = np.random.default_rng(seed)
-    return [{"a": (rng.standard_normal((d, f)) / np.sqrt(d)).astype(np.float32),
-             "b": (rng.standard_normal((f, d)) / np.sqrt(f) * 0.5).astype(np.float32)} for _ in range(n)]
-
-
-def make_input(t=T, d=D, seed=1):
-    return np.random.default_rng(seed).standard_normal((t, d)).astype(np.float32)
-
-
-def stacked(params):
-    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *params)
-
-
-@jax.jit
-def mono_forward(stack, h):
-    """The whole stack as one program: lax.scan over device-resident stacked weights."""
-    return jax.lax.scan(lambda c, p: (layer(p, c), None), h, stack)[0]
-
-
-def mono_loss(stack, h):
-    return jnp.sum(jnp.sin(mono_forward(stack, h)))
-
-
-def loss_fn(out):
-    return jnp.sum(jnp.sin(out))
-
-
-def live_device_arrays():
-    gc.collect()
-    return sum(1 for a in jax.live_arrays() if a.sharding.memory_kind == "device")
-
-
-def check_close(actual, desired, rtol=1e-6, atol=1e-6):
-    np.testing.assert_allclose(np.asarray(actual), np.asarray(desired), rtol=rtol, atol=atol)
-
-
-@pytest.fixture(scope="module")
-def params():
-    return make_params()
-
-
-@pytest.fixture(scope="module")
-def x():
-    return make_input()
 
 
 def mesh_sharding(num_devices):
@@ -396,29 +345,6 @@ def test_bfloat16_train_step():
 
 
 # ---------------------------------------------------------------------------- pytree carry, remat
-def chunk_stages(params, chunks):
-    """Each layer split into ``chunks`` stages over F; carry ``(x, acc)``: ``acc += gelu(x @ a_c) @ b_c``.
-
-    The last chunk of a layer closes it: ``y = acc + ...``, the next carry is ``(y, y)``.
-    The chunked stack computes the same function as ``layer`` (up to summation order).
-    """
-    def partial(p, carry):
-        x, acc = carry
-        return x, acc + jax.nn.gelu(x @ p["a"]) @ p["b"]
-
-    def closing(p, carry):
-        _, y = partial(p, carry)
-        return y, y
-
-    fns, stage_params = [], []
-    for prm in params:
-        fc = prm["a"].shape[1] // chunks
-        for c in range(chunks):
-            fns.append(closing if c == chunks - 1 else partial)
-            stage_params.append({"a": prm["a"][:, c * fc:(c + 1) * fc], "b": prm["b"][c * fc:(c + 1) * fc]})
-    return fns, stage_params
-
-
 @pytest.mark.parametrize("k", [1, 3])
 def test_pytree_carry_chunked_layers(params, x, k):
     """Layers split into 4 column-chunk stages with a (x, partial sum) carry: forward and grads match."""

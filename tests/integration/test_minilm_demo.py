@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "minilm_embed.py"
 COSINE = "[PASS] min cosine vs sentence-transformers >= 0.9999"
 

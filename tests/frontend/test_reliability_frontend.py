@@ -19,7 +19,7 @@ from xla_swap.frontend import (emit_annotations, host_transfer_guard, lower, low
                                place_to_host, scan, scan_layers)
 from xla_swap.planning import InfeasibleBudgetError, LayerCost, Link, OffloadPolicy, evaluate, plan
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_child(code: str, spmd: bool) -> subprocess.CompletedProcess:

@@ -302,7 +302,7 @@ def test_imports_without_torch():
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'torch_xla')]; "
             "assert not bad, bad; print(p.PjrtExecutor.__name__)")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "PjrtExecutor"
@@ -381,7 +381,7 @@ print("STILL WORKS", np.asarray(out).tolist())
 def test_host_callbacks_are_refused_before_compiling():
     """jax.debug.print / pure_callback / io_callback: a ValueError naming the callback, not a segfault."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run([sys.executable, "-c", _CALLBACK_SCRIPT], env=env, cwd=root, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, f"exit code {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"

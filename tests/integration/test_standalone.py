@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # Written so that this file does not match its own patterns.
 OUTSIDE_REFERENCES = [

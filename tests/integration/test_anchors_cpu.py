@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "anchors.py"
+_PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "anchors.py"
 _spec = importlib.util.spec_from_file_location("xla_swap_bench_anchors", _PATH)
 anchors = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(anchors)

@@ -10,8 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from test_streaming import L, check_close, chunk_stages, layer, mono_forward, stacked
-from test_streaming import params, x  # noqa: F401  (the same module-scoped fixtures)
+from streaming_cases import L, check_close, chunk_stages, layer, mono_forward, stacked
 from xla_swap.executors import InGraphRuntime, StreamingRuntime
 
 

@@ -51,19 +51,12 @@ What is asserted
    one at a time as the backward reads them, so not all are live at its peak).
    ``benchmarks/results/planner_vs_pjrt.md`` has both configurations and all three policies.
 """
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import xla_util  # noqa: E402,F401  (SPMD on the virtual devices, as the example runs)
-import train_decoder  # noqa: E402
-import planner_vs_pjrt as pvp  # noqa: E402
-
-from xla_swap.planning import OffloadPolicy  # noqa: E402
+import xla_util  # noqa: F401  (SPMD on the virtual devices, as the example runs)
+import train_decoder   # examples/ and benchmarks/ are on pytest's pythonpath (pyproject.toml)
+import planner_vs_pjrt as pvp
+from xla_swap.planning import OffloadPolicy
 
 CFG = train_decoder.Config()       # the example's model
 HALF = train_decoder.Config(layers=CFG.layers // 2)

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 FRONTEND = ROOT / "xla_swap" / "frontend"
 
 

@@ -368,7 +368,7 @@ def test_explain_table():
 def test_imports_without_torch_or_jax():
     code = ("import sys; import xla_swap.planning.planner; "
             "bad = [m for m in ('torch', 'torch_xla', 'jax') if m in sys.modules]; assert not bad, bad")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).resolve().parents[1])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).resolve().parents[2])
 
 
 # ----------------------------------------------------------------------------- bad inputs

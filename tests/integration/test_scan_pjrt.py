@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_scan_offload import POLICIES, loop_reference, lower_train_step, make_weights
+from scan_cases import POLICIES, loop_reference, lower_train_step, make_weights
 from xla_util import N
 from xla_swap.executors.pjrt import PjrtExecutor
 from xla_swap.planning import OffloadPolicy

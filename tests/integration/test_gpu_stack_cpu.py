@@ -6,14 +6,9 @@ the xla_swap rows - in-graph, chunked streaming, training with kept residuals (c
 per-stage gradients merged back to per-layer ones) - on a tiny stack in one process and
 asserts those errors, the gradients' memory kind and the rows the table needs.
 """
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import gpu_stack  # noqa: E402
+import gpu_stack   # benchmarks/gpu_stack.py (benchmarks/ is on pytest's pythonpath)
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,9 @@
 """Training with the planner's policy equals the un-offloaded run step for step (issue: 20 steps, rtol 1e-5)."""
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import xla_util  # noqa: E402,F401  (SPMD on the virtual devices)
-import train_decoder  # noqa: E402
-
-from xla_swap.planning import OffloadPolicy  # noqa: E402
+import xla_util  # noqa: F401  (SPMD on the virtual devices)
+import train_decoder   # examples/train_decoder.py (examples/ is on pytest's pythonpath)
+from xla_swap.planning import OffloadPolicy
 
 SMALL = train_decoder.Config(layers=3, dim=32, heads=2, seq=16, batch=2, lr=1e-2)
 

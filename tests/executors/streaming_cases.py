@@ -1,0 +1,77 @@
+"""Shared cases of the streaming and in-graph executor tests (numpy + jax only).
+
+An ``L``-layer residual MLP stack (``layer``), its weights and input, the monolithic
+device-resident reference (``mono_forward``: ``lax.scan`` over the stacked weights) and the
+chunked variant of the stack with a pytree carry (``chunk_stages``).
+"""
+import gc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+L, D, F, T = 8, 16, 32, 8
+
+
+def layer(p, h):
+    return h + jax.nn.gelu(h @ p["a"]) @ p["b"]
+
+
+def make_params(n=L, d=D, f=F, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"a": (rng.standard_normal((d, f)) / np.sqrt(d)).astype(np.float32),
+             "b": (rng.standard_normal((f, d)) / np.sqrt(f) * 0.5).astype(np.float32)} for _ in range(n)]
+
+
+def make_input(t=T, d=D, seed=1):
+    return np.random.default_rng(seed).standard_normal((t, d)).astype(np.float32)
+
+
+def stacked(params):
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *params)
+
+
+@jax.jit
+def mono_forward(stack, h):
+    """The whole stack as one program: lax.scan over device-resident stacked weights."""
+    return jax.lax.scan(lambda c, p: (layer(p, c), None), h, stack)[0]
+
+
+def mono_loss(stack, h):
+    return jnp.sum(jnp.sin(mono_forward(stack, h)))
+
+
+def loss_fn(out):
+    return jnp.sum(jnp.sin(out))
+
+
+def live_device_arrays():
+    gc.collect()
+    return sum(1 for a in jax.live_arrays() if a.sharding.memory_kind == "device")
+
+
+def check_close(actual, desired, rtol=1e-6, atol=1e-6):
+    np.testing.assert_allclose(np.asarray(actual), np.asarray(desired), rtol=rtol, atol=atol)
+
+
+def chunk_stages(params, chunks):
+    """Each layer split into ``chunks`` stages over F; carry ``(x, acc)``: ``acc += gelu(x @ a_c) @ b_c``.
+
+    The last chunk of a layer closes it: ``y = acc + ...``, the next carry is ``(y, y)``.
+    The chunked stack computes the same function as ``layer`` (up to summation order).
+    """
+    def partial(p, carry):
+        x, acc = carry
+        return x, acc + jax.nn.gelu(x @ p["a"]) @ p["b"]
+
+    def closing(p, carry):
+        _, y = partial(p, carry)
+        return y, y
+
+    fns, stage_params = [], []
+    for prm in params:
+        fc = prm["a"].shape[1] // chunks
+        for c in range(chunks):
+            fns.append(closing if c == chunks - 1 else partial)
+            stage_params.append({"a": prm["a"][:, c * fc:(c + 1) * fc], "b": prm["b"][c * fc:(c + 1) * fc]})
+    return fns, stage_params
