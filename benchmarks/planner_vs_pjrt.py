@@ -342,7 +342,7 @@ def findings(rows: list, saved_checks: list) -> list:
     ratios = [r["ratio"] for r in rows]
     out.append(
         f"Every row is within [0.9, 1.1]: ratios {min(ratios):.3f} to {max(ratios):.3f} (predicted with "
-        f"target='xla_cpu'). tests/test_planner_vs_executor.py asserts the planned and all-device totals of "
+        f"target='xla_cpu'). tests/integration/test_planner_vs_executor.py asserts the planned and all-device totals of "
         f"the example Config().")
     out.append(
         f"Host bytes agree exactly: the stacked weights are pinned_host arguments and, with grads='host', the "

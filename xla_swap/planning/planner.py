@@ -167,7 +167,7 @@ bytes, then the simpler policy (fewer non-default choices, smaller prefetch dept
 device bytes, then enumeration order - fully deterministic.  The planner re-optimises from
 scratch at every budget, so predicted step time never decreases as the budget shrinks.
 
-**Order claimed (asserted by tests/test_planner.py).** In training, as the budget shrinks below
+**Order claimed (asserted by tests/planning/test_planner.py).** In training, as the budget shrinks below
 the all-device footprint, the component classes first leave the device in this order:
 
 1. **saved activations** - named activations go to the host (offload) while the copy hides
