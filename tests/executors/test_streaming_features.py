@@ -180,3 +180,21 @@ def test_bad_optimizer_arguments():
     rt = StreamingRuntime(layer, params)
     with pytest.raises(ValueError, match="lr is only used with an optimizer"):
         rt.train_step(make_input(), lambda o: jnp.sum(o), lr=0.1)
+
+
+def test_layer_cost_from_the_compiled_stage():
+    """``layer_cost`` gives the planner a stage's bytes from the runtime itself."""
+    params, x = make_params(), make_input()
+    rt = StreamingRuntime(layer, params, remat=False, optimizer=None)
+    cost = rt.layer_cost(x, 1, flops_per_s=1e9)
+    assert cost.param_bytes == cost.grad_bytes == 4 * (D * F + F * D)
+    assert cost.carry_bytes == 4 * T * D and cost.optimizer_bytes == 0
+    assert cost.flops >= 2 * 2 * T * D * F                    # the two matmuls at least
+    rt.train_step(x, lambda o: jnp.sum(o))
+    assert cost.intermediate_bytes == rt.residual_nbytes[1] > 0  # what remat=False keeps, as trained
+    timed = StreamingRuntime(layer, params, optimizer=AdamW()).layer_cost(x, 0, measure_reps=2)
+    assert timed.forward_s > 0 and timed.optimizer_bytes == 2 * cost.param_bytes
+    with pytest.raises(ValueError, match="exactly one of measure_reps"):
+        rt.layer_cost(x, 0)
+    with pytest.raises(ValueError, match="stage must be"):
+        rt.layer_cost(x, L, flops_per_s=1e9)
