@@ -190,6 +190,8 @@ class SwappedStack:
       prefetch_depth: overrides ``policy.prefetch_depth`` when given.
       max_signatures: input shapes whose executables stay cached (serving several batch
         sizes and sequence lengths).
+      offload_activations: in training, each layer's kept input goes to ``pinned_host`` during the
+        forward and comes back ``prefetch_depth`` layers ahead in the backward (activation offload).
       accumulate_grads: without an optimizer, add each step's gradients to the modules'
         ``.grad`` (default; a host copy of every gradient per step). ``False`` leaves them in
         ``pinned_host`` as ``last_grads`` (one pytree of jax arrays per stage) instead.
@@ -207,7 +209,8 @@ class SwappedStack:
                  last: torch.nn.Module | None = None, policy: OffloadPolicy | None = None,
                  budget_bytes: int | None = None, optimizer=None, loss_fn: Callable | None = None,
                  devices: Sequence[jax.Device] | None = None, shard: str | Callable = "fsdp",
-                 prefetch_depth: int | None = None, max_signatures: int = 8, accumulate_grads: bool = True):
+                 prefetch_depth: int | None = None, max_signatures: int = 8, accumulate_grads: bool = True,
+                 offload_activations: bool = False):
         # ---- validation (no state changes) ----
         if isinstance(layers, torch.nn.Module) and not isinstance(layers, (torch.nn.ModuleList, torch.nn.Sequential)):
             raise TypeError("layers must be a sequence of nn.Modules (e.g. model.model.layers), got one module")
@@ -335,11 +338,13 @@ class SwappedStack:
                                   grads_to_host=policy.grads == "host", optimizer=optimizer,
                                   optimizer_state_on_host=policy.optimizer_state == "host",
                                   remat=policy.remat, trainable=lambda i, path: path[0].key in trainable[i],
-                                  track_residency=False, max_signatures=max_signatures, **kwargs)
+                                  track_residency=False, max_signatures=max_signatures,
+                                  offload_activations=offload_activations, **kwargs)
         else:
             rt = StreamingRuntime.from_policy(fns, stage_params, rt_policy, optimizer=optimizer,
                                               trainable=lambda i, path: path[0].key in trainable[i],
-                                              track_residency=False, max_signatures=max_signatures, **kwargs)
+                                              track_residency=False, max_signatures=max_signatures,
+                                              offload_activations=offload_activations, **kwargs)
         #: the :class:`~xla_swap.executors.StreamingRuntime` that runs the stages.
         self.runtime: StreamingRuntime = rt
         #: the policy in force (``budget_bytes`` given: ``params`` reads "host", see ``runtime.resident``).

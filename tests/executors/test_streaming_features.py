@@ -198,3 +198,22 @@ def test_layer_cost_from_the_compiled_stage():
         rt.layer_cost(x, 0)
     with pytest.raises(ValueError, match="stage must be"):
         rt.layer_cost(x, L, flops_per_s=1e9)
+
+
+@pytest.mark.parametrize("remat,k", [(True, 1), (False, 2)])
+def test_activation_offload_keeps_values_and_gradients(remat, k):
+    """Stage inputs (and saved residuals) through pinned_host and back k stages ahead: same loss and gradients."""
+    params, x = make_params(), make_input()
+    target = make_input(seed=7)
+    ref = StreamingRuntime(layer, params, prefetch_depth=k, remat=remat)
+    off = StreamingRuntime(layer, params, prefetch_depth=k, remat=remat, offload_activations=True)
+    l0, gx0, g0 = ref.train_step(x, loss_fn, loss_args=(target,))
+    l1, gx1, g1 = off.train_step(x, loss_fn, loss_args=(target,))
+    np.testing.assert_array_equal(np.asarray(l1), np.asarray(l0))
+    np.testing.assert_array_equal(np.asarray(gx1), np.asarray(gx0))
+    for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g0)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # every stage but the last k sent its input (and residuals) to the host
+    per_stage = 4 * T * D + (off.residual_nbytes[0] if not remat else 0)
+    assert off.offloaded_activation_nbytes == (L - k) * per_stage > 0
+    assert ref.offloaded_activation_nbytes == 0

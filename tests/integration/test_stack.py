@@ -103,9 +103,10 @@ def test_grads_without_optimizer_fill_dot_grad():
         assert p.grad is not None, n
         assert rel(p.grad, q.grad) <= 1e-4, n
     # accumulate_grads=False: the gradients stay in pinned_host, one pytree per stage
-    kept = SwappedStack(layers, first=first, last=last, accumulate_grads=False,
+    kept = SwappedStack(layers, first=first, last=last, accumulate_grads=False, offload_activations=True,
                         policy=OffloadPolicy(params="host", grads="host", remat=True, prefetch_depth=2))
     kept.train_step(x, y, loss_fn=ce)
+    assert kept.runtime.offloaded_activation_nbytes > 0   # layer inputs went through pinned_host
     kinds = {a.sharding.memory_kind for g in kept.last_grads for a in jax.tree_util.tree_leaves(g)}
     assert kinds == {"pinned_host"}
     got = torch.from_numpy(np.asarray(kept.last_grads[1]["mlp.up_proj.weight"]))

@@ -140,9 +140,9 @@ def _remat_from_policy(policy: OffloadPolicy):
     """The ``remat`` argument of the runtime for a policy's ``remat`` and ``activations``."""
     host = policy.offloaded_activations
     if host:
-        raise ValueError(f"policy.activations offloads {list(host)} to the host; the streaming runtime keeps "
-                         "saved activations in device memory (activation offload runs in the torch_xla scan "
-                         "helpers). Use 'device' or 'remat' for these names here")
+        raise ValueError(f"policy.activations offloads {list(host)} to the host by name; the streaming runtime "
+                         "offloads whole stage inputs and residuals instead (offload_activations=True); named "
+                         "activation offload runs in the torch_xla scan helpers. Use 'device' or 'remat' here")
     keep = tuple(n for n, w in policy.activations.items() if w == "device")
     if not policy.remat:
         return False
@@ -223,6 +223,11 @@ class StreamingRuntime:
       max_signatures: how many input signatures (structure, shapes, dtypes of ``h``) keep
         their compiled executables; the least recently used is dropped beyond it (a bounded
         cache: serving several batch sizes and sequence lengths with one runtime).
+      offload_activations: in ``train_step``, send each stage's kept input (and, with
+        ``remat`` other than ``True``, its saved residuals) to ``pinned_host`` once the stage
+        has been dispatched, and bring it back ``prefetch_depth`` stages ahead in the backward,
+        next to the weights (activation offload; the last k stages keep theirs on the device).
+        Device memory for kept activations drops from L stages to about 2k+1.
 
     Device memory (bytes), with S = the largest stage's weight bytes (``stage_nbytes``):
       forward: at most (k+1)*S of weights plus two activations; ``train_step``: at most
@@ -266,6 +271,7 @@ class StreamingRuntime:
         optimizer_state_on_host: bool = True,
         trainable: Callable | None = None,
         max_signatures: int = DEFAULT_MAX_SIGNATURES,
+        offload_activations: bool = False,
     ):
         # ---- validation, no state change before all of it passed ----
         if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, (int, np.integer)):
@@ -275,7 +281,8 @@ class StreamingRuntime:
         for flag_name, flag in (("donate", donate), ("throttle", throttle),
                                 ("track_residency", track_residency), ("trace", trace),
                                 ("grads_to_host", grads_to_host),
-                                ("optimizer_state_on_host", optimizer_state_on_host)):
+                                ("optimizer_state_on_host", optimizer_state_on_host),
+                                ("offload_activations", offload_activations)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{flag_name} must be a bool, got {type(flag).__name__}")
         if not (isinstance(remat, bool) or callable(remat)) or isinstance(remat, (type, types.BuiltinFunctionType)):
@@ -392,6 +399,9 @@ class StreamingRuntime:
         self.optimizer: AdamW | None = optimizer
         self.optimizer_state_on_host = optimizer_state_on_host
         self.max_signatures = int(max_signatures)
+        self.offload_activations = offload_activations
+        #: bytes of stage inputs and saved residuals the last ``train_step`` sent to ``pinned_host``.
+        self.offloaded_activation_nbytes: int = 0
         self.activation_sharding: Sharding = act
         self._fns = fns
         self._fn_ids: list[int] = []
@@ -969,6 +979,11 @@ class StreamingRuntime:
         throttle = self.throttle
         save = train and self.remat is not True
         opt = self.optimizer if train else None
+        offload = train and self.offload_activations
+        act_host = self.activation_sharding.with_memory_kind(HOST_KIND)
+        res_dev = [list(e.output_shardings[1]) for e in fwd] if (offload and save) else None
+        offloaded = [False] * n
+        self.offloaded_activation_nbytes = 0
         saved: list = [None] * n
         x = jax.device_put(h, self.activation_sharding)
         # Forward. In training, the last k stages stay resident for the start of the backward.
@@ -990,6 +1005,12 @@ class StreamingRuntime:
                 jax.block_until_ready(x)  # stage i-1 done: its weights' memory is free
             if i + k < n:
                 self._fetch(q, i + k, "forward", watcher)
+            if offload and i not in keep:  # stage i is dispatched: its kept input (and residuals) go to the host
+                self.offloaded_activation_nbytes += tree_nbytes(acts[i]) + (tree_nbytes(saved[i]) if save else 0)
+                acts[i] = jax.device_put(acts[i], act_host)
+                if save:
+                    saved[i] = jax.device_put(saved[i], [sh.with_memory_kind(HOST_KIND) for sh in res_dev[i]])
+                offloaded[i] = True
             self._record("forward", i)
             if i not in keep:
                 del q[i]
@@ -1013,8 +1034,16 @@ class StreamingRuntime:
         host_grads: list | None = [None] * n if opt is None else None
         qs: dict[int, Any] = {}
         prev_host = None
+        def fetch_acts(j):
+            if offloaded[j]:
+                acts[j] = jax.device_put(acts[j], self.activation_sharding)
+                if save:
+                    saved[j] = jax.device_put(saved[j], res_dev[j])
+                offloaded[j] = False
+
         for j in range(n - 1, max(-1, n - 1 - k), -1):
             self._fetch(q, j, "backward", watcher, qs)
+            fetch_acts(j)
         for i in range(n - 1, -1, -1):
             p = q.pop(i)
             xi = acts[i]
@@ -1055,6 +1084,7 @@ class StreamingRuntime:
                 jax.block_until_ready(prev_host)  # stage i+1's results are on the host
             if i - k >= 0:
                 self._fetch(q, i - k, "backward", watcher, qs)
+                fetch_acts(i - k)
             self._record("backward", i)
             del p, dp
             prev_host = moved
