@@ -18,7 +18,9 @@ Rows per shape (medians of ``--reps`` after one warm-up; seconds):
   layers (default policy, k=2); ``torch_train`` keeps the gradients in ``pinned_host``
   (``accumulate_grads=False``); ``torch_adamw`` applies torch AdamW's update per stage on the
   device with bf16 moments (torch's choice for bf16 parameters) in ``pinned_host``;
-  ``torch_adamw_devstate`` keeps the moments in device memory (``optimizer_state="device"``,
+  ``torch_fwd_rt`` calls the same runtime as the JAX row is called (diagnostic of the
+  entry point's per-call conversion); ``torch_train_actoff`` is ``torch_train`` with ``offload_activations=True`` (layer inputs
+  through ``pinned_host``); ``torch_adamw_devstate`` keeps the moments in device memory (``optimizer_state="device"``,
   the placement a planner picks when they fit): only the weights cross PCIe.
 
 Floors (W = weight bytes, M = moment bytes, k = 2; bandwidths measured in the same run by
@@ -179,6 +181,10 @@ def measure_shape(D, F, L, T, reps, k=2):
         return out
     rows["torch_fwd"] = _timeit(torch_fwd, reps)
     note("torch_fwd")
+    # diagnostic: the same runtime called as the JAX row is (jax array in, jax array out): what is
+    # left of torch_fwd - torch_fwd_rt is the entry point's per-call conversion (DLPack in and out)
+    rows["torch_fwd_rt"] = _timeit(lambda: jax.block_until_ready(st.runtime.forward((x_dev, {}))), reps)
+    note("torch_fwd_rt")
     out_t = torch_fwd().float().cpu().numpy()
     res["torch_output_device"] = str(torch_fwd().device)
     res["torch_vs_jax_max_abs_diff"] = float(np.abs(out_t - ref_out).max())
@@ -188,6 +194,13 @@ def measure_shape(D, F, L, T, reps, k=2):
         jax.block_until_ready(st.last_grads)
     rows["torch_train"] = _timeit(torch_train, reps)
     note("torch_train")
+    del st
+    gc.collect()
+    st = SwappedStack(layers, policy=pol, devices=jax.devices()[:1], accumulate_grads=False,
+                      offload_activations=True)
+    rows["torch_train_actoff"] = _timeit(torch_train, reps)
+    res["actoff_bytes"] = st.runtime.offloaded_activation_nbytes
+    note("torch_train_actoff")
     del st
     gc.collect()
     st = SwappedStack(layers, policy=pol, devices=jax.devices()[:1], optimizer=AdamW(lr=1e-5), loss_fn=tloss)
@@ -231,6 +244,10 @@ def analyze(raw: dict) -> dict:
         "torch_vs_jax_fwd": med["torch_fwd"] / med["jax_fwd"],
         "torch_vs_jax_train": med["torch_train"] / med["jax_train"],
     }
+    if "torch_fwd_rt" in med:
+        ratio["torch_fwd_conversion_s"] = med["torch_fwd"] - med["torch_fwd_rt"]
+    if "torch_train_actoff" in med:  # activation offload: overhead against the same step without it
+        ratio["actoff_overhead"] = med["torch_train_actoff"] / med["torch_train"]
     return {"shape": raw["shape"], "median_s": med, "floor_s": floors, "ratio": ratio,
             "bw_GBps": {k_: v / 1e9 for k_, v in bw.items()}}
 
