@@ -151,7 +151,7 @@ def measure_shape(D, F, L, T, reps, k=2):
     rows["jax_train"] = _timeit(lambda: jax.block_until_ready(rt.train_step(x_dev, jloss)[::2]), reps)
     note("jax_train")
     ref_out = np.asarray(rt.forward(x_dev)).astype(np.float32)
-    del rt
+    rt = None  # free its buffers before the next row
     gc.collect()
     # ---- on-device (every stage resident) ----
     rt = StreamingRuntime(stage_jax, wj, prefetch_depth=k, track_residency=False, resident=[True] * L,
@@ -159,14 +159,14 @@ def measure_shape(D, F, L, T, reps, k=2):
     rows["ondev_fwd"] = _timeit(lambda: jax.block_until_ready(rt.forward(x_dev)), reps)
     rows["ondev_train"] = _timeit(lambda: jax.block_until_ready(rt.train_step(x_dev, jloss)[::2]), reps)
     note("ondev_train")
-    del rt
+    rt = None  # free its buffers before the next row
     gc.collect()
     rt = StreamingRuntime(stage_jax, wj, prefetch_depth=k, track_residency=False, resident=[True] * L,
                           optimizer=AdamW(lr=1e-5), optimizer_state_on_host=False)
     rows["ondev_adamw"] = _timeit(
         lambda: jax.block_until_ready((rt.train_step(x_dev, jloss)[0], rt.host_params, rt.optimizer_state)), reps)
     note("ondev_adamw")
-    del rt
+    rt = None  # free its buffers before the next row
     gc.collect()
     # ---- torch-written rows through the entry point ----
     pol = OffloadPolicy(params="host", grads="host", optimizer_state="host", remat=True, prefetch_depth=k)
@@ -194,14 +194,14 @@ def measure_shape(D, F, L, T, reps, k=2):
         jax.block_until_ready(st.last_grads)
     rows["torch_train"] = _timeit(torch_train, reps)
     note("torch_train")
-    del st
+    st = None  # free its buffers before the next row
     gc.collect()
     st = SwappedStack(layers, policy=pol, devices=jax.devices()[:1], accumulate_grads=False,
                       offload_activations=True)
     rows["torch_train_actoff"] = _timeit(torch_train, reps)
     res["actoff_bytes"] = st.runtime.offloaded_activation_nbytes
     note("torch_train_actoff")
-    del st
+    st = None  # free its buffers before the next row
     gc.collect()
     st = SwappedStack(layers, policy=pol, devices=jax.devices()[:1], optimizer=AdamW(lr=1e-5), loss_fn=tloss)
 
@@ -211,13 +211,13 @@ def measure_shape(D, F, L, T, reps, k=2):
     rows["torch_adamw"] = _timeit(torch_adamw, reps)
     note("torch_adamw")
     res["adamw_moment_dtype"] = str(jax.tree_util.tree_leaves(st.runtime.optimizer_state[0])[0].dtype)
-    del st
+    st = None  # free its buffers before the next row
     gc.collect()
     dpol = OffloadPolicy(params="host", grads="host", optimizer_state="device", remat=True, prefetch_depth=k)
     st = SwappedStack(layers, policy=dpol, devices=jax.devices()[:1], optimizer=AdamW(lr=1e-5), loss_fn=tloss)
     rows["torch_adamw_devstate"] = _timeit(torch_adamw, reps)
     note("torch_adamw_devstate")
-    del st
+    st = None  # free its buffers before the next row
     gc.collect()
     return res
 

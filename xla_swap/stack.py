@@ -36,7 +36,7 @@ The module imports torch, torchax, jax and numpy; not torch_xla.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from xla_swap.executors.streaming import StreamingRuntime
+from xla_swap.executors.streaming import StreamingRuntime, _remat_from_policy
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.planning.policy import OffloadPolicy
 
@@ -281,9 +281,7 @@ class SwappedStack:
             if sig not in shared:
                 lfn = _module_fn(m, env)
 
-                def layer_stage(w, carry, lfn=lfn, first_stage=(i == 0 and first is None)):
-                    if first_stage and not (isinstance(carry, tuple) and len(carry) == 2 and isinstance(carry[1], dict)):
-                        carry = (carry[0] if isinstance(carry, tuple) else carry, {})
+                def layer_stage(w, carry, lfn=lfn):
                     h, kw = carry
                     out = lfn(w, (h,), kw)
                     if isinstance(out, (tuple, list)):
@@ -332,19 +330,16 @@ class SwappedStack:
             resident = self._resident_for_budget(stage_params, trainable, optimizer, budget_bytes, k)
         kwargs = dict(sharding=sharding, activation_sharding=NamedSharding(mesh, PartitionSpec())) \
             if sharding is not None else dict(device=devices[0])
-        rt_policy = policy
-        if resident is not None:
+        common = dict(optimizer=optimizer, trainable=lambda i, path: path[0].key in trainable[i],
+                      track_residency=False, max_signatures=max_signatures,
+                      offload_activations=offload_activations, **kwargs)
+        if resident is None:
+            rt = StreamingRuntime.from_policy(fns, stage_params, policy, **common)
+        else:  # the policy's fields, with the residency the budget chose
             rt = StreamingRuntime(fns, stage_params, prefetch_depth=k, resident=resident,
-                                  grads_to_host=policy.grads == "host", optimizer=optimizer,
+                                  grads_to_host=policy.grads == "host",
                                   optimizer_state_on_host=policy.optimizer_state == "host",
-                                  remat=policy.remat, trainable=lambda i, path: path[0].key in trainable[i],
-                                  track_residency=False, max_signatures=max_signatures,
-                                  offload_activations=offload_activations, **kwargs)
-        else:
-            rt = StreamingRuntime.from_policy(fns, stage_params, rt_policy, optimizer=optimizer,
-                                              trainable=lambda i, path: path[0].key in trainable[i],
-                                              track_residency=False, max_signatures=max_signatures,
-                                              offload_activations=offload_activations, **kwargs)
+                                  remat=_remat_from_policy(policy), **common)
         #: the :class:`~xla_swap.executors.StreamingRuntime` that runs the stages.
         self.runtime: StreamingRuntime = rt
         #: the policy in force (``budget_bytes`` given: ``params`` reads "host", see ``runtime.resident``).
@@ -473,8 +468,10 @@ class SwappedStack:
     def _carry_in(self, inputs):
         if not inputs:
             raise TypeError("forward/train_step need at least one input tensor")
+        if not self.has_first and len(inputs) != 1:
+            raise TypeError(f"without a `first` stage the layers take one input (h), got {len(inputs)}")
         x = _inputs_to_jax(tuple(inputs), "inputs")
-        return x if self.has_first else (x[0], {}) if len(x) == 1 else (x[0], {})
+        return x if self.has_first else (x[0], {})
 
     def _out(self, y, cuda: bool):
         if isinstance(y, tuple) and len(y) == 2 and isinstance(y[1], dict):

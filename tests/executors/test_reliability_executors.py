@@ -7,13 +7,12 @@ unchanged, and the process stays usable (a runtime built afterwards still comput
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from xla_swap.executors import InGraphRuntime, PjrtExecutor, StreamingRuntime
-from xla_swap.planning import AdamW, OffloadPolicy
+from xla_swap.planning import AdamW
 from xla_swap.stack import SwappedStack
 
 D = 8

@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 import torch
 import torch_xla
-import torch_xla.distributed.spmd as xs
 from hypothesis import HealthCheck, given, settings, strategies as st
 from torch_xla.experimental.scan import scan as txla_scan
 
-from xla_util import DEV, N, mesh_2d, to_xla
+from xla_util import DEV, mesh_2d, to_xla
 from xla_swap.frontend import (emit_annotations, host_transfer_guard, lower, lower_fn, offload_name, place_to_device,
                                place_to_host, scan, scan_layers)
 from xla_swap.planning import InfeasibleBudgetError, LayerCost, Link, OffloadPolicy, evaluate, plan
