@@ -80,7 +80,8 @@ def _to_torch(a) -> torch.Tensor:
 
     A jax array that spans devices of other processes (multi-process runs) is gathered first:
     a replicated one from this process's first shard, a sharded one with
-    ``jax.experimental.multihost_utils.process_allgather`` (every process must call this).
+    ``jax.experimental.multihost_utils.process_allgather`` (a collective: every process must
+    call this, in the same order).
     """
     if isinstance(a, jax.Array) and not a.is_fully_addressable:
         if a.is_fully_replicated:
@@ -301,7 +302,7 @@ class SwappedStack:
         for m in modules:
             params = {n: _to_numpy(p) for n, p in m.named_parameters()}
             buffers = {n: _to_numpy(b) for n, b in m.named_buffers()}
-            trainable.append(set(params))
+            trainable.append(list(params))  # ordered: every process must gather in the same order
             stage_params.append({**buffers, **params})
         self._trainable = trainable
         n_dev = len(devices)
@@ -453,7 +454,10 @@ class SwappedStack:
 
     # ------------------------------------------------------------------ weights
     def state_dicts(self) -> list[dict[str, torch.Tensor]]:
-        """The current weights of every stage as CPU torch tensors: ``[{name: tensor}, ...]`` (copies)."""
+        """The current weights of every stage as CPU torch tensors: ``[{name: tensor}, ...]`` (copies).
+
+        With several processes every process must call it (the sharded weights are gathered).
+        """
         return [{n: _to_torch(p[n]) for n in names} for p, names in zip(self.runtime.host_params, self._trainable)]
 
     def sync_modules(self) -> None:
