@@ -59,7 +59,7 @@ weight-generation chunks).
 marks and only ``bytes_in_use`` before/after are per variant.
 
 Results: ``$OUT/gpu_stack.json`` and ``gpu_stack.md`` if env ``OUT`` is set, else
-``benchmarks/results/``; saved after every variant, so a run cut short keeps what it did.
+``out/`` (untracked; ``--out-dir benchmarks/results`` to update the committed results); saved after every variant, so a run cut short keeps what it did.
 The markdown table is printed last.
 
 Smoke test on CPU (ratios meaningless there: pinned_host and device are both host RAM)::
@@ -180,7 +180,7 @@ def parse_args(argv=None):
     p.add_argument("--compile-cache", action="store_true",
                    help="share a persistent jax compilation cache between subprocesses (off by default: "
                         "cached executables with host memory kinds are less tested)")
-    p.add_argument("--out-dir", default=None, help="default: $OUT, else benchmarks/results")
+    p.add_argument("--out-dir", default=None, help="default: $OUT, else out/ (untracked); pass benchmarks/results to update the committed results")
     p.add_argument("--artifacts-dir", default=str(DEFAULT_ARTIFACTS),
                    help="torch_xla-lowered protos + sidecars (benchmarks/export_torch_xla_stack.py); "
                         "default benchmarks/artifacts")
@@ -1302,7 +1302,7 @@ def save(data, out_dir: Path) -> None:
 def driver(args) -> None:
     import jax  # version only: the backend is not initialised in this process in isolate=process mode
 
-    out_dir = Path(args.out_dir or os.environ.get("OUT") or REPO / "benchmarks" / "results")
+    out_dir = Path(args.out_dir or os.environ.get("OUT") or REPO / "out")
     data = {"meta": {"command": " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
                      "argv": sys.argv, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                      "host": platform.node(), "python": platform.python_version(), "jax_version": jax.__version__,

@@ -79,7 +79,7 @@ Run (about 40 s on 2 cores)::
 
     .venv/bin/python benchmarks/planner_vs_pjrt.py --spmd 4
 
-writes ``benchmarks/results/planner_vs_pjrt.{json,md}``.
+writes ``planner_vs_pjrt.{json,md}`` into ``--out`` (default ``out/``; ``--out benchmarks/results`` updates the committed ones).
 """
 from __future__ import annotations
 
@@ -395,7 +395,8 @@ def findings(rows: list, saved_checks: list) -> list:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spmd", type=int, default=4, help="also compile sharded over this many devices (0: skip)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "out"),
+                    help="folder for the JSON + markdown (default out/, untracked; benchmarks/results updates the committed ones)")
     args = ap.parse_args(argv)
     _setup_env(max(args.spmd, 1))
     import jax

@@ -27,7 +27,7 @@ Usage::
     .venv/bin/python benchmarks/plot_timeline.py benchmarks/results/gpu_stack.json \\
         --variant train-xla_swap-k2-saved --tokens 8192
 
-Output: ``benchmarks/results/timeline_<variant>_T<tokens>.png`` (``--out`` to change).
+Output: ``out/timeline_<variant>_T<tokens>.png`` (untracked; ``--out`` to change).
 """
 from __future__ import annotations
 
@@ -192,12 +192,12 @@ def main(argv=None) -> None:
     p.add_argument("json", nargs="?", default=str(DEFAULT_JSON), help="gpu_stack result JSON")
     p.add_argument("--variant", default="xla_swap-k2", help="row variant (default xla_swap-k2)")
     p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--out", default=None, help="PNG path (default benchmarks/results/timeline_<variant>_T<tokens>.png)")
+    p.add_argument("--out", default=None, help="PNG path (default out/timeline_<variant>_T<tokens>.png, untracked)")
     args = p.parse_args(argv)
     data = json.loads(Path(args.json).read_text())
     variant = args.variant
     row = find_row(data, variant, args.tokens)
-    out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"timeline_{variant}_T{args.tokens}.png"
+    out = Path(args.out) if args.out else REPO / "out" / f"timeline_{variant}_T{args.tokens}.png"
     summary = plot(data, row, out)
     print(json.dumps(summary, indent=1))
 

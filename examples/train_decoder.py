@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--budget-fraction", type=float, default=0.5,
                     help="device budget as a fraction of parameters + Adam state")
-    ap.add_argument("--out", default="benchmarks/results", help="folder for the loss curve PNG and JSON")
+    ap.add_argument("--out", default="out", help="folder for the loss curve PNG and JSON (untracked)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     import torch_xla.runtime as xr
