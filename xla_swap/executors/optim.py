@@ -8,7 +8,6 @@ Imports jax and numpy only.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -63,7 +62,3 @@ def apply_update(opt: AdamW, params: list, grads: list, state: list, hyper):
         new_s.append((m32.astype(m.dtype), v32.astype(v.dtype)))
     return new_p, new_s
 
-
-def init_state_avals(opt: AdamW, param_avals: list) -> list:
-    """``[(m, v), ...]`` of ``jax.ShapeDtypeStruct`` for a list of parameter avals."""
-    return [(jax.ShapeDtypeStruct(a.shape, state_dtype(opt, a.dtype)),) * 2 for a in param_avals]

@@ -44,7 +44,8 @@ from xla_swap.planning.policy import OffloadPolicy
 
 from . import optim as _optim
 from ._stages import (DEVICE_KIND, HOST_KIND, _aval_key, _as_aval, _check_memory_kinds, _describe,  # noqa: F401
-                      _index_by_identity, _leaf_name, _merge_diff, _split_diff, _stage_fns, _tree_aval, tree_nbytes)
+                      _index_by_identity, _is_diff, _leaf_name, _merge_diff, _split_diff, _stage_fns, _tree_aval,
+                      tree_nbytes)
 
 __all__ = ["StreamingRuntime", "StageEvent", "tree_nbytes"]
 
@@ -380,8 +381,7 @@ class StreamingRuntime:
                                      f"{tuple(leaf.shape)} evenly: {e}") from None
                 hs_.append(s.with_memory_kind(DEVICE_KIND if resident[i] else HOST_KIND))
                 ds_.append(s.with_memory_kind(DEVICE_KIND))
-                diff = bool(jnp.issubdtype(leaf.dtype, jnp.inexact))
-                tm_.append(diff and (trainable is None or bool(trainable(i, path))))
+                tm_.append(_is_diff(leaf) and (trainable is None or bool(trainable(i, path))))
             host_sh.append(jax.tree_util.tree_unflatten(treedef, hs_))
             dev_sh.append(jax.tree_util.tree_unflatten(treedef, ds_))
             train_mask.append(tm_)
@@ -423,15 +423,9 @@ class StreamingRuntime:
                                   for p, s, r in zip(stage_params, host_sh, resident)]
         self._param_avals = [jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), p)
                              for p in self.host_params]
-        # shardings of the differentiable leaves (the gradients), per stage, as lists
+        # per stage: shardings of the differentiable leaves (the gradients), as lists
+        gk = HOST_KIND if grads_to_host else DEVICE_KIND
         self._diff_dev_sh, self._diff_grad_sh = [], []
-        for i in range(n):
-            leaves = jax.tree_util.tree_leaves(self._param_avals[i])
-            ds = jax.tree_util.tree_leaves(dev_sh[i])
-            mask = [bool(jnp.issubdtype(a.dtype, jnp.inexact)) for a in leaves]
-            self._diff_dev_sh.append([s for s, m in zip(ds, mask) if m])
-            gk = HOST_KIND if grads_to_host else DEVICE_KIND
-            self._diff_grad_sh.append([s.with_memory_kind(gk) for s, m in zip(ds, mask) if m])
         #: per stage, the optimizer state: a list of ``(m, v)`` pairs, one per trainable leaf,
         #: in ``pinned_host`` (or device memory); empty lists without an optimizer.
         self.optimizer_state: list = []
@@ -439,15 +433,17 @@ class StreamingRuntime:
         for i in range(n):
             leaves = jax.tree_util.tree_leaves(self._param_avals[i])
             ds = jax.tree_util.tree_leaves(dev_sh[i])
+            diff = [s_ for s_, a in zip(ds, leaves) if _is_diff(a)]
+            self._diff_dev_sh.append(diff)
+            self._diff_grad_sh.append([s_.with_memory_kind(gk) for s_ in diff])
             sel = [j for j, m in enumerate(train_mask[i]) if m] if optimizer is not None else []
-            sdev = [(ds[j], ds[j]) for j in sel]
             on_host = optimizer_state_on_host and not resident[i]
-            shost = [(s.with_memory_kind(HOST_KIND if on_host else DEVICE_KIND),) * 2 for s, _ in sdev]
-            self._state_dev_sh.append(sdev)
-            self._state_host_sh.append(shost)
+            self._state_dev_sh.append([(ds[j], ds[j]) for j in sel])
+            self._state_host_sh.append([(ds[j].with_memory_kind(HOST_KIND if on_host else DEVICE_KIND),) * 2
+                                        for j in sel])
             if optimizer is not None:
                 st = _optim.init_state(optimizer, [leaves[j] for j in sel])
-                self.optimizer_state.append(jax.device_put(st, shost))
+                self.optimizer_state.append(jax.device_put(st, self._state_host_sh[i]))
         #: number of optimizer steps applied so far.
         self.step: int = 0
         #: bytes of each stage's weights (logical sizes), and their sum.
@@ -771,9 +767,9 @@ class StreamingRuntime:
                     out_sh = (act, self._diff_dev_sh[i])
                 else:
                     fn = _with_update(core, opt, self._train_mask[i])
-                    st_spec = [tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for a, sh in zip(pair, shs))
-                               for pair, shs in zip(_optim.init_state_avals(opt, self._train_avals(i)),
-                                                    self._state_dev_sh[i])]
+                    st_spec = jax.tree_util.tree_map(
+                        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                        self.optimizer_state[i], self._state_dev_sh[i])
                     specs = specs + (st_spec, jax.ShapeDtypeStruct((3,), np.float32, sharding=act))
                     donate_argnums = (((0, g_arg) if same else (0,)) + (len(specs) - 2,)) if donate else ()
                     out_sh = (act, self._dev_sh[i], self._state_dev_sh[i])
@@ -781,10 +777,6 @@ class StreamingRuntime:
             sig.compiled[key] = exe
         sig.stage_exe[key_stage] = exe
         return exe
-
-    def _train_avals(self, i: int) -> list:
-        leaves = jax.tree_util.tree_leaves(self._param_avals[i])
-        return [a for a, m in zip(leaves, self._train_mask[i]) if m]
 
     def _compile_forward_save(self, sig, f, base, pspec, hspec):
         """Compile ``(p, x) -> (y, saved)``: the stage's output and its vjp residuals minus ``p`` and ``x``.
@@ -1166,7 +1158,7 @@ def _with_update(core, opt: AdamW, train_mask: list):
         gx, gp = core(*core_args)
         p = core_args[0]
         leaves, treedef = jax.tree_util.tree_flatten(p)
-        diff_idx = [j for j, a in enumerate(leaves) if jnp.issubdtype(a.dtype, jnp.inexact)]
+        diff_idx = [j for j, a in enumerate(leaves) if _is_diff(a)]
         grad_of = dict(zip(diff_idx, gp))
         sel = [j for j, m in enumerate(train_mask) if m]
         new_sel, new_state = _optim.apply_update(opt, [leaves[j] for j in sel], [grad_of[j] for j in sel],
