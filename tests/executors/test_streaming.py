@@ -170,7 +170,10 @@ def test_residency_bounded_and_prefetching(params, x, k):
     assert max(r for (pname, _, r) in steps if pname == "forward") <= k + 1
     bwd = [r for (pname, _, r) in steps if pname == "backward"]
     assert max(bwd) == k + 1 == rt.max_resident_stages
-    # all stage buffers are gone once the results are ready and dropped by the runtime
+    # between calls only the next call's first k stages stay (prefetch_next_call); all gone once released
+    gc.collect()
+    assert rt.resident_stages() == len(rt.prefetched_stages) == min(k, L)
+    rt.release_prefetched()
     gc.collect()
     assert rt.resident_stages() == 0
 
@@ -211,7 +214,9 @@ def test_trace_events(params, x):
     assert all(isinstance(e, StageEvent) and e.error is None for e in ev)
     kinds = {(e.pass_name, e.kind) for e in ev}
     assert kinds == {("forward", "h2d"), ("forward", "compute"), ("backward", "h2d"),
-                     ("backward", "compute"), ("backward", "d2h")}
+                     ("backward", "compute"), ("backward", "d2h"), ("next", "h2d")}
+    # the backward's tail streams the next call's first k stages (prefetch_next_call)
+    assert sorted(e.stage for e in ev if e.pass_name == "next") == [0, 1]
     assert sorted(e.stage for e in ev if e.kind == "compute" and e.pass_name == "forward") == list(range(L))
     assert sorted(e.stage for e in ev if e.kind == "d2h") == list(range(L))
     # the last k stages stay resident from the forward: the backward re-fetches L-k of them

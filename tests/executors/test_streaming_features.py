@@ -217,3 +217,95 @@ def test_activation_offload_keeps_values_and_gradients(remat, k):
     per_stage = 4 * T * D + (off.residual_nbytes[0] if not remat else 0)
     assert off.offloaded_activation_nbytes == (L - k) * per_stage > 0
     assert ref.offloaded_activation_nbytes == 0
+
+
+def _h2d(rt, pass_name=None):
+    return [(e.pass_name, e.stage) for e in rt.last_trace
+            if e.kind == "h2d" and (pass_name is None or e.pass_name == pass_name)]
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_prefetch_next_call_forward_streams_fewer_stages(k):
+    """Serving loop: the second call takes its first min(k, L) stages from device memory."""
+    params, x = make_params(), make_input()
+    ref = StreamingRuntime(layer, params, prefetch_depth=k, prefetch_next_call=False)
+    rt = StreamingRuntime(layer, params, prefetch_depth=k, trace=True)
+    want = np.asarray(ref.forward(x))
+    nc = min(k, L)
+    np.testing.assert_array_equal(np.asarray(rt.forward(x)), want)
+    assert len(_h2d(rt, "forward")) == L and len(_h2d(rt, "next")) == (nc if k < L else 0)
+    assert rt.prefetched_stages == list(range(nc))
+    for a in jax.tree_util.tree_leaves(rt._carry[0][1]):
+        assert a.sharding.memory_kind == "device"
+    np.testing.assert_array_equal(np.asarray(rt.forward(x)), want)
+    assert len(_h2d(rt, "forward")) == L - nc  # the carried stages are not streamed again
+    rt.release_prefetched()
+    assert rt.prefetched_stages == []
+    np.testing.assert_array_equal(np.asarray(rt.forward(x)), want)
+    assert len(_h2d(rt, "forward")) == L
+
+
+def test_prefetch_next_call_bounds_live_stages():
+    k = 2
+    rt = StreamingRuntime(layer, make_params(), prefetch_depth=k)
+    x = make_input()
+    for _ in range(3):
+        jax.block_until_ready(rt.forward(x))
+        jax.block_until_ready(rt.train_step(x, loss_fn, loss_args=(x,))[:2])
+    assert rt.max_resident_stages <= k + 1
+    assert rt.resident_stages() <= k  # between calls: the carried stages only
+
+
+def test_prefetch_next_call_without_optimizer_matches_reference():
+    """train_step -> forward -> train_step: values and gradients equal the non-cyclic runtime."""
+    params, x = make_params(), make_input()
+    tgt = make_input(seed=3)
+    ref = StreamingRuntime(layer, params, prefetch_depth=2, prefetch_next_call=False)
+    rt = StreamingRuntime(layer, params, prefetch_depth=2, trace=True)
+    for _ in range(2):
+        a, b = ref.train_step(x, loss_fn, loss_args=(tgt,)), rt.train_step(x, loss_fn, loss_args=(tgt,))
+        np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
+        for ga, gb in zip(a[2], b[2]):
+            for la, lb in zip(jax.tree_util.tree_leaves(ga), jax.tree_util.tree_leaves(gb)):
+                np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))
+        # the backward's tail streamed stages 0 and 1 again for the next call
+        assert sorted(s for _, s in _h2d(rt, "next")) == [0, 1]
+        np.testing.assert_array_equal(np.asarray(ref.forward(x)), np.asarray(rt.forward(x)))
+
+
+@pytest.mark.parametrize("on_host", [True, False])
+def test_prefetch_next_call_carries_updated_weights(on_host):
+    """With the optimizer the carried copies are the updated weights: every step and the final
+    forward equal a runtime that streams everything (a stale copy would differ after step 1)."""
+    params, x = make_params(), make_input()
+    tgt = make_input(seed=3)
+    opt = AdamW(lr=1e-2)
+    ref = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt, optimizer_state_on_host=on_host,
+                           prefetch_next_call=False)
+    rt = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt, optimizer_state_on_host=on_host,
+                          trace=True)
+    for _ in range(3):
+        la = ref.train_step(x, loss_fn, loss_args=(tgt,))[0]
+        lb = rt.train_step(x, loss_fn, loss_args=(tgt,))[0]
+        np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))
+        assert _h2d(rt, "next") == []  # nothing streamed: the updated weights stay on the device
+    assert len(_h2d(rt, "forward")) == L - 2
+    assert rt.prefetched_stages == [0, 1]
+    assert rt._carry[0][0] is rt.host_params[0]
+    np.testing.assert_array_equal(np.asarray(ref.forward(x)), np.asarray(rt.forward(x)))
+
+
+def test_prefetch_next_call_invalidated_by_new_host_params():
+    params, x = make_params(), make_input()
+    rt = StreamingRuntime(layer, params, prefetch_depth=2)
+    rt.forward(x)
+    assert rt.prefetched_stages == [0, 1]
+    new = make_params(seed=7)
+    rt.host_params[0] = jax.device_put(new[0], jax.tree_util.tree_map(lambda a: a.sharding, rt.host_params[0]))
+    want = StreamingRuntime(layer, [new[0]] + params[1:], prefetch_depth=2).forward(x)
+    np.testing.assert_array_equal(np.asarray(rt.forward(x)), np.asarray(want))
+
+
+def test_prefetch_next_call_flag_checked():
+    with pytest.raises(TypeError, match="prefetch_next_call"):
+        StreamingRuntime(layer, make_params(), prefetch_next_call=1)

@@ -63,7 +63,7 @@ class StageEvent:
     (``StreamingRuntime.trace_t0`` holds the absolute start).
 
     Attributes:
-      pass_name: ``"forward"`` or ``"backward"``.
+      pass_name: ``"forward"``, ``"backward"``, or ``"next"`` (a transfer for the next call, ``prefetch_next_call``).
       stage: the stage index, 0-based.
       kind: ``"h2d"`` (weights pinned_host -> device), ``"compute"`` (the stage's
         executable) or ``"d2h"`` (parameter gradients, or updated weights and optimizer
@@ -229,6 +229,17 @@ class StreamingRuntime:
         has been dispatched, and bring it back ``prefetch_depth`` stages ahead in the backward,
         next to the weights (activation offload; the last k stages keep theirs on the device).
         Device memory for kept activations drops from L stages to about 2k+1.
+      prefetch_next_call: treat the schedule as cyclic across calls (default ``True``): a
+        ``forward`` keeps streaming at its tail and leaves the first ``min(k, L)`` stages'
+        weights in device memory for the next call; a ``train_step`` leaves them there
+        from its backward (with ``optimizer``, the updated weights it just computed; without
+        one, a fresh copy streamed while the backward's last stages compute). The next call
+        (``forward`` or ``train_step``) starts computing at once instead of waiting for
+        stage 0's transfer, and in a serving or training loop the link and the device never
+        idle at a call boundary. The live set during a call stays at k+1 stages; between
+        calls up to k stages' weights stay in device memory (``prefetched_stages``,
+        ``release_prefetched()``). A carried stage is used only while ``host_params[i]`` is
+        the same object it was copied from (replacing it invalidates the copy).
 
     Device memory (bytes), with S = the largest stage's weight bytes (``stage_nbytes``):
       forward: at most (k+1)*S of weights plus two activations; ``train_step``: at most
@@ -236,7 +247,7 @@ class StreamingRuntime:
       k+1 stages), plus the L+1 stage inputs kept for the backward and the stage
       executables' temporaries (``executable_memory()``), plus with ``remat`` other than
       ``True`` the saved residuals (``residual_nbytes``), plus resident stages. The bound is
-      physical with ``throttle=True``. Host memory: ``weight_nbytes`` of ``pinned_host``
+      physical with ``throttle=True``. Between calls: k*S (``prefetch_next_call``). Host memory: ``weight_nbytes`` of ``pinned_host``
       (plus the moments, plus the returned gradients).
 
     Raises:
@@ -273,6 +284,7 @@ class StreamingRuntime:
         trainable: Callable | None = None,
         max_signatures: int = DEFAULT_MAX_SIGNATURES,
         offload_activations: bool = False,
+        prefetch_next_call: bool = True,
     ):
         # ---- validation, no state change before all of it passed ----
         if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, (int, np.integer)):
@@ -283,7 +295,8 @@ class StreamingRuntime:
                                 ("track_residency", track_residency), ("trace", trace),
                                 ("grads_to_host", grads_to_host),
                                 ("optimizer_state_on_host", optimizer_state_on_host),
-                                ("offload_activations", offload_activations)):
+                                ("offload_activations", offload_activations),
+                                ("prefetch_next_call", prefetch_next_call)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{flag_name} must be a bool, got {type(flag).__name__}")
         if not (isinstance(remat, bool) or callable(remat)) or isinstance(remat, (type, types.BuiltinFunctionType)):
@@ -400,6 +413,9 @@ class StreamingRuntime:
         self.optimizer_state_on_host = optimizer_state_on_host
         self.max_signatures = int(max_signatures)
         self.offload_activations = offload_activations
+        self.prefetch_next_call = prefetch_next_call
+        # stage -> (host_params[stage] it was copied from, device copy): the next call's first stages
+        self._carry: dict[int, tuple[Any, Any]] = {}
         #: bytes of stage inputs and saved residuals the last ``train_step`` sent to ``pinned_host``.
         self.offloaded_activation_nbytes: int = 0
         self.activation_sharding: Sharding = act
@@ -522,6 +538,16 @@ class StreamingRuntime:
     def num_signatures(self) -> int:
         """Number of input signatures whose executables are cached (at most ``max_signatures``)."""
         return len(self._sigs)
+
+    @property
+    def prefetched_stages(self) -> list[int]:
+        """Stages whose weights are held in device memory for the next call (``prefetch_next_call``), sorted."""
+        return sorted(self._carry)
+
+    def release_prefetched(self) -> None:
+        """Drop the weights held in device memory for the next call (frees up to k stages' weights;
+        the next call then streams its first stages again)."""
+        self._carry = {}
 
     def reset_stats(self) -> None:
         """Reset ``max_resident_stages``, ``residency_trace`` and ``last_trace``."""
@@ -960,6 +986,10 @@ class StreamingRuntime:
         if self.resident[j]:
             q[j] = self.host_params[j]
             return
+        carried = self._carry.pop(j, None)
+        if carried is not None and carried[0] is self.host_params[j]:
+            q[j] = carried[1]  # left in device memory by the previous call
+            return
         ev = StageEvent(pass_name, j, "h2d", watcher.now()) if watcher else None
         p = jax.device_put(self.host_params[j], self._dev_sh[j])
         self._track(p, j)
@@ -981,8 +1011,24 @@ class StreamingRuntime:
         # Forward. In training, the last k stages stay resident for the start of the backward.
         keep = set(range(max(0, n - k), n)) if train else set()
         q: dict[int, Any] = {}
-        for j in range(min(k, n)):
+        nc = min(k, n)
+        for j in range(nc):
             self._fetch(q, j, "forward", watcher)
+        self._carry = {}  # whatever was not taken is stale
+        # the next call's first stages, filled at this call's tail (cyclic schedule)
+        nxt: dict[int, tuple[Any, Any]] | None = {} if self.prefetch_next_call else None
+
+        def carry_next(upto: int, pass_name: str) -> None:
+            """Hold stages 0..upto (< nc) in device memory for the next call: reuse a live copy or stream one."""
+            for c in range(min(upto + 1, nc)):
+                if c in nxt or self.resident[c]:
+                    continue
+                if c in q and pass_name == "forward":
+                    nxt[c] = (self.host_params[c], q[c])
+                else:
+                    tmp: dict[int, Any] = {}
+                    self._fetch(tmp, c, "next", watcher)
+                    nxt[c] = (self.host_params[c], tmp[c])
         acts = [x] if train else None
         for i in range(n):
             p = q[i]
@@ -997,6 +1043,8 @@ class StreamingRuntime:
                 jax.block_until_ready(x)  # stage i-1 done: its weights' memory is free
             if i + k < n:
                 self._fetch(q, i + k, "forward", watcher)
+            elif nxt is not None and not train:
+                carry_next(i + k - n, "forward")
             if offload and i not in keep:  # stage i is dispatched: its kept input (and residuals) go to the host
                 self.offloaded_activation_nbytes += tree_nbytes(acts[i]) + (tree_nbytes(saved[i]) if save else 0)
                 acts[i] = jax.device_put(acts[i], act_host)
@@ -1011,6 +1059,8 @@ class StreamingRuntime:
             if train:
                 acts.append(y)
         if not train:
+            if nxt is not None:
+                self._carry = nxt
             return (x,)
 
         out = acts.pop()  # acts[i] is now the input of stage i
@@ -1068,6 +1118,8 @@ class StreamingRuntime:
                 self._track(dp, i)
                 self.host_params[i] = jax.device_put(new_p, self._host_sh[i])
                 self.optimizer_state[i] = jax.device_put(new_s, self._state_host_sh[i])
+                if nxt is not None and i < nc and not self.resident[i]:
+                    nxt[i] = (self.host_params[i], new_p)  # the updated weights, already on the device
                 moved = (self.host_params[i], self.optimizer_state[i])
                 del new_p, new_s
             if watcher:
@@ -1077,11 +1129,15 @@ class StreamingRuntime:
             if i - k >= 0:
                 self._fetch(q, i - k, "backward", watcher, qs)
                 fetch_acts(i - k)
+            elif nxt is not None and opt is None:
+                carry_next(k - i - 1, "backward")  # cyclic: after backward stage 0 comes forward stage 0
             self._record("backward", i)
             del p, dp
             prev_host = moved
         if opt is not None:
             self.step += 1
+        if nxt is not None:
+            self._carry = nxt
         gx = _merge_diff(g, None, _split_diff(sig.in_aval)[2])
         return first, gx, host_grads
 
