@@ -184,6 +184,14 @@ class StreamingRuntime:
       activation_sharding: sharding of ``h`` between stages (memory kind ``device``).
         Default: ``device`` itself, or for a ``NamedSharding`` the same mesh fully
         replicated. Required when ``sharding`` is a callable or another Sharding type.
+      batch_axis: data parallelism: the name of a mesh axis of ``activation_sharding`` (a
+        ``NamedSharding``) to split the activations' leading (batch or token) dimension
+        over. Every activation leaf (stage inputs and outputs, kept inputs, cotangents)
+        whose leading dimension is a multiple of that axis' size is sharded on it; other
+        leaves (scalars, an attention mask of batch 1) keep ``activation_sharding``. With
+        weights sharded over the same axis (``sharding``) this is FSDP / ZeRO-3: each
+        device pulls its own weight shard from host memory and XLA all-gathers the stage's
+        weights on the device. Default ``None``: activations as ``activation_sharding``.
       donate: donate buffers the runtime owns to the backward executables: a stage's
         streamed device weights (their memory then holds that stage's parameter
         gradients or updated weights) and the output cotangent (when it has the stage
@@ -260,7 +268,8 @@ class StreamingRuntime:
         ``stage_fn``, a stage's params differ from stage 0's in structure, shape or dtype
         (the message names the stage and leaf); both ``device`` and ``sharding`` are
         given; the device has no ``pinned_host`` memory; ``activation_sharding`` is
-        needed but missing; ``resident`` has the wrong length; ``max_signatures < 1``.
+        needed but missing; ``resident`` has the wrong length; ``max_signatures < 1``;
+        ``batch_axis`` is not an axis of ``activation_sharding``'s mesh.
     """
 
     def __init__(
@@ -272,6 +281,7 @@ class StreamingRuntime:
         device: jax.Device | None = None,
         sharding: Sharding | Callable | None = None,
         activation_sharding: Sharding | None = None,
+        batch_axis: str | None = None,
         donate: bool = True,
         throttle: bool = True,
         track_residency: bool = True,
@@ -349,6 +359,8 @@ class StreamingRuntime:
             raise TypeError(f"device must be a jax.Device, got {type(device).__name__}")
         if sharding is not None and not (isinstance(sharding, Sharding) or callable(sharding)):
             raise TypeError(f"sharding must be a jax.sharding.Sharding or a callable, got {type(sharding).__name__}")
+        if batch_axis is not None and not isinstance(batch_axis, str):
+            raise TypeError(f"batch_axis must be a mesh axis name (str) or None, got {type(batch_axis).__name__}")
         if activation_sharding is not None and not isinstance(activation_sharding, Sharding):
             raise TypeError(f"activation_sharding must be a jax.sharding.Sharding, "
                             f"got {type(activation_sharding).__name__}")
@@ -378,6 +390,12 @@ class StreamingRuntime:
                 raise ValueError("activation_sharding is required when sharding is a callable or a "
                                  f"{type(sharding).__name__}")
         act = activation_sharding.with_memory_kind(DEVICE_KIND)
+        batch_sh = None
+        if batch_axis is not None:
+            if not isinstance(act, NamedSharding) or batch_axis not in act.mesh.shape:
+                raise ValueError(f"batch_axis={batch_axis!r} needs a NamedSharding activation_sharding whose mesh has "
+                                 f"that axis, got {activation_sharding}")
+            batch_sh = NamedSharding(act.mesh, PartitionSpec(batch_axis), memory_kind=DEVICE_KIND)
 
         host_sh, dev_sh, train_mask = [], [], []
         for i, (lp, treedef) in enumerate(flat):
@@ -419,6 +437,9 @@ class StreamingRuntime:
         #: bytes of stage inputs and saved residuals the last ``train_step`` sent to ``pinned_host``.
         self.offloaded_activation_nbytes: int = 0
         self.activation_sharding: Sharding = act
+        #: the mesh axis activations are split over (data parallelism), or ``None``.
+        self.batch_axis: str | None = batch_axis
+        self._batch_sh = batch_sh
         self._fns = fns
         self._fn_ids: list[int] = []
         uniq: list[Callable] = []
@@ -745,8 +766,25 @@ class StreamingRuntime:
         return sig
 
     def _spec(self, aval, sharding):
-        """``ShapeDtypeStruct`` (pytree) of ``aval`` with ``sharding`` on every leaf."""
-        return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), aval)
+        """``ShapeDtypeStruct`` (pytree) of ``aval`` with ``sharding`` (one, or a pytree like ``aval``) on its leaves."""
+        if isinstance(sharding, Sharding):
+            return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), aval)
+        return jax.tree_util.tree_map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), aval, sharding)
+
+    def _act(self, aval):
+        """The device sharding of an activation ``aval`` (pytree): ``activation_sharding``, or with
+        ``batch_axis`` a pytree with the batch sharding on leaves whose leading dim splits evenly."""
+        if self._batch_sh is None:
+            return self.activation_sharding
+        n = self._batch_sh.mesh.shape[self.batch_axis]
+        return jax.tree_util.tree_map(
+            lambda a: self._batch_sh if len(a.shape) and a.shape[0] % n == 0 else self.activation_sharding, aval)
+
+    def _act_host(self, aval):
+        sh = self._act(aval)
+        if isinstance(sh, Sharding):
+            return sh.with_memory_kind(HOST_KIND)
+        return jax.tree_util.tree_map(lambda s: s.with_memory_kind(HOST_KIND), sh)
 
     def _exe(self, sig: _Signature, kind: str, i: int, donate: bool):
         key_stage = (kind + ("-donate" if donate else ""), i)
@@ -765,15 +803,17 @@ class StreamingRuntime:
         if exe is None:
             act = self.activation_sharding
             pspec = jax.tree_util.tree_map(self._spec, self._param_avals[i], self._dev_sh[i])
-            hspec = self._spec(hin, act)
-            gspec = self._spec(_split_diff(hout)[0], act)
+            hspec = self._spec(hin, self._act(hin))
+            gout = _split_diff(hout)[0]
+            gspec = self._spec(gout, self._act(gout))
+            gin_sh = self._act(_split_diff(hin)[0])  # the input cotangent's
             # the output cotangent may reuse the input cotangent's buffer (same avals)
             same = _aval_key(_split_diff(hin)[0]) == _aval_key(_split_diff(hout)[0])
             opt = self.optimizer
             if kind == "forward":
-                exe = jax.jit(f, out_shardings=act).lower(pspec, hspec).compile()
+                exe = jax.jit(f, out_shardings=self._act(hout)).lower(pspec, hspec).compile()
             elif kind == "forward-save":
-                exe = self._compile_forward_save(sig, f, base, pspec, hspec)
+                exe = self._compile_forward_save(sig, f, base, pspec, hspec, self._act(hout))
             else:
                 saved = kind == "backward-saved"
                 if saved:
@@ -790,7 +830,7 @@ class StreamingRuntime:
                 if opt is None:
                     fn = core
                     donate_argnums = ((0, g_arg) if same else (0,)) if donate else ()
-                    out_sh = (act, self._diff_dev_sh[i])
+                    out_sh = (gin_sh, self._diff_dev_sh[i])
                 else:
                     fn = _with_update(core, opt, self._train_mask[i])
                     st_spec = jax.tree_util.tree_map(
@@ -798,13 +838,13 @@ class StreamingRuntime:
                         self.optimizer_state[i], self._state_dev_sh[i])
                     specs = specs + (st_spec, jax.ShapeDtypeStruct((3,), np.float32, sharding=act))
                     donate_argnums = (((0, g_arg) if same else (0,)) + (len(specs) - 2,)) if donate else ()
-                    out_sh = (act, self._dev_sh[i], self._state_dev_sh[i])
+                    out_sh = (gin_sh, self._dev_sh[i], self._state_dev_sh[i])
                 exe = jax.jit(fn, out_shardings=out_sh, donate_argnums=donate_argnums).lower(*specs).compile()
             sig.compiled[key] = exe
         sig.stage_exe[key_stage] = exe
         return exe
 
-    def _compile_forward_save(self, sig, f, base, pspec, hspec):
+    def _compile_forward_save(self, sig, f, base, pspec, hspec, out_sh):
         """Compile ``(p, x) -> (y, saved)``: the stage's output and its vjp residuals minus ``p`` and ``x``.
 
         ``jax.vjp`` returns its residuals as the leaves of the vjp function (a pytree); while
@@ -815,14 +855,14 @@ class StreamingRuntime:
         box = {}
         fwd_save = _forward_save_fn(f, self.remat, box)
         try:
-            exe = jax.jit(fwd_save, out_shardings=(self.activation_sharding, None)).lower(pspec, hspec).compile()
+            exe = jax.jit(fwd_save, out_shardings=(out_sh, None)).lower(pspec, hspec).compile()
         except ValueError as e:
             # The partitioner may pick a residual sharding that jax cannot express over the mesh
             # (IndivisibleError, seen for a [1, 4, 1, 2] attention residual over 8 devices): keep
             # those residuals in the activation sharding instead.
             if "divisible" not in str(e):
                 raise
-            exe = jax.jit(fwd_save, out_shardings=(self.activation_sharding, self.activation_sharding)
+            exe = jax.jit(fwd_save, out_shardings=(out_sh, self.activation_sharding)
                           ).lower(pspec, hspec).compile()
         sig.saved_layout[base] = box["layout"]
         return exe
@@ -868,8 +908,7 @@ class StreamingRuntime:
         kw = {}
         if measure_reps:
             p = jax.device_put(self.host_params[stage], self._dev_sh[stage])
-            x = jax.device_put(jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), hin),
-                               self.activation_sharding)
+            x = jax.device_put(jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), hin), self._act(hin))
             jax.block_until_ready(fwd(p, x))
             ts = []
             for _ in range(measure_reps):
@@ -916,7 +955,8 @@ class StreamingRuntime:
                 od, oc, os_ = _split_diff(out)
                 return jax.value_and_grad(lambda od: loss_fn(_merge_diff(od, oc, os_), *args))(od)
 
-            jitted = jax.jit(vg, out_shardings=(None, self.activation_sharding))
+            # with batch_axis the gradient keeps the output's sharding (placed by the caller)
+            jitted = jax.jit(vg, out_shardings=(None, self.activation_sharding if self._batch_sh is None else None))
             if skey is not None:
                 self._loss_jits[loss_fn] = jitted
                 while len(self._loss_jits) > MAX_LOSS_FNS:
@@ -1002,12 +1042,11 @@ class StreamingRuntime:
         save = train and self.remat is not True
         opt = self.optimizer if train else None
         offload = train and self.offload_activations
-        act_host = self.activation_sharding.with_memory_kind(HOST_KIND)
         res_dev = [list(e.output_shardings[1]) for e in fwd] if (offload and save) else None
         offloaded = [False] * n
         self.offloaded_activation_nbytes = 0
         saved: list = [None] * n
-        x = jax.device_put(h, self.activation_sharding)
+        x = jax.device_put(h, self._act(sig.chain[0]))
         # Forward. In training, the last k stages stay resident for the start of the backward.
         keep = set(range(max(0, n - k), n)) if train else set()
         q: dict[int, Any] = {}
@@ -1047,7 +1086,7 @@ class StreamingRuntime:
                 carry_next(i + k - n, "forward")
             if offload and i not in keep:  # stage i is dispatched: its kept input (and residuals) go to the host
                 self.offloaded_activation_nbytes += tree_nbytes(acts[i]) + (tree_nbytes(saved[i]) if save else 0)
-                acts[i] = jax.device_put(acts[i], act_host)
+                acts[i] = jax.device_put(acts[i], self._act_host(sig.chain[i]))
                 if save:
                     saved[i] = jax.device_put(saved[i], [sh.with_memory_kind(HOST_KIND) for sh in res_dev[i]])
                 offloaded[i] = True
@@ -1066,11 +1105,13 @@ class StreamingRuntime:
         out = acts.pop()  # acts[i] is now the input of stage i
         if cotangent is None:
             loss, g = loss_exe(out, *loss_args)
+            if self._batch_sh is not None:
+                g = jax.device_put(g, self._act(_split_diff(sig.chain[-1])[0]))
             first = loss
         else:
             cd = _split_diff(cotangent)[0] if _aval_key(_tree_aval(cotangent, "cotangent")) == \
                 _aval_key(sig.chain[-1]) else jax.tree_util.tree_leaves(cotangent)
-            g = jax.device_put(cd, self.activation_sharding, may_alias=False)
+            g = jax.device_put(cd, self._act(_split_diff(sig.chain[-1])[0]), may_alias=False)
             first = out
         del out
         host_grads: list | None = [None] * n if opt is None else None
@@ -1078,7 +1119,7 @@ class StreamingRuntime:
         prev_host = None
         def fetch_acts(j):
             if offloaded[j]:
-                acts[j] = jax.device_put(acts[j], self.activation_sharding)
+                acts[j] = jax.device_put(acts[j], self._act(sig.chain[j]))
                 if save:
                     saved[j] = jax.device_put(saved[j], res_dev[j])
                 offloaded[j] = False
