@@ -114,7 +114,11 @@ def _out_to_torch(a, cuda: bool) -> torch.Tensor:
     """A runtime output as a torch tensor: on CUDA through DLPack (no copy) when ``cuda`` and the
     array lives on a GPU, else a CPU copy."""
     if cuda and isinstance(a, jax.Array) and a.sharding.memory_kind in (None, "device"):
-        shard = a.addressable_shards[0].data if len(a.devices()) > 1 and a.is_fully_replicated else a
+        shard = a
+        if len(a.devices()) > 1 and a.is_fully_replicated:
+            shard = a.addressable_shards[0].data
+        elif len(a.devices()) > 1 and a.is_fully_addressable:  # split over local GPUs: gathered on the first
+            shard = jax.device_put(a, jax.sharding.SingleDeviceSharding(a.addressable_shards[0].device))
         if len(shard.devices()) == 1 and next(iter(shard.devices())).platform == "gpu":
             return torch.from_dlpack(shard)
     return _to_torch(a)
@@ -188,6 +192,12 @@ class SwappedStack:
         split over all devices on its largest evenly divisible dimension, others replicated;
         each device keeps its shard in its own host memory), ``"replicate"``, or a callable
         ``(name, shape) -> tuple`` giving a ``PartitionSpec`` over the mesh axis ``"d"``.
+      data_parallel: with several devices, split the activations' leading (batch or token)
+        dimension over them (each device computes its part of the batch; XLA all-gathers
+        each layer's weight shards on the device): FSDP / ZeRO-3 as torch users know it.
+        Inputs whose leading dimension does not split evenly stay replicated. Default
+        ``None``: on for ``shard="fsdp"``, off otherwise (tensor parallelism with a
+        ``shard`` callable wants replicated activations).
       prefetch_depth: overrides ``policy.prefetch_depth`` when given.
       max_signatures: input shapes whose executables stay cached (serving several batch
         sizes and sequence lengths).
@@ -211,7 +221,7 @@ class SwappedStack:
                  budget_bytes: int | None = None, optimizer=None, loss_fn: Callable | None = None,
                  devices: Sequence[jax.Device] | None = None, shard: str | Callable = "fsdp",
                  prefetch_depth: int | None = None, max_signatures: int = 8, accumulate_grads: bool = True,
-                 offload_activations: bool = False):
+                 offload_activations: bool = False, data_parallel: bool | None = None):
         # ---- validation (no state changes) ----
         if isinstance(layers, torch.nn.Module) and not isinstance(layers, (torch.nn.ModuleList, torch.nn.Sequential)):
             raise TypeError("layers must be a sequence of nn.Modules (e.g. model.model.layers), got one module")
@@ -231,6 +241,8 @@ class SwappedStack:
         if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
                                          or budget_bytes <= 0):
             raise ValueError(f"budget_bytes must be a positive int (bytes), got {budget_bytes!r}")
+        if data_parallel is not None and not isinstance(data_parallel, bool):
+            raise TypeError(f"data_parallel must be a bool or None, got {type(data_parallel).__name__}")
         if not isinstance(accumulate_grads, bool):
             raise TypeError(f"accumulate_grads must be a bool, got {type(accumulate_grads).__name__}")
         if loss_fn is not None and not callable(loss_fn):
@@ -329,7 +341,12 @@ class SwappedStack:
         k = policy.prefetch_depth
         if budget_bytes is not None:
             resident = self._resident_for_budget(stage_params, trainable, optimizer, budget_bytes, k)
-        kwargs = dict(sharding=sharding, activation_sharding=NamedSharding(mesh, PartitionSpec())) \
+        if data_parallel is None:
+            data_parallel = shard == "fsdp"
+        #: whether activations are split over the devices on their leading dimension.
+        self.data_parallel: bool = bool(data_parallel and mesh is not None)
+        kwargs = dict(sharding=sharding, activation_sharding=NamedSharding(mesh, PartitionSpec()),
+                      batch_axis="d" if self.data_parallel else None) \
             if sharding is not None else dict(device=devices[0])
         common = dict(optimizer=optimizer, trainable=lambda i, path: path[0].key in trainable[i],
                       track_residency=False, max_signatures=max_signatures,
