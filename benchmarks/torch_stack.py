@@ -23,10 +23,21 @@ Rows per shape (medians of ``--reps`` after one warm-up; seconds):
   through ``pinned_host``); ``torch_adamw_devstate`` keeps the moments in device memory (``optimizer_state="device"``,
   the placement a planner picks when they fit): only the weights cross PCIe.
 
+Diagnostic rows: ``jax_fwd_nocarry`` / ``jax_train_nocarry`` (the JAX rows with
+``prefetch_next_call=False``: every call streams stage 0 before computing), ``torch_ondev_fwd``
+(the torch stages all resident: their compute against ``ondev_fwd``), ``torch_in_conv`` /
+``torch_out_conv`` (host time of the entry point's input and output conversion alone),
+``torch_fwd_k3`` / ``torch_train_k3`` (prefetch depth k+1: one more stage of device memory).
+
+Every row times a loop of calls (one warm-up first): the steady state of serving and training,
+where the runtime's cyclic schedule (``prefetch_next_call``) has the next call's first k stages
+in device memory when it starts.
+
 Floors (W = weight bytes, M = moment bytes, k = 2; bandwidths measured in the same run by
 moving the weights themselves): forward ``max(ondev_fwd, W/H2D)``; training
-``max(ondev_train, (2L-k)/L*W/H2D, W/D2H, ((2L-k)/L*W + W)/both)``; AdamW step
-``max(ondev_adamw, in/H2D, out/D2H, (in+out)/both)`` with ``in = (2L-k)/L*W + M`` and
+``max(ondev_train, w_in/H2D, W/D2H, (w_in + W)/both)`` with ``w_in = (2L-2k)/L*W`` (k stages
+stay on the device at each turn, forward to backward and backward to the next forward);
+AdamW step ``max(ondev_adamw, in/H2D, out/D2H, (in+out)/both)`` with ``in = w_in + M`` and
 ``out = W + M`` (the host-memory term is 0: no arithmetic runs on the host).
 
     PYTHONPATH=. python3 benchmarks/torch_stack.py --out-dir /tmp/out              # GPU, both shapes
@@ -153,6 +164,13 @@ def measure_shape(D, F, L, T, reps, k=2):
     ref_out = np.asarray(rt.forward(x_dev)).astype(np.float32)
     rt = None  # free its buffers before the next row
     gc.collect()
+    # the same calls with a non-cyclic schedule: every call streams stage 0 first (what the cycle saves)
+    rt = StreamingRuntime(stage_jax, wj, prefetch_depth=k, track_residency=False, prefetch_next_call=False)
+    rows["jax_fwd_nocarry"] = _timeit(lambda: jax.block_until_ready(rt.forward(x_dev)), reps)
+    rows["jax_train_nocarry"] = _timeit(lambda: jax.block_until_ready(rt.train_step(x_dev, jloss)[::2]), reps)
+    note("jax_train_nocarry")
+    rt = None
+    gc.collect()
     # ---- on-device (every stage resident) ----
     rt = StreamingRuntime(stage_jax, wj, prefetch_depth=k, track_residency=False, resident=[True] * L,
                           grads_to_host=False)
@@ -185,6 +203,12 @@ def measure_shape(D, F, L, T, reps, k=2):
     # left of torch_fwd - torch_fwd_rt is the entry point's per-call conversion (DLPack in and out)
     rows["torch_fwd_rt"] = _timeit(lambda: jax.block_until_ready(st.runtime.forward((x_dev, {}))), reps)
     note("torch_fwd_rt")
+    # host time of the entry point's conversions alone: torch in -> jax, jax out -> torch
+    y_rt = jax.block_until_ready(st.runtime.forward((x_dev, {})))
+    rows["torch_in_conv"] = _timeit(lambda: jax.block_until_ready(st._carry_in((x_c,))), reps)
+    rows["torch_out_conv"] = _timeit(lambda: (st._out(y_rt, cuda), sync()), reps)
+    del y_rt
+    note("torch_out_conv")
     out_t = torch_fwd().float().cpu().numpy()
     res["torch_output_device"] = str(torch_fwd().device)
     res["torch_vs_jax_max_abs_diff"] = float(np.abs(out_t - ref_out).max())
@@ -195,6 +219,22 @@ def measure_shape(D, F, L, T, reps, k=2):
     rows["torch_train"] = _timeit(torch_train, reps)
     note("torch_train")
     st = None  # free its buffers before the next row
+    gc.collect()
+    # the torch stages' own compute: every stage resident in device memory (budget above the model)
+    st = SwappedStack(layers, budget_bytes=10 ** 15, prefetch_depth=k, devices=jax.devices()[:1],
+                      accumulate_grads=False)
+    assert all(st.runtime.resident)
+    rows["torch_ondev_fwd"] = _timeit(torch_fwd, reps)
+    note("torch_ondev_fwd")
+    st = None
+    gc.collect()
+    # one more stage of device memory: k+1 stages carried across each turn
+    pol3 = OffloadPolicy(params="host", grads="host", optimizer_state="host", remat=True, prefetch_depth=k + 1)
+    st = SwappedStack(layers, policy=pol3, devices=jax.devices()[:1], accumulate_grads=False)
+    rows["torch_fwd_k3"] = _timeit(torch_fwd, reps)
+    rows["torch_train_k3"] = _timeit(torch_train, reps)
+    note("torch_train_k3")
+    st = None
     gc.collect()
     st = SwappedStack(layers, policy=pol, devices=jax.devices()[:1], accumulate_grads=False,
                       offload_activations=True)
@@ -227,7 +267,11 @@ def analyze(raw: dict) -> dict:
     med = {k: statistics.median(v) for k, v in raw["rows"].items()}
     D, F, L, T = raw["shape"]
     W, M, k, bw = raw["weight_bytes"], raw["moment_bytes"], raw["k"], raw["bw"]
-    w_in = (2 * L - k) / L * W
+    # weights in per step: the runtime keeps k stages on the device at each turn (forward ->
+    # backward, and backward -> next call's forward: prefetch_next_call), so (2L-2k)/L of W is
+    # the least a (k+1)-stage device window must move (the runtime moves (2L-k)/L without an
+    # optimizer: its backward streams the next call's first k stages again while computing)
+    w_in = (2 * L - 2 * k) / L * W
     floors = {
         "fwd": max(med["ondev_fwd"], W / bw["h2d"]),
         "train": max(med["ondev_train"], w_in / bw["h2d"], W / bw["d2h"], (w_in + W) / bw["both"]),
@@ -246,6 +290,14 @@ def analyze(raw: dict) -> dict:
     }
     if "torch_fwd_rt" in med:
         ratio["torch_fwd_conversion_s"] = med["torch_fwd"] - med["torch_fwd_rt"]
+    if "jax_fwd_nocarry" in med:  # the same runtime with a non-cyclic schedule (stage 0 streamed every call)
+        ratio["jax_fwd_nocarry"] = med["jax_fwd_nocarry"] / floors["fwd"]
+        ratio["jax_train_nocarry"] = med["jax_train_nocarry"] / floors["train"]
+    if "torch_ondev_fwd" in med:  # torch stages' compute against the JAX stages' (both resident)
+        ratio["torch_vs_jax_ondev_fwd"] = med["torch_ondev_fwd"] / med["ondev_fwd"]
+    if "torch_train_k3" in med:
+        ratio["torch_fwd_k3"] = med["torch_fwd_k3"] / floors["fwd"]
+        ratio["torch_train_k3"] = med["torch_train_k3"] / floors["train"]
     if "torch_train_actoff" in med:  # activation offload: overhead against the same step without it
         ratio["actoff_overhead"] = med["torch_train_actoff"] / med["torch_train"]
     return {"shape": raw["shape"], "median_s": med, "floor_s": floors, "ratio": ratio,
@@ -273,6 +325,17 @@ def render(results: list[dict], anchors: dict) -> str:
                      f"{r['torch_vs_jax_fwd']:.3f} | {r['torch_train']:.3f}x | {r['jax_train']:.3f}x | "
                      f"{r['torch_vs_jax_train']:.3f} | {r['torch_adamw']:.3f}x ({m['torch_adamw']:.3f} s) | "
                      f"{r['torch_adamw_devstate']:.3f}x ({m['torch_adamw_devstate']:.3f} s) |")
+    diag = [a for a in results if "jax_fwd_nocarry" in a["ratio"]]
+    if diag:
+        lines += ["", "| shape D,F,L,T | JAX fwd, no cycle / floor | JAX train, no cycle / floor | "
+                  "torch/JAX on-device fwd | torch fwd - runtime call (ms) | input conv (ms) | output conv (ms) | "
+                  "torch fwd k+1 / floor | torch train k+1 / floor |", "|---|---|---|---|---|---|---|---|---|"]
+        for a in diag:
+            r, m = a["ratio"], a["median_s"]
+            lines.append(f"| {','.join(map(str, a['shape']))} | {r['jax_fwd_nocarry']:.3f}x | "
+                         f"{r['jax_train_nocarry']:.3f}x | {r['torch_vs_jax_ondev_fwd']:.3f} | "
+                         f"{1e3 * r['torch_fwd_conversion_s']:.1f} | {1e3 * m['torch_in_conv']:.2f} | "
+                         f"{1e3 * m['torch_out_conv']:.2f} | {r['torch_fwd_k3']:.3f}x | {r['torch_train_k3']:.3f}x |")
     for name, a in anchors.items():
         if "error" in a:
             lines.append(f"\n{name}: not measured ({a['error'][:200]})")
