@@ -36,7 +36,8 @@ in device memory when it starts.
 Floors (W = weight bytes, M = moment bytes, k = 2; bandwidths measured in the same run by
 moving the weights themselves): forward ``max(ondev_fwd, W/H2D)``; training
 ``max(ondev_train, w_in/H2D, W/D2H, (w_in + W)/both)`` with ``w_in = (2L-2k)/L*W`` (k stages
-stay on the device at each turn, forward to backward and backward to the next forward);
+stay on the device at each turn, forward to backward and backward to the next forward; a raw
+file without ``kept_at_turns``, measured before that schedule, uses ``(2L-k)/L*W``);
 AdamW step ``max(ondev_adamw, in/H2D, out/D2H, (in+out)/both)`` with ``in = w_in + M`` and
 ``out = W + M`` (the host-memory term is 0: no arithmetic runs on the host).
 
@@ -103,7 +104,10 @@ def measure_shape(D, F, L, T, reps, k=2):
     x_np = (rng.standard_normal((T, D), dtype=np.float32) * 0.5).astype(bf16)
     x_t = _to_torch(x_np)
     W = sum(a.nbytes for w in wt for a in w.values())
-    res = {"shape": [D, F, L, T], "weight_bytes": W, "moment_bytes": 2 * W, "k": k, "rows": {}}
+    # stages that stay on the device at the turns of a step: k forward -> backward, k backward ->
+    # next forward (prefetch_next_call); results recorded before the cyclic schedule lack the key (k)
+    res = {"shape": [D, F, L, T], "weight_bytes": W, "moment_bytes": 2 * W, "k": k, "kept_at_turns": 2 * k,
+           "rows": {}}
     rows = res["rows"]
     t_start = time.perf_counter()
 
@@ -271,7 +275,7 @@ def analyze(raw: dict) -> dict:
     # backward, and backward -> next call's forward: prefetch_next_call), so (2L-2k)/L of W is
     # the least a (k+1)-stage device window must move (the runtime moves (2L-k)/L without an
     # optimizer: its backward streams the next call's first k stages again while computing)
-    w_in = (2 * L - 2 * k) / L * W
+    w_in = (2 * L - raw.get("kept_at_turns", k)) / L * W
     floors = {
         "fwd": max(med["ondev_fwd"], W / bw["h2d"]),
         "train": max(med["ondev_train"], w_in / bw["h2d"], W / bw["d2h"], (w_in + W) / bw["both"]),
