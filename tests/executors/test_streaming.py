@@ -58,7 +58,9 @@ def test_train_step_matches_grad(params, x, k):
         for name in ("a", "b"):
             assert g[name].sharding.memory_kind == "pinned_host"
             check_close(g[name], ref_gp[name][i], rtol=1e-5, atol=1e-5)
-    assert rt.num_executables == 2  # one forward, one backward
+    # one forward, one backward donating the streamed weights, one keeping them (the first k
+    # stages: the next call starts with them, prefetch_next_call)
+    assert rt.num_executables == 3
 
 
 def test_train_step_with_cotangent_keeps_user_arrays(params, x):
@@ -261,9 +263,9 @@ def test_trace_events(params, x):
     assert all(isinstance(e, StageEvent) and e.error is None for e in ev)
     kinds = {(e.pass_name, e.kind) for e in ev}
     assert kinds == {("forward", "h2d"), ("forward", "compute"), ("backward", "h2d"),
-                     ("backward", "compute"), ("backward", "d2h"), ("next", "h2d")}
-    # the backward's tail streams the next call's first k stages (prefetch_next_call)
-    assert sorted(e.stage for e in ev if e.pass_name == "next") == [0, 1]
+                     ("backward", "compute"), ("backward", "d2h")}
+    # the backward keeps its first k stages' weights for the next call (prefetch_next_call): no transfer
+    assert rt.prefetched_stages == [0, 1]
     assert sorted(e.stage for e in ev if e.kind == "compute" and e.pass_name == "forward") == list(range(L))
     assert sorted(e.stage for e in ev if e.kind == "d2h") == list(range(L))
     # the last k stages stay resident from the forward: the backward re-fetches L-k of them
@@ -284,11 +286,12 @@ def test_executable_memory_and_sizes(params, x):
     rt = StreamingRuntime(layer, params)
     rt.train_step(x, loss_fn)
     mem = rt.executable_memory()
-    assert {m["kind"] for m in mem} == {"forward", "backward-donate"}
+    assert {m["kind"] for m in mem} == {"forward", "backward-donate", "backward"}
     assert rt.stage_nbytes == [2 * D * F * 4] * L
     assert rt.weight_nbytes == tree_nbytes(params) == L * 2 * D * F * 4
     bwd = next(m for m in mem if m["kind"] == "backward-donate")
-    assert bwd["stages"] == list(range(L))
+    assert bwd["stages"] == list(range(1, L))  # k=1: stage 0 keeps its weights for the next call
+    assert next(m for m in mem if m["kind"] == "backward")["stages"] == [0]
     assert bwd["alias_bytes"] is None or bwd["alias_bytes"] >= 2 * D * F * 4  # weights reused for grads
 
 
@@ -447,7 +450,7 @@ def test_train_step_saved_residuals(params, x, remat, k):
     else:
         assert rt.residual_nbytes == [T * F * 4] * L
     assert rt.max_resident_stages <= k + 1
-    assert rt.num_executables == 2          # forward-save, backward-saved
+    assert rt.num_executables == 3          # forward-save, backward-saved (donating, and not: first k stages)
     # a plain forward still works (its own executable) and agrees
     check_close(rt.forward(x), mono_forward(stack, x))
 

@@ -241,7 +241,7 @@ class StreamingRuntime:
         ``forward`` keeps streaming at its tail and leaves the first ``min(k, L)`` stages'
         weights in device memory for the next call; a ``train_step`` leaves them there
         from its backward (with ``optimizer``, the updated weights it just computed; without
-        one, a fresh copy streamed while the backward's last stages compute). The next call
+        one, the streamed copy its backward used, which is then not donated). The next call
         (``forward`` or ``train_step``) starts computing at once instead of waiting for
         stage 0's transfer, and in a serving or training loop the link and the device never
         idle at a call boundary. The live set during a call stays at k+1 stages; between
@@ -995,9 +995,11 @@ class StreamingRuntime:
         fwd = [self._exe(sig, "forward-save" if save else "forward", i, False) for i in range(n)]
         bwd = None
         if train:
-            # a resident stage's weights are not donated unless the optimizer replaces them
+            # a resident stage's weights are not donated unless the optimizer replaces them; without
+            # an optimizer, neither are the first k stages' with prefetch_next_call (kept for the next call)
+            keep_w = [self.resident[i] or (self.prefetch_next_call and i < k) for i in range(n)]
             bwd = [self._exe(sig, "backward-saved" if save else "backward", i,
-                             donate and (self.optimizer is not None or not self.resident[i])) for i in range(n)]
+                             donate and (self.optimizer is not None or not keep_w[i])) for i in range(n)]
         if save:
             self.residual_nbytes = [tree_nbytes(e.out_info[1]) for e in fwd]
         elif train:
@@ -1057,12 +1059,12 @@ class StreamingRuntime:
         # the next call's first stages, filled at this call's tail (cyclic schedule)
         nxt: dict[int, tuple[Any, Any]] | None = {} if self.prefetch_next_call else None
 
-        def carry_next(upto: int, pass_name: str) -> None:
-            """Hold stages 0..upto (< nc) in device memory for the next call: reuse a live copy or stream one."""
+        def carry_next(upto: int) -> None:
+            """Forward: hold stages 0..upto (< nc) in device memory for the next call (a live copy, or streamed)."""
             for c in range(min(upto + 1, nc)):
                 if c in nxt or self.resident[c]:
                     continue
-                if c in q and pass_name == "forward":
+                if c in q:
                     nxt[c] = (self.host_params[c], q[c])
                 else:
                     tmp: dict[int, Any] = {}
@@ -1083,7 +1085,7 @@ class StreamingRuntime:
             if i + k < n:
                 self._fetch(q, i + k, "forward", watcher)
             elif nxt is not None and not train:
-                carry_next(i + k - n, "forward")
+                carry_next(i + k - n)
             if offload and i not in keep:  # stage i is dispatched: its kept input (and residuals) go to the host
                 self.offloaded_activation_nbytes += tree_nbytes(acts[i]) + (tree_nbytes(saved[i]) if save else 0)
                 acts[i] = jax.device_put(acts[i], self._act_host(sig.chain[i]))
@@ -1150,6 +1152,8 @@ class StreamingRuntime:
                 watcher.add(ev, g)
             ev = StageEvent("backward", i, "d2h", watcher.now()) if watcher else None
             if opt is None:
+                if nxt is not None and i < nc and not self.resident[i]:
+                    nxt[i] = (self.host_params[i], p)  # not donated: the next call's forward starts with it
                 self._track(dp, i)
                 hg = jax.device_put(dp, self._diff_grad_sh[i])
                 host_grads[i] = _merge_diff(hg, None, _split_diff(self._param_avals[i])[2])
@@ -1170,8 +1174,6 @@ class StreamingRuntime:
             if i - k >= 0:
                 self._fetch(q, i - k, "backward", watcher, qs)
                 fetch_acts(i - k)
-            elif nxt is not None and opt is None:
-                carry_next(k - i - 1, "backward")  # cyclic: after backward stage 0 comes forward stage 0
             self._record("backward", i)
             del p, dp
             prev_host = moved
