@@ -29,9 +29,13 @@ Diagnostic rows: ``jax_fwd_nocarry`` / ``jax_train_nocarry`` (the JAX rows with
 ``torch_out_conv`` (host time of the entry point's input and output conversion alone),
 ``torch_fwd_k3`` / ``torch_train_k3`` (prefetch depth k+1: one more stage of device memory).
 
-Every row times a loop of calls (one warm-up first): the steady state of serving and training,
-where the runtime's cyclic schedule (``prefetch_next_call``) has the next call's first k stages
-in device memory when it starts.
+Every row is the steady-state time per call of a loop: after one warm-up call, ``--reps``
+windows of ``--window`` back-to-back calls (default 3), each synced once at its end, divided by
+the window (a step's trailing copies overlap the next step, as in a training loop; the runtime's
+cyclic schedule, ``prefetch_next_call``, has the next call's first k stages in device memory when
+it starts). ``--window 1`` times each call synced on its own (per-call latency).
+``torch_fwd_in`` / ``torch_fwd_out`` split the entry point: torch input with a jax sync, and jax
+input with the torch output and ``torch.cuda.synchronize``.
 
 Floors (W = weight bytes, M = moment bytes, k = 2; bandwidths measured in the same run by
 moving the weights themselves): forward ``max(ondev_fwd, W/H2D)``; training
@@ -77,17 +81,28 @@ def _rand(rng, shape, dtype):
     return np.ascontiguousarray(np.tile(blk, (1, shape[1] // cols)))
 
 
-def _timeit(fn, reps):
-    fn()
+def _timeit(call, reps, sync=None, window=1):
+    """Seconds per call: one warm-up call, then ``reps`` windows of ``window`` back-to-back calls,
+    each window synced once at its end (``sync(last result)``) and divided by ``window``.
+
+    ``window=1`` with ``sync`` is per-call latency; a larger window is the steady-state time per
+    call of a loop (a call's trailing copies, e.g. the last stages' updated weights going to the
+    host, overlap the next call, as in a training loop that does not wait for them).
+    """
+    sync = sync or (lambda r: r)
+    sync(call())
     out = []
     for _ in range(reps):
         t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
+        r = None
+        for _ in range(window):
+            r = call()
+        sync(r)
+        out.append((time.perf_counter() - t) / window)
     return out
 
 
-def measure_shape(D, F, L, T, reps, k=2):
+def measure_shape(D, F, L, T, reps, k=2, window=1):
     """Every xla_swap row of one shape: {row: [seconds, ...]} plus bandwidths (bytes/s) and byte counts."""
     import jax
     import jax.numpy as jnp
@@ -109,7 +124,12 @@ def measure_shape(D, F, L, T, reps, k=2):
     res = {"shape": [D, F, L, T], "weight_bytes": W, "moment_bytes": 2 * W, "k": k, "kept_at_turns": 2 * k,
            "rows": {}}
     rows = res["rows"]
+    res["window"] = window
     t_start = time.perf_counter()
+    jbr = jax.block_until_ready
+
+    def timed(call, sync=jbr):
+        return _timeit(call, reps, sync, window)
 
     def note(name):
         print(json.dumps({"row": name, "median_s": statistics.median(rows[name]) if name in rows else None,
@@ -161,32 +181,31 @@ def measure_shape(D, F, L, T, reps, k=2):
     # ---- JAX-written rows ----
     note("bandwidth")
     x_dev = jax.device_put(x_np, dev)
-    rows["jax_fwd"] = _timeit(lambda: jax.block_until_ready(rt.forward(x_dev)), reps)
+    rows["jax_fwd"] = timed(lambda: rt.forward(x_dev))
     note("jax_fwd")
-    rows["jax_train"] = _timeit(lambda: jax.block_until_ready(rt.train_step(x_dev, jloss)[::2]), reps)
+    rows["jax_train"] = timed(lambda: rt.train_step(x_dev, jloss)[::2])
     note("jax_train")
     ref_out = np.asarray(rt.forward(x_dev)).astype(np.float32)
     rt = None  # free its buffers before the next row
     gc.collect()
     # the same calls with a non-cyclic schedule: every call streams stage 0 first (what the cycle saves)
     rt = StreamingRuntime(stage_jax, wj, prefetch_depth=k, track_residency=False, prefetch_next_call=False)
-    rows["jax_fwd_nocarry"] = _timeit(lambda: jax.block_until_ready(rt.forward(x_dev)), reps)
-    rows["jax_train_nocarry"] = _timeit(lambda: jax.block_until_ready(rt.train_step(x_dev, jloss)[::2]), reps)
+    rows["jax_fwd_nocarry"] = timed(lambda: rt.forward(x_dev))
+    rows["jax_train_nocarry"] = timed(lambda: rt.train_step(x_dev, jloss)[::2])
     note("jax_train_nocarry")
     rt = None
     gc.collect()
     # ---- on-device (every stage resident) ----
     rt = StreamingRuntime(stage_jax, wj, prefetch_depth=k, track_residency=False, resident=[True] * L,
                           grads_to_host=False)
-    rows["ondev_fwd"] = _timeit(lambda: jax.block_until_ready(rt.forward(x_dev)), reps)
-    rows["ondev_train"] = _timeit(lambda: jax.block_until_ready(rt.train_step(x_dev, jloss)[::2]), reps)
+    rows["ondev_fwd"] = timed(lambda: rt.forward(x_dev))
+    rows["ondev_train"] = timed(lambda: rt.train_step(x_dev, jloss)[::2])
     note("ondev_train")
     rt = None  # free its buffers before the next row
     gc.collect()
     rt = StreamingRuntime(stage_jax, wj, prefetch_depth=k, track_residency=False, resident=[True] * L,
                           optimizer=AdamW(lr=1e-5), optimizer_state_on_host=False)
-    rows["ondev_adamw"] = _timeit(
-        lambda: jax.block_until_ready((rt.train_step(x_dev, jloss)[0], rt.host_params, rt.optimizer_state)), reps)
+    rows["ondev_adamw"] = timed(lambda: (rt.train_step(x_dev, jloss)[0], rt.host_params, rt.optimizer_state))
     note("ondev_adamw")
     rt = None  # free its buffers before the next row
     gc.collect()
@@ -198,29 +217,35 @@ def measure_shape(D, F, L, T, reps, k=2):
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def torch_fwd():
-        out = st(x_c)
+        return st(x_c)
+
+    def tsync(_):
         sync()
-        return out
-    rows["torch_fwd"] = _timeit(torch_fwd, reps)
+    rows["torch_fwd"] = timed(torch_fwd, tsync)
     note("torch_fwd")
     # diagnostic: the same runtime called as the JAX row is (jax array in, jax array out): what is
     # left of torch_fwd - torch_fwd_rt is the entry point's per-call conversion (DLPack in and out)
-    rows["torch_fwd_rt"] = _timeit(lambda: jax.block_until_ready(st.runtime.forward((x_dev, {}))), reps)
+    rows["torch_fwd_rt"] = timed(lambda: st.runtime.forward((x_dev, {})))
     note("torch_fwd_rt")
+    # halves of the entry point: the torch input only (jax sync), the torch output only (torch sync)
+    rows["torch_fwd_in"] = timed(lambda: st.runtime.forward(st._carry_in((x_c,))))
+    rows["torch_fwd_out"] = timed(lambda: st._out(st.runtime.forward((x_dev, {})), cuda), tsync)
+    note("torch_fwd_out")
     # host time of the entry point's conversions alone: torch in -> jax, jax out -> torch
     y_rt = jax.block_until_ready(st.runtime.forward((x_dev, {})))
-    rows["torch_in_conv"] = _timeit(lambda: jax.block_until_ready(st._carry_in((x_c,))), reps)
-    rows["torch_out_conv"] = _timeit(lambda: (st._out(y_rt, cuda), sync()), reps)
+    rows["torch_in_conv"] = _timeit(lambda: st._carry_in((x_c,)), reps, jbr)
+    rows["torch_out_conv"] = _timeit(lambda: st._out(y_rt, cuda), reps, tsync)
     del y_rt
     note("torch_out_conv")
     out_t = torch_fwd().float().cpu().numpy()
+    sync()
     res["torch_output_device"] = str(torch_fwd().device)
     res["torch_vs_jax_max_abs_diff"] = float(np.abs(out_t - ref_out).max())
 
     def torch_train():
         st.train_step(x_c, loss_fn=tloss)
-        jax.block_until_ready(st.last_grads)
-    rows["torch_train"] = _timeit(torch_train, reps)
+        return st.last_grads
+    rows["torch_train"] = timed(torch_train)
     note("torch_train")
     st = None  # free its buffers before the next row
     gc.collect()
@@ -228,21 +253,21 @@ def measure_shape(D, F, L, T, reps, k=2):
     st = SwappedStack(layers, budget_bytes=10 ** 15, prefetch_depth=k, devices=jax.devices()[:1],
                       accumulate_grads=False)
     assert all(st.runtime.resident)
-    rows["torch_ondev_fwd"] = _timeit(torch_fwd, reps)
+    rows["torch_ondev_fwd"] = timed(torch_fwd, tsync)
     note("torch_ondev_fwd")
     st = None
     gc.collect()
     # one more stage of device memory: k+1 stages carried across each turn
     pol3 = OffloadPolicy(params="host", grads="host", optimizer_state="host", remat=True, prefetch_depth=k + 1)
     st = SwappedStack(layers, policy=pol3, devices=jax.devices()[:1], accumulate_grads=False)
-    rows["torch_fwd_k3"] = _timeit(torch_fwd, reps)
-    rows["torch_train_k3"] = _timeit(torch_train, reps)
+    rows["torch_fwd_k3"] = timed(torch_fwd, tsync)
+    rows["torch_train_k3"] = timed(torch_train)
     note("torch_train_k3")
     st = None
     gc.collect()
     st = SwappedStack(layers, policy=pol, devices=jax.devices()[:1], accumulate_grads=False,
                       offload_activations=True)
-    rows["torch_train_actoff"] = _timeit(torch_train, reps)
+    rows["torch_train_actoff"] = timed(torch_train)
     res["actoff_bytes"] = st.runtime.offloaded_activation_nbytes
     note("torch_train_actoff")
     st = None  # free its buffers before the next row
@@ -251,15 +276,15 @@ def measure_shape(D, F, L, T, reps, k=2):
 
     def torch_adamw():
         st.train_step(x_c)
-        jax.block_until_ready((st.runtime.host_params, st.runtime.optimizer_state))
-    rows["torch_adamw"] = _timeit(torch_adamw, reps)
+        return st.runtime.host_params, st.runtime.optimizer_state
+    rows["torch_adamw"] = timed(torch_adamw)
     note("torch_adamw")
     res["adamw_moment_dtype"] = str(jax.tree_util.tree_leaves(st.runtime.optimizer_state[0])[0].dtype)
     st = None  # free its buffers before the next row
     gc.collect()
     dpol = OffloadPolicy(params="host", grads="host", optimizer_state="device", remat=True, prefetch_depth=k)
     st = SwappedStack(layers, policy=dpol, devices=jax.devices()[:1], optimizer=AdamW(lr=1e-5), loss_fn=tloss)
-    rows["torch_adamw_devstate"] = _timeit(torch_adamw, reps)
+    rows["torch_adamw_devstate"] = timed(torch_adamw)
     note("torch_adamw_devstate")
     st = None  # free its buffers before the next row
     gc.collect()
@@ -369,6 +394,8 @@ def main(argv=None):
     p.add_argument("--shapes", type=_shape, nargs="+", default=[(8192, 32768, 8, 8192), (4096, 14336, 16, 16384)],
                    help="D,F,L,T ...")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--window", type=int, default=3,
+                   help="calls per timed window (synced once at its end): the steady-state time per call")
     p.add_argument("--anchors", nargs="*", default=[], choices=["fsdp2", "deepspeed"],
                    help="anchors to run at the first shape, each in its own process")
     p.add_argument("--anchor-reps", type=int, default=2)
@@ -393,7 +420,7 @@ def main(argv=None):
     raws = []
     for shape in args.shapes:
         t = time.perf_counter()
-        raws.append(measure_shape(*shape, reps=args.reps))
+        raws.append(measure_shape(*shape, reps=args.reps, window=args.window))
         a = analyze(raws[-1])
         print(json.dumps({"shape": shape, "ratio": a["ratio"], "bw_GBps": a["bw_GBps"],
                           "wall_s": time.perf_counter() - t}), flush=True)
