@@ -7,14 +7,17 @@ each ``h + b(gelu(a(h), approximate="tanh"))`` with ``a = nn.Linear(D, F, bias=F
 (bfloat16 by default). The input is ``(T, D)`` in the same dtype, the loss
 ``mean(out.float() ** 2)``.
 
-Two anchors, each in one process with a world size of 1:
+Two anchors:
 
 * :func:`fsdp2_cpu_offload_step`: ``torch.distributed.fsdp.fully_shard`` on every layer and on
   the root with ``CPUOffloadPolicy(pin_memory=True)``: parameters and gradients live in pinned
   host memory, each layer is copied to the device for its forward and again for its backward,
   and ``torch.optim.AdamW(foreach=True)`` steps on the host (on the bf16 parameters
-  themselves: no fp32 master copy, optimizer states in bf16).
-* :func:`deepspeed_zero_offload_step`: DeepSpeed ZeRO stage 3 with ``offload_param`` and
+  themselves: no fp32 master copy, optimizer states in bf16). World size 1 by default; with
+  ``--world-size N`` the CLI starts N processes (one per GPU, ``cuda:LOCAL_RANK``; gloo
+  processes on CPU), each weight is sharded over the N ranks and the global ``T`` tokens are
+  split ``T/N`` per rank (data parallel, as torch FSDP trains).
+* :func:`deepspeed_zero_offload_step` (one process, world size 1): DeepSpeed ZeRO stage 3 with ``offload_param`` and
   ``offload_optimizer`` on the CPU (pinned), bf16 enabled (so fp32 master weights and fp32
   Adam states on the host), optimizer ``DeepSpeedCPUAdam`` (JIT-built with ninja at first
   use) or, when that cannot be built, ``torch.optim.AdamW`` on the host (``torch_adam``);
@@ -31,15 +34,26 @@ and ``host_peak_rss_bytes`` (the process' peak resident set, bytes; the weights 
 the device and then moved to the host by the offloading tool). DeepSpeed may log to stdout:
 the JSON line of the CLI is the last line.
 
+With several ranks every rank times its own steps; the reported ``forward_s`` /
+``forward_backward_s`` / ``optimizer_s`` / ``step_s`` are the maxima over the ranks of each
+rank's median (``per_rank`` holds every rank's medians), ``peak_device_bytes`` the maximum
+over ranks, and only rank 0 prints the JSON line (with ``world_size`` and ``T_per_rank``).
+
 Both set ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and
 ``NVSHMEM_DISABLE_NVLS=1`` (``os.environ.setdefault``) before initialising
 ``torch.distributed`` (nccl on CUDA, gloo on CPU; ``MASTER_ADDR``/``MASTER_PORT`` set when
 absent), and destroy the process group they created at the end.
 
-Run one anchor per process, one JSON line on stdout::
+Run one anchor per command, one JSON line on stdout::
 
     python benchmarks/anchors.py --anchor fsdp2 --shape 8192,32768,8 --tokens 8192 --reps 3
+    python benchmarks/anchors.py --anchor fsdp2 --shape 8192,32768,8 --tokens 8192 --world-size 2
     python benchmarks/anchors.py --anchor deepspeed --shape 4096,14336,16 --tokens 8192
+
+``--world-size N`` (N > 1) starts N copies of this command, one per rank, with ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set (as ``torchrun`` does;
+a command started by ``torchrun`` with the same ``--world-size`` runs as that rank directly),
+waits for them (``--timeout-s``), stops the others when one fails, and prints rank 0's line.
 
 This module imports torch only (DeepSpeed inside :func:`deepspeed_zero_offload_step`).
 """
@@ -67,6 +81,7 @@ __all__ = [
     "fsdp2_cpu_offload_step",
     "deepspeed_zero_offload_step",
     "parse_args",
+    "launch_ranks",
     "main",
 ]
 
@@ -134,8 +149,10 @@ def _set_dist_env() -> None:
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
 
 
-def _init_process_group(device: torch.device) -> bool:
-    """Initialise a world-size-1 process group; True when this call created it."""
+def _init_process_group(device: torch.device, rank: int = 0, world_size: int = 1) -> bool:
+    """Initialise a process group of ``world_size`` ranks (this one ``rank``); True when this call
+    created it. nccl on CUDA (``device`` made current), gloo on CPU; MASTER_ADDR/PORT from the
+    environment (set by the launcher for several ranks; a free local port for one)."""
     import torch.distributed as dist
 
     _set_dist_env()
@@ -143,9 +160,9 @@ def _init_process_group(device: torch.device) -> bool:
         return False
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
     else:
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
     return True
 
 
@@ -258,31 +275,48 @@ def fsdp2_cpu_offload_step(
     device: torch.device | str | None = None,
     seed: int = 0,
     lr: float = 1e-4,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> dict:
-    """FSDP2 (``fully_shard``) with ``CPUOffloadPolicy`` on one device: medians of ``reps``.
+    """FSDP2 (``fully_shard``) with ``CPUOffloadPolicy`` on ``world_size`` ranks: medians of ``reps``.
 
     Every layer and the root are wrapped with
-    ``fully_shard(..., mesh=<1-device mesh>, offload_policy=CPUOffloadPolicy(pin_memory=...))``
+    ``fully_shard(..., mesh=<world_size-device mesh>, offload_policy=CPUOffloadPolicy(pin_memory=...))``
     (``pin_memory=True`` on CUDA; False on CPU, where there is nothing to pin for). The model
-    is built on ``device`` (default: ``cuda:0`` if available, else CPU) and moved to the host
-    by ``fully_shard``. ``torch.optim.AdamW(lr, foreach=True)`` steps on the host copies.
+    is built on ``device`` (default: ``cuda:rank`` if CUDA is available, else CPU; every rank
+    draws the same weights from ``seed``) and moved to the host by ``fully_shard``, each rank
+    keeping its shard. ``torch.optim.AdamW(lr, foreach=True)`` steps on the host shards.
+    Data parallel: ``T`` is the global token count, each rank runs ``T / world_size`` tokens
+    (its own input, seeded ``seed + 1 + rank``); ``T`` must be a multiple of ``world_size``.
 
-    Returns a dict: ``forward_s``, ``forward_backward_s``, ``optimizer_s`` (None when
-    ``optimizer`` is False), ``step_s`` (seconds, medians), ``peak_device_bytes`` (bytes, or
-    None on CPU), ``samples`` (all reps, seconds), ``setup_s``, ``host_peak_rss_bytes``,
-    the configuration and versions. Initialises (and destroys) a world-size-1 process group
-    (nccl on CUDA, gloo on CPU) unless one exists.
+    Called once in every rank (the CLI's ``--world-size`` starts the ranks). Returns a dict:
+    ``forward_s``, ``forward_backward_s``, ``optimizer_s`` (None when ``optimizer`` is False),
+    ``step_s`` (seconds: this rank's median with one rank; with several, the maximum over the
+    ranks of each rank's median, ``per_rank`` listing every rank's medians),
+    ``peak_device_bytes`` (bytes, max over ranks, or None on CPU), ``samples`` (this rank's
+    reps, seconds), ``setup_s``, ``host_peak_rss_bytes`` (this rank), ``world_size``,
+    ``T_per_rank``, the configuration and versions. Initialises (and destroys) the process
+    group (nccl on CUDA, gloo on CPU) unless one exists.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    device = torch.device(device) if device is not None else _default_device()
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} of world size {world_size}")
+    if T % world_size:
+        raise ValueError(f"T={T} tokens do not split evenly over {world_size} ranks")
+    if device is not None:
+        device = torch.device(device)
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) if world_size > 1 else 0)
+    else:
+        device = torch.device("cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    created = _init_process_group(device)
+    created = _init_process_group(device, rank, world_size)
     try:
         t_setup = time.perf_counter()
-        mesh = init_device_mesh(device.type, (1,))
+        mesh = init_device_mesh(device.type, (world_size,))
         pin = device.type == "cuda"
         policy = CPUOffloadPolicy(pin_memory=pin)
         model = make_ffn_stack(D, F, L, dtype, device, seed)
@@ -291,8 +325,9 @@ def fsdp2_cpu_offload_step(
         fully_shard(model, mesh=mesh, offload_policy=policy)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True) if optimizer else None
         gen = torch.Generator(device=device)
-        gen.manual_seed(seed + 1)
-        x = torch.randn(T, D, dtype=dtype, device=device, generator=gen)
+        gen.manual_seed(seed + 1 + rank)
+        t_local = T // world_size
+        x = torch.randn(t_local, D, dtype=dtype, device=device, generator=gen)
         _release_cached(device)
         setup_s = time.perf_counter() - t_setup
         param_device = next(model.parameters()).to_local().device.type
@@ -315,7 +350,7 @@ def fsdp2_cpu_offload_step(
         else:
             fb = forward_backward
         samples = _measure(device, reps, forward, fb, optimizer_step if opt else None)
-        return _result(
+        res = _result(
             samples,
             device,
             anchor="fsdp2",
@@ -325,9 +360,34 @@ def fsdp2_cpu_offload_step(
             pin_memory=pin,
             param_device=param_device,
             setup_s=setup_s,
+            world_size=world_size,
+            T_per_rank=t_local,
         )
+        if world_size > 1:
+            _max_over_ranks(res)
+        return res
     finally:
         _destroy_process_group(created)
+
+
+_RANK_KEYS = ("forward_s", "forward_backward_s", "optimizer_s", "step_s")
+
+
+def _max_over_ranks(res: dict) -> None:
+    """Gather every rank's medians (a collective: every rank calls it) into ``res["per_rank"]``;
+    the step times become the maxima over ranks of the ranks' medians (seconds), the peak the
+    largest rank's (bytes)."""
+    import torch.distributed as dist
+
+    mine = {k: res[k] for k in _RANK_KEYS + ("peak_device_bytes",)}
+    mine["rank"] = dist.get_rank()
+    mine["device"] = res.get("device_name")
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    res["per_rank"] = every
+    for k in _RANK_KEYS + ("peak_device_bytes",):
+        vals = [r[k] for r in every if r[k] is not None]
+        res[k] = max(vals) if vals else None
 
 
 # ---------------------------------------------------------------------------------------
@@ -483,36 +543,143 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--anchor", choices=["fsdp2", "deepspeed"], required=True)
     p.add_argument("--shape", type=_shape, default=(8192, 32768, 8), help="D,F,L")
-    p.add_argument("--tokens", type=int, default=8192, help="T")
+    p.add_argument("--tokens", type=int, default=8192, help="T (global: split over the ranks)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None, help="default: cuda:0 if available, else cpu")
+    p.add_argument("--device", default=None,
+                   help="default: cuda:LOCAL_RANK (cuda:0 with one rank) if available, else cpu")
     p.add_argument("--no-optimizer", action="store_true",
                    help="fsdp2 only: forward and backward, no optimizer step")
+    p.add_argument("--world-size", type=int, default=1,
+                   help="fsdp2 only: ranks (processes, one GPU each), started by this command")
+    p.add_argument("--timeout-s", type=float, default=None,
+                   help="with --world-size > 1: stop the ranks after this many seconds")
     p.add_argument("--stage", type=int, choices=[2, 3], default=3, help="deepspeed only")
     p.add_argument("--ds-optimizer", choices=["auto", "cpu_adam", "torch_adam"],
                    default="auto", help="deepspeed only")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.world_size < 1:
+        p.error(f"--world-size must be >= 1, got {args.world_size}")
+    return args
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _is_rank_process(world_size: int) -> bool:
+    """True in a process started as one rank (``RANK`` set, ``WORLD_SIZE`` equal to ``world_size``)."""
+    return world_size > 1 and "RANK" in os.environ and os.environ.get("WORLD_SIZE") == str(world_size)
+
+
+def launch_ranks(argv: list[str], world_size: int, timeout_s: float | None = None) -> dict:
+    """Run this script as ``world_size`` rank processes with ``argv`` and return rank 0's JSON dict.
+
+    Each rank gets ``RANK``, ``LOCAL_RANK`` (= rank), ``WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``,
+    ``MASTER_PORT`` (one free port) and the no-multicast variables. Their stdout and stderr go
+    to temporary files; rank 0's stdout is echoed to this process' stdout minus its JSON line
+    (the caller prints it), every rank's stderr tail to stderr. When a rank exits with an error
+    the others get 10 s, then are killed; after ``timeout_s`` seconds (None: no limit) all are.
+    Returns ``{"error": ...}`` when rank 0 printed no JSON line.
+    """
+    import subprocess
+    import tempfile
+
+    port = str(_free_port())
+    procs, files = [], []
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="anchors_ranks_") as tmp:
+        for r in range(world_size):
+            env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **_NO_MULTICAST_ENV)
+            out = open(os.path.join(tmp, f"rank{r}.out"), "w+")
+            err = open(os.path.join(tmp, f"rank{r}.err"), "w+")
+            files.append((out, err))
+            procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
+                                          stdout=out, stderr=err, env=env))
+        reason = None
+        failed_at = None
+        while any(p.poll() is None for p in procs):
+            now = time.perf_counter()
+            if timeout_s is not None and now - t0 > timeout_s:
+                reason = f"timed out after {timeout_s} s"
+                break
+            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+                failed_at = now
+            if failed_at is not None and now - failed_at > 10:
+                reason = "a rank failed; the others were stopped"
+                break
+            time.sleep(0.1)
+        for p in procs:  # only the processes started here, one by one
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        texts = []
+        for out, err in files:
+            out.seek(0)
+            err.seek(0)
+            texts.append((out.read(), err.read()))
+            out.close()
+            err.close()
+    for r, (_, err) in enumerate(texts):
+        if err.strip():
+            sys.stderr.write(f"--- rank {r} stderr (tail) ---\n{err[-3000:]}\n")
+    lines = texts[0][0].splitlines()
+    json_lines = [ln for ln in lines if ln.startswith("{")]
+    for ln in lines:
+        if not ln.startswith("{"):
+            print(ln)
+    codes = [p.returncode for p in procs]
+    if json_lines:
+        res = json.loads(json_lines[-1])
+    else:
+        res = {"anchor": "fsdp2", "world_size": world_size,
+               "error": f"{reason or 'rank 0 printed no result'} (return codes {codes}): {texts[0][1][-2000:]}"}
+    if "error" not in res and (reason or any(codes)):
+        res["error"] = f"{reason or 'a rank failed'} (return codes {codes})"
+    return res
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run one anchor and print its dict as one JSON line on stdout; return the dict."""
+    """Run one anchor and print its dict as one JSON line on stdout; return the dict.
+
+    With ``--world-size N > 1`` (fsdp2 only) this starts the N ranks (:func:`launch_ranks`)
+    unless it is one of them; a rank prints its line only as rank 0.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     D, F_, L = args.shape
-    if args.anchor == "fsdp2":
+    ws = args.world_size
+    rank = 0
+    if ws > 1 and args.anchor != "fsdp2":
+        res = {"anchor": args.anchor, "error": "--world-size > 1 is implemented for fsdp2 only"}
+    elif ws > 1 and args.tokens % ws:
+        res = {"anchor": args.anchor, "world_size": ws,
+               "error": f"--tokens {args.tokens} does not split evenly over {ws} ranks"}
+    elif ws > 1 and not _is_rank_process(ws):
+        res = launch_ranks(argv, ws, args.timeout_s)
+    elif args.anchor == "fsdp2":
+        rank = int(os.environ["RANK"]) if ws > 1 else 0
         try:
             res = fsdp2_cpu_offload_step(D, F_, L, args.tokens, args.reps,
                                          optimizer=not args.no_optimizer,
-                                         device=args.device, seed=args.seed)
+                                         device=args.device, seed=args.seed,
+                                         rank=rank, world_size=ws)
         except Exception as e:  # noqa: BLE001 - one JSON line either way
-            res = {"anchor": "fsdp2", "error": f"{type(e).__name__}: {e}"[-4000:],
+            res = {"anchor": "fsdp2", "world_size": ws, "rank": rank,
+                   "error": f"{type(e).__name__}: {e}"[-4000:],
                    "traceback": traceback.format_exc()[-8000:]}
+            if ws > 1:
+                sys.stderr.write(res["traceback"])
     else:
         res = deepspeed_zero_offload_step(D, F_, L, args.tokens, args.reps, stage=args.stage,
                                           optimizer=args.ds_optimizer, device=args.device,
                                           seed=args.seed)
     sys.stdout.flush()
-    print(json.dumps(res, default=str), flush=True)
+    if rank == 0:
+        print(json.dumps(res, default=str), flush=True)
     return res
 
 
