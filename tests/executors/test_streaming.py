@@ -219,9 +219,10 @@ def test_residency_bounded_and_prefetching(params, x, k):
     assert max(r for (pname, _, r) in steps if pname == "forward") <= k + 1
     bwd = [r for (pname, _, r) in steps if pname == "backward"]
     assert max(bwd) == k + 1 == rt.max_resident_stages
-    # between calls only the next call's first k stages stay (prefetch_next_call); all gone once released
+    # between calls only the next call's first k+1 stages stay (prefetch_next_call: the backward keeps
+    # stages 0..k-1 and streams stage k into its free window slot); all gone once released
     gc.collect()
-    assert rt.resident_stages() == len(rt.prefetched_stages) == min(k, L)
+    assert rt.resident_stages() == len(rt.prefetched_stages) == min(k + 1, L)
     rt.release_prefetched()
     gc.collect()
     assert rt.resident_stages() == 0
@@ -263,9 +264,11 @@ def test_trace_events(params, x):
     assert all(isinstance(e, StageEvent) and e.error is None for e in ev)
     kinds = {(e.pass_name, e.kind) for e in ev}
     assert kinds == {("forward", "h2d"), ("forward", "compute"), ("backward", "h2d"),
-                     ("backward", "compute"), ("backward", "d2h")}
-    # the backward keeps its first k stages' weights for the next call (prefetch_next_call): no transfer
-    assert rt.prefetched_stages == [0, 1]
+                     ("backward", "compute"), ("backward", "d2h"), ("next", "h2d")}
+    # the backward keeps its first k stages' weights for the next call (prefetch_next_call), and
+    # streams stage k into the window slot stage -1 would have used
+    assert rt.prefetched_stages == [0, 1, 2]
+    assert [e.stage for e in ev if e.pass_name == "next"] == [2]
     assert sorted(e.stage for e in ev if e.kind == "compute" and e.pass_name == "forward") == list(range(L))
     assert sorted(e.stage for e in ev if e.kind == "d2h") == list(range(L))
     # the last k stages stay resident from the forward: the backward re-fetches L-k of them

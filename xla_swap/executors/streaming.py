@@ -244,8 +244,10 @@ class StreamingRuntime:
         one, the streamed copy its backward used, which is then not donated). The next call
         (``forward`` or ``train_step``) starts computing at once instead of waiting for
         stage 0's transfer, and in a serving or training loop the link and the device never
-        idle at a call boundary. The live set during a call stays at k+1 stages; between
-        calls up to k stages' weights stay in device memory (``prefetched_stages``,
+        idle at a call boundary. A ``train_step``'s backward also streams stage k, into the
+        window slot that stage -1 would have used, so the next forward starts with k+1
+        stages. The live set during a call stays at k+1 stages; between calls up to k
+        (k+1 after a ``train_step``) stages' weights stay in device memory (``prefetched_stages``,
         ``release_prefetched()``). A carried stage is used only while ``host_params[i]`` is
         the same object it was copied from (replacing it invalidates the copy).
 
@@ -1055,7 +1057,6 @@ class StreamingRuntime:
         nc = min(k, n)
         for j in range(nc):
             self._fetch(q, j, "forward", watcher)
-        self._carry = {}  # whatever was not taken is stale
         # the next call's first stages, filled at this call's tail (cyclic schedule)
         nxt: dict[int, tuple[Any, Any]] | None = {} if self.prefetch_next_call else None
 
@@ -1099,6 +1100,7 @@ class StreamingRuntime:
             x = y
             if train:
                 acts.append(y)
+        self._carry = {}  # whatever the forward did not take is stale
         if not train:
             if nxt is not None:
                 self._carry = nxt
@@ -1174,6 +1176,11 @@ class StreamingRuntime:
             if i - k >= 0:
                 self._fetch(q, i - k, "backward", watcher, qs)
                 fetch_acts(i - k)
+            elif i == k - 1 and nxt is not None and k < n and not self.resident[k]:
+                # the window's free slot (stage -1 does not exist): stage k for the next forward
+                tmp: dict[int, Any] = {}
+                self._fetch(tmp, k, "next", watcher)
+                nxt[k] = (self.host_params[k], tmp[k])
             self._record("backward", i)
             del p, dp
             prev_host = moved
