@@ -171,6 +171,14 @@ def _window(call, sync, window: int) -> float:
     return (time.perf_counter() - t) / window
 
 
+def _spec_json(sharding):
+    """A sharding's PartitionSpec as a JSON list (None: replicated dim; a list: several mesh axes)."""
+    spec = getattr(sharding, "spec", None)
+    if spec is None:
+        return None
+    return [e if e is None or isinstance(e, str) else list(e) for e in spec]
+
+
 def measure(n: int, D: int, F: int, L: int, tokens, shardings=SHARDINGS, reps: int = 5, window: int = 1,
             k: int = 2, dtype: str = "bfloat16", ondev_1gpu: bool = True, seed: int = 0) -> dict:
     """Every xla_swap row on ``n`` devices and on one (see the module docstring): the raw dict.
@@ -178,7 +186,10 @@ def measure(n: int, D: int, F: int, L: int, tokens, shardings=SHARDINGS, reps: i
     Returns ``{"n", "shape": [D, F, L], "tokens", "dtype", "k", "kept_at_turns", "weight_bytes"
     (W, bytes), "reps", "window", "platform", "device_kind", "cuda_inputs", "bw": {"n": ..., "1":
     ...} (aggregate bytes/s, see ``measure_bandwidth``), "bw_sharding", "rows": {sharding: {str(T):
-    {row: [seconds, ...]}}, "1gpu": {str(T): {...}}}, "wall_s"}``. Prints one JSON line per row.
+    {row: [seconds, ...]}}, "1gpu": {str(T): {...}}}, "layout": {sharding: {"data_parallel", "specs"
+    (each weight's PartitionSpec), "memory_kind"}}, "max_abs_diff_vs_1gpu": {sharding: the forward
+    output at the first T against the 1-GPU stack's}, "mesh_vs_plain_max_abs_diff", "wall_s"}``.
+    Prints one JSON line per row.
     """
     import jax
     import jax.numpy as jnp
@@ -224,8 +235,22 @@ def measure(n: int, D: int, F: int, L: int, tokens, shardings=SHARDINGS, reps: i
     def rows_of(group, T):
         return res["rows"].setdefault(group, {}).setdefault(str(T), {})
 
+    T0 = tokens[0]
+    ref = {}  # the 1-GPU streamed forward output at the first T (float32 numpy)
+    res["max_abs_diff_vs_1gpu"] = {}
+
+    def compare(st, group):
+        """The stack's forward output at the first T against the 1-GPU stack's (max abs difference)."""
+        out = st(xs[T0]).float().cpu().numpy()
+        if "1gpu" not in ref:
+            ref["1gpu"] = out
+        else:
+            res["max_abs_diff_vs_1gpu"][group] = float(np.abs(out - ref["1gpu"]).max())
+
     def run_stack(st, group, prefix="", suffix=""):
         """fwd and train rows of one stack at every T."""
+        if not prefix:
+            compare(st, group)
         for T in tokens:
             x = xs[T]
 
@@ -274,6 +299,9 @@ def measure(n: int, D: int, F: int, L: int, tokens, shardings=SHARDINGS, reps: i
         r = rows_of("1gpu", T)
         r.update(_interleaved({"fwd_1dev_plain": lambda: rt_plain.forward(xp),
                                "fwd_1dev_mesh": lambda: rt_mesh.forward(xm)}, reps, jbr, window))
+        if T == T0:
+            res["mesh_vs_plain_max_abs_diff"] = float(np.abs(np.asarray(rt_mesh.forward(xm), np.float32)
+                                                             - np.asarray(rt_plain.forward(xp), np.float32)).max())
         note("1gpu", T, "fwd_1dev_plain")
         note("1gpu", T, "fwd_1dev_mesh")
     rt_plain = rt_mesh = None
@@ -283,6 +311,11 @@ def measure(n: int, D: int, F: int, L: int, tokens, shardings=SHARDINGS, reps: i
     for s in shardings:
         kw = dict(shard="fsdp", data_parallel=True) if s == "fsdp" else dict(shard=tp_spec, data_parallel=False)
         st = SwappedStack(layers, policy=pol, devices=devs[:n], accumulate_grads=False, **kw)
+        hp = st.runtime.host_params[0]
+        res.setdefault("layout", {})[s] = {
+            "data_parallel": st.data_parallel,
+            "specs": {name: _spec_json(hp[name].sharding) for name in sorted(hp)},
+            "memory_kind": hp["a.weight"].sharding.memory_kind}
         if "n" not in res["bw"] or s == "fsdp":  # each device pulling its own fsdp shards
             res["bw"]["n"] = measure_bandwidth(st.runtime.host_params)
             res["bw_sharding"] = s
@@ -372,7 +405,9 @@ def analyze(raw: dict) -> dict:
         anchors[name] = analyze_anchor(a, med, shardings, raw["tokens"])
     return {"n": n, "shape": raw["shape"], "tokens": raw["tokens"], "dtype": raw.get("dtype"), "weight_bytes": W,
             "k": raw["k"], "kept_at_turns": kept, "device_kind": raw.get("device_kind"), "median_s": med,
-            "floor_s": floors, "ratio": ratio, "bw": bw, "targets": targets, "checks": checks, "anchors": anchors}
+            "floor_s": floors, "ratio": ratio, "bw": bw, "targets": targets, "checks": checks, "anchors": anchors,
+            "layout": raw.get("layout", {}), "max_abs_diff_vs_1gpu": raw.get("max_abs_diff_vs_1gpu", {}),
+            "mesh_vs_plain_max_abs_diff": raw.get("mesh_vs_plain_max_abs_diff")}
 
 
 def analyze_anchor(anchor: dict, med: dict, shardings: list, tokens: list) -> dict:
@@ -401,6 +436,13 @@ def analyze_anchor(anchor: dict, med: dict, shardings: list, tokens: list) -> di
     return out
 
 
+def _bytes(b: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
 def _ms(s: float) -> str:
     return f"{1e3 * s:.1f}"
 
@@ -409,7 +451,7 @@ def render(a: dict) -> str:
     """The markdown tables of one ``analyze`` result (times in ms, ratios x, bandwidths GB/s)."""
     n = a["n"]
     shape = ",".join(map(str, a["shape"]))
-    lines = [f"{n} x {a.get('device_kind')}, D,F,L = {shape}, {a.get('dtype')}, W = {a['weight_bytes'] / 2**30:.2f} GiB, "
+    lines = [f"{n} x {a.get('device_kind')}, D,F,L = {shape}, {a.get('dtype')}, W = {_bytes(a['weight_bytes'])}, "
              f"k = {a['k']}", "",
              "| sharding | T | fwd ms | floor ms (bound) | fwd / floor | train ms | floor ms (bound) | train / floor | "
              "scaling fwd | scaling train | on-device fwd / train ms |",
@@ -435,8 +477,17 @@ def render(a: dict) -> str:
     lines += ["", f"Pinned-host bandwidth, GB/s, {n} GPUs ({b.get('sharding')} shards) per GPU / aggregate: "
               f"H2D {g['per_gpu']['h2d']:.1f} / {g['aggregate']['h2d']:.1f}, D2H {g['per_gpu']['d2h']:.1f} / "
               f"{g['aggregate']['d2h']:.1f}, both {g['per_gpu']['both']:.1f} / {g['aggregate']['both']:.1f}; "
-              f"1 GPU: H2D {g['1gpu']['h2d']:.1f}, D2H {g['1gpu']['d2h']:.1f}, both {g['1gpu']['both']:.1f}.", "",
-              "Targets:"]
+              f"1 GPU: H2D {g['1gpu']['h2d']:.1f}, D2H {g['1gpu']['d2h']:.1f}, both {g['1gpu']['both']:.1f}."]
+    for s, lay in a.get("layout", {}).items():
+        specs = ", ".join(f"{k_} P({', '.join(map(repr, v))})" if v is not None else f"{k_} one device"
+                          for k_, v in lay["specs"].items())
+        diff = a.get("max_abs_diff_vs_1gpu", {}).get(s)
+        lines.append(f"{s}: data_parallel={lay['data_parallel']}, {specs} in {lay['memory_kind']}"
+                     + (f"; forward output at T={a['tokens'][0]} vs 1 GPU: max abs diff {diff:.3g}"
+                        if diff is not None else ""))
+    if a.get("mesh_vs_plain_max_abs_diff") is not None:
+        lines.append(f"1-device mesh vs plain forward output: max abs diff {a['mesh_vs_plain_max_abs_diff']:.3g}")
+    lines += ["", "Targets:"]
     for c in a["checks"]:
         lines.append(f"- {c['what']}, T={c['tokens']}: {c['value']:.3f} (target {c['op']} {c['target']:.3f}): "
                      f"{'met' if c['met'] else '**missed**'}")
