@@ -107,3 +107,21 @@ def test_deepspeed_config_offloads_both():
     c2 = anchors.deepspeed_config(64, 128, stage=2, torch_adam=True)
     assert "offload_param" not in c2["zero_optimization"]
     assert c2["optimizer"]["params"]["torch_adam"] is True
+
+
+def test_world_size_option_and_refusals(capsys, restore_env):
+    assert anchors.parse_args(["--anchor", "fsdp2"]).world_size == 1
+    assert anchors.parse_args(["--anchor", "fsdp2", "--world-size", "4"]).world_size == 4
+    with pytest.raises(SystemExit):
+        anchors.parse_args(["--anchor", "fsdp2", "--world-size", "0"])
+    res = anchors.main(["--anchor", "deepspeed", "--world-size", "2"])
+    assert "fsdp2 only" in res["error"]
+    res = anchors.main(["--anchor", "fsdp2", "--shape", "64,128,2", "--tokens", "15", "--world-size", "2"])
+    assert "does not split evenly" in res["error"]  # refused before any rank starts
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["world_size"] == 2
+
+
+def test_rank_launcher_timeout_stops_the_ranks(restore_env):
+    res = anchors.main(["--anchor", "fsdp2", "--shape", "64,128,2", "--tokens", "16", "--world-size", "2",
+                        "--timeout-s", "0.2"])
+    assert res["error"].startswith("timed out after 0.2 s")
