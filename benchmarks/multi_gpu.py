@@ -22,12 +22,16 @@ Shardings over the n devices (``--shardings``):
 Rows (seconds; medians of ``--reps`` after one warm-up, each rep a window of ``--window``
 back-to-back calls synced at its end, divided by the window; default 1: per-call latency):
 
-* per sharding and T: ``ondev_fwd`` / ``ondev_train`` (the same stack with every stage resident in
+* per sharding and T: ``fwd_rt`` (diagnostic: the stack's runtime called alone, a jax array on
+  the first device in, the jax output out: ``fwd`` minus it is the entry point's conversions),
+  ``out_conv`` (diagnostic: ``SwappedStack._out`` alone, the runtime's output to a torch tensor,
+  gathered on the first GPU when split over several),
+  ``ondev_fwd`` / ``ondev_train`` (the same stack with every stage resident in
   device memory and the gradients left there: ``OffloadPolicy(params="device", grads="device")``,
   the on-device compute), ``fwd`` / ``train`` (streamed; ``train`` = ``stack.train_step(x, loss_fn)``
   then ``jax.block_until_ready(stack.last_grads)``);
-* per T, once: ``fwd_1gpu`` / ``train_1gpu`` (the streamed rows on ``jax.devices()[:1]``, the
-  scaling reference), ``ondev_fwd_1gpu`` / ``ondev_train_1gpu`` (its on-device rows, for the
+* per T, once: ``fwd_1gpu`` / ``train_1gpu`` / ``fwd_rt_1gpu`` / ``out_conv_1gpu`` (the streamed rows on
+  ``jax.devices()[:1]``, the scaling reference), ``ondev_fwd_1gpu`` / ``ondev_train_1gpu`` (its on-device rows, for the
   1-GPU floors; ``--no-ondev-1gpu`` drops them), ``fwd_1dev_plain`` / ``fwd_1dev_mesh`` (the JAX
   ``StreamingRuntime`` with the JAX-written layer on ``device=jax.devices()[0]`` against the same
   runtime with ``sharding=NamedSharding(<1-device mesh>, P())``: the sharded code path's
@@ -62,6 +66,7 @@ the raw dict; ``render`` of the analysis.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -81,8 +86,9 @@ from torch_stack import _rand, _timeit
 #: on n GPUs), the one-device mesh over the plain device path (at most).
 TARGETS = {"fwd": 1.05, "train": 1.10, "scaling": 1.85, "mesh": 1.02}
 SHARDINGS = ("fsdp", "tp")
-_ROWS = ("ondev_fwd", "ondev_train", "fwd", "train")
-_ROWS_1GPU = ("fwd_1gpu", "train_1gpu", "ondev_fwd_1gpu", "ondev_train_1gpu", "fwd_1dev_plain", "fwd_1dev_mesh")
+_ROWS = ("ondev_fwd", "ondev_train", "fwd", "train", "fwd_rt", "out_conv")
+_ROWS_1GPU = ("fwd_1gpu", "train_1gpu", "fwd_rt_1gpu", "out_conv_1gpu", "ondev_fwd_1gpu", "ondev_train_1gpu", "fwd_1dev_plain",
+              "fwd_1dev_mesh")
 
 
 def tp_spec(name: str, shape: tuple) -> tuple:
@@ -216,11 +222,17 @@ def measure(n: int, D: int, F: int, L: int, tokens, shardings=SHARDINGS, reps: i
            "device_kind": devs[0].device_kind, "cuda_inputs": cuda, "bw": {}, "rows": {}}
     rng = np.random.default_rng(seed + 1)
     xs_np = {T: (rng.standard_normal((T, D), dtype=np.float32) * 0.5).astype(np_dt) for T in tokens}
+    # CUDA inputs on the runtime's first GPU, named explicitly: jax's GPU client leaves the thread's
+    # current CUDA device wherever its set-up ended, and torch's DLPack export wants the tensor's
+    # device current (every call runs under torch.cuda.device(cuda:<first>))
+    tdev = torch.device("cuda", devs[0].local_hardware_id if devs[0].local_hardware_id is not None else 0) \
+        if cuda else None
+    on_dev0 = (lambda: torch.cuda.device(tdev)) if cuda else contextlib.nullcontext
     xs = {}
     for T, x in xs_np.items():
         xt = _to_torch(x)
-        xs[T] = xt.cuda() if cuda else xt
-    sync_t = (lambda _: torch.cuda.synchronize()) if cuda else (lambda _: None)
+        xs[T] = xt.to(tdev) if cuda else xt
+    sync_t = (lambda _: torch.cuda.synchronize(tdev)) if cuda else (lambda _: None)
     jbr = jax.block_until_ready
 
     def tloss(o):
@@ -241,9 +253,11 @@ def measure(n: int, D: int, F: int, L: int, tokens, shardings=SHARDINGS, reps: i
 
     def compare(st, group):
         """The stack's forward output at the first T against the 1-GPU stack's (max abs difference)."""
-        out = st(xs[T0]).float().cpu().numpy()
+        with on_dev0():
+            out = st(xs[T0]).float().cpu().numpy()
         if "1gpu" not in ref:
             ref["1gpu"] = out
+            res["output_max_abs"] = float(np.abs(out).max())
         else:
             res["max_abs_diff_vs_1gpu"][group] = float(np.abs(out - ref["1gpu"]).max())
 
@@ -255,15 +269,25 @@ def measure(n: int, D: int, F: int, L: int, tokens, shardings=SHARDINGS, reps: i
             x = xs[T]
 
             def fwd():
-                return st(x)
+                with on_dev0():
+                    return st(x)
 
             def train():
                 st.last_grads = None  # the previous step's gradients go first: their buffers are reused
-                st.train_step(x, loss_fn=tloss)
+                with on_dev0():
+                    st.train_step(x, loss_fn=tloss)
                 return st.last_grads
             r = rows_of(group, T)
             r[f"{prefix}fwd{suffix}"] = _timeit(fwd, reps, sync=sync_t, window=window)
             note(group, T, f"{prefix}fwd{suffix}")
+            if not prefix:  # diagnostic: the runtime alone, a jax array on the first device in, jax out
+                xj = jax.device_put(xs_np[T], devs[0])
+                r[f"fwd_rt{suffix}"] = _timeit(lambda: st.runtime.forward((xj, {})), reps, sync=jbr, window=window)
+                note(group, T, f"fwd_rt{suffix}")
+                y = jbr(st.runtime.forward((xj, {})))  # and the output conversion alone (jax -> torch)
+                r[f"out_conv{suffix}"] = _timeit(lambda: st._out(y, cuda), reps, sync=sync_t, window=window)
+                note(group, T, f"out_conv{suffix}")
+                del y
             r[f"{prefix}train{suffix}"] = _timeit(train, reps, sync=jbr, window=window)
             note(group, T, f"{prefix}train{suffix}")
             st.last_grads = None
@@ -407,7 +431,8 @@ def analyze(raw: dict) -> dict:
             "k": raw["k"], "kept_at_turns": kept, "device_kind": raw.get("device_kind"), "median_s": med,
             "floor_s": floors, "ratio": ratio, "bw": bw, "targets": targets, "checks": checks, "anchors": anchors,
             "layout": raw.get("layout", {}), "max_abs_diff_vs_1gpu": raw.get("max_abs_diff_vs_1gpu", {}),
-            "mesh_vs_plain_max_abs_diff": raw.get("mesh_vs_plain_max_abs_diff")}
+            "mesh_vs_plain_max_abs_diff": raw.get("mesh_vs_plain_max_abs_diff"),
+            "output_max_abs": raw.get("output_max_abs")}
 
 
 def analyze_anchor(anchor: dict, med: dict, shardings: list, tokens: list) -> dict:
@@ -454,8 +479,8 @@ def render(a: dict) -> str:
     lines = [f"{n} x {a.get('device_kind')}, D,F,L = {shape}, {a.get('dtype')}, W = {_bytes(a['weight_bytes'])}, "
              f"k = {a['k']}", "",
              "| sharding | T | fwd ms | floor ms (bound) | fwd / floor | train ms | floor ms (bound) | train / floor | "
-             "scaling fwd | scaling train | on-device fwd / train ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "scaling fwd | scaling train | on-device fwd / train ms | runtime alone fwd ms | output conversion ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s, by_t in a["ratio"].items():
         if s == "1gpu":
             continue
@@ -464,14 +489,19 @@ def render(a: dict) -> str:
             sc = (f"{r['scaling_fwd']:.3f}", f"{r['scaling_train']:.3f}") if "scaling_fwd" in r else ("-", "-")
             lines.append(f"| {s} | {T} | {_ms(m['fwd'])} | {_ms(f['fwd'])} ({f['fwd_bound']}) | {r['fwd']:.3f}x | "
                          f"{_ms(m['train'])} | {_ms(f['train'])} ({f['train_bound']}) | {r['train']:.3f}x | "
-                         f"{sc[0]} | {sc[1]} | {_ms(m['ondev_fwd'])} / {_ms(m['ondev_train'])} |")
+                         f"{sc[0]} | {sc[1]} | {_ms(m['ondev_fwd'])} / {_ms(m['ondev_train'])} | "
+                         f"{_ms(m['fwd_rt']) if 'fwd_rt' in m else '-'} | "
+                         f"{_ms(m['out_conv']) if 'out_conv' in m else '-'} |")
     lines += ["", "| 1 GPU, T | fwd ms | floor ms (bound) | fwd / floor | train ms | floor ms (bound) | train / floor | "
-              "1-device mesh / plain fwd (ms) |", "|---|---|---|---|---|---|---|---|"]
+              "1-device mesh / plain fwd (ms) | runtime alone fwd ms | output conversion ms |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for T, r in a["ratio"].get("1gpu", {}).items():
         m, f = a["median_s"]["1gpu"][T], a["floor_s"]["1gpu"][T]
         mesh = (f"{r['mesh']:.3f} ({_ms(m['fwd_1dev_mesh'])} / {_ms(m['fwd_1dev_plain'])})" if "mesh" in r else "-")
         lines.append(f"| {T} | {_ms(m['fwd_1gpu'])} | {_ms(f['fwd'])} ({f['fwd_bound']}) | {r['fwd']:.3f}x | "
-                     f"{_ms(m['train_1gpu'])} | {_ms(f['train'])} ({f['train_bound']}) | {r['train']:.3f}x | {mesh} |")
+                     f"{_ms(m['train_1gpu'])} | {_ms(f['train'])} ({f['train_bound']}) | {r['train']:.3f}x | {mesh} | "
+                     f"{_ms(m['fwd_rt_1gpu']) if 'fwd_rt_1gpu' in m else '-'} | "
+                     f"{_ms(m['out_conv_1gpu']) if 'out_conv_1gpu' in m else '-'} |")
     b = a["bw"]
     g = {k_: {x: v / 1e9 for x, v in d.items()} for k_, d in b.items() if isinstance(d, dict)}
     lines += ["", f"Pinned-host bandwidth, GB/s, {n} GPUs ({b.get('sharding')} shards) per GPU / aggregate: "
@@ -483,8 +513,8 @@ def render(a: dict) -> str:
                           for k_, v in lay["specs"].items())
         diff = a.get("max_abs_diff_vs_1gpu", {}).get(s)
         lines.append(f"{s}: data_parallel={lay['data_parallel']}, {specs} in {lay['memory_kind']}"
-                     + (f"; forward output at T={a['tokens'][0]} vs 1 GPU: max abs diff {diff:.3g}"
-                        if diff is not None else ""))
+                     + (f"; forward output at T={a['tokens'][0]} vs 1 GPU: max abs diff {diff:.3g} "
+                        f"(max abs output {a.get('output_max_abs') or 0:.3g})" if diff is not None else ""))
     if a.get("mesh_vs_plain_max_abs_diff") is not None:
         lines.append(f"1-device mesh vs plain forward output: max abs diff {a['mesh_vs_plain_max_abs_diff']:.3g}")
     lines += ["", "Targets:"]
