@@ -119,26 +119,34 @@ def test_design_stack_shrinking_budget_sequence():
     ffn_host = all_device - (L - 2) * A                                     # 55.125: a 2-layer window of A
     ffn_remat = all_device - L * A + A                                      # 54.625: recompute term A
     remat = all_device - L * (A + U) + (A + U)                              # 51.125: recompute term A + U
-    params_host = -(L - 2) * P                                              # -6: a 2-layer window of P
+    def params_host(k):     # a (k+1)-layer window of P instead of L layers
+        return -(L - k - 1) * P
+
     grads_host = -(L - 1) * G                                               # -7: one layer's G in flight
+    # With params on host a deeper prefetch saves weight traffic (the first and the last k layers skip an
+    # inbound copy: kept on the device across the step boundary and the turn), so each placement appears
+    # with every depth whose window fits, deepest first.
     assert got == [
         (("device", "device", "device", ("device",), False, 1), all_device),
         (("device", "device", "device", ("host",), False, 1), ffn_host),
         (("device", "device", "device", ("remat",), False, 1), ffn_remat),
         (("device", "device", "device", ("remat",), True, 1), remat),
-        (("host", "device", "device", ("remat",), False, 1), ffn_remat + params_host),           # 48.625
-        (("host", "device", "device", ("remat",), True, 1), remat + params_host),                # 45.125
-        (("host", "host", "device", ("remat",), False, 1), ffn_remat + params_host + grads_host),  # 41.625
-        (("host", "host", "device", ("remat",), True, 1), remat + params_host + grads_host),       # 38.125
+        *[(("host", "device", "device", ("remat",), False, k), ffn_remat + params_host(k)) for k in (3, 2, 1)],
+        *[(("host", "device", "device", ("remat",), True, k), remat + params_host(k)) for k in (4, 3, 2, 1)],
+        *[(("host", "host", "device", ("remat",), False, k), ffn_remat + params_host(k) + grads_host)
+          for k in (4, 3, 2, 1)],
+        *[(("host", "host", "device", ("remat",), True, k), remat + params_host(k) + grads_host) for k in (3, 2, 1)],
         # optimizer state to host frees L x O = 32 GiB, so the activations come back to the device; the
-        # streamed update keeps the last k layers resident across the turn (StreamingRuntime), so a deeper
-        # prefetch saves weight traffic while its (k+1)-layer optimizer window P + G + O fits
+        # streamed update keeps the last k layers resident across the turn and the first k across the step
+        # boundary (StreamingRuntime), so a deeper prefetch saves weight traffic while its (k+1)-layer
+        # optimizer window P + G + O fits
         *[(("host", "host", "host", ("device",), False, k), (k + 1) * (P + G + O)) for k in (4, 3, 2)],
         (("host", "host", "host", ("device",), False, 1), 2 * P + G + L * (A + U + C) + W + C),   # 13.125
         # the minimum: the optimizer step streams a 2-layer window of P + G + O (12 GiB)
         (("host", "host", "host", ("remat",), False, 1), 2 * (P + G + O)),
     ]
-    assert [b / GiB for _, b in got] == [58.125, 55.125, 54.625, 51.125, 48.625, 45.125, 41.625, 38.125,
+    assert [b / GiB for _, b in got] == [58.125, 55.125, 54.625, 51.125, 50.625, 49.625, 48.625, 48.125, 47.125,
+                                         46.125, 45.125, 44.625, 43.625, 42.625, 41.625, 40.125, 39.125, 38.125,
                                          30.0, 24.0, 18.0, 13.125, 12.0]
     assert all(p.optimizer_mode == ("streamed" if p.policy.optimizer_state == "host" else "device") for p in plans)
     # The order the module docstring claims.
@@ -217,10 +225,10 @@ _link = st.builds(Link, h2d_gbps=st.floats(1.0, 200.0), d2h_gbps=st.floats(1.0, 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layers=st.one_of(st.tuples(_layer, st.integers(1, 12)), st.lists(_layer, min_size=1, max_size=5)),
        budget=st.integers(min_value=0, max_value=1 << 40), link=_link, training=st.booleans(),
-       target=st.sampled_from(TARGETS))
-def test_plan_fits_budget_or_reports_exact_minimum(layers, budget, link, training, target):
+       target=st.sampled_from(TARGETS), steady_state=st.booleans())
+def test_plan_fits_budget_or_reports_exact_minimum(layers, budget, link, training, target, steady_state):
     args = layers if isinstance(layers, tuple) else (layers, None)
-    kw = dict(training=training, target=target)
+    kw = dict(training=training, target=target, steady_state=steady_state)
     try:
         p = plan(*args, budget, link, **kw)
     except InfeasibleBudgetError as e:
@@ -232,7 +240,10 @@ def test_plan_fits_budget_or_reports_exact_minimum(layers, budget, link, trainin
     assert p.device_bytes <= budget
     assert p.device_bytes == evaluate(p.policy, *args, link, **kw).device_bytes
     assert p.step_s >= p.floor_s * (1 - 1e-9)
-    assert p.min_budget_bytes == min_feasible_bytes(*args, **kw) <= p.device_bytes
+    assert p.steady_state == steady_state
+    assert p.step_s == pytest.approx(evaluate(p.policy, *args, link, optimizer_mode=p.optimizer_mode, **kw).step_s,
+                                     rel=1e-12)
+    assert p.min_budget_bytes == min_feasible_bytes(*args, training=training, target=target) <= p.device_bytes
     pol = p.policy   # structural rules 1-2 of the docstring
     assert pol.optimizer_state == "device" or pol.grads == "host"
     assert pol.grads == "device" or pol.params == "host"
@@ -324,14 +335,22 @@ def test_forward_only_params_on_host_matches_floor(tokens, stack_s):
     assert p.policy.params == "host"
     x = layer.param_bytes / (link.h2d_gbps * GB)      # one layer's weights over H2D
     c = layer.forward_s
+    # Every call still moves all L layers' weights in: the steady state's first k come at the previous call's tail.
     floor = max(L * c, L * layer.param_bytes / (link.h2d_gbps * GB))     # max(compute, 8 GiB / 54 GB/s)
-    assert p.floor_s == pytest.approx(floor, rel=1e-12)
-    # Streaming pipeline with the first prefetch (compute-bound) or the last compute (link-bound) exposed.
-    assert p.step_s == pytest.approx(max(x + L * c, L * x + c), rel=1e-12)
-    # Within one exposed stage of the floor: 7.9 % at 8192 tokens (171.6 vs 159.1 ms), 4.8 % at 32768.
-    assert floor <= p.step_s <= floor * (1 + 1.0 / L)
-    assert all(t == pytest.approx(x) for t in p.layer_transfer_s)
-    assert all(t == pytest.approx(c) for t in p.layer_compute_s)
+    assert p.steady_state and p.floor_s == pytest.approx(floor, rel=1e-12)
+    # A call of a loop (cyclic schedule): the first k layers are on the device when it starts and their
+    # copies for the next call run at its tail, so neither the fill nor the drain is exposed: the floor.
+    assert p.step_s == pytest.approx(max(L * c, L * x), rel=1e-12)
+    # A single cold call: the first prefetch (compute-bound) or the last compute (link-bound) is exposed,
+    # within one stage of the floor: 7.9 % at 8192 tokens (171.6 vs 159.1 ms), 4.8 % at 32768.
+    cold = plan(layer, L, budget, link, training=False, steady_state=False)
+    assert cold.policy == p.policy and not cold.steady_state
+    assert cold.floor_s == pytest.approx(floor, rel=1e-12)
+    assert cold.step_s == pytest.approx(max(x + L * c, L * x + c), rel=1e-12)
+    assert floor < cold.step_s <= floor * (1 + 1.0 / L)
+    for q in (p, cold):   # per layer: its weights' copy (at the tail for the next call, or at the start)
+        assert all(t == pytest.approx(x) for t in q.layer_transfer_s)
+        assert all(t == pytest.approx(c) for t in q.layer_compute_s)
 
 
 def test_both_directions_share_aggregate_bandwidth():
@@ -362,6 +381,7 @@ def test_explain_table():
                  "floor", "transfer s", "compute s"):
         assert word in text
     assert f"{p.step_s:.4f}" in text and f"{p.floor_s:.4f}" in text
+    assert "steady state" in text and "single cold call" in plan(BIG, L, 40 * GiB, steady_state=False).explain()
     assert len([ln for ln in text.splitlines() if re.match(r"\s+\d+\s", ln)]) == L
 
 
@@ -436,11 +456,17 @@ def test_bad_plan_arguments():
 
 # The default shape of benchmarks/results/torch_stack/README.md (H100): 8 bf16 FFN layers, D=8192, F=32768, bf16
 # AdamW moments (as torch keeps them for bf16 parameters), prefetch depth k=2, pinned link 53.9 / 54.6 / 75.1 GB/s,
-# host memory 21.2 GB/s (docs/measured.md, section 7).
+# host memory 21.2 GB/s (docs/measured.md, section 7).  That run timed each call on its own, before the cyclic
+# schedule: a single (cold) call of the time model.
 TS_N = 2 * D * F                                  # parameters per layer
 TS_LINK = Link(h2d_gbps=53.886, d2h_gbps=54.643, both_gbps=75.106, host_memory_gbps=21.2)
 TS_ONDEV_ADAMW_S = 0.359      # whole step, moments in device memory (median; the README's "ondev_adamw" samples)
 TS_STREAMED_S = 0.831         # whole step, moments streamed through pinned_host (median)
+# The same shape in a loop with the cyclic schedule (benchmarks/results/torch_stack_cyclic, medians of
+# torch_stack.json): the steady state of the time model.
+TSC_LINK = Link(h2d_gbps=54.548, d2h_gbps=54.572, both_gbps=79.289, host_memory_gbps=21.2)
+TSC_ONDEV_ADAMW_S = 0.365     # "ondev_adamw"
+TSC_STREAMED_S = 0.753        # "torch_adamw"
 TS_HOST_POLICY = OffloadPolicy(params="host", grads="host", optimizer_state="host", prefetch_depth=2)
 
 
@@ -459,26 +485,101 @@ def test_host_update_bytes_default_is_adamw_traffic():
 
 
 def test_streamed_mode_wins_and_matches_measured_step_at_default_shape():
-    layer = ts_layer()
-    p = evaluate(TS_HOST_POLICY, layer, L, TS_LINK)
-    assert p.optimizer_mode == "streamed"
+    layer = ts_layer(TSC_ONDEV_ADAMW_S)
+    p = evaluate(TS_HOST_POLICY, layer, L, TSC_LINK)
+    assert p.optimizer_mode == "streamed" and p.steady_state
     assert set(p.optimizer_mode_s) == {"streamed", "host"}
     assert p.optimizer_mode_s["streamed"] < p.optimizer_mode_s["host"]
     assert p.step_s == p.optimizer_mode_s["streamed"]
-    # PCIe floor of the streamed step (the README's 0.77 s): in = (2L - k) weights + L x moments, out = L x
-    # (weights + moments), both directions at once at the both-ways figure; compute 0.359 s is below it.
+    # PCIe floor of the streamed step in a loop (the cyclic README's 0.70 s): in = (2L - 2k) weights (the last k
+    # kept at the turn, the first k from the previous step's backward) + L x moments, out = L x (weights +
+    # moments), both directions at once at the both-ways figure; compute 0.365 s is below it.
     k, W, M = TS_HOST_POLICY.prefetch_depth, layer.param_bytes, layer.optimizer_bytes
-    tin, tout = (2 * L - k) * W + L * M, L * (W + M)
-    floor = max(TS_ONDEV_ADAMW_S, (tin + tout) / (TS_LINK.both_gbps * GB))
+    tin, tout = (2 * L - 2 * k) * W + L * M, L * (W + M)
+    floor = max(TSC_ONDEV_ADAMW_S, (tin + tout) / (TSC_LINK.both_gbps * GB))
     assert p.floor_s == pytest.approx(floor, rel=1e-9)
     assert p.step_s >= p.floor_s
-    assert p.step_s == pytest.approx(TS_STREAMED_S, rel=0.15)       # measured 0.831 s
+    assert p.step_s == pytest.approx(TSC_STREAMED_S, rel=0.1)      # measured 0.753 s
+    # A single call (the earlier run, each call on its own): the first k layers stream in too, 2L - k weights.
+    cold_layer = ts_layer()
+    cold = evaluate(TS_HOST_POLICY, cold_layer, L, TS_LINK, steady_state=False)
+    assert cold.optimizer_mode == "streamed" and not cold.steady_state
+    tin = (2 * L - k) * W + L * M
+    assert cold.floor_s == pytest.approx(max(TS_ONDEV_ADAMW_S, (tin + tout) / (TS_LINK.both_gbps * GB)), rel=1e-9)
+    assert cold.step_s >= cold.floor_s
+    assert cold.step_s == pytest.approx(TS_STREAMED_S, rel=0.1)    # measured 0.831 s
     # The host mode is bounded by host memory: L layers x 14 bytes/parameter / 21.2 GB/s.
-    host_s = L * layer.host_update_bytes / (TS_LINK.host_memory_gbps * GB)
+    host_s = L * layer.host_update_bytes / (TSC_LINK.host_memory_gbps * GB)
     assert p.optimizer_mode_s["host"] >= host_s
     text = p.explain()
     assert "optimizer mode: streamed" in text
     assert f"streamed {p.optimizer_mode_s['streamed']:.4f} s" in text and f"host {p.optimizer_mode_s['host']:.4f} s" in text
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("moments", [0, 2])      # optimizer state per layer, in units of the layer's weights
+@pytest.mark.parametrize("mode", ["streamed", "device"])
+def test_steady_state_step_saves_k_layer_transfers_of_a_transfer_bound_forward(k, moments, mode):
+    link = H200_PINNED
+    W = GiB
+    x = W / (link.h2d_gbps * GB)                  # one layer's weights over H2D
+    c = 0.7 * x                                   # the forward waits for the link; the backward (2c) does not
+    layer = LayerCost(param_bytes=W, optimizer_bytes=moments * W, forward_s=c)
+    pol = OffloadPolicy(params="host", grads="host", optimizer_state="host" if mode == "streamed" else "device",
+                        prefetch_depth=k)
+    steady = evaluate(pol, layer, L, link, optimizer_mode=mode)
+    cold = evaluate(pol, layer, L, link, optimizer_mode=mode, steady_state=False)
+    assert steady.steady_state and not cold.steady_state and steady.device_bytes == cold.device_bytes
+    # In a loop the step starts with layers 0..k on the device: the previous step's last pass kept 0..k-1 and
+    # streamed layer k into its window's free slot.  The forward streams the other L - k - 1 back to back,
+    # the first once layer 0 freed its slot of the (k+1)-layer window (or, with k = 3, computes the 4 layers
+    # it holds longer than the link needs); a single call streams all L.
+    assert steady.phase_s["forward"] == pytest.approx(max(c + (L - k - 1) * x + c, L * c), rel=1e-9)
+    assert cold.phase_s["forward"] == pytest.approx(L * x + c, rel=1e-9)
+    # So the step is shorter by about k layers' transfer time: what the forward saves (at most (k + 1) x - c),
+    # less what layer k's copy at the end of the last pass costs there (nothing behind the backward's compute
+    # without moments; part of a copy where the link is busy: the moments, the device mode's optimizer phase).
+    saved = cold.step_s - steady.step_s
+    assert k * x * (1 - 1e-9) <= saved <= ((k + 1) * x - c) * (1 + 1e-9)
+    if mode == "streamed" and moments == 0:
+        assert saved == pytest.approx(cold.phase_s["forward"] - steady.phase_s["forward"], rel=1e-9)
+    # Floors with the same byte counts: 2L - 2k layers of weights in per step (forward L - k - 1, backward
+    # L - k and layer k for the next step; 2L - k in a single call), plus what the optimizer moves: the
+    # moments in and out with the new weights ("streamed"), or every layer's weights and gradients in and
+    # its weights out in the optimizer phase ("device", gradients out in the backward).
+    comp = L * layer.forward_s * (1 + layer.backward_factor)
+    if mode == "streamed":
+        extra_in, tout = L * layer.optimizer_bytes, L * (W + layer.optimizer_bytes)
+    else:
+        extra_in, tout = L * (W + layer.grad_bytes), L * (layer.grad_bytes + W)
+    for q, w_in in ((steady, 2 * L - 2 * k), (cold, 2 * L - k)):
+        assert q.floor_s == pytest.approx(max(comp, link.transfer_s(w_in * W + extra_in, tout)), rel=1e-9)
+        assert q.step_s >= q.floor_s
+    assert steady.floor_s <= cold.floor_s
+
+
+def test_steady_state_keeps_nothing_when_the_cpu_updates_the_weights():
+    # The "host" mode rewrites the weights on the CPU after the backward (layer 0 last): the next forward streams
+    # every layer again, so its steady state is the single-call time.
+    layer = ts_layer()
+    on, off = (evaluate(TS_HOST_POLICY, layer, L, TS_LINK, optimizer_mode="host", steady_state=s) for s in (True, False))
+    assert on.step_s == off.step_s and on.floor_s == off.floor_s and on.phase_s == off.phase_s
+
+
+def test_steady_state_with_every_layer_in_the_window_moves_no_weights_in():
+    # k >= L: StreamingRuntime keeps every layer on the device between calls (a live copy), in inference and
+    # training (nothing is streamed for the next call either).
+    layer = LayerCost(param_bytes=GiB, optimizer_bytes=2 * GiB, forward_s=0.01)
+    n, k = 3, 4
+    inf = evaluate(OffloadPolicy(params="host", prefetch_depth=k), layer, n, training=False)
+    assert inf.step_s == pytest.approx(n * layer.forward_s) and inf.floor_s == pytest.approx(n * layer.forward_s)
+    assert inf.layer_transfer_s == (0.0,) * n
+    cold = evaluate(OffloadPolicy(params="host", prefetch_depth=k), layer, n, training=False, steady_state=False)
+    assert cold.floor_s == pytest.approx(max(n * layer.forward_s, n * GiB / (H200_PINNED.h2d_gbps * GB)))
+    pol = OffloadPolicy(params="host", grads="host", optimizer_state="host", prefetch_depth=k)
+    train = evaluate(pol, layer, n, optimizer_mode="streamed")
+    tin, tout = n * layer.optimizer_bytes, n * (GiB + layer.optimizer_bytes)     # moments in; weights, moments out
+    assert train.floor_s == pytest.approx(max(n * 3 * layer.forward_s, H200_PINNED.transfer_s(tin, tout)))
 
 
 def test_host_mode_overlaps_the_backward():
@@ -535,3 +636,7 @@ def test_bad_optimizer_mode_arguments_are_named():
         evaluate(TS_HOST_POLICY, layer, L, host_overlap="yes")
     with pytest.raises(ValueError, match="host_overlap"):
         plan(layer, L, 1 << 50, host_overlap=None)
+    with pytest.raises(ValueError, match="steady_state"):
+        evaluate(TS_HOST_POLICY, layer, L, steady_state="yes")
+    with pytest.raises(ValueError, match="steady_state"):
+        plan(layer, L, 1 << 50, steady_state=None)

@@ -97,26 +97,71 @@ and SwapAdvisor's swap scheduling (Huang, Chen and Wang, "SwapAdvisor", ASPLOS 2
 on one compute stream while one host-to-device and one device-to-host copy queue move the bytes of
 that layer; a layer's inbound copy may run up to ``k`` layers ahead (it waits for the buffer of
 layer ``j-k-1`` to be released), the layer computes once its inputs arrived, and its outbound copy
-starts when it finished.  The resulting per-layer time is ``max(compute_i, transfer_i)`` in steady
-state; the first layer's prefetch and the last layer's outbound copy are exposed (not overlapped);
-with uniform layers the phase takes ``max(x + L*c, L*x + c)``.  ``transfer_i = max(in/h2d,
-out/d2h, (in+out)/both)``: when both directions move in one phase each gets its share of the
-both-at-once bandwidth (docs/measured.md: 54-55 GB/s each way, ~93 GB/s together, pinned, on an H200).
+starts when it finished.  Once the pipeline runs, the per-layer time is ``max(compute_i,
+transfer_i)``; what is exposed at the ends depends on what a call starts with (next section,
+"Steady state"): in a loop of calls (the default) the first layers' weights are already on the
+device and only the last layer's outbound copy is exposed; in a single cold call the first layer's
+prefetch is exposed too.  ``transfer_i = max(in/h2d, out/d2h, (in+out)/both)``: when both
+directions move in one phase each gets its share of the both-at-once bandwidth (docs/measured.md:
+54-55 GB/s each way, ~93 GB/s together, pinned, on an H200).
 
-* forward: compute ``f_i``; in: the layer's weights if params are on host; out: its
-  host-placed named activations (training).
+* forward: compute ``f_i``; in: the layer's weights if params are on host (in the steady state not
+  for the first ``k`` layers - ``k+1`` in training - which the previous call left on the device);
+  out: its host-placed named activations (training).
 * backward (training, layers in reverse): compute ``backward_factor * f_i`` (2 by default: the
   usual ``6 N D`` accounting - 2ND forward, 4ND backward - of Kaplan et al. 2020, "Scaling Laws for
   Neural Language Models", sec. 2.1) plus recompute: ``remat`` adds one more forward (8ND, the
   "hardware FLOPs" of Chowdhery et al. 2022, PaLM, appendix B), a named ``"remat"`` activation adds
-  its ``recompute_s`` (capped at one forward); in: weights (not for the first backward layer, still
-  resident from the forward) + host-placed activations; out: the gradient if grads are on host
+  its ``recompute_s`` (capped at one forward); in: weights (not for the last ``min(k, L)`` layers,
+  the first of the backward, still resident from the forward, as ``StreamingRuntime`` keeps them
+  across the turn) + host-placed activations; out: the gradient if grads are on host
   (ZeRO-Offload, Ren et al., USENIX ATC 2021: gradients stream to host memory as the backward produces them).
-* optimizer step (training): the update runs on the device layer by layer: in: host-placed
-  params + grads + optimizer state; out: host-placed params + optimizer state; compute:
-  ``optimizer_s`` (0 unless given; the update is memory-bound and small).
+* optimizer step (training): the update runs on the device layer by layer, in the backward's order
+  (layer 0 last): in: host-placed params + grads + optimizer state; out: host-placed params +
+  optimizer state; compute: ``optimizer_s`` (0 unless given; the update is memory-bound and small).
 
 Step time = sum of the phases (optimizer state on the device: mode ``"device"``).
+
+Steady state (``steady_state=True`` of evaluate / plan, the default; ``Plan.steady_state``)
+------------------------------------------------------------------------------------------
+Step times are those of one call in a loop of calls: the steady state of ``StreamingRuntime``'s
+cyclic schedule across calls (``prefetch_next_call=True``, its default).  With params on host a
+call starts with its first layers' weights on the device, so it computes at once, and its last
+pass streams the next call's first layers after its last row (rows without compute; each copy
+waits, as any, for the buffer of the row ``k+1`` rows earlier):
+
+* inference: the forward starts with layers ``0..k-1`` and streams them again for the next call
+  at its tail.  ``L`` layers of weights still cross per call, but the fill of the pipeline is
+  hidden: with uniform layers the forward takes ``max(L*c, L*x)``, its floor.  With ``k >= L``
+  nothing moves (the runtime keeps every layer: a live copy).
+* training, modes ``"streamed"`` and ``"device"``: a step's last pass (the backward, or the
+  ``"device"`` mode's optimizer phase, both in the order ``L-1..0``) keeps the updated weights of
+  layers ``0..k-1`` and streams layer ``k`` into its window's free slot (the slot of a layer
+  ``-1``), so the next forward starts with layers ``0..k`` and streams ``L - k - 1``; the first of
+  them waits for layer 0 to free its slot of the ``k+1``-layer window.  With the last ``k`` kept
+  at the forward->backward turn, the backward streams ``L - k`` and layer ``k``: ``2L - 2k``
+  layers of weights in per step (``2(L - min(k, L))``; nothing when ``k >= L``); the ``"device"``
+  mode's optimizer phase moves its own ``L`` in and out.  ``StreamingRuntime.train_step``
+  without an optimizer keeps the streamed weights its backward used: the bytes of the
+  ``"streamed"`` mode with ``optimizer_bytes=0`` (new weights out instead of gradients).
+* training, mode ``"host"``: no carry: the CPU rewrites the weights after the backward, layer 0
+  last, so the next forward copies all ``L`` in (``2L - k`` per step) once layer 0 is updated -
+  the single-call time.
+
+Each call is simulated from an idle link, so its last outbound copy stays exposed (in a loop it
+overlaps the next call's start: the prediction errs high by up to that copy).  The floors count
+the bytes of the simulation they bound.  ``steady_state=False`` times a single, cold call (the first
+of a loop, or ``prefetch_next_call=False``): every weight the call uses streams in during it, the
+first prefetch is exposed (uniform layers, inference: ``max(x + L*c, L*x + c)``), and a training
+step moves ``2L - k`` layers of weights in.  The memory model is the same for both.  Measured
+(benchmarks/results/torch_stack_cyclic/README.md, H100, 8 bf16 layers D=8192 F=32768, 8192 tokens,
+k=2, link 54.5 / 54.6 / 79.3 GB/s, on-device compute 95.3 ms forward, 250.9 ms backward, 18.8 ms
+AdamW; the runtime measured there kept layers ``0..k-1`` and streamed layer ``k`` at the start of
+the next forward, the same bytes): forward predicted 157.6 ms (= the floor) against 155.9 ms
+measured in a loop (cold: 169.5 ms against 171.1 ms with ``prefetch_next_call=False``); training
+step without optimizer 0.393 s against 0.395 s (cold: 0.440 s against 0.419 s); AdamW step with
+bf16 moments streamed 0.798 s against 0.753 s (floor 0.704 s: ``2L - 2k`` layers of weights + ``L``
+of moments in, ``L`` of weights and moments out, at the both-ways bandwidth).
 
 Optimizer modes (``optimizer_state="host"``; :data:`OPTIMIZER_MODES`, ``Plan.optimizer_mode``)
 ----------------------------------------------------------------------------------------------
@@ -124,8 +169,9 @@ With the state in host memory the planner times two ways to run the step and kee
 (``evaluate`` / ``plan`` ``optimizer_mode=`` forces one).  Both simulate the whole step as one
 stream (forward rows, then backward rows; the backward's first copies may overlap the forward's
 tail), keep the last ``k`` layers' weights resident across the turn as ``StreamingRuntime`` does
-(``2L - k`` layers of weights in per step), and share the link as copies overlap (a copy alone
-gets its direction's full bandwidth; copies in both directions split ``both_gbps``):
+(``2L - 2k`` layers of weights in per step in the steady state of ``"streamed"``, ``2L - k`` in a
+single call and in ``"host"``: section "Steady state"), and share the link as copies overlap (a copy
+alone gets its direction's full bandwidth; copies in both directions split ``both_gbps``):
 
 * ``"streamed"`` (``StreamingRuntime(optimizer=AdamW, optimizer_state_on_host=True)``): per layer,
   in the backward: in = weights + ``optimizer_bytes`` (the moments); out = new weights + moments;
@@ -142,7 +188,9 @@ gets its direction's full bandwidth; copies in both directions split ``both_gbps
 Their floor is ``max(device compute, PCIe bytes / bandwidth, host update bytes / host memory
 bandwidth)``.  Calibration: at the default shape of benchmarks/results/torch_stack/README.md
 (H100, 8 bf16 layers D=8192 F=32768, bf16 moments, k=2, 0.359 s of device compute) the streamed
-mode predicts 0.865 s against 0.831 s measured; the host mode's CPU update alone, 14 bytes x
+mode predicts 0.865 s for a single call (``steady_state=False``) against 0.831 s measured with each
+call on its own, before the cyclic schedule; in a loop (the steady state, section "Steady state")
+0.798 s against 0.753 s (benchmarks/results/torch_stack_cyclic); the host mode's CPU update alone, 14 bytes x
 4.29e9 parameters / 21.2 GB/s = 2.84 s, against 2.62 s for FSDP2's ``AdamW(foreach=True)`` on 16
 cores (docs/measured.md, 8b).  The memory model does not tell the
 modes apart: it keeps the optimizer-phase window of ``k+1`` layers of params + grads + state.
@@ -175,10 +223,13 @@ the all-device footprint, the component classes first leave the device in this o
    just after the parameters, whichever the cost model finds cheaper at that budget (recomputing
    frees ``L - 1`` layers' saved bytes, not ``L``: the layer being back-propagated holds them
    again, the ``recompute`` term);
-2. **parameters** (``params="host"``): in training a swapped weight crosses the link four times
+2. **parameters** (``params="host"``): in training a swapped weight crosses the link up to four times
    per step (in for the forward, in for the backward, in and out for the optimizer step, which has
-   no compute to hide behind), while an offloaded activation crosses twice, hidden behind the forward and
-   backward compute, and a recompute costs a fraction of one forward;
+   no compute to hide behind; the first and the last ``k`` layers skip an inbound copy, kept on the
+   device - steady state - so a deeper prefetch saves traffic and the planner deepens it while its
+   window fits),
+   while an offloaded activation crosses twice, hidden behind the forward and backward compute, and
+   a recompute costs a fraction of one forward;
 3. **gradients** (``grads="host"``) - after parameters by rule 1;
 4. **optimizer state** (``optimizer_state="host"``) - after gradients by rule 2; it is the
    costliest (its bytes round-trip through the optimizer step) but frees the most (Adam: 4x the
@@ -539,7 +590,8 @@ class Plan:
       budget_bytes: the budget planned for (``None`` from :func:`evaluate`).
       min_budget_bytes: minimum feasible budget over the search space (``None`` from evaluate).
       num_layers, training, link, target: the inputs (``target``: see :func:`evaluate`).
-      phase_layers: per phase, ``((layer, (compute_s, transfer_s)), ...)`` in layer order; in the
+      phase_layers: per phase, ``((layer, (compute_s, transfer_s)), ...)`` in layer order (a layer's
+        copy streamed for the next call, in the steady state, counted with its row); in the
         ``"host"`` optimizer mode also ``"host update"``: ``(layer, (CPU update seconds, 0.0))``.
       optimizer_mode: how the optimizer step runs, one of :data:`OPTIMIZER_MODES` (``None`` in
         inference): ``"device"`` when ``policy.optimizer_state == "device"``, else the faster (or
@@ -548,6 +600,8 @@ class Plan:
         allows (``{"device": ...}``, or ``{"streamed": ..., "host": ...}``); empty in inference.
       host_update_s: total seconds of CPU optimizer update, ``sum(host_update_bytes) /
         host_memory_gbps`` (0 unless ``optimizer_mode == "host"``).
+      steady_state: whether ``step_s`` / ``floor_s`` / the per-layer times describe a call of a loop
+        (the cyclic schedule's steady state, the default) or a single, cold call (see :func:`evaluate`).
     """
 
     policy: OffloadPolicy
@@ -571,6 +625,7 @@ class Plan:
     optimizer_mode: str | None = None
     optimizer_mode_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
     host_update_s: float = 0.0
+    steady_state: bool = True
 
     @property
     def slowdown(self) -> float:
@@ -586,7 +641,9 @@ class Plan:
                  f"mode: {'training' if self.training else 'inference'}, {self.num_layers} layers, memory model "
                  f"for {self.target}, link "
                  f"h2d {self.link.h2d_gbps:g} / d2h {self.link.d2h_gbps:g} / both {self.link.both_gbps:g} GB/s"
-                 + (f", optimizer mode {self.optimizer_mode}" if self.optimizer_mode else ""),
+                 + (f", optimizer mode {self.optimizer_mode}" if self.optimizer_mode else "")
+                 + (", times of a call in a loop (steady state)" if self.steady_state
+                    else ", times of a single cold call"),
                  "",
                  f"{'component':<34}{'device bytes':>16}{'device GiB':>12}{'host bytes':>16}{'host GiB':>12}"]
         names = list(dict.fromkeys([*self.device_components, *self.host_components]))
@@ -724,16 +781,23 @@ def _simulate(rows: list[tuple[float, int, int]], k: int, link: Link) -> float:
     return max(e_c[-1], e_out[-1])
 
 
-def _phases(policy: OffloadPolicy, layers: list[LayerCost], training: bool):
-    """{phase: [(layer index, compute_s, in_bytes, out_bytes)] in execution order}."""
+def _phases(policy: OffloadPolicy, layers: list[LayerCost], training: bool, steady_state: bool = True):
+    """{phase: [(layer index, compute_s, in_bytes, out_bytes)] in execution order}.
+
+    ``steady_state`` (module docstring, "Steady state"; :func:`_cycle`): the forward starts with its
+    first layers' weights on the device, and the call's last pass (the forward in inference, the
+    optimizer phase, which runs in the backward's order, in training) streams the next call's after
+    its last row (rows without compute)."""
     ph, gh, oh = policy.params == "host", policy.grads == "host", policy.optimizer_state == "host"
-    L = len(layers)
+    L, k = len(layers), policy.prefetch_depth
+    kept, tail = _cycle(policy, L, training, "device", steady_state)
     placed = _placements(policy, layers)
     host_acts = [n for n, w in placed.items() if w == "host"] if training else []
     remat_acts = [n for n, w in placed.items() if w == "remat"]
     act_out = [sum(l.activations.get(n, 0) for n in host_acts) for l in layers]
-    fwd = [(i, l.forward_time_s, l.param_bytes if ph else 0, act_out[i]) for i, l in enumerate(layers)]
-    out = {"forward": fwd}
+    fwd = [(i, l.forward_time_s, l.param_bytes if (ph and i >= kept) else 0, act_out[i]) for i, l in enumerate(layers)]
+    next_rows = [(i, 0.0, layers[i].param_bytes, 0) for i in tail]   # for the next call, at this call's tail
+    out = {"forward": fwd if training else fwd + next_rows}
     if training:
         bwd = []
         for i in reversed(range(L)):
@@ -743,14 +807,15 @@ def _phases(policy: OffloadPolicy, layers: list[LayerCost], training: bool):
                 rec = f
             else:
                 rec = min(f, sum(l.recompute_time_s(n) for n in remat_acts if n in l.activations))
-            w_in = l.param_bytes if (ph and i != L - 1) else 0
+            w_in = l.param_bytes if (ph and i < L - min(k, L)) else 0   # the last k stay from the forward
             bwd.append((i, l.backward_time_s + rec, w_in + act_out[i], l.grad_bytes if gh else 0))
         opt = []
-        for i, l in enumerate(layers):
+        for i in reversed(range(L)):     # in the backward's order: it ends with the layers the forward starts with
+            l = layers[i]
             i_b = (l.param_bytes if ph else 0) + (l.grad_bytes if gh else 0) + (l.optimizer_bytes if oh else 0)
             o_b = (l.param_bytes if ph else 0) + (l.optimizer_bytes if oh else 0)
             opt.append((i, l.optimizer_s, i_b, o_b))
-        out["backward"], out["optimizer"] = bwd, opt
+        out["backward"], out["optimizer"] = bwd, opt + next_rows
     return out
 
 
@@ -828,10 +893,41 @@ def _simulate_shared(rows: list[tuple[float, int, int]], k: int, link: Link) -> 
         t = t_next
 
 
+def _cycle(policy: OffloadPolicy, num_layers: int, training: bool, mode: str, steady_state: bool):
+    """``(kept, tail)`` of a call in the cyclic schedule (module docstring, "Steady state"): the forward
+    starts with layers ``0..kept-1``'s weights on the device, and the call's last pass streams the
+    layers ``tail`` for the next call after its last row.  Inference: ``kept = min(k, L)``, ``tail =
+    0..k-1`` (none when ``k >= L``: every layer stays).  Training, when the update runs on the device
+    (modes ``"device"`` and ``"streamed"``): the last pass keeps layers ``0..k-1`` and streams layer
+    ``k`` into its window's free slot, so ``kept = min(k + 1, L)`` and ``tail = (k,)`` (none when
+    ``k >= L``).  ``(0, ())`` for a single (cold) call, without host-placed params, and in the
+    ``"host"`` mode, whose CPU update rewrites the weights after the backward."""
+    k, L = policy.prefetch_depth, num_layers
+    if not steady_state or policy.params != "host" or (training and mode == "host"):
+        return 0, ()
+    if not training:
+        return min(k, L), tuple(range(k)) if k < L else ()
+    return min(k + 1, L), (k,) if k < L else ()
+
+
+def _merged(rows, link: Link) -> list:
+    """``[(layer, (compute_s, transfer_s))]`` by layer, a layer's rows merged (its tail copy with its row)."""
+    per: dict[int, list] = {}
+    for i, c, bi, bo in rows:
+        acc = per.setdefault(i, [0.0, 0, 0])
+        acc[0] += c
+        acc[1] += bi
+        acc[2] += bo
+    return [(i, (c, link.transfer_s(bi, bo))) for i, (c, bi, bo) in sorted(per.items())]
+
+
 def _offloaded_optimizer(policy: OffloadPolicy, layers: list[LayerCost], link: Link, mode: str,
-                         host_overlap: bool = True) -> dict:
+                         host_overlap: bool = True, steady_state: bool = True) -> dict:
     """Time model of a training step whose optimizer state lives in host memory, in ``mode``
-    ``"streamed"`` or ``"host"`` (module docstring, "Optimizer modes").
+    ``"streamed"`` or ``"host"`` (module docstring, "Optimizer modes"); ``steady_state``: a
+    ``"streamed"`` step starts with the first ``min(k + 1, L)`` layers' weights on the device, left
+    there by the previous step's backward, and its backward streams layer ``k`` for the next step
+    after its last row (:func:`_cycle`; module docstring, "Steady state").
 
     Returns a dict: ``step_s``, ``floor_s``, ``phase_s`` (forward, backward, optimizer: the exposed
     part of the host update), ``phase_layers``, ``layer_transfer_s``, ``layer_compute_s`` (device
@@ -844,7 +940,8 @@ def _offloaded_optimizer(policy: OffloadPolicy, layers: list[LayerCost], link: L
     host_acts = [n for n, w in placed.items() if w == "host"]
     remat_acts = [n for n, w in placed.items() if w == "remat"]
     act = [sum(l.activations.get(n, 0) for n in host_acts) for l in layers]
-    rows = [(i, l.forward_time_s, l.param_bytes if ph else 0, act[i]) for i, l in enumerate(layers)]
+    kept, tail = _cycle(policy, L, True, mode, steady_state)
+    rows = [(i, l.forward_time_s, l.param_bytes if (ph and i >= kept) else 0, act[i]) for i, l in enumerate(layers)]
     resident = min(k, L)               # StreamingRuntime keeps the last k layers across the turn
     for i in reversed(range(L)):
         l = layers[i]
@@ -856,6 +953,7 @@ def _offloaded_optimizer(policy: OffloadPolicy, layers: list[LayerCost], link: L
                          l.param_bytes + l.optimizer_bytes))
         else:          # the gradient goes to host memory; the update runs on the CPU
             rows.append((i, l.backward_time_s + rec, w_in + act[i], l.grad_bytes if gh else 0))
+    rows += [(i, 0.0, layers[i].param_bytes, 0) for i in tail]   # the next step's layer k, in the free slot
     e_c, e_out = _simulate_shared([r[1:] for r in rows], k, link)
     device_end = max(e_c[-1], e_out[-1])
     host_s = [0.0 if streamed else link.host_update_s(l.host_update_bytes) for l in layers]
@@ -867,12 +965,10 @@ def _offloaded_optimizer(policy: OffloadPolicy, layers: list[LayerCost], link: L
             u = max(u, e_out[j]) + host_s[i]
         end = max(device_end, u)
     xfer, comp = [0.0] * L, [0.0] * L
-    pl = {"forward": [], "backward": []}
-    for j, (i, c, bi, bo) in enumerate(rows):
-        x = link.transfer_s(bi, bo)
+    pl = {"forward": _merged(rows[:L], link), "backward": _merged(rows[L:], link)}
+    for i, (c, x) in pl["forward"] + pl["backward"]:
         xfer[i] += x
         comp[i] += c
-        pl["forward" if j < L else "backward"].append((i, (c, x)))
     if not streamed:
         pl["host update"] = [(i, (host_s[i], 0.0)) for i in range(L)]
     tin, tout = sum(r[2] for r in rows), sum(r[3] for r in rows)
@@ -884,20 +980,23 @@ def _offloaded_optimizer(policy: OffloadPolicy, layers: list[LayerCost], link: L
             "layer_transfer_s": tuple(xfer), "layer_compute_s": tuple(comp), "host_update_s": sum(host_s)}
 
 
-def _offloaded_floor(policy: OffloadPolicy, layers: list[LayerCost], link: Link, mode: str) -> float:
+def _offloaded_floor(policy: OffloadPolicy, layers: list[LayerCost], link: Link, mode: str,
+                     steady_state: bool = True) -> float:
     """A lower bound of :func:`_offloaded_optimizer`'s step time (its ``floor_s``), without simulating."""
     ph, gh = policy.params == "host", policy.grads == "host"
     streamed = mode == "streamed"
     placed = _placements(policy, layers)
     L, resident = len(layers), min(policy.prefetch_depth, len(layers))
+    kept, tail = _cycle(policy, L, True, mode, steady_state)
     acts = sum(l.activations.get(n, 0) for l in layers for n, w in placed.items() if w == "host")
     remat_acts = [n for n, w in placed.items() if w == "remat"]
     comp = sum(l.forward_time_s + l.backward_time_s
                + (l.forward_time_s if policy.remat else
                   min(l.forward_time_s, sum(l.recompute_time_s(n) for n in remat_acts if n in l.activations)))
                + (l.optimizer_s if streamed else 0.0) for l in layers)
-    w = sum(l.param_bytes for l in layers) if ph else 0
-    w_bwd = sum(l.param_bytes for l in layers[:L - resident]) if ph else 0
+    w = sum(l.param_bytes for l in layers[kept:]) if ph else 0            # forward: all but the kept first layers
+    w_bwd = sum(l.param_bytes for l in layers[:L - resident]) if ph else 0  # backward: all but the last k
+    w_bwd += sum(layers[i].param_bytes for i in tail)                       # and layer k for the next step
     if streamed:
         tin = w + w_bwd + acts + sum(l.optimizer_bytes for l in layers)
         tout = acts + sum(l.param_bytes + l.optimizer_bytes for l in layers)
@@ -951,6 +1050,13 @@ def _check_host_overlap(host_overlap) -> bool:
     return host_overlap
 
 
+def _check_steady_state(steady_state) -> bool:
+    if not isinstance(steady_state, bool):
+        raise ValueError(f"steady_state must be a bool (True: a call of a loop, the cyclic schedule's steady state; "
+                         f"False: a single, cold call), got {steady_state!r}")
+    return steady_state
+
+
 def _modes_of(policy: OffloadPolicy, optimizer_mode: str | None) -> tuple[str, ...]:
     """Optimizer modes a training policy allows, restricted to ``optimizer_mode`` when given."""
     allowed = ("device",) if policy.optimizer_state == "device" else ("streamed", "host")
@@ -960,10 +1066,10 @@ def _modes_of(policy: OffloadPolicy, optimizer_mode: str | None) -> tuple[str, .
 
 
 def _build(policy, layers, training, link, budget=None, min_budget=None, target="accelerator",
-           optimizer_mode=None, host_overlap=True) -> Plan:
+           optimizer_mode=None, host_overlap=True, steady_state=True) -> Plan:
     peak, phase, comps, host = _memory(policy, layers, training, target)
     if training and policy.optimizer_state == "host":
-        res = {m: _offloaded_optimizer(policy, layers, link, m, host_overlap) for m in ("streamed", "host")}
+        res = {m: _offloaded_optimizer(policy, layers, link, m, host_overlap, steady_state) for m in ("streamed", "host")}
         mode = optimizer_mode or min(res, key=lambda m: (res[m]["step_s"], m != "streamed"))
         r = res[mode]
         return Plan(policy=policy, device_bytes=peak, host_bytes=sum(host.values()),
@@ -972,19 +1078,17 @@ def _build(policy, layers, training, link, budget=None, min_budget=None, target=
                     host_components=host, peak_phase=phase, num_layers=len(layers), training=training, link=link,
                     phase_layers=r["phase_layers"], budget_bytes=budget, min_budget_bytes=min_budget, target=target,
                     optimizer_mode=mode, optimizer_mode_s={m: v["step_s"] for m, v in res.items()},
-                    host_update_s=r["host_update_s"] if mode == "host" else 0.0)
-    phases = _phases(policy, layers, training)
+                    host_update_s=r["host_update_s"] if mode == "host" else 0.0, steady_state=steady_state)
+    phases = _phases(policy, layers, training, steady_state)
     phase_s = _step(phases, policy, link)
     L = len(layers)
     xfer, comp = [0.0] * L, [0.0] * L
     phase_layers = {}
     for name, rows in phases.items():
-        pl = []
-        for i, c, bi, bo in sorted(rows):
-            x = link.transfer_s(bi, bo)
+        pl = _merged(rows, link)        # a layer may have two rows (its copy for the next call)
+        for i, (c, x) in pl:
             xfer[i] += x
             comp[i] += c
-            pl.append((i, (c, x)))
         phase_layers[name] = tuple(pl)
     return Plan(policy=policy, device_bytes=peak, host_bytes=sum(host.values()), layer_transfer_s=tuple(xfer),
                 layer_compute_s=tuple(comp), step_s=sum(phase_s.values()), floor_s=_floor(phases, link),
@@ -992,12 +1096,12 @@ def _build(policy, layers, training, link, budget=None, min_budget=None, target=
                 num_layers=L, training=training, link=link, phase_layers=phase_layers,
                 budget_bytes=budget, min_budget_bytes=min_budget, target=target,
                 optimizer_mode="device" if training else None,
-                optimizer_mode_s={"device": sum(phase_s.values())} if training else {})
+                optimizer_mode_s={"device": sum(phase_s.values())} if training else {}, steady_state=steady_state)
 
 
 def evaluate(policy: OffloadPolicy, layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
              link: Link = H200_PINNED, *, training: bool = True, target: str = "accelerator",
-             optimizer_mode: str | None = None, host_overlap: bool = True) -> Plan:
+             optimizer_mode: str | None = None, host_overlap: bool = True, steady_state: bool = True) -> Plan:
     """Predict device bytes and step time of one ``policy`` (no budget, no search).
 
     Args:
@@ -1018,6 +1122,12 @@ def evaluate(policy: OffloadPolicy, layers: LayerCost | Sequence[LayerCost], num
         gradient reached host memory, overlapping the backward of the layers before it (True,
         ZeRO-Offload; default) or only after the whole backward (False, FSDP2's
         ``optimizer.step()`` after ``loss.backward()``).
+      steady_state: ``True`` (default): the time of one call in a loop of calls, the steady state of
+        ``StreamingRuntime``'s cyclic schedule (``prefetch_next_call=True``): the call starts with its
+        first ``k`` layers' weights on the device (``k+1`` in training), streamed or kept by the call
+        before.  ``False``: a single, cold call (the first of a loop, or ``prefetch_next_call=False``):
+        every weight it uses streams in during the call.
+        Module docstring, "Steady state".  The memory model is the same for both.
 
     Named activations of the layers that ``policy.activations`` does not mention are treated as
     ``"device"`` (saved on the device); in inference activation placements are ignored.
@@ -1026,7 +1136,7 @@ def evaluate(policy: OffloadPolicy, layers: LayerCost | Sequence[LayerCost], num
     Raises: TypeError / ValueError for invalid arguments, naming them; ``ValueError`` when
     ``policy.activations`` names an activation no layer has (as the scan helpers do when no
     ``offload_name`` tagged it), when ``optimizer_mode`` is not in :data:`OPTIMIZER_MODES` or does
-    not match ``policy.optimizer_state``, or when ``host_overlap`` is not a bool.
+    not match ``policy.optimizer_state``, or when ``host_overlap`` or ``steady_state`` is not a bool.
     """
     if not isinstance(policy, OffloadPolicy):
         raise TypeError(f"policy must be an OffloadPolicy, got {type(policy).__name__}")
@@ -1039,11 +1149,12 @@ def evaluate(policy: OffloadPolicy, layers: LayerCost | Sequence[LayerCost], num
     training = _check_training(training)
     mode = _check_optimizer_mode(optimizer_mode)
     overlap = _check_host_overlap(host_overlap)
+    steady = _check_steady_state(steady_state)
     if training and mode is not None and not _modes_of(policy, mode):
         raise ValueError(f"optimizer_mode={mode!r} does not match policy.optimizer_state="
                          f"{policy.optimizer_state!r}: use {' or '.join(map(repr, _modes_of(policy, None)))}")
     return _build(policy, layers, training, _check_link(link), target=_check_target(target),
-                  optimizer_mode=mode if training else None, host_overlap=overlap)
+                  optimizer_mode=mode if training else None, host_overlap=overlap, steady_state=steady)
 
 
 def _candidates(layers: list[LayerCost], training: bool, max_depth: int):
@@ -1094,7 +1205,8 @@ def min_feasible_bytes(layers: LayerCost | Sequence[LayerCost], num_layers: int 
 
 def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None, budget_bytes: int | None = None,
          link: Link = H200_PINNED, *, training: bool = True, max_prefetch_depth: int = 4,
-         target: str = "accelerator", optimizer_mode: str | None = None, host_overlap: bool = True) -> Plan:
+         target: str = "accelerator", optimizer_mode: str | None = None, host_overlap: bool = True,
+         steady_state: bool = True) -> Plan:
     """Choose the policy with the lowest predicted step time whose predicted device bytes fit.
 
     Args:
@@ -1112,6 +1224,7 @@ def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
         device; ``"streamed"`` / ``"host"``: state on the host), timed in that mode.  Ignored in
         inference.
       host_overlap: as in :func:`evaluate` (the ``"host"`` mode's overlap with the backward).
+      steady_state: as in :func:`evaluate`: time a call of a loop (default) or a single, cold call.
 
     Returns: a :class:`Plan` (its ``optimizer_mode`` says how the optimizer step runs).  Search, tie-breaking and the order in which shrinking budgets move
     components to the host: see the module docstring.
@@ -1127,6 +1240,7 @@ def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
     target = _check_target(target)
     mode = _check_optimizer_mode(optimizer_mode) if training else _check_optimizer_mode(optimizer_mode) and None
     overlap = _check_host_overlap(host_overlap)
+    steady = _check_steady_state(steady_state)
     if budget_bytes is None:
         raise ValueError("budget_bytes is required (device-memory budget in bytes)")
     budget = _as_bytes("plan", "budget_bytes", budget_bytes)
@@ -1143,9 +1257,9 @@ def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
     for idx, pol, peak in feasible:
         if training and pol.optimizer_state == "host":
             for m in _modes_of(pol, mode):
-                scored.append((_offloaded_floor(pol, layers, link, m), idx, pol, peak, m))
+                scored.append((_offloaded_floor(pol, layers, link, m, steady), idx, pol, peak, m))
         else:
-            phases = _phases(pol, layers, training)
+            phases = _phases(pol, layers, training, steady)
             scored.append((_floor(phases, link), idx, pol, peak, phases))
     scored.sort(key=lambda t: (t[0], t[1], isinstance(t[4], str) and t[4] != "streamed"))
     best = math.inf
@@ -1154,7 +1268,7 @@ def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
         if fl > best * (1 + _REL_TIE):
             break
         if isinstance(how, str):
-            t = _offloaded_optimizer(pol, layers, link, how, overlap)["step_s"]
+            t = _offloaded_optimizer(pol, layers, link, how, overlap, steady)["step_s"]
         else:
             t = sum(_step(how, pol, link).values())
         best = min(best, t)
@@ -1167,4 +1281,4 @@ def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
     _, _, chosen, _, how = min(near, key=lambda c: (sum(host_bytes(c[2]).values()), _complexity(c[2]), c[3], c[1],
                                                      c[4] not in (None, "streamed")))
     return _build(chosen, layers, training, link, budget, min_peak, target, optimizer_mode=how,
-                  host_overlap=overlap)
+                  host_overlap=overlap, steady_state=steady)
