@@ -1,6 +1,7 @@
 """Run a lowered XLA module through PJRT (jaxlib) with entry parameters in ``pinned_host`` memory.
 
-No torch, no torch_xla: only numpy and jax/jaxlib. One path serves both front ends:
+No torch, no torch_xla: only numpy and jax/jaxlib (the private jax/jaxlib APIs through
+:mod:`xla_swap._compat.jax`). One path serves both front ends:
 
 * torch_xla: ``LoweringContext.hlo()`` gives ``HloModuleProto`` bytes whose entry parameters
   carry GSPMD shardings such as ``{devices=[4,1]0,1,2,3}``;
@@ -48,21 +49,11 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import jax
-import jax.extend  # noqa: F401  (jax.extend.backend)
-from jax._src.interpreters import mlir as _jmlir
-from jax._src.lib import xla_client as xc
-from jax._src.lib.mlir import ir
-from jax._src.sharding_impls import GSPMDSharding
+from jax.extend.mlir import ir
 from jax.sharding import SingleDeviceSharding
 
+from xla_swap._compat import jax as _cj   # every private jax / jaxlib API used here
 from xla_swap.planning.policy import DEVICE, MEMORY_KINDS, PINNED_HOST
-
-# ``jax.enable_x64`` is the current name; older releases only have the experimental one.
-if hasattr(jax, "enable_x64"):
-    def _enable_x64():
-        return jax.enable_x64(True)
-else:  # pragma: no cover
-    from jax.experimental import enable_x64 as _enable_x64
 
 log = logging.getLogger(__name__)
 
@@ -269,27 +260,28 @@ def _memory_kinds_of(mlir_module: ir.Module) -> tuple[list, list, int | None]:
 
 def _from_hlo_proto(proto: bytes, arg_kinds=None, res_kinds=None, nparts=None) -> _Source:
     try:
-        mlir = xc._xla.mlir.hlo_to_stablehlo(proto)
+        mlir = _cj.hlo_to_stablehlo(proto)
+    except _cj.MissingUpstreamAPI:
+        raise
     except Exception as e:  # the jaxlib error type differs between versions
         raise ValueError(f"module: could not read the bytes as a serialized HloModuleProto: {e}") from e
     return _Source(mlir, list(arg_kinds or []), list(res_kinds or []), nparts)
 
 
 def _from_mlir(text_or_bytecode) -> _Source:
-    with _jmlir.make_ir_context():
+    with _cj.make_ir_context():
         try:
             mod = ir.Module.parse(text_or_bytecode)
         except Exception as e:
             raise ValueError(f"module: could not parse the StableHLO/MLIR module: {e}") from e
         args, res, nparts = _memory_kinds_of(mod)
-        data = _jmlir.module_to_bytecode(mod)
+        data = _cj.module_to_bytecode(mod)
     # Through HLO, as jax's own compiler_ir('hlo') does: Shardy annotations become mhlo.sharding.
-    comp = xc._xla.mlir.mlir_module_to_xla_computation(data, use_tuple_args=False, return_tuple=False)
-    return _from_hlo_proto(comp.as_serialized_hlo_module_proto(), args, res, nparts)
+    return _from_hlo_proto(_cj.stablehlo_to_hlo_proto(data), args, res, nparts)
 
 
 def _from_lowered(lowered) -> _Source:
-    const_args = getattr(getattr(lowered, "_lowering", None), "const_args", None)
+    const_args = _cj.lowered_const_args(lowered)
     if const_args:
         raise ValueError(f"module: this jax lowering hoisted {len(const_args)} constant(s) into extra "
                          "arguments (jax_use_simplified_jaxpr_constants); lower with that flag off")
@@ -327,7 +319,7 @@ def _ir_to_dtype(t) -> np.dtype:
     """
     if not _IR_DTYPES:
         _IR_DTYPES["i1"] = np.dtype(np.bool_)
-        for dt, factory in _jmlir._dtype_to_ir_type.items():
+        for dt, factory in _cj.ir_element_type_factories().items():
             try:
                 dtype = np.dtype(dt)
                 if dtype == jax.dtypes.float0:  # (bfloat16 and the fp8 types are void-kind too: keep them)
@@ -354,33 +346,38 @@ def _tensor_meta(t, what: str):
 # ---------------------------------------------------------------------------------------
 # shardings
 # ---------------------------------------------------------------------------------------
-def _parse_hlo_sharding(s: str, where: str) -> xc.HloSharding:
+def _parse_hlo_sharding(s: str, where: str):
+    """A jaxlib ``HloSharding`` from an HLO sharding string; ValueError naming ``where`` when invalid."""
     try:
-        return xc.HloSharding.from_string(s)
+        return _cj.parse_hlo_sharding(s)
+    except _cj.MissingUpstreamAPI:
+        raise
     except Exception as e:
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         detail = next((ln for ln in lines if "error:" in ln), lines[0] if lines else type(e).__name__)
         raise ValueError(f"{where}: invalid HLO sharding string {s!r}: {detail}") from e
 
 
-def _devices_needed(hs: xc.HloSharding) -> int:
-    """Smallest device count the sharding can run on (0: any)."""
-    if hs.is_replicated() or hs.is_manual() or hs.is_unknown():
-        return 0
-    if hs.is_tiled():
-        return int(hs.num_devices())
-    if hs.is_maximal() and hs.tile_assignment_devices():
-        return int(max(hs.tile_assignment_devices())) + 1
+def _devices_needed(hs) -> int:
+    """Smallest device count the sharding (a jaxlib ``HloSharding``) can run on (0: any)."""
+    layout = _cj.hlo_sharding_layout(hs)
+    if layout.kind == "tiled":
+        return layout.num_devices
+    if layout.kind == "maximal" and layout.device_ids:
+        return max(layout.device_ids) + 1
     return 0
 
 
-def _check_rank(hs: xc.HloSharding, shape: tuple, where: str) -> None:
-    if not hs.is_tiled():
+def _is_tiled(hs) -> bool:
+    return _cj.hlo_sharding_layout(hs).kind == "tiled"
+
+
+def _check_rank(hs, shape: tuple, where: str) -> None:
+    layout = _cj.hlo_sharding_layout(hs)
+    if layout.kind != "tiled":
         return
-    dims = list(hs.tile_assignment_dimensions())
-    extra = (1 if hs.replicate_on_last_tile_dim() else 0) + len(hs.subgroup_types())
-    if len(dims) - extra != len(shape):
-        raise ValueError(f"{where}: sharding {hs} tiles {len(dims) - extra} dimension(s), but the parameter has "
+    if layout.tiled_rank != len(shape):
+        raise ValueError(f"{where}: sharding {hs} tiles {layout.tiled_rank} dimension(s), but the parameter has "
                          f"rank {len(shape)} (shape {list(shape)})")
 
 
@@ -507,7 +504,7 @@ def _check_devices_arg(devices):
     """None, or ``devices`` as a tuple; TypeError for a lone Device, a string or a non-iterable."""
     if devices is None:
         return None
-    if isinstance(devices, xc.Device):
+    if isinstance(devices, jax.Device):
         raise TypeError(f"devices: expected a sequence of jax devices, got one Device ({devices}); pass [device]")
     if isinstance(devices, (str, bytes, Mapping)) or not hasattr(devices, "__iter__"):
         raise TypeError(f"devices: expected a sequence of jax devices, got {type(devices).__name__} {devices!r:.80}")
@@ -562,11 +559,12 @@ def _strip_donation(mod: ir.Module, arg_attrs: list) -> tuple:
     return tuple(sorted(donated))
 
 
-def _check_even(hs: xc.HloSharding, shape: tuple, where: str) -> None:
+def _check_even(hs, shape: tuple, where: str) -> None:
     """ValueError when a tiled sharding does not split every dimension evenly (jax arrays need that)."""
-    if not hs.is_tiled():
+    layout = _cj.hlo_sharding_layout(hs)
+    if layout.kind != "tiled":
         return
-    tiles = list(hs.tile_assignment_dimensions())[:len(shape)]
+    tiles = list(layout.tile_dims)[:len(shape)]
     for d, (size, t) in enumerate(zip(shape, tiles)):
         if t > 1 and size % t:
             raise ValueError(f"{where}: sharding {hs} splits dimension {d} of size {size} into {t} shards, which "
@@ -795,7 +793,7 @@ class PjrtExecutor:
         devices = _check_devices_arg(devices)
         src = _load(module)
         self.transfer_count = 0
-        with _jmlir.make_ir_context() as ctx, ir.Location.unknown(ctx):
+        with _cj.make_ir_context() as ctx, ir.Location.unknown(ctx):
             mod = ir.Module.parse(src.mlir)
             main = _entry_func(mod)
             ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
@@ -842,7 +840,7 @@ class PjrtExecutor:
                 spec = shard_specs[i]
                 where = f"placements[{i}]" if spec is not None else f"parameter {i}"
                 if isinstance(spec, jax.sharding.Sharding):
-                    hs = spec._to_xla_hlo_sharding(len(metas[i][0]))
+                    hs = _cj.sharding_to_hlo(spec, len(metas[i][0]))
                 else:
                     text = spec if isinstance(spec, str) else _str_attr(arg_attrs[i], "mhlo.sharding")
                     hs = _parse_hlo_sharding(text, where) if text else None
@@ -860,7 +858,7 @@ class PjrtExecutor:
                 needed = max(needed, src.num_partitions)
             for spec in shard_specs:
                 if isinstance(spec, jax.sharding.Sharding) and not spec.is_fully_replicated:
-                    needed = max(needed, len(spec._device_assignment))
+                    needed = max(needed, len(_cj.sharding_devices(spec)))
             if devices is None:
                 available = jax.devices()
                 n = max(needed, 1)
@@ -868,7 +866,7 @@ class PjrtExecutor:
                     raise ValueError(f"devices: the module is partitioned over {n} devices, but only "
                                      f"{len(available)} {available[0].platform} device(s) are available")
                 devices = tuple(available[:n])
-            if not devices or not all(isinstance(d, xc.Device) for d in devices):
+            if not devices or not all(isinstance(d, jax.Device) for d in devices):
                 raise ValueError(f"devices: expected a non-empty sequence of jax devices, got {devices!r}")
             if len(set(devices)) != len(devices):
                 raise ValueError(f"devices: duplicate devices in {devices}")
@@ -885,16 +883,16 @@ class PjrtExecutor:
                 if hs is None:
                     continue
                 k = _devices_needed(hs)
-                if hs.is_tiled() and k != n:
+                if _is_tiled(hs) and k != n:
                     raise ValueError(f"devices: parameter {i} is sharded {hs} over {k} devices, but {n} device(s) "
                                      f"were given; pass {k} devices")
-                if not hs.is_tiled() and k > n:
+                if not _is_tiled(hs) and k > n:
                     raise ValueError(f"devices: parameter {i} is placed on {hs}, but only {n} device(s) were given")
                 _check_even(hs, metas[i][0], f"placements[{i}]" if shard_specs[i] is not None else f"parameter {i}")
             for i, spec in enumerate(shard_specs):
                 if isinstance(spec, jax.sharding.Sharding) and not spec.is_fully_replicated \
-                        and tuple(spec._device_assignment) != devices:
-                    raise ValueError(f"placements[{i}]: the sharding's devices {tuple(spec._device_assignment)} "
+                        and _cj.sharding_devices(spec) != devices:
+                    raise ValueError(f"placements[{i}]: the sharding's devices {_cj.sharding_devices(spec)} "
                                      f"differ from the executor's devices {devices} (order matters)")
             mem_kinds = {m.kind for m in devices[0].addressable_memories()}
             for i, kind in enumerate(kinds):
@@ -910,7 +908,7 @@ class PjrtExecutor:
                     raise ValueError(f"{where}: memory kind {kind!r} is not supported by {devices[0].platform} "
                                      f"devices (they have {sorted(mem_kinds)})")
             if n > 1:
-                hlo_shardings = [hs if hs is not None else xc.HloSharding.replicate() for hs in hlo_shardings]
+                hlo_shardings = [hs if hs is not None else _cj.replicated_hlo_sharding() for hs in hlo_shardings]
 
             # -- rewrite the module: no donation, @main's argument and result attributes -----
             #: indices of the parameters the module itself donated (its input/output aliases),
@@ -936,28 +934,17 @@ class PjrtExecutor:
                 new_res_attrs.append(ir.DictAttr.get(entries))
             main.attributes["res_attrs"] = ir.ArrayAttr.get(new_res_attrs)
             res_has_sharding = [_str_attr(a, "mhlo.sharding") is not None for a in res_attrs]
-            bytecode = _jmlir.module_to_bytecode(mod)
+            bytecode = _cj.module_to_bytecode(mod)
         self._bytecode = bytecode
 
         # -- compile ---------------------------------------------------------------------
         self.devices = devices
         self.platform = devices[0].platform
-        self._backend = jax.extend.backend.get_backend(self.platform)
-        opts = xc.CompileOptions()
-        opts.num_replicas = 1
-        opts.num_partitions = n
-        bo = opts.executable_build_options
-        bo.num_replicas = 1
-        bo.num_partitions = n
-        bo.use_spmd_partitioning = True
-        bo.use_shardy_partitioner = False
-        bo.allow_spmd_sharding_propagation_to_parameters = [False] * max(n_in, 1)
-        bo.allow_spmd_sharding_propagation_to_output = [not h for h in res_has_sharding] or [False]
-        opts.device_assignment = xc.DeviceAssignment.create(np.array([[d.id for d in devices]]))
         log.debug("compiling %d-parameter module for %d %s device(s); memory kinds %s",
                   n_in, n, self.platform, kinds)
-        self._exe = self._backend.compile_and_load(bytecode, xc.DeviceList(devices), opts)
-        self._compiled_text = self._exe.hlo_modules()[0].to_string()
+        # GSPMD (use_shardy_partitioner=False), parameter shardings kept as set above.
+        self._exe = _cj.compile_spmd(bytecode, devices, num_parameters=n_in, result_has_sharding=res_has_sharding)
+        self._compiled_text = _cj.compiled_hlo_text(self._exe)
 
         # -- parameter and result metadata -----------------------------------------------
         params = []
@@ -965,26 +952,26 @@ class PjrtExecutor:
             spec = shard_specs[i]
             if isinstance(spec, jax.sharding.Sharding) and not spec.is_fully_replicated:
                 sharding = spec.with_memory_kind(kinds[i])
-            elif n == 1 and (hs is None or not hs.is_tiled()):
+            elif n == 1 and (hs is None or not _is_tiled(hs)):
                 sharding = SingleDeviceSharding(devices[0], memory_kind=kinds[i])
             else:
-                sharding = GSPMDSharding(devices, hs, memory_kind=kinds[i])
+                sharding = _cj.gspmd_sharding(devices, hs, memory_kind=kinds[i])
             params.append(ParameterInfo(i, shape, dtype, kinds[i], str(hs) if hs is not None else "{replicated}",
                                         sharding))
         self.parameters = tuple(params)
         self.output_shapes = tuple(s for s, _ in out_metas)
         self.output_dtypes = tuple(d for _, d in out_metas)
-        out_kinds = self._exe.get_output_memory_kinds()[0] if n_out else []
-        out_ops = self._exe.get_output_shardings() if n_out else []
+        out_kinds = _cj.output_memory_kinds(self._exe) if n_out else []
+        out_ops = _cj.output_hlo_shardings(self._exe) if n_out else []
         shardings = []
         for i in range(n_out):
             kind = out_kinds[i] if i < len(out_kinds) else DEVICE
             op = out_ops[i] if out_ops and i < len(out_ops) else None
             if n == 1 or op is None:
                 s = (SingleDeviceSharding(devices[0], memory_kind=kind) if n == 1 else
-                     GSPMDSharding(devices, xc.HloSharding.replicate(), memory_kind=kind))
+                     _cj.gspmd_sharding(devices, _cj.replicated_hlo_sharding(), memory_kind=kind))
             else:
-                s = GSPMDSharding(devices, op, memory_kind=kind)
+                s = _cj.gspmd_sharding(devices, op, memory_kind=kind)
             shardings.append(s)
         self.output_shardings = tuple(shardings)
         self._param_layout, self._result_layout = _entry_layout(self._compiled_text)
@@ -1055,7 +1042,7 @@ class PjrtExecutor:
 
     def stablehlo_text(self) -> str:
         """The StableHLO module as compiled: ``@main`` with the ``mhlo.memory_kind``/``mhlo.sharding`` set here."""
-        with _jmlir.make_ir_context():
+        with _cj.make_ir_context():
             return str(ir.Module.parse(self._bytecode))
 
     def compiled_hlo_text(self) -> str:
@@ -1068,9 +1055,7 @@ class PjrtExecutor:
         Returns:
           :class:`MemoryReport` (bytes per device; see its docstring for the sources).
         """
-        st = self._exe.get_compiled_memory_stats()
-        raw = {k: int(getattr(st, k)) for k in dir(st)
-               if k.endswith("_in_bytes") and isinstance(getattr(st, k), int)}
+        raw = _cj.compiled_memory_stats(self._exe)
         p_spaces = tuple(_memory_space(s) for s in self._param_layout)
         p_bytes = tuple(_shape_bytes(s, p.dtype) for s, p in zip(self._param_layout, self.parameters))
         o_spaces = tuple(_memory_space(s) for s in self._result_layout)
@@ -1170,7 +1155,7 @@ class PjrtExecutor:
     def _x64(self):
         """x64 mode while placing/executing when a parameter is 64-bit (jax would narrow it otherwise)."""
         if any(np.dtype(p.dtype).itemsize == 8 and np.dtype(p.dtype).kind in "iuf" for p in self.parameters):
-            return _enable_x64()
+            return _cj.enable_x64()
         return contextlib.nullcontext()
 
     def _device_put(self, index: int, x) -> jax.Array:
@@ -1279,8 +1264,7 @@ class PjrtExecutor:
         values = self._place_all(list(args), "call")
         try:
             with self._x64():
-                results = self._exe.execute_sharded(values)
-                shards = results.disassemble_into_single_device_arrays()
+                shards = _cj.execute_sharded(self._exe, values)
         except Exception as e:
             if _is_host_oom(e):
                 raise HostMemoryError(

@@ -11,7 +11,8 @@ import re
 from typing import Callable
 
 import torch
-import torch_xla
+
+from xla_swap._compat import torch_xla as _ctx   # every private torch_xla API used here
 
 
 def check_xla_tensor(t, where: str) -> torch.Tensor:
@@ -71,13 +72,13 @@ def check_name(name, where: str, *, identifier: bool) -> str:
 
 def needs_materialization(t: torch.Tensor) -> bool:
     """True when ``t`` is not device data itself: a pending computation or a view."""
-    return bool(torch_xla._XLAC._check_tensor_need_materialization([t])[0])
+    return _ctx.needs_materialization([t])[0]
 
 
 def buffer_deleted(t: torch.Tensor) -> bool:
     """True when the device buffer behind device-data tensor ``t`` was deleted (donated)."""
     try:
-        torch_xla._XLAC._get_tensors_handle([t])
+        _ctx.tensor_handles([t])
     except RuntimeError as e:
         if "IsDeleted" in str(e) or "is deleted" in str(e):
             return True

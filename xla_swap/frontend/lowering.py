@@ -1,10 +1,11 @@
 """Lower part of a torch_xla program and map every HLO parameter to its device-backed tensor.
 
-``torch_xla._XLAC.lowering.LoweringContext`` has two ways to ask which tensor feeds an HLO
+torch_xla's ``LoweringContext`` (``torch_xla._XLAC.lowering``) has two ways to ask which tensor feeds an HLO
 parameter. ``parameter_id_tensor_mapping()`` copies every parameter to the host (and runs
 ``ReplicateShardedData`` for every sharded one first); ``device_parameter_id_tensor_mapping()``
 (pytorch/xla #8460) returns the device data itself. This module only uses the latter, and
-:func:`host_transfer_guard` lets tests and scripts prove it.
+:func:`host_transfer_guard` lets tests and scripts prove it. The private torch_xla calls go
+through :mod:`xla_swap._compat.torch_xla`.
 """
 from __future__ import annotations
 
@@ -16,12 +17,11 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 import torch_xla
-import torch_xla.core.xla_builder as xb
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
+from xla_swap._compat import torch_xla as _ctx   # every private torch_xla / torch API used here
 from xla_swap.frontend._checks import (buffer_deleted, check_bool, check_callable, check_name, check_tensor_list,
                                        check_xla_tensor, needs_materialization)
 from xla_swap.frontend.offload import ANNOTATION_TARGET, runtime_supports_annotations
@@ -112,12 +112,12 @@ def sharding_spec(t: torch.Tensor) -> str:
 
     Returns ``'{replicated}'`` for a tensor without a sharding annotation.
     """
-    return torch_xla._XLAC._get_xla_sharding_spec(t) or "{replicated}"
+    return _ctx.sharding_spec(t) or "{replicated}"
 
 
 def data_handle(t: torch.Tensor) -> int:
     """The runtime handle of the device data behind ``t``: equal handles mean the same device buffer."""
-    return torch_xla._XLAC._get_tensors_handle([t])[0]
+    return _ctx.tensor_handles([t])[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +211,7 @@ class _SourceRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for a in tree_flatten((args, kwargs))[0]:
+        for a in _ctx.tree_flatten((args, kwargs))[0]:
             # Plain XLA tensors and parameters only: not the fake/functional tensors of a nested trace.
             if (type(a) is torch.Tensor or isinstance(a, torch.nn.Parameter)) and a.device.type == "xla":
                 self.seen.setdefault(id(a), a)
@@ -241,8 +241,8 @@ class LoweredComputation:
         self._input_meta = [(tuple(x.shape), x.dtype) for x in inputs]
         self._fn = fn
         self._rng_state = rng_state
-        self._computation = xb.computation_from_module_proto(name, hlo_proto)
-        self.hlo_text = xb.get_computation_hlo(self._computation)
+        self._computation = _ctx.computation_from_hlo_proto(name, hlo_proto)
+        self.hlo_text = _ctx.computation_hlo_text(self._computation)
         self._has_annotations = ANNOTATION_TARGET in self.hlo_text
         self._handles = {data_handle(p.tensor): p.id for p in parameters}
         # The caller's tensors (kept alive, so their ids stay theirs) -> input index.
@@ -348,7 +348,7 @@ class LoweredComputation:
         args = [captured.get(p.id, p.tensor) for p in self.parameters]
         for p in self.input_parameters:
             args[p.id] = inputs[p.input_index]
-        return torch_xla._XLAC._xla_user_computation(f"xla_swap::{self.name}", args, self._computation)
+        return _ctx.user_computation(f"xla_swap::{self.name}", args, self._computation)
 
     def _call_fn(self, inputs):
         outs = self._fn(*inputs)
@@ -399,7 +399,7 @@ def _materialize(tensors) -> None:
     """Make ``tensors`` device data (execute their pending graphs, views included), without syncing anything else."""
     pending = [t for t in tensors if needs_materialization(t)]
     if pending:
-        torch_xla._XLAC._xla_sync_multi(pending, devices=[], wait=True)
+        _ctx.sync_tensors(pending, wait=True)
 
 
 def _check_lower_args(outputs, inputs, name):
@@ -414,16 +414,15 @@ def _build(outputs, inputs, name, *, fn=None, sources=(), user_inputs=None, rng_
            grad_leaves=()) -> LoweredComputation:
     if name is None:
         name = f"xla_swap_lowered_{next(_names)}"
-    ctx = torch_xla._XLAC.lowering.LoweringContext(name)
-    ctx.build(outputs)
-    input_ids = [ctx.tensor_parameter_id(x) for x in inputs]
+    graph = _ctx.lower_graph(name, outputs, inputs)
+    input_ids = list(graph.input_parameter_ids)
     for i, pid in enumerate(input_ids):
         if pid < 0:
             raise ValueError(f"inputs[{i}]: shape {list(inputs[i].shape)} is not read by the graph of outputs, "
                              f"so it feeds no HLO parameter of '{name}'")
     by_id = {pid: i for i, pid in enumerate(input_ids)}
     params = []
-    for pid, t in sorted(ctx.device_parameter_id_tensor_mapping().items()):
+    for pid, t in sorted(graph.device_parameters.items()):
         params.append(HloParameter(
             id=pid, tensor=t, shape=tuple(t.shape), dtype=t.dtype, nbytes=t.numel() * t.element_size(),
             sharding=sharding_spec(t), kind="input" if pid in by_id else "captured", input_index=by_id.get(pid)))
@@ -439,7 +438,7 @@ def _build(outputs, inputs, name, *, fn=None, sources=(), user_inputs=None, rng_
             continue
         if pid is not None:
             by_pid.setdefault(pid, t)
-    lowered = LoweredComputation(name, ctx.hlo(), params, inputs, outputs, fn=fn, sources=by_pid,
+    lowered = LoweredComputation(name, graph.hlo_proto, params, inputs, outputs, fn=fn, sources=by_pid,
                                  user_inputs=user_inputs, rng_state=rng_state, grad_leaves=grad_leaves)
     log.debug("lowered %s: %d parameters, %d bytes", name, len(params), lowered.total_bytes)
     return lowered

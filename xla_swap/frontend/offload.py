@@ -6,7 +6,8 @@ torch_xla 2.9's ``place_to_host`` / ``place_to_device`` emit it without a ``shar
 SPMD partitioner rejects it (``Side-effect HLO must have sharding``), and its IR node hashes
 only the call target, so the two directions collide in torch_xla's graph hash (measured; see
 docs/measured.md). Here each annotation is a tiny StableHLO module (custom call + sharding +
-placement) applied with ``_xla_user_computation``: the IR node's hash is the hash of that
+placement) applied with torch_xla's ``_xla_user_computation`` (through
+:mod:`xla_swap._compat.torch_xla`): the IR node's hash is the hash of that
 module, so direction and sharding are part of it, and the custom call carries its sharding.
 
 The ops are ``torch.library`` custom ops (``torch.ops.xla_swap.*``) with fake kernels and
@@ -32,10 +33,9 @@ import os
 import re
 
 import torch
-import torch_xla
-import torch_xla.core.xla_builder as xb
 import torch_xla.runtime as xr
 
+from xla_swap._compat import torch_xla as _ctx   # every private torch_xla API used here
 from xla_swap.frontend._checks import check_bool, check_name, check_sharding, check_xla_tensor
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ def slice_sharding(stacked: str) -> str:
 @functools.lru_cache(maxsize=None)
 def _annotation_computation(shape: tuple, dtype: torch.dtype, placement: str, sharding: str):
     """The XLA computation ``x -> annotate_device_placement(x)`` for one shape/dtype/placement/sharding."""
-    from jax._src.lib import xla_client as xc  # jaxlib parses StableHLO into an HloModuleProto
+    from xla_swap._compat import jax as _cj  # jaxlib parses StableHLO into an HloModuleProto
 
     if dtype not in _MLIR_DTYPES:
         raise TypeError(f"x: dtype {dtype} is not supported by the offload annotations "
@@ -142,8 +142,7 @@ def _annotation_computation(shape: tuple, dtype: torch.dtype, placement: str, sh
             f"  func.func public @main(%arg0: {ty}) -> {ty} {{\n"
             f"    %0 = stablehlo.custom_call @annotate_device_placement(%arg0) {{{attrs}}} : ({ty}) -> {ty}\n"
             f"    return %0 : {ty}\n  }}\n}}")
-    comp = xc._xla.mlir.mlir_module_to_xla_computation(text, use_tuple_args=False, return_tuple=False)
-    return xb.computation_from_module_proto(f"xla_swap_to_{placement}", comp.as_serialized_hlo_module_proto())
+    return _ctx.computation_from_hlo_proto(f"xla_swap_to_{placement}", _cj.stablehlo_to_hlo_proto(text))
 
 
 def _annotate(x: torch.Tensor, placement: str, sharding: str) -> torch.Tensor:
@@ -159,12 +158,12 @@ def _annotate(x: torch.Tensor, placement: str, sharding: str) -> torch.Tensor:
         # adds no all-gather. {replicated} would gather the whole tensor on every device first.
         # torch_xla's own compiler rejects a side-effecting call without a sharding, so
         # annotations it runs fall back to {replicated}.
-        sharding = sharding or torch_xla._XLAC._get_xla_sharding_spec(x) or (
+        sharding = sharding or _ctx.sharding_spec(x) or (
             "" if _forced[0] else "{replicated}")
     else:
         sharding = ""
     comp = _annotation_computation(tuple(x.shape), x.dtype, placement, sharding)
-    return torch_xla._XLAC._xla_user_computation(f"xla_swap::to_{placement}", [x], comp)[0]
+    return _ctx.user_computation(f"xla_swap::to_{placement}", [x], comp)[0]
 
 
 def _check_annotated(x, sharding, where: str = "x") -> None:

@@ -22,19 +22,19 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
-import torch_xla
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
-from torch._functorch.partitioners import _extract_fwd_bwd_modules, default_partition
 from torch_xla.experimental import scan as _txs
-from torch_xla.experimental.scan_layers import (_create_or_get_cached_one_layer_fn, _ensure_same_structure,
-                                               _extract_weights_and_buffers)
 
+from xla_swap._compat import torch_xla as _ctx   # every private torch_xla / torch API used here
 from xla_swap.frontend._checks import check_bool, check_callable
 from xla_swap.frontend.offload import (OFFLOAD_NAME, PLACE_TO_DEVICE, PLACE_TO_HOST, place_to_device,
                                        slice_sharding)
 from xla_swap.planning.policy import ALL_DEVICE, OffloadPolicy
 
 log = logging.getLogger(__name__)
+
+#: AOTAutograd's default partitioner: the ``partition_fn`` default of torch_xla's scan.
+default_partition = _ctx.default_partition_fn()
+tree_flatten, tree_unflatten, tree_map = _ctx.tree_flatten, _ctx.tree_unflatten, _ctx.tree_map
 
 
 def _check_policy(policy) -> OffloadPolicy:
@@ -166,7 +166,7 @@ def policy_partition(policy: OffloadPolicy) -> Callable:
         graph.lint()
         log.debug('joint graph after policy partition:\n%s', graph)
         joint_module.recompile()
-        fwd, bwd_mod = _extract_fwd_bwd_modules(joint_module, final, saved_sym_nodes=[], num_fwd_outputs=num_fwd_outputs)
+        fwd, bwd_mod = _ctx.extract_fwd_bwd_modules(joint_module, final, num_fwd_outputs=num_fwd_outputs)
         log.debug('forward graph:\n%s\nbackward graph:\n%s', fwd.graph, bwd_mod.graph)
         return fwd, bwd_mod
 
@@ -272,7 +272,7 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = default_partition, is_
     if not _uses_policy(policy):
         return _txs.scan(fn, init, xs, partition_fn=partition_fn, is_fn_pure=is_fn_pure)
     if policy.swaps_params:
-        shardings = [slice_sharding(torch_xla._XLAC._get_xla_sharding_spec(t)) if t is not None else None
+        shardings = [slice_sharding(_ctx.sharding_spec(t)) if t is not None else None
                      for t in flat_xs]
         grad_to_host = policy.grads == "host"
         user_fn = fn
@@ -334,13 +334,13 @@ def scan_layers(layers, input_data, partition_fn: Callable = default_partition, 
     if not _uses_policy(policy):
         from torch_xla.experimental.scan_layers import scan_layers as _sl
         return _sl(layers, input_data, partition_fn=partition_fn, is_layer_pure=is_layer_pure)
-    pb = [_extract_weights_and_buffers(layer) for layer in layers]
+    pb = [_ctx.layer_weights_and_buffers(layer) for layer in layers]
     for which, dicts in (("parameters", [p for p, _ in pb]), ("buffers", [b for _, b in pb])):
         try:
-            _ensure_same_structure(dicts)
+            _ctx.ensure_same_structure(dicts)
         except ValueError as e:
             raise ValueError(f"layers: {which} differ between layers: {e}") from None
     stacked = tree_map(lambda *ts: torch.stack(ts, dim=0), *[(p, b) for p, b in pb])
-    one_layer = _create_or_get_cached_one_layer_fn(layers[0], None, False)
+    one_layer = _ctx.one_layer_fn(layers[0])
     carry, _ = scan(one_layer, input_data, stacked, policy=policy)
     return carry
