@@ -34,7 +34,8 @@ and ``host_peak_rss_bytes`` (the process' peak resident set, bytes; the weights 
 the device and then moved to the host by the offloading tool). DeepSpeed may log to stdout:
 the JSON line of the CLI is the last line.
 
-With several ranks every rank times its own steps; the reported ``forward_s`` /
+With several ranks every rank times its own steps (the ranks meet at a barrier, untimed, before
+each timed forward and each timed step); the reported ``forward_s`` /
 ``forward_backward_s`` / ``optimizer_s`` / ``step_s`` are the maxima over the ranks of each
 rank's median (``per_rank`` holds every rank's medians), ``peak_device_bytes`` the maximum
 over ranks, and only rank 0 prints the JSON line (with ``world_size`` and ``T_per_rank``).
@@ -226,8 +227,15 @@ def _measure(
     forward: Callable[[], Any],
     forward_backward: Callable[[], Any],
     optimizer_step: Callable[[], Any] | None,
+    barrier: Callable[[], Any] | None = None,
 ) -> dict[str, list[float]]:
-    """One untimed warm-up (forward, then a whole step), then ``reps`` timed reps."""
+    """One untimed warm-up (forward, then a whole step), then ``reps`` timed reps.
+
+    ``barrier`` (several ranks: ``torch.distributed.barrier``) runs, untimed, before the forward
+    and before the step of each rep, so every rank starts each timed region together: a rank's
+    time then does not absorb another rank's lag from the previous region.
+    """
+    barrier = barrier or (lambda: None)
     forward()
     forward_backward()
     if optimizer_step is not None:
@@ -242,7 +250,11 @@ def _measure(
         "step_s": [],
     }
     for _ in range(reps):
+        _sync(device)
+        barrier()
         samples["forward_s"].append(_timed(device, forward))
+        _sync(device)
+        barrier()
         _sync(device)
         t0 = time.perf_counter()
         forward_backward()
@@ -349,7 +361,11 @@ def fsdp2_cpu_offload_step(
             fb = lambda: (forward_backward(), clear_grads())  # noqa: E731
         else:
             fb = forward_backward
-        samples = _measure(device, reps, forward, fb, optimizer_step if opt else None)
+        barrier = None
+        if world_size > 1:
+            import torch.distributed as dist
+            barrier = dist.barrier
+        samples = _measure(device, reps, forward, fb, optimizer_step if opt else None, barrier)
         res = _result(
             samples,
             device,
