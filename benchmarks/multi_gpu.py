@@ -6,8 +6,8 @@ and FSDP2 with ``CPUOffloadPolicy`` on the same N GPUs.
 Stack (the one of ``torch_stack.py`` / ``anchors.py``): ``L`` layers
 ``h + b(gelu(a(h), approximate="tanh"))``, ``a = nn.Linear(D, F)``, ``b = nn.Linear(F, D)`` without
 bias, bf16 (``--dtype float32`` allowed), input ``(T, D)``, loss ``mean(out.float()**2)``. Inputs are
-torch tensors: CUDA tensors on a GPU machine (``x.cuda()``, shared with jax through DLPack), CPU
-tensors elsewhere. Policy of every streamed row: weights, gradients and optimizer state in
+torch tensors: CUDA tensors on the first GPU on a GPU machine (shared with jax through DLPack; each
+call under ``torch.cuda.device`` of that GPU), CPU tensors elsewhere. Policy of every streamed row: weights, gradients and optimizer state in
 ``pinned_host``, ``remat=True``, ``prefetch_depth=k=2``, ``accumulate_grads=False`` (the gradients
 stay in ``pinned_host`` as ``stack.last_grads``).
 
@@ -28,7 +28,8 @@ back-to-back calls synced at its end, divided by the window; default 1: per-call
   gathered on the first GPU when split over several),
   ``ondev_fwd`` / ``ondev_train`` (the same stack with every stage resident in
   device memory and the gradients left there: ``OffloadPolicy(params="device", grads="device")``,
-  the on-device compute), ``fwd`` / ``train`` (streamed; ``train`` = ``stack.train_step(x, loss_fn)``
+  the on-device compute; not ``budget_bytes=``, whose residency keeps the default ``grads="host"``
+  and would put W/n of gradient copies into this row), ``fwd`` / ``train`` (streamed; ``train`` = ``stack.train_step(x, loss_fn)``
   then ``jax.block_until_ready(stack.last_grads)``);
 * per T, once: ``fwd_1gpu`` / ``train_1gpu`` / ``fwd_rt_1gpu`` / ``out_conv_1gpu`` (the streamed rows on
   ``jax.devices()[:1]``, the scaling reference), ``ondev_fwd_1gpu`` / ``ondev_train_1gpu`` (its on-device rows, for the
@@ -60,7 +61,8 @@ Targets (``TARGETS``): forward <= 1.05x, training <= 1.10x, scaling >= 1.85 on 2
 
 Writes ``multi_gpu.json`` (``raw``: every sample, bandwidths, byte counts, the anchor's line;
 ``analysis``) into ``--out-dir`` only (nothing when not given) and prints one JSON line per row
-as it goes, the table at the end and the total wall time. ``analyze`` is a pure function of
+as it goes, the table at the end and the total wall time. Anchors run first, before jax takes
+the GPUs' memory. ``analyze`` is a pure function of
 the raw dict; ``render`` of the analysis.
 """
 from __future__ import annotations
