@@ -3,17 +3,23 @@
 Each entry point gets one generated bad (or odd) argument in one position; only ``ValueError``,
 ``TypeError`` or a documented error class may come out, the user's arrays and modules are
 unchanged, and the process stays usable (a runtime built afterwards still computes right).
-"""
-import jax
-import jax.numpy as jnp
-import numpy as np
-import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from xla_swap.executors import InGraphRuntime, PjrtExecutor, StreamingRuntime
-from xla_swap.planning import AdamW
-from xla_swap.stack import SwappedStack
+Needs torch (``SwappedStack`` is fuzzed here too): skipped in the jax-only venv of
+``make test-jax-only``.
+"""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from xla_swap.executors import InGraphRuntime, PjrtExecutor, StreamingRuntime  # noqa: E402
+from xla_swap.planning import AdamW  # noqa: E402
+from xla_swap.stack import SwappedStack  # noqa: E402
 
 D = 8
 
