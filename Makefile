@@ -1,19 +1,48 @@
 # The two commands of the README:
 #   make demo   - runs the main job (MiniLM embeddings, SPMD scan, checks)
-#   make test   - runs the test suite (4 virtual devices, then the SPMD tests on 1 and 8)
+#   make test   - runs the test suite (4 virtual devices, then the SPMD tests on 1 and 8), then
+#                 make test-jax-only
 # Both create .venv when it is missing (or pyproject.toml changed) and reuse it otherwise.
+#   make test-jax-only - the executor and planner tests in .venv-jax: jax 0.11.2 (the top of the
+#                 tested range, the GPU machine's version) and no torch, torch_xla or torchax, which
+#                 proves the import rule. jax 0.11 needs Python >= 3.12: PYTHON_JAX names one, else
+#                 the first python3.12 / 3.13 / 3.14 found (on PATH or under ~/.pyenv/versions).
 PY := .venv/bin/python
+JAX_PY := .venv-jax/bin/python
+# The CPU set of `make venv`: jax 0.10.2, the bottom of pyproject.toml's tested range.
+CPU_PINS := jax==0.10.2 jaxlib==0.10.2
+JAX_ONLY_PKGS := jax==0.11.2 jaxlib==0.11.2 numpy ml_dtypes pytest hypothesis
 export PJRT_DEVICE := CPU
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test venv
+.PHONY: demo test test-jax-only venv venv-jax
 
 venv: .venv/.installed
 
 .venv/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[examples,test]'
+	$(PY) -m pip install -q -e '.[examples,test]' $(CPU_PINS)
+	touch $@
+
+venv-jax: .venv-jax/.installed
+
+.venv-jax/.installed: Makefile
+	@test -x $(JAX_PY) || { \
+	  py="$(PYTHON_JAX)"; \
+	  if [ -z "$$py" ]; then \
+	    for c in python3.12 python3.13 python3.14 $$HOME/.pyenv/versions/3.1[234]*/bin/python3; do \
+	      if $$c -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; then py=$$c; break; fi; \
+	    done; \
+	  fi; \
+	  if [ -z "$$py" ]; then \
+	    echo "make test-jax-only: jax 0.11.2 needs Python >= 3.12 and none was found; set PYTHON_JAX=/path/to/python3.12" >&2; \
+	    exit 1; \
+	  fi; \
+	  echo "creating .venv-jax with $$py"; \
+	  $$py -m venv .venv-jax; }
+	$(JAX_PY) -m pip install -q --upgrade pip
+	$(JAX_PY) -m pip install -q $(JAX_ONLY_PKGS)
 	touch $@
 
 demo: venv
@@ -23,3 +52,9 @@ test: venv
 	XLA_SWAP_NUM_DEVICES=4 $(PY) -m pytest -q tests
 	XLA_SWAP_NUM_DEVICES=1 $(PY) -m pytest -q -m spmd tests
 	XLA_SWAP_NUM_DEVICES=8 $(PY) -m pytest -q -m spmd tests
+	$(MAKE) --no-print-directory test-jax-only
+
+# tests/executors minus the modules that need torch (they importorskip it), and tests/planning.
+test-jax-only: venv-jax
+	$(JAX_PY) -c 'import importlib.util as u, sys; bad = [m for m in ("torch", "torch_xla", "torchax") if u.find_spec(m)]; sys.exit(f"{bad} installed in .venv-jax" if bad else 0)'
+	XLA_SWAP_NUM_DEVICES=4 $(JAX_PY) -m pytest -q tests/executors tests/planning
