@@ -24,13 +24,13 @@ module @m {
 """
 
 
-def _sharded_text(n: int, result_kind: str = "device") -> str:
+def _sharded_text(n: int) -> str:
     """``x -> x + x`` over ``n`` devices, rows split ``n`` ways (replicated for one device)."""
     sh = f"{{devices=[{n},1]{','.join(map(str, range(n)))}}}" if n > 1 else "{replicated}"
     return f"""
 module @m attributes {{mhlo.num_partitions = {n} : i32}} {{
   func.func public @main(%arg0: tensor<4x8xf32> {{mhlo.sharding = "{sh}"}})
-      -> (tensor<4x8xf32> {{mhlo.sharding = "{sh}", mhlo.memory_kind = "{result_kind}"}}) {{
+      -> (tensor<4x8xf32> {{mhlo.sharding = "{sh}"}}) {{
     %0 = stablehlo.add %arg0, %arg0 : tensor<4x8xf32>
     return %0 : tensor<4x8xf32>
   }}
@@ -212,9 +212,19 @@ def test_compiled_memory_stats_are_per_device(compiled):
 
 
 def test_output_memory_kinds_follow_the_module():
-    devices = _devices(1)
-    exe = cj.compile_spmd(_bytecode(_sharded_text(1, "pinned_host")), devices, num_parameters=1,
-                          result_has_sharding=[True])
+    """A result jax lowered into ``pinned_host`` (its HLO carries the placement annotation), compiled the
+    way PjrtExecutor compiles it: through HLO, ``mhlo.memory_kind`` set again on the result."""
+    (device,) = _devices(1)
+    kind = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    proto = jax.jit(lambda a: a * 2, out_shardings=kind).lower(jnp.zeros((4, 8), jnp.float32)) \
+        .compiler_ir("hlo").as_serialized_hlo_module_proto()
+    with cj.make_ir_context():
+        mod = ir.Module.parse(cj.hlo_to_stablehlo(proto))
+        main = next(op for op in mod.body.operations if ir.StringAttr(op.attributes["sym_name"]).value == "main")
+        main.attributes["res_attrs"] = ir.ArrayAttr.get(
+            [ir.DictAttr.get({"mhlo.memory_kind": ir.StringAttr.get("pinned_host")})])
+        data = cj.module_to_bytecode(mod)
+    exe = cj.compile_spmd(data, (device,), num_parameters=1, result_has_sharding=[False])
     assert cj.output_memory_kinds(exe) == ["pinned_host"]
 
 

@@ -18,8 +18,9 @@ What is wrapped, by the part of xla_swap that needs it:
   :func:`output_hlo_shardings`, :func:`execute_sharded`.
 
 Verified versions (:data:`VERIFIED`): jax/jaxlib 0.10.2 on CPU (Python 3.11, ``make test``)
-and 0.11.2 on CPU (Python 3.12, ``make test-jax-only``) and on one NVIDIA H100 with the CUDA 13
-plugin (``tests/executors/test_compat_jax.py``). A wrapper whose API is missing raises
+and 0.11.2 on CPU (Python 3.12, ``make test-jax-only``) and on NVIDIA H200s with the CUDA 13
+plugin, 1 and 2 GPUs (``tests/executors/test_compat_jax.py``, 2026-11-24). A wrapper whose
+API is missing raises
 :class:`~xla_swap._compat.MissingUpstreamAPI` naming it.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np
 from xla_swap._compat import MissingUpstreamAPI, _resolve
 
 #: The jax / jaxlib versions these wrappers were verified on.
-VERIFIED = "jax/jaxlib 0.10.2 (CPU) and 0.11.2 (CPU; CUDA 13 on an H100)"
+VERIFIED = "jax/jaxlib 0.10.2 (CPU) and 0.11.2 (CPU; CUDA 13 on H200)"
 
 __all__ = ["VERIFIED", "MissingUpstreamAPI", "HloShardingLayout", "make_ir_context", "module_to_bytecode",
            "ir_element_type_factories", "hlo_to_stablehlo", "stablehlo_to_hlo_proto", "parse_hlo_sharding",
@@ -211,7 +212,7 @@ def sharding_devices(sharding) -> tuple:
 
 
 def gspmd_sharding(devices: Sequence, hlo_sharding, memory_kind: str | None = None):
-    """A :class:`jax.sharding.Sharding` over ``devices`` (in order) given by a jaxlib ``HloSharding``.
+    """A :class:`jax.sharding.Sharding` over ``devices`` (in order) given by a jaxlib ``HloSharding`` or ``OpSharding``.
 
     Wraps ``jax._src.sharding_impls.GSPMDSharding(devices, op_sharding, memory_kind=...)``
     (not exported by ``jax.sharding``). Verified: :data:`VERIFIED`.
@@ -313,10 +314,11 @@ def output_memory_kinds(exe) -> list:
 
 
 def output_hlo_shardings(exe) -> list:
-    """The jaxlib ``HloSharding`` (as ``OpSharding``) of every result of a loaded executable.
+    """The sharding of every result of a loaded executable, as jaxlib ``OpSharding`` protos.
 
-    Wraps ``LoadedExecutable.get_output_shardings`` (jaxlib); may be empty or ``None`` for a
-    module without shardings. Verified: :data:`VERIFIED`.
+    :func:`gspmd_sharding` takes them as they are. Wraps
+    ``LoadedExecutable.get_output_shardings`` (jaxlib); ``[]`` where jaxlib returns ``None``.
+    Verified: :data:`VERIFIED`.
     """
     return list(_member(exe, "get_output_shardings", "LoadedExecutable.get_output_shardings")() or [])
 
