@@ -20,8 +20,7 @@ What is wrapped, by the part of xla_swap that needs it:
 Verified versions (:data:`VERIFIED`): jax/jaxlib 0.10.2 on CPU (Python 3.11, ``make test``)
 and 0.11.2 on CPU (Python 3.12, ``make test-jax-only``) and on NVIDIA H200s with the CUDA 13
 plugin, 1 and 2 GPUs (``tests/executors/test_compat_jax.py``, 2026-11-24). A wrapper whose
-API is missing raises
-:class:`~xla_swap._compat.MissingUpstreamAPI` naming it.
+API is missing raises :class:`~xla_swap._compat.MissingUpstreamAPI` naming it.
 """
 from __future__ import annotations
 
