@@ -11,7 +11,8 @@ This script separates the candidates, at one shape, in one process:
 * windowed forward times (``torch_stack._timeit``) of four stacks, streamed and resident:
   ``jax`` (JAX layer), ``torch`` (``nn.Linear`` through ``SwappedStack``), ``torch_t`` (a torch
   layer holding its weights ``[in, out]`` and using ``h @ w``: the JAX layout written in torch);
-* one traced call of each streamed stack: per-stage compute time (from ``StageEvent`` stamps:
+* one traced call of each streamed stack (a ``TraceRecorder`` passed to the call): per-stage
+  compute time (from its ``StageEvent`` stamps:
   a stage's ``done_s`` minus the later of its dispatch and the previous stage's ``done_s``).
 
     PYTHONPATH=. python3 benchmarks/torch_stage_diag.py --out-dir $OUT          # GPU
@@ -61,7 +62,7 @@ def main(argv=None):
     import jax.numpy as jnp
     import torch
 
-    from xla_swap.executors import StreamingRuntime
+    from xla_swap.executors import StreamingRuntime, TraceRecorder
     from xla_swap.planning import OffloadPolicy
     from xla_swap.stack import SwappedStack, _to_torch
 
@@ -125,10 +126,9 @@ def main(argv=None):
                     os.makedirs(args.out_dir, exist_ok=True)
                     with open(os.path.join(args.out_dir, f"hlo_{name}.txt"), "w") as f:
                         f.write(hlo)
-                rt.trace = True
-                jax.block_until_ready(rt.forward(h))
-                out["stage_compute_s"][name] = _stage_compute_s(rt.last_trace)
-                rt.trace = False
+                rec = TraceRecorder()
+                jax.block_until_ready(rt.forward(h, trace=rec))
+                out["stage_compute_s"][name] = _stage_compute_s(rec.events)
             print(json.dumps({"row": row, "median_s": statistics.median(out["rows"][row])}), flush=True)
             rt = None
             gc.collect()

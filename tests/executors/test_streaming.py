@@ -5,6 +5,7 @@ device memory; the streaming runtime must agree with them, keep at most k+1 stag
 weights on the device (and reach k+1, i.e. really prefetch), and leak no device buffers.
 """
 import gc
+import time
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from streaming_cases import (D, F, L, T, check_close, chunk_stages, layer, live_device_arrays, loss_fn, make_input,
                              make_params, mono_forward, mono_loss, stacked)
-from xla_swap.executors.streaming import StageEvent, StreamingRuntime, tree_nbytes
+from xla_swap.executors import StageEvent, StreamingRuntime, TraceRecorder, tree_nbytes
 
 
 def mesh_sharding(num_devices):
@@ -258,9 +259,11 @@ def test_no_leak_train_step(params, x):
 
 # ---------------------------------------------------------------------------- trace
 def test_trace_events(params, x):
-    rt = StreamingRuntime(layer, params, prefetch_depth=2, trace=True)
+    rec = TraceRecorder()
+    rt = StreamingRuntime(layer, params, prefetch_depth=2, trace=rec)
     rt.train_step(x, loss_fn)
-    ev = rt.last_trace
+    assert not rec.recording and rec.t0 <= time.perf_counter()
+    ev = rec.events
     assert all(isinstance(e, StageEvent) and e.error is None for e in ev)
     kinds = {(e.pass_name, e.kind) for e in ev}
     assert kinds == {("forward", "h2d"), ("forward", "compute"), ("backward", "h2d"),

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from xla_swap.executors import TraceRecorder
 from xla_swap.executors.streaming import MAX_LOSS_FNS, StreamingRuntime
 from xla_swap.planning import AdamW, OffloadPolicy
 
@@ -220,7 +221,7 @@ def test_activation_offload_keeps_values_and_gradients(remat, k):
 
 
 def _h2d(rt, pass_name=None):
-    return [(e.pass_name, e.stage) for e in rt.last_trace
+    return [(e.pass_name, e.stage) for e in rt.trace.events
             if e.kind == "h2d" and (pass_name is None or e.pass_name == pass_name)]
 
 
@@ -229,7 +230,7 @@ def test_prefetch_next_call_forward_streams_fewer_stages(k):
     """Serving loop: the second call takes its first min(k, L) stages from device memory."""
     params, x = make_params(), make_input()
     ref = StreamingRuntime(layer, params, prefetch_depth=k, prefetch_next_call=False)
-    rt = StreamingRuntime(layer, params, prefetch_depth=k, trace=True)
+    rt = StreamingRuntime(layer, params, prefetch_depth=k, trace=TraceRecorder())
     want = np.asarray(ref.forward(x))
     nc = min(k, L)
     np.testing.assert_array_equal(np.asarray(rt.forward(x)), want)
@@ -261,7 +262,7 @@ def test_prefetch_next_call_without_optimizer_matches_reference():
     params, x = make_params(), make_input()
     tgt = make_input(seed=3)
     ref = StreamingRuntime(layer, params, prefetch_depth=2, prefetch_next_call=False)
-    rt = StreamingRuntime(layer, params, prefetch_depth=2, trace=True)
+    rt = StreamingRuntime(layer, params, prefetch_depth=2, trace=TraceRecorder())
     for _ in range(2):
         a, b = ref.train_step(x, loss_fn, loss_args=(tgt,)), rt.train_step(x, loss_fn, loss_args=(tgt,))
         np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
@@ -285,7 +286,7 @@ def test_prefetch_next_call_carries_updated_weights(on_host):
     ref = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt, optimizer_state_on_host=on_host,
                            prefetch_next_call=False)
     rt = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt, optimizer_state_on_host=on_host,
-                          trace=True)
+                          trace=TraceRecorder())
     for _ in range(3):
         la = ref.train_step(x, loss_fn, loss_args=(tgt,))[0]
         lb = rt.train_step(x, loss_fn, loss_args=(tgt,))[0]

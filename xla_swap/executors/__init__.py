@@ -3,6 +3,8 @@ from xla_swap.executors.pjrt import (HostMemoryError, MemoryReport, ParameterInf
                                      PolicyPlacements, compile_lowered, placements_for_policy)
 from xla_swap.executors.ingraph import InGraphRuntime
 from xla_swap.executors.streaming import StreamingRuntime, tree_nbytes
+from xla_swap.executors.trace import StageEvent, TraceRecorder
 
 __all__ = ["HostMemoryError", "MemoryReport", "ParameterInfo", "ParameterPlacement", "PjrtExecutor",
-           "PolicyPlacements", "placements_for_policy", "compile_lowered", "InGraphRuntime", "StreamingRuntime", "tree_nbytes"]
+           "PolicyPlacements", "placements_for_policy", "compile_lowered", "InGraphRuntime", "StreamingRuntime", "StageEvent",
+           "TraceRecorder", "tree_nbytes"]

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import queue
-import threading
 import time
 import types
 import warnings
@@ -41,88 +39,20 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSha
 
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.planning.policy import OffloadPolicy
+from xla_swap.planning.schedule import PrefetchSchedule
 
 from . import optim as _optim
+from .trace import StageEvent, TraceRecorder
 from ._stages import (DEVICE_KIND, HOST_KIND, _aval_key, _as_aval, _check_memory_kinds, _describe,  # noqa: F401
                       _index_by_identity, _is_diff, _leaf_name, _merge_diff, _split_diff, _stage_fns, _tree_aval,
                       tree_nbytes)
 
-__all__ = ["StreamingRuntime", "StageEvent", "tree_nbytes"]
+__all__ = ["StreamingRuntime", "StageEvent", "TraceRecorder", "tree_nbytes"]
 
 #: Default bound of the per-input-signature executable cache (``max_signatures``).
 DEFAULT_MAX_SIGNATURES = 8
 #: Bound of the cache of jitted loss functions (one per distinct ``loss_fn`` object).
 MAX_LOSS_FNS = 8
-
-
-@dataclasses.dataclass
-class StageEvent:
-    """One transfer or computation of one stage, recorded when ``trace=True``.
-
-    Times are host ``time.perf_counter()`` seconds relative to the start of the call
-    (``StreamingRuntime.trace_t0`` holds the absolute start).
-
-    Attributes:
-      pass_name: ``"forward"``, ``"backward"``, or ``"next"`` (a transfer for the next call, ``prefetch_next_call``).
-      stage: the stage index, 0-based.
-      kind: ``"h2d"`` (weights pinned_host -> device), ``"compute"`` (the stage's
-        executable) or ``"d2h"`` (parameter gradients, or updated weights and optimizer
-        state, device -> pinned_host).
-      issued_s: just before the host dispatched the operation.
-      dispatched_s: when the (asynchronous) dispatch call returned.
-      done_s: when ``block_until_ready`` on its result returned in the trace watcher
-        thread (an upper bound of the completion time; ``None`` until known).
-      error: the repr of an exception raised while waiting, else ``None``.
-    """
-
-    pass_name: str
-    stage: int
-    kind: str
-    issued_s: float
-    dispatched_s: float = float("nan")
-    done_s: float | None = None
-    error: str | None = None
-
-
-class _Watcher:
-    """Background thread that waits on results in dispatch order and stamps ``done_s``.
-
-    ``block_until_ready`` releases the GIL, so the dispatching thread is not delayed. The
-    thread holds references to the arrays it waits on until they are ready.
-    """
-
-    def __init__(self, t0: float):
-        self._t0 = t0
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self.events: list[StageEvent] = []
-        self._thread = threading.Thread(target=self._run, name="xla_swap-trace", daemon=True)
-        self._thread.start()
-
-    def now(self) -> float:
-        return time.perf_counter() - self._t0
-
-    def add(self, event: StageEvent, arrays) -> None:
-        event.dispatched_s = self.now()
-        self.events.append(event)
-        self._q.put((event, arrays))
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            event, arrays = item
-            try:
-                jax.block_until_ready(arrays)
-            except Exception as e:  # noqa: BLE001 - recorded, the main thread reports its own errors
-                event.error = repr(e)
-            event.done_s = self.now()
-            del item, event, arrays
-
-    def close(self) -> list[StageEvent]:
-        self._q.put(None)
-        self._thread.join()
-        return self.events
 
 
 @dataclasses.dataclass
@@ -135,6 +65,13 @@ class _Signature:
     compiled: dict = dataclasses.field(default_factory=dict)   # dedupe key -> compiled
     saved_layout: dict = dataclasses.field(default_factory=dict)  # dedupe base -> (vjp treedef, sources)
     residual_nbytes: list | None = None
+
+
+def _check_trace(trace) -> None:
+    """Raise ``TypeError`` unless ``trace`` is a ``TraceRecorder`` or ``None``."""
+    if trace is not None and not isinstance(trace, TraceRecorder):
+        hint = " (trace=True was replaced by trace=TraceRecorder())" if isinstance(trace, bool) else ""
+        raise TypeError(f"trace must be an xla_swap.executors.TraceRecorder or None, got {type(trace).__name__}{hint}")
 
 
 def _remat_from_policy(policy: OffloadPolicy):
@@ -195,8 +132,8 @@ class StreamingRuntime:
       donate: donate buffers the runtime owns to the backward executables: a stage's
         streamed device weights (their memory then holds that stage's parameter
         gradients or updated weights) and the output cotangent (when it has the stage
-        input's shape and dtype). The user's arrays are never donated. Ignored (off) when
-        ``trace=True``.
+        input's shape and dtype). The user's arrays are never donated. Off for a call
+        that is traced (``trace``).
       throttle: bound device memory for real, not only the runtime's references: after
         dispatching stage i's computation, the host waits until stage i-1's computation
         (forward) or the copy of stage i+1's gradients to host (backward) is complete
@@ -205,8 +142,10 @@ class StreamingRuntime:
       track_residency: after each stage, count the stages whose runtime-created device
         buffers are alive (``jax.live_arrays()``); see ``max_resident_stages``. Costs a scan
         of all live arrays per stage; turn off for timing.
-      trace: record a ``StageEvent`` for every transfer and computation (``last_trace``);
-        a watcher thread waits on each result. Disables donation.
+      trace: a ``TraceRecorder`` (``xla_swap.executors.TraceRecorder``) that records every
+        call's transfers and computations as ``StageEvent`` s (seconds since the call's start);
+        ``forward`` / ``train_step`` also take one per call. ``None`` (default): no tracing.
+        A traced call does not donate buffers.
       remat: what ``train_step`` keeps from each stage's forward for its backward.
         ``True`` (default): only the stage input; the backward recomputes the stage's
         forward. ``False``: every residual of ``jax.vjp(stage_fn)`` except the stage's
@@ -263,7 +202,8 @@ class StreamingRuntime:
     Raises:
       TypeError: ``stage_fn`` (or an element) is not callable; a parameter leaf is not an
         array; ``device``/``sharding``/``activation_sharding`` has the wrong type;
-        ``prefetch_depth`` is not an int; a flag is not a bool; ``remat`` is neither a
+        ``prefetch_depth`` is not an int; a flag is not a bool; ``trace`` is not a
+        ``TraceRecorder``; ``remat`` is neither a
         bool nor callable; ``optimizer`` is not an ``AdamW``; ``trainable`` not callable.
       ValueError: ``prefetch_depth < 1``; ``stage_params`` is empty or not a sequence;
         the number of stage functions differs from the number of stages; with one shared
@@ -287,7 +227,7 @@ class StreamingRuntime:
         donate: bool = True,
         throttle: bool = True,
         track_residency: bool = True,
-        trace: bool = False,
+        trace: TraceRecorder | None = None,
         remat: bool | Callable = True,
         resident: Sequence[bool] | None = None,
         grads_to_host: bool = True,
@@ -304,7 +244,7 @@ class StreamingRuntime:
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
         for flag_name, flag in (("donate", donate), ("throttle", throttle),
-                                ("track_residency", track_residency), ("trace", trace),
+                                ("track_residency", track_residency),
                                 ("grads_to_host", grads_to_host),
                                 ("optimizer_state_on_host", optimizer_state_on_host),
                                 ("offload_activations", offload_activations),
@@ -314,6 +254,7 @@ class StreamingRuntime:
         if not (isinstance(remat, bool) or callable(remat)) or isinstance(remat, (type, types.BuiltinFunctionType)):
             raise TypeError(f"remat must be a bool or a jax.checkpoint_policies policy (a function), "
                             f"got {remat!r}")
+        _check_trace(trace)
         _optim.check_optimizer(optimizer)
         if trainable is not None and not callable(trainable):
             raise TypeError(f"trainable must be a callable (stage_index, leaf_path) -> bool, "
@@ -503,10 +444,6 @@ class StreamingRuntime:
         self.max_resident_stages: int = 0
         #: ``[(pass_name, stage, resident_stages), ...]`` of the last call.
         self.residency_trace: list[tuple[str, int, int]] = []
-        #: events of the last call with ``trace=True``.
-        self.last_trace: list[StageEvent] = []
-        #: absolute ``time.perf_counter()`` at the start of the last traced call.
-        self.trace_t0: float = float("nan")
 
     @classmethod
     def from_policy(cls, stage_fn, stage_params, policy: OffloadPolicy, *, optimizer: AdamW | None = None,
@@ -567,16 +504,35 @@ class StreamingRuntime:
         """Stages whose weights are held in device memory for the next call (``prefetch_next_call``), sorted."""
         return sorted(self._carry)
 
+    def schedule(self, training: bool = False, *, steady_state: bool = True) -> PrefetchSchedule:
+        """This runtime's weight schedule for one call, with its predicted live set per step.
+
+        Args:
+          training: ``False`` for ``forward``, ``True`` for ``train_step``.
+          steady_state: the call follows one of the same kind (it starts with the stages that
+            call left in device memory, ``prefetch_next_call``); ``False``: a cold call (the
+            first, or after ``release_prefetched()``).
+
+        Returns: an ``xla_swap.planning.PrefetchSchedule`` over ``num_stages``, ``prefetch_depth``,
+          ``resident`` and ``prefetch_next_call``: which stage's weights are copied at which step,
+          and the stages live at each step. With ``track_residency`` the runtime's
+          ``residency_trace`` of such a call equals ``[(s.pass_name, s.stage, len(s.live)) for s in
+          schedule.steps]`` and ``max_resident_stages`` its ``max_live_stages``.
+
+        Raises: TypeError: a flag is not a bool.
+        """
+        return PrefetchSchedule(self.num_stages, self.prefetch_depth, training=training, resident=self.resident,
+                                prefetch_next_call=self.prefetch_next_call, steady_state=steady_state)
+
     def release_prefetched(self) -> None:
         """Drop the weights held in device memory for the next call (frees up to k stages' weights;
         the next call then streams its first stages again)."""
         self._carry = {}
 
     def reset_stats(self) -> None:
-        """Reset ``max_resident_stages``, ``residency_trace`` and ``last_trace``."""
+        """Reset ``max_resident_stages`` and ``residency_trace``."""
         self.max_resident_stages = 0
         self.residency_trace = []
-        self.last_trace = []
 
     def resident_stages(self) -> int:
         """Number of distinct stages that have runtime-created device buffers alive right now.
@@ -646,13 +602,14 @@ class StreamingRuntime:
         """
         return self._signature(h).chain[-1]
 
-    def forward(self, h):
+    def forward(self, h, *, trace: TraceRecorder | None = None):
         """Run every stage in order, streaming weights ``prefetch_depth`` stages ahead.
 
         Args:
           h: the input activation: a numpy or jax array, or a pytree of them. Each new
             structure/shape/dtype signature is traced and compiled once (before any
             transfer) and cached (at most ``max_signatures``, least recently used dropped).
+          trace: a ``TraceRecorder`` for this call (instead of the constructor's ``trace``).
 
         Returns:
           ``jax.Array`` (or pytree) on the device (``activation_sharding``), shaped like
@@ -660,16 +617,17 @@ class StreamingRuntime:
 
         Raises:
           TypeError: a leaf of ``h`` is not an array; a stage returns no array or a
-            non-array leaf.
+            non-array leaf; ``trace`` is not a ``TraceRecorder``.
           ValueError: a leaf of ``h`` is a deleted jax array; a stage function fails to
             trace (message names the stage).
         """
-        return self._run(h, train=False)[0]
+        _check_trace(trace)
+        return self._run(h, train=False, trace=trace)[0]
 
     __call__ = forward
 
     def train_step(self, h, loss_fn: Callable | None = None, *, cotangent=None, loss_args: tuple = (),
-                   lr: float | None = None):
+                   lr: float | None = None, trace: TraceRecorder | None = None):
         """Forward and backward pass; each stage's parameter gradients go to ``pinned_host``
         (or, with ``optimizer``, each stage is updated right after its backward).
 
@@ -693,6 +651,7 @@ class StreamingRuntime:
           loss_args: extra arguments (e.g. targets) passed to ``loss_fn``.
           lr: with ``optimizer``: this step's learning rate (default ``optimizer.lr``), for
             schedules; changing it does not recompile.
+          trace: a ``TraceRecorder`` for this call (instead of the constructor's ``trace``).
 
         Returns:
           ``(loss_or_output, input_cotangent, grads)``: the scalar loss (``loss_fn`` given)
@@ -708,7 +667,7 @@ class StreamingRuntime:
             or dtype differs from the output's; ``loss_fn`` does not return a scalar; the
             input checks of ``forward``; ``lr <= 0``.
           TypeError: ``loss_fn`` not callable; ``loss_args`` not a tuple; no floating
-            parameter or output leaf.
+            parameter or output leaf; ``trace`` is not a ``TraceRecorder``.
         """
         if (loss_fn is None) == (cotangent is None):
             raise ValueError("train_step needs exactly one of loss_fn and cotangent")
@@ -716,6 +675,7 @@ class StreamingRuntime:
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if not isinstance(loss_args, tuple):
             raise TypeError(f"loss_args must be a tuple, got {type(loss_args).__name__}")
+        _check_trace(trace)
         hyper = None
         if self.optimizer is not None:
             hyper = self.optimizer.hyper(self.step + 1, lr)  # raises ValueError for a bad lr
@@ -736,7 +696,8 @@ class StreamingRuntime:
             loss_exe = None
         else:
             loss_exe = self._loss_exe(loss_fn, out_aval, loss_args)
-        return self._run(h, train=True, loss_exe=loss_exe, cotangent=cotangent, loss_args=loss_args, hyper=hyper)
+        return self._run(h, train=True, loss_exe=loss_exe, cotangent=cotangent, loss_args=loss_args, hyper=hyper,
+                         trace=trace)
 
     # ------------------------------------------------------------------ internals
     def _signature(self, h) -> _Signature:
@@ -975,7 +936,8 @@ class StreamingRuntime:
         return jitted
 
     def _track(self, tree, stage: int) -> None:
-        if not self.track_residency:
+        """Count ``tree``'s device buffers as ``stage``'s in ``resident_stages()`` (not for a ``resident`` stage)."""
+        if not self.track_residency or self.resident[stage]:
             return
         for leaf in jax.tree_util.tree_leaves(tree):
             self._tracked[id(leaf)] = (weakref.ref(leaf), stage)
@@ -988,10 +950,11 @@ class StreamingRuntime:
         if r > self.max_resident_stages:
             self.max_resident_stages = r
 
-    def _run(self, h, *, train: bool, loss_exe=None, cotangent=None, loss_args=(), hyper=None):
+    def _run(self, h, *, train: bool, loss_exe=None, cotangent=None, loss_args=(), hyper=None, trace=None):
         sig = self._signature(h)
         n, k = self.num_stages, self.prefetch_depth
-        donate = self.donate and not self.trace
+        recorder = trace if trace is not None else self.trace
+        donate = self.donate and recorder is None
         # compile everything before the first transfer (errors surface before state changes)
         save = train and self.remat is not True
         fwd = [self._exe(sig, "forward-save" if save else "forward", i, False) for i in range(n)]
@@ -1011,17 +974,15 @@ class StreamingRuntime:
             hyper_arr = jax.device_put(np.asarray(hyper, np.float32), self.activation_sharding)
 
         self.residency_trace = []
-        watcher = None
-        if self.trace:
-            self.trace_t0 = time.perf_counter()
-            watcher = _Watcher(self.trace_t0)
+        if recorder is not None:
+            recorder.start()
         try:
-            return self._stream(sig, h, fwd, bwd, watcher, n, k, train, loss_exe, cotangent, loss_args, hyper_arr)
+            return self._stream(sig, h, fwd, bwd, recorder, n, k, train, loss_exe, cotangent, loss_args, hyper_arr)
         finally:
-            if watcher is not None:
-                self.last_trace = watcher.close()
+            if recorder is not None:
+                recorder.stop()
 
-    def _fetch(self, q: dict, j: int, pass_name: str, watcher, qs: dict | None = None) -> None:
+    def _fetch(self, q: dict, j: int, pass_name: str, recorder, qs: dict | None = None) -> None:
         """Start moving stage j's weights (and, into ``qs``, its optimizer state) to the device."""
         if qs is not None and self.optimizer is not None and j not in qs:
             qs[j] = jax.device_put(self.optimizer_state[j], self._state_dev_sh[j])
@@ -1034,14 +995,14 @@ class StreamingRuntime:
         if carried is not None and carried[0] is self.host_params[j]:
             q[j] = carried[1]  # left in device memory by the previous call
             return
-        ev = StageEvent(pass_name, j, "h2d", watcher.now()) if watcher else None
+        ev = StageEvent(pass_name, j, "h2d", recorder.now()) if recorder is not None else None
         p = jax.device_put(self.host_params[j], self._dev_sh[j])
         self._track(p, j)
         q[j] = p
-        if watcher:
-            watcher.add(ev, p)
+        if recorder is not None:
+            recorder.add(ev, p)
 
-    def _stream(self, sig, h, fwd, bwd, watcher, n, k, train, loss_exe, cotangent, loss_args, hyper):
+    def _stream(self, sig, h, fwd, bwd, recorder, n, k, train, loss_exe, cotangent, loss_args, hyper):
         throttle = self.throttle
         save = train and self.remat is not True
         opt = self.optimizer if train else None
@@ -1056,7 +1017,7 @@ class StreamingRuntime:
         q: dict[int, Any] = {}
         nc = min(k, n)
         for j in range(nc):
-            self._fetch(q, j, "forward", watcher)
+            self._fetch(q, j, "forward", recorder)
         # the next call's first stages, filled at this call's tail (cyclic schedule)
         nxt: dict[int, tuple[Any, Any]] | None = {} if self.prefetch_next_call else None
 
@@ -1069,22 +1030,22 @@ class StreamingRuntime:
                     nxt[c] = (self.host_params[c], q[c])
                 else:
                     tmp: dict[int, Any] = {}
-                    self._fetch(tmp, c, "next", watcher)
+                    self._fetch(tmp, c, "next", recorder)
                     nxt[c] = (self.host_params[c], tmp[c])
         acts = [x] if train else None
         for i in range(n):
             p = q[i]
-            ev = StageEvent("forward", i, "compute", watcher.now()) if watcher else None
+            ev = StageEvent("forward", i, "compute", recorder.now()) if recorder is not None else None
             if save:
                 y, saved[i] = fwd[i](p, x)
             else:
                 y = fwd[i](p, x)
-            if watcher:
-                watcher.add(ev, y)
+            if recorder is not None:
+                recorder.add(ev, y)
             if throttle:
                 jax.block_until_ready(x)  # stage i-1 done: its weights' memory is free
             if i + k < n:
-                self._fetch(q, i + k, "forward", watcher)
+                self._fetch(q, i + k, "forward", recorder)
             elif nxt is not None and not train:
                 carry_next(i + k - n)
             if offload and i not in keep:  # stage i is dispatched: its kept input (and residuals) go to the host
@@ -1129,13 +1090,13 @@ class StreamingRuntime:
                 offloaded[j] = False
 
         for j in range(n - 1, max(-1, n - 1 - k), -1):
-            self._fetch(q, j, "backward", watcher, qs)
+            self._fetch(q, j, "backward", recorder, qs)
             fetch_acts(j)
         for i in range(n - 1, -1, -1):
             p = q.pop(i)
             xi = acts[i]
             acts[i] = None
-            ev = StageEvent("backward", i, "compute", watcher.now()) if watcher else None
+            ev = StageEvent("backward", i, "compute", recorder.now()) if recorder is not None else None
             args = (p, xi)
             if save:
                 args += (saved[i],)
@@ -1150,9 +1111,9 @@ class StreamingRuntime:
             else:
                 g, new_p, new_s = res
             del res
-            if watcher:
-                watcher.add(ev, g)
-            ev = StageEvent("backward", i, "d2h", watcher.now()) if watcher else None
+            if recorder is not None:
+                recorder.add(ev, g)
+            ev = StageEvent("backward", i, "d2h", recorder.now()) if recorder is not None else None
             if opt is None:
                 if nxt is not None and i < nc and not self.resident[i]:
                     nxt[i] = (self.host_params[i], p)  # not donated: the next call's forward starts with it
@@ -1169,17 +1130,17 @@ class StreamingRuntime:
                     nxt[i] = (self.host_params[i], new_p)  # the updated weights, already on the device
                 moved = (self.host_params[i], self.optimizer_state[i])
                 del new_p, new_s
-            if watcher:
-                watcher.add(ev, moved)
+            if recorder is not None:
+                recorder.add(ev, moved)
             if throttle and prev_host is not None:
                 jax.block_until_ready(prev_host)  # stage i+1's results are on the host
             if i - k >= 0:
-                self._fetch(q, i - k, "backward", watcher, qs)
+                self._fetch(q, i - k, "backward", recorder, qs)
                 fetch_acts(i - k)
             elif i == k - 1 and nxt is not None and k < n and not self.resident[k]:
                 # the window's free slot (stage -1 does not exist): stage k for the next forward
                 tmp: dict[int, Any] = {}
-                self._fetch(tmp, k, "next", watcher)
+                self._fetch(tmp, k, "next", recorder)
                 nxt[k] = (self.host_params[k], tmp[k])
             self._record("backward", i)
             del p, dp
