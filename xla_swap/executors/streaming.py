@@ -39,7 +39,6 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSha
 
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.planning.policy import OffloadPolicy
-from xla_swap.planning.schedule import PrefetchSchedule
 
 from . import optim as _optim
 from .trace import StageEvent, TraceRecorder
@@ -504,26 +503,6 @@ class StreamingRuntime:
         """Stages whose weights are held in device memory for the next call (``prefetch_next_call``), sorted."""
         return sorted(self._carry)
 
-    def schedule(self, training: bool = False, *, steady_state: bool = True) -> PrefetchSchedule:
-        """This runtime's weight schedule for one call, with its predicted live set per step.
-
-        Args:
-          training: ``False`` for ``forward``, ``True`` for ``train_step``.
-          steady_state: the call follows one of the same kind (it starts with the stages that
-            call left in device memory, ``prefetch_next_call``); ``False``: a cold call (the
-            first, or after ``release_prefetched()``).
-
-        Returns: an ``xla_swap.planning.PrefetchSchedule`` over ``num_stages``, ``prefetch_depth``,
-          ``resident`` and ``prefetch_next_call``: which stage's weights are copied at which step,
-          and the stages live at each step. With ``track_residency`` the runtime's
-          ``residency_trace`` of such a call equals ``[(s.pass_name, s.stage, len(s.live)) for s in
-          schedule.steps]`` and ``max_resident_stages`` its ``max_live_stages``.
-
-        Raises: TypeError: a flag is not a bool.
-        """
-        return PrefetchSchedule(self.num_stages, self.prefetch_depth, training=training, resident=self.resident,
-                                prefetch_next_call=self.prefetch_next_call, steady_state=steady_state)
-
     def release_prefetched(self) -> None:
         """Drop the weights held in device memory for the next call (frees up to k stages' weights;
         the next call then streams its first stages again)."""
@@ -936,8 +915,7 @@ class StreamingRuntime:
         return jitted
 
     def _track(self, tree, stage: int) -> None:
-        """Count ``tree``'s device buffers as ``stage``'s in ``resident_stages()`` (not for a ``resident`` stage)."""
-        if not self.track_residency or self.resident[stage]:
+        if not self.track_residency:
             return
         for leaf in jax.tree_util.tree_leaves(tree):
             self._tracked[id(leaf)] = (weakref.ref(leaf), stage)
