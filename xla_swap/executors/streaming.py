@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSha
 
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.planning.policy import OffloadPolicy
+from xla_swap.planning.schedule import PrefetchSchedule
 
 from . import optim as _optim
 from .trace import StageEvent, TraceRecorder
@@ -189,14 +190,18 @@ class StreamingRuntime:
         ``release_prefetched()``). A carried stage is used only while ``host_params[i]`` is
         the same object it was copied from (replacing it invalidates the copy).
 
-    Device memory (bytes), with S = the largest stage's weight bytes (``stage_nbytes``):
-      forward: at most (k+1)*S of weights plus two activations; ``train_step``: at most
-      (k+1)*S of weights and parameter gradients (plus, with ``optimizer``, the moments of
-      k+1 stages), plus the L+1 stage inputs kept for the backward and the stage
-      executables' temporaries (``executable_memory()``), plus with ``remat`` other than
-      ``True`` the saved residuals (``residual_nbytes``), plus resident stages. The bound is
-      physical with ``throttle=True``. Between calls: k*S (``prefetch_next_call``). Host memory: ``weight_nbytes`` of ``pinned_host``
-      (plus the moments, plus the returned gradients).
+    Device memory (bytes), with S = the largest stage's weight bytes (``stage_nbytes``). Which
+      stage's weights are on the device at each step is ``schedule(training)`` (an
+      ``xla_swap.planning.PrefetchSchedule``, the model the planner uses too): its
+      ``max_live_stages`` is at most k+1 streamed stages, what ``max_resident_stages`` measures,
+      and ``peak_live_bytes(stage_nbytes)`` their bytes (at most (k+1)*S). Forward: those
+      weights plus two activations; ``train_step``: those weights and their parameter gradients
+      (plus, with ``optimizer``, their moments), plus the L+1 stage inputs kept for the backward
+      and the stage executables' temporaries (``executable_memory()``), plus with ``remat``
+      other than ``True`` the saved residuals (``residual_nbytes``), plus resident stages. The
+      bound is physical with ``throttle=True``. Between calls: the schedule's ``carried_out``
+      (k stages, k+1 after a ``train_step``; ``prefetch_next_call``). Host memory:
+      ``weight_nbytes`` of ``pinned_host`` (plus the moments, plus the returned gradients).
 
     Raises:
       TypeError: ``stage_fn`` (or an element) is not callable; a parameter leaf is not an
@@ -502,6 +507,26 @@ class StreamingRuntime:
     def prefetched_stages(self) -> list[int]:
         """Stages whose weights are held in device memory for the next call (``prefetch_next_call``), sorted."""
         return sorted(self._carry)
+
+    def schedule(self, training: bool = False, *, steady_state: bool = True) -> PrefetchSchedule:
+        """This runtime's weight schedule for one call, with its predicted live set per step.
+
+        Args:
+          training: ``False`` for ``forward``, ``True`` for ``train_step``.
+          steady_state: the call follows one of the same kind (it starts with the stages that
+            call left in device memory, ``prefetch_next_call``); ``False``: a cold call (the
+            first, or after ``release_prefetched()``).
+
+        Returns: an ``xla_swap.planning.PrefetchSchedule`` over ``num_stages``, ``prefetch_depth``,
+          ``resident`` and ``prefetch_next_call``: which stage's weights are copied at which step,
+          and the stages live at each step. With ``track_residency`` the runtime's
+          ``residency_trace`` of such a call equals ``[(s.pass_name, s.stage, len(s.live)) for s in
+          schedule.steps]`` and ``max_resident_stages`` its ``max_live_stages``.
+
+        Raises: TypeError: a flag is not a bool.
+        """
+        return PrefetchSchedule(self.num_stages, self.prefetch_depth, training=training, resident=self.resident,
+                                prefetch_next_call=self.prefetch_next_call, steady_state=steady_state)
 
     def release_prefetched(self) -> None:
         """Drop the weights held in device memory for the next call (frees up to k stages' weights;
@@ -915,7 +940,8 @@ class StreamingRuntime:
         return jitted
 
     def _track(self, tree, stage: int) -> None:
-        if not self.track_residency:
+        """Count ``tree``'s device buffers as ``stage``'s in ``resident_stages()`` (not for a ``resident`` stage)."""
+        if not self.track_residency or self.resident[stage]:
             return
         for leaf in jax.tree_util.tree_leaves(tree):
             self._tracked[id(leaf)] = (weakref.ref(leaf), stage)
