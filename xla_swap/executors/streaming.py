@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSha
 
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.planning.policy import OffloadPolicy
-from xla_swap.planning.schedule import PrefetchSchedule
+from xla_swap.planning.prefetch import PrefetchSchedule
 
 from . import optim as _optim
 from .trace import StageEvent, TraceRecorder

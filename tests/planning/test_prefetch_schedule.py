@@ -1,4 +1,4 @@
-"""Tests of ``xla_swap.planning.schedule.PrefetchSchedule``: pure Python, no torch / jax needed.
+"""Tests of ``xla_swap.planning.prefetch.PrefetchSchedule``: pure Python, no torch / jax needed.
 
 The runtime side (measured residency = the predicted live set) is
 ``tests/executors/test_schedule_residency.py``.
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from xla_swap.planning import PrefetchSchedule, ScheduleStep
-from xla_swap.planning.schedule import PASSES
+from xla_swap.planning.prefetch import PASSES
 
 
 def test_inference_steady_state_moves_every_stage_once_and_keeps_k():
