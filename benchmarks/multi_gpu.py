@@ -340,7 +340,8 @@ def measure(n: int, D: int, F: int, L: int, tokens, shardings=SHARDINGS, reps: i
         hp = st.runtime.host_params[0]
         res.setdefault("layout", {})[s] = {
             "data_parallel": st.data_parallel,
-            "specs": {name: _spec_json(hp[name].sharding) for name in sorted(hp)},
+            "specs": {name: _spec_json(hp[name].sharding) for name in sorted(hp)},  # of the host layout
+            "held_transposed": sorted(st.transposed[0]),  # [in, out] on the host (transpose_linear)
             "memory_kind": hp["a.weight"].sharding.memory_kind}
         if "n" not in res["bw"] or s == "fsdp":  # each device pulling its own fsdp shards
             res["bw"]["n"] = measure_bandwidth(st.runtime.host_params)
@@ -514,7 +515,8 @@ def render(a: dict) -> str:
         specs = ", ".join(f"{k_} P({', '.join(map(repr, v))})" if v is not None else f"{k_} one device"
                           for k_, v in lay["specs"].items())
         diff = a.get("max_abs_diff_vs_1gpu", {}).get(s)
-        lines.append(f"{s}: data_parallel={lay['data_parallel']}, {specs} in {lay['memory_kind']}"
+        held = f" (held [in, out]: {', '.join(lay['held_transposed'])})" if lay.get("held_transposed") else ""
+        lines.append(f"{s}: data_parallel={lay['data_parallel']}, {specs}{held} in {lay['memory_kind']}"
                      + (f"; forward output at T={a['tokens'][0]} vs 1 GPU: max abs diff {diff:.3g} "
                         f"(max abs output {a.get('output_max_abs') or 0:.3g})" if diff is not None else ""))
     if a.get("mesh_vs_plain_max_abs_diff") is not None:

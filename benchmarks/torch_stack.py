@@ -27,7 +27,10 @@ Diagnostic rows: ``jax_fwd_nocarry`` / ``jax_train_nocarry`` (the JAX rows with
 ``prefetch_next_call=False``: every call streams stage 0 before computing), ``torch_ondev_fwd``
 (the torch stages all resident: their compute against ``ondev_fwd``), ``torch_in_conv`` /
 ``torch_out_conv`` (host time of the entry point's input and output conversion alone),
-``torch_fwd_k3`` / ``torch_train_k3`` (prefetch depth k+1: one more stage of device memory).
+``torch_fwd_k3`` / ``torch_train_k3`` (prefetch depth k+1: one more stage of device memory),
+``torch_fwd_nt`` / ``torch_train_nt`` (``SwappedStack(transpose_linear=False)``: the ``nn.Linear``
+weights held in torch's ``[out, in]``, so each matmul contracts the weight's minor dimension;
+the other torch rows hold them ``[in, out]``, the default).
 
 Every row is the steady-state time per call of a loop: after one warm-up call, ``--reps``
 windows of ``--window`` back-to-back calls (default 3), each synced once at its end, divided by
@@ -214,6 +217,7 @@ def measure_shape(D, F, L, T, reps, k=2, window=1):
     st = SwappedStack(layers, policy=pol, devices=jax.devices()[:1], accumulate_grads=False)
     cuda = torch.cuda.is_available()
     x_c = x_t.cuda() if cuda else x_t
+    out_dev = x_c.device if cuda else None  # where the entry point puts its output
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def torch_fwd():
@@ -229,12 +233,12 @@ def measure_shape(D, F, L, T, reps, k=2, window=1):
     note("torch_fwd_rt")
     # halves of the entry point: the torch input only (jax sync), the torch output only (torch sync)
     rows["torch_fwd_in"] = timed(lambda: st.runtime.forward(st._carry_in((x_c,))))
-    rows["torch_fwd_out"] = timed(lambda: st._out(st.runtime.forward((x_dev, {})), cuda), tsync)
+    rows["torch_fwd_out"] = timed(lambda: st._out(st.runtime.forward((x_dev, {})), out_dev), tsync)
     note("torch_fwd_out")
     # host time of the entry point's conversions alone: torch in -> jax, jax out -> torch
     y_rt = jax.block_until_ready(st.runtime.forward((x_dev, {})))
     rows["torch_in_conv"] = _timeit(lambda: st._carry_in((x_c,)), reps, jbr)
-    rows["torch_out_conv"] = _timeit(lambda: st._out(y_rt, cuda), reps, tsync)
+    rows["torch_out_conv"] = _timeit(lambda: st._out(y_rt, out_dev), reps, tsync)
     del y_rt
     note("torch_out_conv")
     out_t = torch_fwd().float().cpu().numpy()
@@ -255,6 +259,13 @@ def measure_shape(D, F, L, T, reps, k=2, window=1):
     assert all(st.runtime.resident)
     rows["torch_ondev_fwd"] = timed(torch_fwd, tsync)
     note("torch_ondev_fwd")
+    st = None
+    gc.collect()
+    # torch's own weight layout [out, in] kept on the host and the device (what transpose_linear saves)
+    st = SwappedStack(layers, policy=pol, devices=jax.devices()[:1], accumulate_grads=False, transpose_linear=False)
+    rows["torch_fwd_nt"] = timed(torch_fwd, tsync)
+    rows["torch_train_nt"] = timed(torch_train)
+    note("torch_train_nt")
     st = None
     gc.collect()
     # one more stage of device memory: k+1 stages carried across each turn
@@ -298,8 +309,7 @@ def analyze(raw: dict) -> dict:
     W, M, k, bw = raw["weight_bytes"], raw["moment_bytes"], raw["k"], raw["bw"]
     # weights in per step: the runtime keeps k stages on the device at each turn (forward ->
     # backward, and backward -> next call's forward: prefetch_next_call), so (2L-2k)/L of W is
-    # the least a (k+1)-stage device window must move (the runtime moves (2L-k)/L without an
-    # optimizer: its backward streams the next call's first k stages again while computing)
+    # the least a (k+1)-stage device window must move, and what the runtime moves
     w_in = (2 * L - raw.get("kept_at_turns", k)) / L * W
     floors = {
         "fwd": max(med["ondev_fwd"], W / bw["h2d"]),
@@ -331,6 +341,9 @@ def analyze(raw: dict) -> dict:
     if "torch_train_k3" in med:
         ratio["torch_fwd_k3"] = med["torch_fwd_k3"] / floors["fwd"]
         ratio["torch_train_k3"] = med["torch_train_k3"] / floors["train"]
+    if "torch_train_nt" in med:  # nn.Linear weights in torch's [out, in] layout
+        ratio["torch_fwd_nt"] = med["torch_fwd_nt"] / floors["fwd"]
+        ratio["torch_train_nt"] = med["torch_train_nt"] / floors["train"]
     if "torch_train_actoff" in med:  # activation offload: overhead against the same step without it
         ratio["actoff_overhead"] = med["torch_train_actoff"] / med["torch_train"]
     return {"shape": raw["shape"], "median_s": med, "floor_s": floors, "ratio": ratio,
@@ -371,6 +384,15 @@ def render(results: list[dict], anchors: dict) -> str:
                          f"{r['torch_fwd_own_floor']:.3f}x | "
                          f"{1e3 * r['torch_fwd_conversion_s']:.1f} | {1e3 * m['torch_in_conv']:.2f} | "
                          f"{1e3 * m['torch_out_conv']:.2f} | {r['torch_fwd_k3']:.3f}x | {r['torch_train_k3']:.3f}x |")
+    nt = [a for a in results if "torch_fwd_nt" in a["ratio"]]
+    if nt:
+        lines += ["", "| shape D,F,L,T | torch fwd, nn.Linear held [out, in] / floor | torch fwd, held [in, out] "
+                  "(default) / floor | torch train, [out, in] / floor | torch train, [in, out] / floor |",
+                  "|---|---|---|---|---|"]
+        for a in nt:
+            r = a["ratio"]
+            lines.append(f"| {','.join(map(str, a['shape']))} | {r['torch_fwd_nt']:.3f}x | {r['torch_fwd']:.3f}x | "
+                         f"{r['torch_train_nt']:.3f}x | {r['torch_train']:.3f}x |")
     for name, a in anchors.items():
         if "error" in a:
             lines.append(f"\n{name}: not measured ({a['error'][:200]})")

@@ -95,47 +95,108 @@ def _to_torch(a) -> torch.Tensor:
     return torch.from_numpy(a.copy())
 
 
-def _input_to_numpy(t: torch.Tensor):
+def _cuda_of(d: jax.Device) -> torch.device:
+    """The torch CUDA device of a jax GPU device (same process, same ``CUDA_VISIBLE_DEVICES``)."""
+    return torch.device("cuda", d.local_hardware_id)
+
+
+def _cuda_to_jax(t: torch.Tensor, sharding=None) -> jax.Array:
+    """A CUDA tensor as a jax array, with no copy through the host.
+
+    Without ``sharding`` (or with one of a single device) the tensor itself is shared through
+    DLPack. With a sharding over several local GPUs each device's piece is copied by torch
+    (peer to peer: NVLink or PCIe, no host) to that GPU, shared through DLPack, and the pieces
+    assembled with ``jax.make_array_from_single_device_arrays``: jax's own resharding of a
+    one-GPU array went through a much slower path (on 2 H200s the input of the data-parallel
+    forward took 113 ms for 128 MiB; ``benchmarks/results/multi_gpu/README.md``).
+    DLPack export runs under ``torch.cuda.device(piece.device)``: torch refuses to export a
+    tensor of another device than the current one, and jax's client set-up may change it.
+    """
+    if sharding is None or len(sharding.device_set) == 1:
+        with torch.cuda.device(t.device):
+            return jax.dlpack.from_dlpack(t)
+    pieces = []
+    for d, index in sharding.addressable_devices_indices_map(tuple(t.shape)).items():
+        dev = _cuda_of(d)
+        piece = t[index].to(dev, non_blocking=True).contiguous()
+        with torch.cuda.device(dev):
+            pieces.append(jax.dlpack.from_dlpack(piece))
+    return jax.make_array_from_single_device_arrays(tuple(t.shape), sharding, pieces)
+
+
+def _input_to_jax(t: torch.Tensor, sharding_of: Callable | None = None):
     """An input tensor for the runtime; 64-bit integers become int32 unless jax runs with x64 (token ids).
 
-    A CUDA tensor is shared with jax through DLPack (no copy through the host); anything
-    else becomes a numpy array.
+    A CUDA tensor becomes a jax array on the GPUs (``_cuda_to_jax``, laid out as
+    ``sharding_of(shape, dtype)`` says: the runtime's placement of its input); anything else
+    becomes a numpy array (the runtime copies it to the devices).
     """
     if t.dtype == torch.int64 and not jax.config.jax_enable_x64:
         if t.numel() and (int(t.max()) > np.iinfo(np.int32).max or int(t.min()) < np.iinfo(np.int32).min):
             raise ValueError("an int64 input holds values outside int32; enable jax x64 to pass it")
         t = t.to(torch.int32)
     if t.device.type == "cuda":
-        return jax.dlpack.from_dlpack(t.detach().contiguous())
+        t = t.detach().contiguous()
+        return _cuda_to_jax(t, sharding_of(tuple(t.shape), t.dtype) if sharding_of is not None else None)
     return _to_numpy(t)
 
 
-def _out_to_torch(a, cuda: bool) -> torch.Tensor:
-    """A runtime output as a torch tensor: on CUDA through DLPack (no copy) when ``cuda`` and the
-    array lives on a GPU, else a CPU copy."""
-    if cuda and isinstance(a, jax.Array) and a.sharding.memory_kind in (None, "device"):
-        shard = a
-        if len(a.devices()) > 1 and a.is_fully_replicated:
+def _out_to_torch(a, device: torch.device | None) -> torch.Tensor:
+    """A runtime output as a torch tensor: on the CUDA ``device`` when given and the array lives on
+    GPUs (through DLPack; an array split over several local GPUs is assembled on ``device`` by
+    peer-to-peer copies, never through the host), else a CPU copy."""
+    if device is not None and isinstance(a, jax.Array) and a.sharding.memory_kind in (None, "device") \
+            and a.is_fully_addressable and all(d.platform == "gpu" for d in a.devices()):
+        if len(a.devices()) == 1 or a.is_fully_replicated:
             shard = a.addressable_shards[0].data
-        elif len(a.devices()) > 1 and a.is_fully_addressable:  # split over local GPUs: gathered on the first
-            shard = jax.device_put(a, jax.sharding.SingleDeviceSharding(a.addressable_shards[0].device))
-        if len(shard.devices()) == 1 and next(iter(shard.devices())).platform == "gpu":
-            return torch.from_dlpack(shard)
+            with torch.cuda.device(_cuda_of(next(iter(shard.devices())))):
+                return torch.from_dlpack(shard).to(device)
+        out, done = None, set()
+        for sh in a.addressable_shards:
+            key = tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s for s in sh.index)
+            if key in done:
+                continue
+            done.add(key)
+            with torch.cuda.device(_cuda_of(sh.device)):
+                piece = torch.from_dlpack(sh.data)
+            if out is None:
+                out = torch.empty(a.shape, dtype=piece.dtype, device=device)
+            out[sh.index].copy_(piece, non_blocking=True)
+        return out
     return _to_torch(a)
 
 
-def _inputs_to_jax(x, what: str):
-    """A torch tensor, or a tuple/list of them, as numpy arrays (same structure; a tensor stays one leaf)."""
+def _inputs_to_jax(x, what: str, sharding_of: Callable | None = None):
+    """A torch tensor, or a tuple/list of them, as jax / numpy arrays (same structure; a tensor stays one leaf)."""
     if isinstance(x, torch.Tensor):
-        return _input_to_numpy(x)
+        return _input_to_jax(x, sharding_of)
     if isinstance(x, (tuple, list)) and x and all(isinstance(t, torch.Tensor) for t in x):
-        return tuple(_input_to_numpy(t) for t in x)
+        return tuple(_input_to_jax(t, sharding_of) for t in x)
     raise TypeError(f"{what} must be a torch.Tensor or a non-empty tuple of torch.Tensors, got {type(x).__name__}")
 
 
-def _module_fn(mod: torch.nn.Module, env):
-    """``f(states, args, kwargs) -> outputs``: ``mod.forward`` as a JAX function of its weights (torchax)."""
+def _linear_weights(mod: torch.nn.Module) -> frozenset[str]:
+    """Names (as in ``mod.named_parameters()``) of the 2-D ``weight`` of every ``nn.Linear`` in ``mod``."""
+    names = set()
+    for prefix, sub in mod.named_modules():
+        w = getattr(sub, "weight", None) if isinstance(sub, torch.nn.Linear) else None
+        if isinstance(w, torch.nn.Parameter) and w.dim() == 2:
+            names.add(f"{prefix}.weight" if prefix else "weight")
+    own = {n for n, _ in mod.named_parameters()}
+    return frozenset(names & own)
+
+
+def _module_fn(mod: torch.nn.Module, env, transposed: frozenset = frozenset()):
+    """``f(states, args, kwargs) -> outputs``: ``mod.forward`` as a JAX function of its weights (torchax).
+
+    The weights named in ``transposed`` arrive in the host layout ``[in, out]`` and are handed
+    to the module as their transpose (``[out, in]``, ``nn.Linear``'s); XLA folds the
+    transpose into the matmul (its ``TransposeFolding`` pass), which then contracts like
+    ``h @ w``.
+    """
     def f(states, args, kwargs=None):
+        if transposed:
+            states = {n: (jnp.swapaxes(v, 0, 1) if n in transposed else v) for n, v in states.items()}
         states, args, kwargs = env.j2t_iso((states, args, kwargs or {}))
         with env:
             res = torch.func.functional_call(mod, states, args, kwargs, tie_weights=False)
@@ -198,6 +259,15 @@ class SwappedStack:
         Inputs whose leading dimension does not split evenly stay replicated. Default
         ``None``: on for ``shard="fsdp"``, off otherwise (tensor parallelism with a
         ``shard`` callable wants replicated activations).
+      transpose_linear: hold every ``nn.Linear`` weight in host (and device) memory as
+        ``[in, out]``, the transpose of torch's ``[out, in]`` (default ``True``). The stage hands
+        the module the transpose, which XLA folds into the matmul: it then contracts like
+        ``h @ w`` ("NN") instead of ``F.linear``'s "NT", which measured up to 9 % more compute
+        per stage on an H100 (``benchmarks/results/torch_stack_cyclic/README.md``). Everything
+        the user sees stays in torch's layout: ``shard`` callables get torch's shape and return
+        torch's spec, ``state_dicts()``, ``sync_modules()`` and ``.grad`` are ``[out, in]``;
+        only ``runtime.host_params`` and ``last_grads`` hold the names in ``transposed`` as
+        ``[in, out]``.
       prefetch_depth: overrides ``policy.prefetch_depth`` when given.
       max_signatures: input shapes whose executables stay cached (serving several batch
         sizes and sequence lengths).
@@ -221,7 +291,8 @@ class SwappedStack:
                  budget_bytes: int | None = None, optimizer=None, loss_fn: Callable | None = None,
                  devices: Sequence[jax.Device] | None = None, shard: str | Callable = "fsdp",
                  prefetch_depth: int | None = None, max_signatures: int = 8, accumulate_grads: bool = True,
-                 offload_activations: bool = False, data_parallel: bool | None = None):
+                 offload_activations: bool = False, data_parallel: bool | None = None,
+                 transpose_linear: bool = True):
         # ---- validation (no state changes) ----
         if isinstance(layers, torch.nn.Module) and not isinstance(layers, (torch.nn.ModuleList, torch.nn.Sequential)):
             raise TypeError("layers must be a sequence of nn.Modules (e.g. model.model.layers), got one module")
@@ -245,6 +316,8 @@ class SwappedStack:
             raise TypeError(f"data_parallel must be a bool or None, got {type(data_parallel).__name__}")
         if not isinstance(accumulate_grads, bool):
             raise TypeError(f"accumulate_grads must be a bool, got {type(accumulate_grads).__name__}")
+        if not isinstance(transpose_linear, bool):
+            raise TypeError(f"transpose_linear must be a bool, got {type(transpose_linear).__name__}")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -281,18 +354,23 @@ class SwappedStack:
         self.stage_names: list[str] = names
         self.has_first, self.has_last = first is not None, last is not None
         self._env = env
+        #: per stage, the names of the ``nn.Linear`` weights held as ``[in, out]`` on the host
+        #: and the device (``transpose_linear``).
+        self.transposed: list[frozenset[str]] = [_linear_weights(m) if transpose_linear else frozenset()
+                                                 for m in modules]
+        tr = iter(self.transposed)
         fns = []
         if first is not None:
-            ffn = _module_fn(first, env)
+            ffn = _module_fn(first, env, next(tr))
 
             def first_stage(w, inputs, ffn=ffn):
                 return _split_carry(ffn(w, tuple(inputs)), "first")
             fns.append(first_stage)
         shared: dict = {}
         for i, m in enumerate(layers):
-            sig = _signature(m)
+            sig, tr_i = _signature(m), next(tr)
             if sig not in shared:
-                lfn = _module_fn(m, env)
+                lfn = _module_fn(m, env, tr_i)
 
                 def layer_stage(w, carry, lfn=lfn):
                     h, kw = carry
@@ -303,7 +381,7 @@ class SwappedStack:
                 shared[sig] = layer_stage
             fns.append(shared[sig])
         if last is not None:
-            lastfn = _module_fn(last, env)
+            lastfn = _module_fn(last, env, next(tr))
 
             def last_stage(w, carry, lastfn=lastfn):
                 return lastfn(w, (carry[0],))
@@ -311,8 +389,8 @@ class SwappedStack:
 
         # ---- weights: torch -> host numpy (never through the device) ----
         stage_params, trainable = [], []
-        for m in modules:
-            params = {n: _to_numpy(p) for n, p in m.named_parameters()}
+        for m, tr_m in zip(modules, self.transposed):
+            params = {n: _to_numpy(p.t() if n in tr_m else p) for n, p in m.named_parameters()}
             buffers = {n: _to_numpy(b) for n, b in m.named_buffers()}
             trainable.append(list(params))  # ordered: every process must gather in the same order
             stage_params.append({**buffers, **params})
@@ -321,9 +399,12 @@ class SwappedStack:
         mesh = Mesh(np.array(devices), ("d",)) if n_dev > 1 else None
         self.mesh = mesh
 
-        def spec_for(name, shape):
+        def spec_for(name, shape, transposed=False):
             if callable(shard):
-                return tuple(shard(name, tuple(shape)) or ())
+                if not transposed:
+                    return tuple(shard(name, tuple(shape)) or ())
+                spec = tuple(shard(name, tuple(shape)[::-1]) or ())  # torch's shape and spec
+                return tuple((spec + (None,) * (2 - len(spec)))[::-1])
             if shard == "replicate" or len(shape) < 2:
                 return ()
             dims = sorted(range(len(shape)), key=lambda d: -shape[d])
@@ -335,7 +416,8 @@ class SwappedStack:
         sharding = None
         if mesh is not None:
             def sharding(i, path, leaf):
-                return NamedSharding(mesh, PartitionSpec(*spec_for(path[0].key, leaf.shape)))
+                name = path[0].key
+                return NamedSharding(mesh, PartitionSpec(*spec_for(name, leaf.shape, name in self.transposed[i])))
 
         resident = None
         k = policy.prefetch_depth
@@ -366,7 +448,7 @@ class SwappedStack:
         self.loss_fn = loss_fn
         self.accumulate_grads = accumulate_grads
         #: without an optimizer and with ``accumulate_grads=False``: the last step's gradients
-        #: (per stage, ``{name: jax.Array}`` in ``pinned_host``).
+        #: (per stage, ``{name: jax.Array}`` in ``pinned_host``; the names in ``transposed`` as ``[in, out]``).
         self.last_grads: list | None = None
         self._jax_losses: dict = {}
 
@@ -407,7 +489,7 @@ class SwappedStack:
         (the message names it).
         """
         x = self._carry_in(inputs)
-        cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in inputs)
+        cuda = next((t.device for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"), None)
         return self._out(self.runtime.forward(x), cuda)
 
     __call__ = forward
@@ -458,12 +540,12 @@ class SwappedStack:
         return _to_torch(loss).float()
 
     def _accumulate_grads(self, grads) -> None:
-        for m, g, names in zip(self.modules, grads, self._trainable):
+        for i, (m, g, names) in enumerate(zip(self.modules, grads, self._trainable)):
             params = dict(m.named_parameters())
             for n in names:
                 if g.get(n) is None:
                     continue
-                gt = _to_torch(g[n]).to(params[n].dtype)
+                gt = self._torch_layout(i, n, _to_torch(g[n])).to(params[n].dtype)
                 if params[n].grad is None:
                     params[n].grad = gt
                 else:
@@ -475,7 +557,12 @@ class SwappedStack:
 
         With several processes every process must call it (the sharded weights are gathered).
         """
-        return [{n: _to_torch(p[n]) for n in names} for p, names in zip(self.runtime.host_params, self._trainable)]
+        return [{n: self._torch_layout(i, n, _to_torch(p[n])) for n in names}
+                for i, (p, names) in enumerate(zip(self.runtime.host_params, self._trainable))]
+
+    def _torch_layout(self, stage: int, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A host-layout tensor of ``name`` in stage ``stage`` in torch's layout (``transposed`` ones back to ``[out, in]``)."""
+        return t.t().contiguous() if name in self.transposed[stage] else t
 
     def sync_modules(self) -> None:
         """Copy the current (trained) weights into the ``nn.Module`` parameters, in place."""
@@ -491,10 +578,16 @@ class SwappedStack:
             raise TypeError("forward/train_step need at least one input tensor")
         if not self.has_first and len(inputs) != 1:
             raise TypeError(f"without a `first` stage the layers take one input (h), got {len(inputs)}")
-        x = _inputs_to_jax(tuple(inputs), "inputs")
+        x = _inputs_to_jax(tuple(inputs), "inputs", self._input_sharding)
         return x if self.has_first else (x[0], {})
 
-    def _out(self, y, cuda: bool):
+    def _input_sharding(self, shape: tuple, dtype) -> jax.sharding.Sharding | None:
+        """Where the runtime places an input leaf of ``shape`` (``None``: on one device)."""
+        if self.mesh is None:
+            return None
+        return self.runtime._act(jax.ShapeDtypeStruct(shape, jnp.dtype(str(dtype).removeprefix("torch."))))
+
+    def _out(self, y, cuda: torch.device | None):
         if isinstance(y, tuple) and len(y) == 2 and isinstance(y[1], dict):
             y = y[0]
         return jax.tree_util.tree_map(lambda a: _out_to_torch(a, cuda), y)

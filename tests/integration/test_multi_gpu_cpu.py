@@ -54,7 +54,9 @@ def test_smoke_run_writes_every_row_and_rerenders(tmp_path, capsys):
     if n > 1:
         assert raw["layout"]["fsdp"]["data_parallel"] is True
         assert raw["layout"]["tp"]["data_parallel"] is False
-        assert raw["layout"]["tp"]["specs"] == {"a.weight": ["d", None], "b.weight": [None, "d"]}
+        # tp_spec speaks torch's [out, in]; the host holds nn.Linear weights [in, out] (transpose_linear)
+        assert raw["layout"]["tp"]["specs"] == {"a.weight": [None, "d"], "b.weight": ["d", None]}
+        assert raw["layout"]["tp"]["held_transposed"] == ["a.weight", "b.weight"]
         assert raw["layout"]["fsdp"]["memory_kind"] == "pinned_host"
     for s in ("fsdp", "tp"):  # same weights, same input: the n-device outputs are the 1-device one's
         assert raw["max_abs_diff_vs_1gpu"][s] < 1e-2

@@ -70,9 +70,11 @@ def test_llama_20_steps_equal_torch_adamw(num_devices):
              for a in jax.tree_util.tree_leaves(tree)}
     assert kinds == {"pinned_host"}
     if num_devices > 1:  # FSDP-style: each 2-D weight split over all devices, each shard in its own host memory
+        # (held [in, out] = [32, 64]: transpose_linear; split on the intermediate dimension)
         w = rt.host_params[1]["mlp.gate_proj.weight"]
+        assert w.shape == (32, 64) and "mlp.gate_proj.weight" in stack.transposed[1]
         assert w.sharding.spec != jax.sharding.PartitionSpec() and len(w.addressable_shards) == num_devices
-        assert w.addressable_shards[0].data.shape[0] * num_devices == w.shape[0]
+        assert w.addressable_shards[0].data.shape[1] * num_devices == w.shape[1]
 
 
 def test_serving_several_shapes():
@@ -92,8 +94,9 @@ def test_grads_without_optimizer_fill_dot_grad():
     ref = make_model(layers=2, seed=2)
     model = copy.deepcopy(ref)
     first, layers, last = causal_lm_stages(model)
-    stack = SwappedStack(layers, first=first, last=last,
+    stack = SwappedStack(layers, first=first, last=last, transpose_linear=False,
                          policy=OffloadPolicy(params="host", grads="host", remat=False, prefetch_depth=1))
+    assert stack.transposed == [frozenset()] * 4
     x, y = next(batches(1, seed=3))
     loss = stack.train_step(x, y, loss_fn=ce)
     ref_loss = ce(ref(x).logits, y)
@@ -109,7 +112,7 @@ def test_grads_without_optimizer_fill_dot_grad():
     assert kept.runtime.offloaded_activation_nbytes > 0   # layer inputs went through pinned_host
     kinds = {a.sharding.memory_kind for g in kept.last_grads for a in jax.tree_util.tree_leaves(g)}
     assert kinds == {"pinned_host"}
-    got = torch.from_numpy(np.asarray(kept.last_grads[1]["mlp.up_proj.weight"]))
+    got = torch.from_numpy(np.asarray(kept.last_grads[1]["mlp.up_proj.weight"])).T  # held [in, out]
     assert rel(got, dict(ref.named_parameters())["model.layers.0.mlp.up_proj.weight"].grad) <= 1e-4
 
 
@@ -178,8 +181,9 @@ def test_tensor_parallel_shard_rule(num_devices):
     stack = SwappedStack(layers, first=first, last=last, shard=tp, loss_fn=ce,
                          optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
     if num_devices > 1:
-        assert stack.runtime.host_params[1]["mlp.down_proj.weight"].sharding.spec == jax.sharding.PartitionSpec(None, "d")
-        assert stack.runtime.host_params[1]["self_attn.q_proj.weight"].sharding.spec == jax.sharding.PartitionSpec("d", None)
+        # the rule speaks torch's [out, in]; the host holds [in, out] (transpose_linear), so the specs turn
+        assert stack.runtime.host_params[1]["mlp.down_proj.weight"].sharding.spec == jax.sharding.PartitionSpec("d", None)
+        assert stack.runtime.host_params[1]["self_attn.q_proj.weight"].sharding.spec == jax.sharding.PartitionSpec(None, "d")
     for x, y in batches(3, seed=6):
         loss = stack.train_step(x, y)
         ref_loss = ce(ref(x).logits, y)
@@ -223,3 +227,36 @@ def test_data_parallel_llama_equals_torch(num_devices):
         torch.testing.assert_close(stack(x), model(x).logits, rtol=1e-4, atol=1e-5)
     replicated = SwappedStack(layers, first=first, last=last, data_parallel=False)
     assert replicated.runtime.batch_axis is None
+
+
+def test_linear_weights_held_in_out_contract_like_matmul():
+    """``transpose_linear`` (default): ``nn.Linear`` weights live as ``[in, out]`` and the stage's
+    compiled matmuls contract the weight's major dimension (``h @ w``, as a JAX-written layer),
+    with no transpose left; ``False`` keeps torch's ``[out, in]`` ("NT"). Both give torch's values."""
+    import re
+
+    class FFN(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(16, 64, bias=False)
+            self.b = torch.nn.Linear(64, 16, bias=False)
+
+        def forward(self, h):
+            return h + self.b(torch.nn.functional.gelu(self.a(h)))
+
+    torch.manual_seed(0)
+    layers = [FFN(), FFN()]
+    h = torch.randn(8, 16)
+    dims = {}
+    for tl in (True, False):
+        stack = SwappedStack(layers, transpose_linear=tl, devices=jax.devices()[:1])
+        w = {n: jax.numpy.asarray(jax.device_get(a)) for n, a in stack.runtime.host_params[0].items()}
+        assert w["a.weight"].shape == ((16, 64) if tl else (64, 16))
+        stage = stack.runtime._fns[0]  # the stage function the runtime compiles
+        hlo = jax.jit(lambda w, h: stage(w, (h, {}))[0]).lower(w, jax.numpy.asarray(h.numpy())).compile().as_text()
+        dims[tl] = sorted(set(re.findall(r"rhs_contracting_dims=\{(\d)\}", hlo)))
+        assert "transpose(" not in hlo
+        torch.testing.assert_close(stack(h), layers[1](layers[0](h)), rtol=1e-5, atol=1e-5)
+        sd = stack.state_dicts()[0]
+        assert sd["a.weight"].shape == (64, 16) and torch.equal(sd["a.weight"], layers[0].a.weight.detach())
+    assert dims == {True: ["0"], False: ["1"]}
