@@ -27,7 +27,9 @@ XLA:CPU):
 
 * ``params``: all ``L`` layers if ``"device"``; if ``"host"``, a window of the ``k+1`` largest
   layers (the layer being computed plus ``k`` prefetched - the double buffer of docs/measured.md's
-  streaming runs when ``k = 1``).
+  streaming runs when ``k = 1``): the size of the streaming schedule's live set,
+  ``PrefetchSchedule.max_live_stages`` (:mod:`xla_swap.planning.prefetch`, ``min(k+1, L)``), the
+  schedule the runtime runs; its layers' copies in the time model below come from it too.
 * ``grads`` (training): all ``L`` layers if ``"device"``; if ``"host"``, the in-flight gradient
   of one layer (the largest).
 * ``optimizer_state`` (training): all ``L`` layers if ``"device"``, else nothing in this phase.
@@ -258,6 +260,7 @@ import numbers
 from typing import Iterable, Mapping, Sequence
 
 from xla_swap.planning.policy import FrozenMapping, OffloadPolicy
+from xla_swap.planning.prefetch import PrefetchSchedule
 
 __all__ = [
     "GB", "GiB", "Link", "H200_PINNED", "LayerCost", "Plan", "InfeasibleBudgetError",
@@ -716,7 +719,9 @@ def _placements(policy: OffloadPolicy, layers: list[LayerCost], target: str = "a
 def _memory(policy: OffloadPolicy, layers: list[LayerCost], training: bool, target: str = "accelerator"):
     """(peak, peak_phase, device components at peak, host components); terms: module docstring."""
     cpu = target == "xla_cpu"
-    k1 = 1 if cpu else policy.prefetch_depth + 1      # XLA:CPU prefetches nothing: the layer being computed
+    # the window: the streaming schedule's live set (k+1 layers, or L), the largest layers in it;
+    # XLA:CPU prefetches nothing: the layer being computed
+    k1 = 1 if cpu else PrefetchSchedule(len(layers), policy.prefetch_depth, training=training).max_live_stages
     ph, gh, oh = policy.params == "host", policy.grads == "host", policy.optimizer_state == "host"
     P = [l.param_bytes for l in layers]
     a: dict[str, int] = {}
@@ -784,18 +789,18 @@ def _simulate(rows: list[tuple[float, int, int]], k: int, link: Link) -> float:
 def _phases(policy: OffloadPolicy, layers: list[LayerCost], training: bool, steady_state: bool = True):
     """{phase: [(layer index, compute_s, in_bytes, out_bytes)] in execution order}.
 
-    ``steady_state`` (module docstring, "Steady state"; :func:`_cycle`): the forward starts with its
+    ``steady_state`` (module docstring, "Steady state"; :func:`_weight_copies`): the forward starts with its
     first layers' weights on the device, and the call's last pass (the forward in inference, the
     optimizer phase, which runs in the backward's order, in training) streams the next call's after
     its last row (rows without compute)."""
     ph, gh, oh = policy.params == "host", policy.grads == "host", policy.optimizer_state == "host"
-    L, k = len(layers), policy.prefetch_depth
-    kept, tail = _cycle(policy, L, training, "device", steady_state)
+    L = len(layers)
+    fwd_in, bwd_in, tail = _weight_copies(policy, L, training, "device", steady_state)
     placed = _placements(policy, layers)
     host_acts = [n for n, w in placed.items() if w == "host"] if training else []
     remat_acts = [n for n, w in placed.items() if w == "remat"]
     act_out = [sum(l.activations.get(n, 0) for n in host_acts) for l in layers]
-    fwd = [(i, l.forward_time_s, l.param_bytes if (ph and i >= kept) else 0, act_out[i]) for i, l in enumerate(layers)]
+    fwd = [(i, l.forward_time_s, l.param_bytes if i in fwd_in else 0, act_out[i]) for i, l in enumerate(layers)]
     next_rows = [(i, 0.0, layers[i].param_bytes, 0) for i in tail]   # for the next call, at this call's tail
     out = {"forward": fwd if training else fwd + next_rows}
     if training:
@@ -807,7 +812,7 @@ def _phases(policy: OffloadPolicy, layers: list[LayerCost], training: bool, stea
                 rec = f
             else:
                 rec = min(f, sum(l.recompute_time_s(n) for n in remat_acts if n in l.activations))
-            w_in = l.param_bytes if (ph and i < L - min(k, L)) else 0   # the last k stay from the forward
+            w_in = l.param_bytes if i in bwd_in else 0   # the last k stay from the forward
             bwd.append((i, l.backward_time_s + rec, w_in + act_out[i], l.grad_bytes if gh else 0))
         opt = []
         for i in reversed(range(L)):     # in the backward's order: it ends with the layers the forward starts with
@@ -893,21 +898,23 @@ def _simulate_shared(rows: list[tuple[float, int, int]], k: int, link: Link) -> 
         t = t_next
 
 
-def _cycle(policy: OffloadPolicy, num_layers: int, training: bool, mode: str, steady_state: bool):
-    """``(kept, tail)`` of a call in the cyclic schedule (module docstring, "Steady state"): the forward
-    starts with layers ``0..kept-1``'s weights on the device, and the call's last pass streams the
-    layers ``tail`` for the next call after its last row.  Inference: ``kept = min(k, L)``, ``tail =
-    0..k-1`` (none when ``k >= L``: every layer stays).  Training, when the update runs on the device
-    (modes ``"device"`` and ``"streamed"``): the last pass keeps layers ``0..k-1`` and streams layer
-    ``k`` into its window's free slot, so ``kept = min(k + 1, L)`` and ``tail = (k,)`` (none when
-    ``k >= L``).  ``(0, ())`` for a single (cold) call, without host-placed params, and in the
-    ``"host"`` mode, whose CPU update rewrites the weights after the backward."""
-    k, L = policy.prefetch_depth, num_layers
-    if not steady_state or policy.params != "host" or (training and mode == "host"):
-        return 0, ()
-    if not training:
-        return min(k, L), tuple(range(k)) if k < L else ()
-    return min(k + 1, L), (k,) if k < L else ()
+def _weight_copies(policy: OffloadPolicy, num_layers: int, training: bool, mode: str, steady_state: bool):
+    """``(forward, backward, tail)``: the layers whose weights cross host -> device in a call's forward, in
+    its backward, and after its last row for the next call, read from ``StreamingRuntime``'s schedule
+    (:class:`~xla_swap.planning.prefetch.PrefetchSchedule`; module docstring, "Steady state").
+
+    Inference: the steady state starts with layers ``0..k-1`` and fetches them again at its tail
+    (nothing when ``k >= L``: every layer stays).  Training, when the update runs on the device (modes
+    ``"device"`` and ``"streamed"``): the last pass keeps layers ``0..k-1`` and streams layer ``k`` into
+    its window's free slot, so the forward starts with ``0..min(k, L-1)``; the backward fetches all but
+    the last ``k``.  Nothing carries in a single (cold) call and in the ``"host"`` mode, whose CPU update
+    rewrites the weights after the backward; nothing moves without host-placed params (every layer
+    resident).  ``tail`` in the order of the copies; the others as sets.
+    """
+    cyclic = steady_state and not (training and mode == "host")
+    s = PrefetchSchedule(num_layers, policy.prefetch_depth, training=training,
+                         resident=(policy.params != "host",) * num_layers, prefetch_next_call=cyclic)
+    return set(s.fetched("forward")), set(s.fetched("backward")) if training else set(), s.next_call_fetches
 
 
 def _merged(rows, link: Link) -> list:
@@ -927,27 +934,26 @@ def _offloaded_optimizer(policy: OffloadPolicy, layers: list[LayerCost], link: L
     ``"streamed"`` or ``"host"`` (module docstring, "Optimizer modes"); ``steady_state``: a
     ``"streamed"`` step starts with the first ``min(k + 1, L)`` layers' weights on the device, left
     there by the previous step's backward, and its backward streams layer ``k`` for the next step
-    after its last row (:func:`_cycle`; module docstring, "Steady state").
+    after its last row (:func:`_weight_copies`; module docstring, "Steady state").
 
     Returns a dict: ``step_s``, ``floor_s``, ``phase_s`` (forward, backward, optimizer: the exposed
     part of the host update), ``phase_layers``, ``layer_transfer_s``, ``layer_compute_s`` (device
     only), ``host_update_s`` (seconds of CPU update, summed).
     """
-    ph, gh = policy.params == "host", policy.grads == "host"
+    gh = policy.grads == "host"
     streamed = mode == "streamed"
     L, k = len(layers), policy.prefetch_depth
     placed = _placements(policy, layers)
     host_acts = [n for n, w in placed.items() if w == "host"]
     remat_acts = [n for n, w in placed.items() if w == "remat"]
     act = [sum(l.activations.get(n, 0) for n in host_acts) for l in layers]
-    kept, tail = _cycle(policy, L, True, mode, steady_state)
-    rows = [(i, l.forward_time_s, l.param_bytes if (ph and i >= kept) else 0, act[i]) for i, l in enumerate(layers)]
-    resident = min(k, L)               # StreamingRuntime keeps the last k layers across the turn
+    fwd_in, bwd_in, tail = _weight_copies(policy, L, True, mode, steady_state)
+    rows = [(i, l.forward_time_s, l.param_bytes if i in fwd_in else 0, act[i]) for i, l in enumerate(layers)]
     for i in reversed(range(L)):
         l = layers[i]
         rec = l.forward_time_s if policy.remat else \
             min(l.forward_time_s, sum(l.recompute_time_s(n) for n in remat_acts if n in l.activations))
-        w_in = l.param_bytes if (ph and i < L - resident) else 0
+        w_in = l.param_bytes if i in bwd_in else 0   # StreamingRuntime keeps the last k layers across the turn
         if streamed:   # moments in; new weights + moments out; the gradient stays on the device
             rows.append((i, l.backward_time_s + rec + l.optimizer_s, w_in + act[i] + l.optimizer_bytes,
                          l.param_bytes + l.optimizer_bytes))
@@ -983,19 +989,18 @@ def _offloaded_optimizer(policy: OffloadPolicy, layers: list[LayerCost], link: L
 def _offloaded_floor(policy: OffloadPolicy, layers: list[LayerCost], link: Link, mode: str,
                      steady_state: bool = True) -> float:
     """A lower bound of :func:`_offloaded_optimizer`'s step time (its ``floor_s``), without simulating."""
-    ph, gh = policy.params == "host", policy.grads == "host"
+    gh = policy.grads == "host"
     streamed = mode == "streamed"
     placed = _placements(policy, layers)
-    L, resident = len(layers), min(policy.prefetch_depth, len(layers))
-    kept, tail = _cycle(policy, L, True, mode, steady_state)
+    fwd_in, bwd_in, tail = _weight_copies(policy, len(layers), True, mode, steady_state)
     acts = sum(l.activations.get(n, 0) for l in layers for n, w in placed.items() if w == "host")
     remat_acts = [n for n, w in placed.items() if w == "remat"]
     comp = sum(l.forward_time_s + l.backward_time_s
                + (l.forward_time_s if policy.remat else
                   min(l.forward_time_s, sum(l.recompute_time_s(n) for n in remat_acts if n in l.activations)))
                + (l.optimizer_s if streamed else 0.0) for l in layers)
-    w = sum(l.param_bytes for l in layers[kept:]) if ph else 0            # forward: all but the kept first layers
-    w_bwd = sum(l.param_bytes for l in layers[:L - resident]) if ph else 0  # backward: all but the last k
+    w = sum(layers[i].param_bytes for i in fwd_in)                          # forward: all but the kept first layers
+    w_bwd = sum(layers[i].param_bytes for i in bwd_in)                      # backward: all but the last k
     w_bwd += sum(layers[i].param_bytes for i in tail)                       # and layer k for the next step
     if streamed:
         tin = w + w_bwd + acts + sum(l.optimizer_bytes for l in layers)
