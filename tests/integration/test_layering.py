@@ -44,6 +44,8 @@ def _top_level_modules_after(import_stmt: str) -> set:
 @pytest.mark.parametrize("package, forbidden", [
     ("xla_swap.executors", {"torch", "torch_xla", "torchax"}),
     ("xla_swap.planning", {"torch", "torch_xla", "torchax", "jax", "jaxlib"}),
+    ("xla_swap.planning.chooser", {"torch", "torch_xla", "torchax", "jax", "jaxlib"}),
+    ("xla_swap.executors.calibrate", {"torch", "torch_xla", "torchax"}),
     ("xla_swap", {"torch", "torch_xla", "torchax", "jax", "jaxlib"}),   # SwappedStack loads lazily
     ("xla_swap._compat", {"torch", "torch_xla", "torchax", "jax", "jaxlib"}),
     ("xla_swap._compat.jax", {"torch", "torch_xla", "torchax"}),
@@ -125,7 +127,7 @@ sys.meta_path.insert(0, _Block())
 
 
 @pytest.mark.parametrize("import_stmt", ["import xla_swap._compat.jax", "import xla_swap.executors",
-                                         "import xla_swap.planning"])
+                                         "import xla_swap.planning", "import xla_swap.executors.calibrate"])
 def test_imports_with_torch_and_torch_xla_blocked(import_stmt):
     """As on a machine without them: importing torch, torch_xla or torchax raises ImportError."""
     code = (_BLOCK_TORCH + f"{import_stmt}\n"

@@ -1,0 +1,147 @@
+"""``xla_swap.executors.calibrate``: calibration on the device, the chosen schedule applied.
+
+On the virtual CPU devices: the calibration's figures are positive and finite and its bytes are
+the runtime's; the chosen residency is what the new runtime runs (resident stages never
+transferred: counted in a ``TraceRecorder``'s events); a training step with the chosen schedule
+(residency, offload, moments on the device) equals the monolithic device-resident jax reference
+in values and gradients, and with AdamW equals the same steps with every stage resident.
+"""
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from streaming_cases import check_close, layer, loss_fn, mono_loss, stacked
+from xla_swap.executors import StreamingRuntime, TraceRecorder
+from xla_swap.executors.calibrate import (Calibration, autotune, calibrate, measure_link, peak_bytes_in_use,
+                                          reconfigure, runtime_signature)
+from xla_swap.planning import AdamW, InfeasibleBudgetError
+from xla_swap.planning.chooser import ChoiceCache, evaluate_choice
+
+
+def test_calibration_figures_positive_finite(params, x):
+    rt = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=AdamW(lr=1e-3))
+    cal = calibrate(rt, x, reps=2)
+    assert isinstance(cal, Calibration) and cal.groups == (tuple(range(8)),)   # one shared executable
+    for v in (cal.link.h2d_gbps, cal.link.d2h_gbps, cal.link.both_gbps, *cal.forward_s, *cal.backward_s,
+              cal.wall_s, *[s for v in cal.link_samples.values() for s in v]):
+        assert math.isfinite(v) and v > 0
+    for i, c in enumerate(cal.costs):
+        assert c.param_bytes == rt.stage_nbytes[i] == 2 * 16 * 32 * 4
+        assert c.optimizer_bytes == 2 * c.param_bytes                      # fp32 moments
+        assert c.carry_bytes == x.nbytes and c.intermediate_bytes > 0
+        assert c.forward_time_s == cal.forward_s[i] and c.backward_factor >= 0
+    assert cal.remat and cal.key == runtime_signature(rt, x)
+    link, samples = measure_link(rt, reps=1)
+    assert len(samples["both"]) == 1 and link.h2d_gbps > 0
+    assert peak_bytes_in_use() is None or peak_bytes_in_use() > 0          # None on XLA:CPU
+    assert rt.step == 0 and all(s is not None for s in rt.optimizer_state)  # nothing of the runtime changed
+
+
+def _h2d_per_stage(rec: TraceRecorder, n: int) -> list:
+    counts = [0] * n
+    for e in rec.events:
+        if e.kind == "h2d":
+            counts[e.stage] += 1
+    return counts
+
+
+def test_chosen_residency_is_applied_and_never_transferred(params, x):
+    rt = StreamingRuntime(layer, params, prefetch_depth=2)
+    cal = calibrate(rt, x, reps=1)
+    costs = list(cal.costs)
+    stream = evaluate_choice(costs, cal.link, prefetch_depth=1)
+    full = evaluate_choice(costs, cal.link, prefetch_depth=1, resident=[True] * 8)
+    cache = ChoiceCache()
+    # halfway between "only the window" and "everything": some stages resident, some streamed
+    budget = (stream.device_bytes + full.device_bytes) // 2
+    rt2, choice = autotune(rt, x, budget, cache=cache, calibration=cal)
+    assert 0 < choice.num_resident < 8 and choice.device_bytes <= budget
+    assert rt2 is not rt and rt2.resident == choice.resident and rt2.prefetch_depth == choice.prefetch_depth
+    assert autotune(rt2, x, budget, cache=cache)[1] is choice               # cached: no second calibration
+    assert autotune(rt2, x, budget, cache=cache)[0] is rt2                  # already runs it
+    rec = TraceRecorder()
+    for _ in range(2):                                                      # a cold step, then the steady state
+        out = rt2.train_step(x, loss_fn, trace=rec)
+        counts = _h2d_per_stage(rec, 8)
+        assert all(c == 0 for c, r in zip(counts, choice.resident) if r), counts
+        assert any(c > 0 for c, r in zip(counts, choice.resident) if not r), counts
+    ref_loss, ref_g = jax.value_and_grad(mono_loss)(stacked(params), x)
+    check_close(out[0], ref_loss, rtol=1e-5)
+    for i, g in enumerate(out[2]):
+        for name in ("a", "b"):
+            check_close(g[name], ref_g[name][i], rtol=1e-5, atol=1e-6)
+    # everything fits: all resident, nothing transferred at all
+    rt3, c3 = autotune(rt, x, full.device_bytes, cache=cache, calibration=cal)
+    assert c3.resident == (True,) * 8
+    rt3.train_step(x, loss_fn, trace=rec)
+    assert _h2d_per_stage(rec, 8) == [0] * 8
+
+
+@pytest.mark.parametrize("resident, offload, moments_on_host", [
+    ([False] * 8, True, True), ([False, True] * 4, True, False), ([False] * 5 + [True] * 3, False, True)])
+def test_schedule_equals_reference(params, x, resident, offload, moments_on_host):
+    """AdamW steps with a schedule (residency, activation offload, moments on the device) equal the
+    same steps with every stage resident, and without an optimizer the gradients equal jax.grad."""
+    opt = AdamW(lr=1e-2, weight_decay=0.1)
+    base = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt)
+    cal = calibrate(base, x, reps=1)
+    choice = evaluate_choice(list(cal.costs), cal.link, prefetch_depth=2, resident=resident,
+                             offload_activations=offload, optimizer_state_on_host=moments_on_host)
+    rt = reconfigure(base, choice)
+    assert rt.offload_activations == offload and rt.resident == tuple(resident)
+    ref = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt, resident=[True] * 8,
+                           optimizer_state_on_host=False)
+    for _ in range(3):
+        got, want = rt.train_step(x, loss_fn)[0], ref.train_step(x, loss_fn)[0]
+        check_close(got, want, rtol=1e-5)
+    if offload:
+        assert rt.offloaded_activation_nbytes > 0
+    for p, q in zip(rt.host_params, ref.host_params):
+        for name in ("a", "b"):
+            check_close(p[name], q[name], rtol=1e-5, atol=1e-6)
+    assert rt.step == ref.step == 3
+    # without an optimizer: gradients against the monolithic jax reference
+    plain = reconfigure(StreamingRuntime(layer, params, prefetch_depth=2), choice)
+    loss, _, grads = plain.train_step(x, loss_fn)
+    ref_loss, ref_g = jax.value_and_grad(mono_loss)(stacked(params), x)
+    check_close(loss, ref_loss, rtol=1e-5)
+    for i, g in enumerate(grads):
+        for name in ("a", "b"):
+            check_close(g[name], ref_g[name][i], rtol=1e-5, atol=1e-6)
+
+
+def test_reconfigure_carries_optimizer_state(params, x):
+    opt = AdamW(lr=1e-2)
+    a = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt)
+    b = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt)
+    a.train_step(x, loss_fn)
+    b.train_step(x, loss_fn)
+    choice = evaluate_choice(list(calibrate(a, x, reps=1).costs), calibrate(a, x, reps=1).link, prefetch_depth=1,
+                             resident=[True] + [False] * 7)
+    a2 = reconfigure(a, choice)
+    assert a2.step == 1
+    a2.train_step(x, loss_fn)
+    b.train_step(x, loss_fn)
+    for p, q in zip(a2.host_params, b.host_params):
+        check_close(p["a"], q["a"], rtol=1e-5, atol=1e-6)
+
+
+def test_bad_arguments_leave_the_runtime_usable(params, x):
+    rt = StreamingRuntime(layer, params, prefetch_depth=2)
+    with pytest.raises(TypeError, match="runtime"):
+        calibrate("rt", x)
+    with pytest.raises(ValueError, match="reps"):
+        calibrate(rt, x, reps=0)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        autotune(rt, x, -1)
+    with pytest.raises(InfeasibleBudgetError):
+        autotune(rt, x, 1024, cache=ChoiceCache())
+    with pytest.raises(TypeError, match="choice"):
+        reconfigure(rt, {"prefetch_depth": 1})
+    cal = calibrate(rt, x, reps=1)
+    with pytest.raises(ValueError, match="calibration"):
+        autotune(rt, np.zeros((4, 16), np.float32), 1 << 30, calibration=cal)
+    check_close(rt.forward(x), jax.jit(lambda s, h: jax.lax.scan(lambda c, p: (layer(p, c), None), h, s)[0])(
+        stacked(params), x), rtol=1e-5)

@@ -1,0 +1,122 @@
+"""``xla_swap.planning.chooser``: the StreamingRuntime configuration chosen from costs and a budget.
+
+The chooser's predicted peak never exceeds the budget; everything fits -> every stage resident;
+only the streaming window fits -> nothing resident; more budget never predicts a slower step;
+the rewrite onto the planner's model (resident stages move nothing, offload's bytes) is checked
+against ``evaluate`` directly; bad input is refused naming the argument.
+"""
+import pytest
+
+from xla_swap.planning import InfeasibleBudgetError, LayerCost, Link, OffloadPolicy, evaluate
+from xla_swap.planning.chooser import CHOICES, STAGE_INPUT, ChoiceCache, ScheduleChoice, choose_schedule, evaluate_choice
+
+GiB = 1 << 30
+LINK = Link(54.5, 54.6, 79.3)
+#: The default H100 stack's layer (bf16 D=8192 F=32768, 8192 tokens, bf16 AdamW moments), rounded.
+LAYER = LayerCost(param_bytes=GiB, optimizer_bytes=2 * GiB, carry_bytes=128 << 20, intermediate_bytes=GiB,
+                  working_bytes=512 << 20, forward_s=0.012, backward_factor=1.6)
+COSTS = [LAYER] * 8
+
+
+def test_all_resident_when_everything_fits_and_nothing_extra_when_only_the_window_fits():
+    full = evaluate_choice(COSTS, LINK, prefetch_depth=2, resident=[True] * 8)
+    c = choose_schedule(COSTS, LINK, full.device_bytes)
+    assert c.resident == (True,) * 8 and c.device_bytes <= full.device_bytes
+    assert c.plan.floor_s == pytest.approx(c.step_s)            # nothing moves: the compute
+    assert c.budget_bytes == full.device_bytes and c.candidates > 8
+    # the smallest streaming window: one byte short of it is infeasible, at it nothing is resident
+    smallest = min(evaluate_choice(COSTS, LINK, prefetch_depth=k, offload_activations=o).device_bytes
+                   for k in (1, 2, 3, 4) for o in (False, True))
+    c = choose_schedule(COSTS, LINK, smallest)
+    assert c.num_resident == 0 and c.device_bytes <= smallest
+    with pytest.raises(InfeasibleBudgetError) as e:
+        choose_schedule(COSTS, LINK, smallest - 1)
+    assert e.value.min_budget_bytes == smallest
+
+
+def test_budget_respected_and_more_budget_is_never_slower():
+    prev = None
+    for gib in (8, 9, 10, 12, 14, 16, 20, 24, 28, 40):
+        c = choose_schedule(COSTS, LINK, gib * GiB)
+        assert c.device_bytes <= gib * GiB
+        if prev is not None:
+            assert c.step_s <= prev.step_s * (1 + 1e-9)
+            assert c.num_resident >= prev.num_resident or c.prefetch_depth != prev.prefetch_depth
+        prev = c
+
+
+def test_resident_stages_move_nothing_in_the_model():
+    """The rewrite: a resident stage's rows carry no bytes, and its weights + state are added to the peak."""
+    res = [False] * 4 + [True] * 4
+    s = evaluate_choice(COSTS, LINK, prefetch_depth=2, resident=res)
+    for phase, rows in s.plan.phase_layers.items():
+        for i, (_, x) in rows:
+            if res[i]:
+                assert x == 0.0, (phase, i)
+    assert s.extra_device_bytes["resident stages (weights + optimizer state)"] == 4 * 3 * GiB
+    stream = evaluate_choice(COSTS, LINK, prefetch_depth=2)
+    assert s.step_s < stream.step_s
+    # nothing resident is exactly the planner's streaming policy on the measured costs
+    p = evaluate(OffloadPolicy(params="host", grads="host", optimizer_state="host", remat=True, prefetch_depth=2),
+                 COSTS, link=LINK, optimizer_mode="streamed")
+    assert stream.step_s == p.step_s and stream.device_bytes == p.device_bytes
+
+
+def test_offload_and_device_moments():
+    on = evaluate_choice(COSTS, LINK, prefetch_depth=2, offload_activations=True)
+    off = evaluate_choice(COSTS, LINK, prefetch_depth=2)
+    assert on.plan.policy.activations == {STAGE_INPUT: "host"} and on.extra_device_bytes["carry"] == 128 << 20
+    assert on.plan.host_components[f"activation {STAGE_INPUT}"] == 8 * (128 << 20)
+    assert on.step_s >= off.step_s
+    dev = evaluate_choice(COSTS, LINK, prefetch_depth=2, optimizer_state_on_host=False)
+    assert dev.extra_device_bytes["optimizer state of streamed stages"] == 16 * GiB
+    assert dev.step_s < off.step_s                                 # only the weights cross PCIe
+    inf = evaluate_choice(COSTS, LINK, prefetch_depth=2, offload_activations=True, training=False)
+    assert not inf.offload_activations and not inf.training       # offload is a training option
+
+
+def test_observe_and_explain():
+    c = evaluate_choice(COSTS, LINK, prefetch_depth=2)
+    assert "not yet" in c.explain()
+    c.observe(step_s=c.step_s * 1.1)
+    c.observe(step_s=c.step_s * 1.3, peak_bytes=c.device_bytes)
+    assert c.measured_step_s == pytest.approx(c.step_s * 1.2) and c.measured_peak_bytes == c.device_bytes
+    text = c.explain()
+    assert "1.200x predicted" in text and "1.000x predicted" in text and "OffloadPolicy" in text
+    for bad, exc in (({"step_s": -1.0}, ValueError), ({"step_s": True}, TypeError), ({"peak_bytes": -5}, ValueError)):
+        with pytest.raises(exc):
+            c.observe(**bad)
+    assert c.measured_step_s == pytest.approx(c.step_s * 1.2)     # unchanged by the refusals
+
+
+def test_cache():
+    cache = ChoiceCache(maxsize=2)
+    c = evaluate_choice(COSTS, LINK, prefetch_depth=1)
+    keys = [cache.key(("stages",), ("in", n), GiB, True) for n in range(3)]
+    for k in keys:
+        cache.put(k, c)
+    assert len(cache) == 2 and cache.get(keys[0]) is None and cache.get(keys[2]) is c
+    with pytest.raises(TypeError):
+        cache.put(keys[0], "not a choice")
+    with pytest.raises(TypeError):
+        cache.key([1], (), 1, True)
+    with pytest.raises(ValueError, match="maxsize"):
+        ChoiceCache(0)
+    assert isinstance(CHOICES, ChoiceCache) and isinstance(c, ScheduleChoice)
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    ({"budget_bytes": 0}, ValueError, "budget_bytes"),
+    ({"budget_bytes": 1.5}, ValueError, "budget_bytes"),
+    ({"budget_bytes": GiB, "max_prefetch_depth": 0}, ValueError, "max_prefetch_depth"),
+    ({"budget_bytes": GiB, "training": 1}, TypeError, "training"),
+])
+def test_bad_arguments_are_named(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        choose_schedule(COSTS, LINK, **kwargs)
+    with pytest.raises(TypeError, match="costs"):
+        choose_schedule([], LINK, GiB)
+    with pytest.raises(TypeError, match="link"):
+        choose_schedule(COSTS, (54, 54), GiB)
+    with pytest.raises(ValueError, match="resident"):
+        evaluate_choice(COSTS, LINK, prefetch_depth=2, resident=[True])

@@ -1,0 +1,319 @@
+"""Calibration on the device, and a ``StreamingRuntime`` reconfigured to the schedule chosen from it.
+
+A short measurement (a few calls; seconds on a GPU) of what the planner needs to choose a
+schedule for one runtime and one input signature:
+
+* the host <-> device link: a stage's weights (the largest) copied ``pinned_host`` -> device,
+  device -> ``pinned_host``, and both at once, as the runtime copies them (its shardings, its
+  per-stage buffers): an :class:`xla_swap.planning.Link` in GB/s of logical (unsharded) bytes,
+  the unit of the planner's :class:`~xla_swap.planning.LayerCost`;
+* every *distinct* stage's compute with its weights in device memory (stages sharing one
+  executable are measured once): its forward, and its backward as the runtime runs it in
+  ``train_step`` (recompute under ``remat=True``, the optimizer update fused in with one);
+  the runtime's :meth:`StreamingRuntime.layer_cost` gives the bytes and the forward time, this
+  module adds the backward and its compiled temporaries.
+
+:func:`autotune` then chooses with :func:`xla_swap.planning.chooser.choose_schedule` (cached in
+memory per stage signatures, input signature, budget and mode) and :func:`reconfigure` builds the
+runtime that runs it. Imports jax and numpy only.
+
+Runtime choice: ``InGraphRuntime`` runs a forward only (no ``train_step``, no optimizer, no
+residency), so for training, and for the torch entry point (``SwappedStack``), the runtime is
+``StreamingRuntime`` and the chooser picks its parameters.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Hashable
+
+import jax
+import numpy as np
+
+from xla_swap.planning.chooser import CHOICES, ChoiceCache, ScheduleChoice, choose_schedule
+from xla_swap.planning.planner import GB, LayerCost, Link
+
+from ._stages import DEVICE_KIND, HOST_KIND, _aval_key, _split_diff
+from .streaming import StreamingRuntime
+
+__all__ = ["Calibration", "calibrate", "measure_link", "peak_bytes_in_use", "runtime_signature", "reconfigure",
+           "autotune"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What :func:`calibrate` measured (seconds, bytes, GB/s).
+
+    Attributes:
+      link: the measured :class:`~xla_swap.planning.Link` (medians; ``host_memory_gbps`` the default).
+      costs: one :class:`~xla_swap.planning.LayerCost` per stage: ``param_bytes``, ``grad_bytes``,
+        ``optimizer_bytes``, ``carry_bytes`` (the stage input), ``intermediate_bytes`` (what
+        ``remat=False`` would save), ``working_bytes`` (the compiled backward's temporaries, less
+        the recomputed intermediates under ``remat=True``), ``forward_s``, ``backward_factor``
+        (measured backward time, less the recompute under ``remat=True``, over ``forward_s``).
+      forward_s / backward_s: per stage, the measured medians (the backward as run, recompute and
+        fused update included); stages of one group carry the group's figures.
+      groups: tuples of stage indices that share executables (measured once).
+      remat: whether the runtime recomputes each stage in the backward (``remat is True``).
+      link_samples: ``{"h2d" | "d2h" | "both": [GB/s, ...]}``.
+      key: the :func:`runtime_signature` of the runtime and input measured.
+      wall_s: seconds the calibration took (compilation included).
+    """
+
+    link: Link
+    costs: tuple
+    forward_s: tuple
+    backward_s: tuple
+    groups: tuple
+    remat: bool
+    link_samples: dict
+    key: Hashable
+    wall_s: float
+
+
+def peak_bytes_in_use(device: jax.Device | None = None) -> int | None:
+    """``device.memory_stats()['peak_bytes_in_use']`` (bytes; default ``jax.devices()[0]``): the
+    process's high-water mark of device memory, which jax cannot reset; ``None`` where the
+    backend reports no statistics (XLA:CPU)."""
+    device = jax.devices()[0] if device is None else device
+    stats = device.memory_stats()
+    return None if not stats or "peak_bytes_in_use" not in stats else int(stats["peak_bytes_in_use"])
+
+
+def runtime_signature(runtime: StreamingRuntime, h) -> tuple:
+    """``(stage signatures, input signature)``, hashable: per stage its function's qualified name and
+    parameter shapes / dtypes, with whether an optimizer runs, ``remat is True`` and the devices;
+    the input's structure, shapes and dtypes. The key (with budget and mode) of cached choices.
+
+    Raises: TypeError: ``runtime`` is not a ``StreamingRuntime``; ``h`` is not an array pytree.
+    """
+    _check_runtime(runtime)
+    stages = tuple((getattr(f, "__qualname__", type(f).__name__), _aval_key(a))
+                   for f, a in zip(runtime._fns, runtime._param_avals))
+    sig = runtime._signature(h)
+    devices = tuple(sorted(d.id for d in runtime.activation_sharding.device_set))
+    return (stages, runtime.optimizer is not None, runtime.remat is True, devices), _aval_key(sig.in_aval)
+
+
+def _check_runtime(runtime) -> None:
+    if not isinstance(runtime, StreamingRuntime):
+        raise TypeError(f"runtime must be an xla_swap.executors.StreamingRuntime, got {type(runtime).__name__}")
+
+
+def _check_reps(reps) -> int:
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"reps must be an int >= 1, got {reps!r}")
+    return reps
+
+
+def _median_time(call, reps: int) -> float:
+    """Median seconds of ``reps`` synced calls of ``call`` after one warm-up call."""
+    jax.block_until_ready(call())
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(call())
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def measure_link(runtime: StreamingRuntime, *, reps: int = 3) -> tuple[Link, dict]:
+    """Measure the host <-> device link with the runtime's largest stage's weights.
+
+    Copies that stage's weights (logical bytes ``P``) from ``pinned_host`` to the device, back, and
+    both at once (``2P`` bytes), each ``reps`` times after a warm-up, synced.
+
+    Returns: ``(Link(h2d_gbps, d2h_gbps, both_gbps), {"h2d": [...], "d2h": [...], "both": [...]})``,
+      medians and samples in GB/s of logical bytes.
+
+    Raises: TypeError: ``runtime`` is not a ``StreamingRuntime``; ValueError: ``reps < 1``.
+    """
+    _check_runtime(runtime)
+    reps = _check_reps(reps)
+    i = max(range(runtime.num_stages), key=lambda j: runtime.stage_nbytes[j])
+    nbytes = runtime.stage_nbytes[i]
+    dev_sh = runtime._dev_sh[i]
+    host_sh = jax.tree_util.tree_map(lambda s: s.with_memory_kind(HOST_KIND), dev_sh)
+    src = jax.block_until_ready(jax.device_put(runtime.host_params[i], host_sh))
+    on_dev = jax.block_until_ready(jax.device_put(src, dev_sh, may_alias=False))
+    samples: dict[str, list] = {"h2d": [], "d2h": [], "both": []}
+    moves = {"h2d": (lambda: jax.device_put(src, dev_sh, may_alias=False), nbytes),
+             "d2h": (lambda: jax.device_put(on_dev, host_sh, may_alias=False), nbytes),
+             "both": (lambda: (jax.device_put(src, dev_sh, may_alias=False),
+                               jax.device_put(on_dev, host_sh, may_alias=False)), 2 * nbytes)}
+    for name, (move, b) in moves.items():
+        jax.block_until_ready(move())
+        for _ in range(reps):
+            t = time.perf_counter()
+            jax.block_until_ready(move())
+            samples[name].append(b / max(time.perf_counter() - t, 1e-9) / GB)
+    del on_dev, src
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    return Link(h2d_gbps=med["h2d"], d2h_gbps=med["d2h"], both_gbps=med["both"]), samples
+
+
+def calibrate(runtime: StreamingRuntime, h, *, reps: int = 3) -> Calibration:
+    """Measure the link and every distinct stage's forward and backward on the device.
+
+    Args:
+      runtime: the ``StreamingRuntime`` whose stages are measured (its weights, optimizer,
+        ``remat`` and shardings; nothing of its state changes: the measured copies are its own
+        buffers copied, not donated).
+      h: an input of the stack (its signature fixes every stage's shapes), numpy or jax arrays.
+      reps: timed calls per measurement (medians), after one warm-up each.
+
+    Returns: a :class:`Calibration`. Every time is positive and finite on a working device.
+
+    Raises: TypeError: ``runtime`` is not a ``StreamingRuntime``; ValueError: ``reps < 1``; the
+      input checks of ``runtime.forward`` (before anything runs).
+    """
+    _check_runtime(runtime)
+    reps = _check_reps(reps)
+    t0 = time.perf_counter()
+    rt = runtime
+    sig = rt._signature(h)        # raises for a bad input before anything runs
+    key = runtime_signature(rt, h)
+    link, samples = measure_link(rt, reps=reps)
+    remat = rt.remat is True
+    groups: dict[Any, list[int]] = {}
+    for i in range(rt.num_stages):
+        gkey = (rt._fn_ids[i], _aval_key(rt._param_avals[i]), _aval_key(sig.chain[i]), rt.resident[i])
+        groups.setdefault(gkey, []).append(i)
+    fwd_s, bwd_s, costs = [0.0] * rt.num_stages, [0.0] * rt.num_stages, [None] * rt.num_stages
+    for members in groups.values():
+        i = members[0]
+        base = rt.layer_cost(h, i, measure_reps=reps)     # bytes and the forward's time
+        t_b, temp = _time_backward(rt, sig, i, reps)
+        t_f = max(base.forward_s, 1e-9)
+        factor = max(t_b - (t_f if remat else 0.0), 0.0) / t_f
+        working = max(temp - (base.intermediate_bytes if remat else 0), 0) if temp is not None else base.working_bytes
+        cost = dataclasses.replace(base, forward_s=t_f, backward_factor=factor, working_bytes=working)
+        for j in members:
+            fwd_s[j], bwd_s[j] = t_f, t_b
+            costs[j] = dataclasses.replace(cost, param_bytes=rt.stage_nbytes[j],
+                                           optimizer_bytes=rt.optimizer_state_nbytes[j])
+    return Calibration(link=link, costs=tuple(costs), forward_s=tuple(fwd_s), backward_s=tuple(bwd_s),
+                       groups=tuple(tuple(m) for m in groups.values()), remat=remat, link_samples=samples,
+                       key=key, wall_s=time.perf_counter() - t0)
+
+
+def _time_backward(rt: StreamingRuntime, sig, i: int, reps: int) -> tuple[float, int | None]:
+    """Median seconds of stage ``i``'s backward as ``train_step`` runs it (weights on the device, no
+    donation), and its compiled temporaries in bytes (``None`` if the backend reports none)."""
+    save = rt.remat is not True
+    exe = rt._exe(sig, "backward-saved" if save else "backward", i, False)
+    p = jax.device_put(rt.host_params[i], rt._dev_sh[i], may_alias=False)
+    hin, hout = sig.chain[i], sig.chain[i + 1]
+    x = jax.device_put(jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), hin), rt._act(hin))
+    gout = _split_diff(hout)[0]
+    g = jax.device_put([np.zeros(a.shape, a.dtype) for a in gout], rt._act(gout))
+    args: tuple = (p, x)
+    if save:
+        args += (rt._exe(sig, "forward-save", i, False)(p, x)[1],)
+    args += (g,)
+    if rt.optimizer is not None:
+        state = jax.device_put(rt.optimizer_state[i], rt._state_dev_sh[i], may_alias=False)
+        hyper = jax.device_put(np.asarray(rt.optimizer.hyper(1), np.float32), rt.activation_sharding)
+        args += (state, hyper)
+    t = _median_time(lambda: exe(*args), reps)
+    try:
+        temp = int(exe.memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 - not every backend reports it
+        temp = None
+    return t, temp
+
+
+def reconfigure(runtime: StreamingRuntime, choice: ScheduleChoice) -> StreamingRuntime:
+    """A new ``StreamingRuntime`` running ``choice`` over ``runtime``'s stages: the same stage
+    functions, current weights, shardings, optimizer (its state and step count carried over),
+    ``remat``, trainable leaves and flags; ``prefetch_depth``, ``resident``,
+    ``offload_activations`` and ``optimizer_state_on_host`` from ``choice.runtime_kwargs()``.
+
+    ``runtime`` is left as it was (its buffers stay until it is dropped): while both exist, host
+    memory holds the weights (and optimizer state) twice.
+
+    Raises: TypeError: ``runtime`` not a ``StreamingRuntime`` or ``choice`` not a
+      ``ScheduleChoice``; ValueError: ``choice.resident`` has another number of stages.
+    """
+    _check_runtime(runtime)
+    if not isinstance(choice, ScheduleChoice):
+        raise TypeError(f"choice must be an xla_swap.planning.chooser.ScheduleChoice, got {type(choice).__name__}")
+    rt = runtime
+    if len(choice.resident) != rt.num_stages:
+        raise ValueError(f"choice.resident has {len(choice.resident)} stages, the runtime {rt.num_stages}")
+    path_sh = [{jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_flatten_with_path(d)[0]}
+               for d in rt._dev_sh]
+    path_train = [{jax.tree_util.keystr(p): m for (p, _), m in
+                   zip(jax.tree_util.tree_flatten_with_path(a)[0], mask)}
+                  for a, mask in zip(rt._param_avals, rt._train_mask)]
+    new = StreamingRuntime(
+        list(rt._fns), list(rt.host_params),
+        sharding=lambda i, path, leaf: path_sh[i][jax.tree_util.keystr(path)].with_memory_kind(DEVICE_KIND),
+        activation_sharding=rt.activation_sharding, batch_axis=rt.batch_axis, donate=rt.donate,
+        throttle=rt.throttle, track_residency=rt.track_residency, trace=rt.trace, remat=rt.remat,
+        grads_to_host=rt.grads_to_host, optimizer=rt.optimizer,
+        trainable=lambda i, path: path_train[i][jax.tree_util.keystr(path)], max_signatures=rt.max_signatures,
+        prefetch_next_call=rt.prefetch_next_call, **choice.runtime_kwargs())
+    if rt.optimizer is not None:
+        new.optimizer_state = [jax.device_put(s, sh, may_alias=False)
+                               for s, sh in zip(rt.optimizer_state, new._state_host_sh)]
+        new.step = rt.step
+    return new
+
+
+def autotune(runtime: StreamingRuntime, h, budget_bytes: int, *, training: bool = True, reps: int = 3,
+             cache: ChoiceCache = CHOICES, calibration: Calibration | None = None,
+             **choose_kwargs) -> tuple[StreamingRuntime, ScheduleChoice]:
+    """Choose a schedule for ``runtime`` and input ``h`` under ``budget_bytes``, and the runtime that runs it.
+
+    The choice is looked up in ``cache`` under ``(runtime_signature(runtime, h), budget_bytes,
+    training)``; on a miss :func:`calibrate` measures (``reps`` calls per figure) and
+    :func:`~xla_swap.planning.chooser.choose_schedule` chooses, and the choice is cached.
+
+    Args:
+      runtime: the ``StreamingRuntime`` to tune (left unchanged).
+      h: an input of the stack (numpy or jax arrays).
+      budget_bytes: device memory in bytes (int > 0) for everything the runtime holds.
+      training: choose for ``train_step`` (default) or for ``forward``.
+      reps: timed calls per figure of the calibration.
+      cache: the :class:`~xla_swap.planning.chooser.ChoiceCache` (default the process-wide one).
+      calibration: a :class:`Calibration` of this runtime and input signature to choose from
+        instead of measuring (e.g. one calibration for several budgets).
+      **choose_kwargs: ``max_prefetch_depth``, ``allow_offload``, ``allow_device_optimizer_state``.
+
+    Returns: ``(runtime to use, choice)``: ``runtime`` itself when it already runs the choice, else
+      :func:`reconfigure`'s new runtime. ``choice.explain()`` shows the prediction (and, once
+      ``choice.observe(...)`` recorded them, the measured figures).
+
+    Raises: the errors of :func:`calibrate` and of ``choose_schedule`` (``InfeasibleBudgetError``
+      when nothing fits; ``ValueError`` for a bad budget; ``TypeError`` / ``ValueError`` for a
+      ``calibration`` of the wrong type or of another runtime or input signature), before the
+      runtime changes.
+    """
+    _check_runtime(runtime)
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, np.integer)) or budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be a positive int (bytes), got {budget_bytes!r}")
+    if not isinstance(training, bool):
+        raise TypeError(f"training must be a bool, got {type(training).__name__}")
+    if not isinstance(cache, ChoiceCache):
+        raise TypeError(f"cache must be a ChoiceCache, got {type(cache).__name__}")
+    if calibration is not None and not isinstance(calibration, Calibration):
+        raise TypeError(f"calibration must be a Calibration or None, got {type(calibration).__name__}")
+    sig = runtime_signature(runtime, h)
+    if calibration is not None and calibration.key != sig:
+        raise ValueError("calibration was measured for other stages or another input signature than runtime and h")
+    key = cache.key(*sig, int(budget_bytes), training)
+    choice = cache.get(key)
+    if choice is None:
+        cal = calibration or calibrate(runtime, h, reps=reps)
+        choice = choose_schedule(list(cal.costs), cal.link, int(budget_bytes), training=training, remat=cal.remat,
+                                 **choose_kwargs)
+        cache.put(key, choice)
+    current = {"prefetch_depth": runtime.prefetch_depth, "resident": list(runtime.resident),
+               "offload_activations": runtime.offload_activations,
+               "optimizer_state_on_host": runtime.optimizer_state_on_host}
+    if current == choice.runtime_kwargs():
+        return runtime, choice
+    return reconfigure(runtime, choice), choice
+

@@ -1,0 +1,406 @@
+"""A ``StreamingRuntime`` configuration chosen from measured costs and a device-memory budget.
+
+Framework-neutral: pure Python, imports neither torch, torch_xla nor jax (the measurement that
+feeds it, :func:`xla_swap.executors.calibrate.calibrate`, lives on the executor side).
+
+What it chooses (a :class:`ScheduleChoice`), for one stack of stages and one input signature (the
+weight traffic each choice implies is ``xla_swap.planning.prefetch.PrefetchSchedule``'s):
+
+* ``prefetch_depth`` ``k`` (1..``max_prefetch_depth``);
+* ``resident``: which stages keep their weights (and optimizer state) in device memory for good
+  (``StreamingRuntime(resident=...)``: never transferred);
+* ``offload_activations``: whether each stage's kept input goes to ``pinned_host`` in the
+  forward and comes back ``k`` stages ahead in the backward (training only);
+* ``optimizer_state_on_host``: whether the optimizer state of the streamed stages lives in
+  ``pinned_host`` (streamed with the weights) or in device memory (only the weights stream).
+
+How it predicts (the planner's model, :func:`xla_swap.planning.evaluate`): every candidate is
+mapped onto the planner's streaming policy ``OffloadPolicy(params="host", grads="host",
+optimizer_state="host", remat=..., prefetch_depth=k)`` timed in the ``"streamed"`` optimizer
+mode (``StreamingRuntime``'s fused per-stage update; without an optimizer the same bytes with
+``optimizer_bytes=0``: the streamed weights' gradients go out) over per-stage
+:class:`LayerCost` s rewritten for the candidate:
+
+* a resident stage moves nothing: ``param_bytes = optimizer_bytes = 0`` (its gradient stays a
+  transient of its backward, so ``grad_bytes`` is kept: the in-flight gradient term);
+* optimizer state in device memory: ``optimizer_bytes = 0`` for every stage (only weights move);
+* activation offload: the stage input becomes a named activation ``"stage input"`` placed
+  ``"host"`` (``carry_bytes = 0``): out in the forward, in ``k`` ahead in the backward, a window
+  of ``k+1`` inputs in device memory.
+
+The predicted peak is the planner's ``device_bytes`` of the rewritten costs plus what the
+rewrite took out of its sight: the resident stages' weights and optimizer state, the device
+moments of streamed stages (``optimizer_state_on_host=False``) and, with offload, the live
+carry. The step time and floor are the planner's (steady state of the cyclic schedule).
+
+How it searches (:func:`choose_schedule`): for every ``k``, offload on/off and moments
+host/device, stages are ranked by the bytes a step would not move if that stage were resident,
+per byte it holds (ties: the later stage first, the first the backward needs), and every prefix
+of that ranking is evaluated (``L + 1`` residency sets). The candidate with the lowest predicted
+step whose predicted peak fits the budget wins; ties (within ``1e-9`` relative) go to the simpler
+candidate: without offload (its cost beyond the copies, if any, is not modelled), moments on the
+host, the smaller ``k``, then the smaller peak. A budget no candidate fits
+raises :class:`xla_swap.planning.InfeasibleBudgetError` with the smallest predicted peak.
+
+Choices are cached in memory per ``(stage signatures, input signature, budget, training)``
+(:class:`ChoiceCache`, :data:`CHOICES`); :meth:`ScheduleChoice.observe` records measured step time
+and peak, and :meth:`ScheduleChoice.explain` prints them beside the prediction.
+
+Units: bytes, seconds, GB/s (1e9 bytes/s).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import numbers
+import statistics
+from typing import Hashable, Mapping, Sequence
+
+from xla_swap.planning.planner import GiB, InfeasibleBudgetError, LayerCost, Link, Plan, _as_bytes, evaluate
+from xla_swap.planning.policy import OffloadPolicy, _check_bool
+
+__all__ = ["ScheduleChoice", "evaluate_choice", "choose_schedule", "ChoiceCache", "CHOICES",
+           "STAGE_INPUT", "DEFAULT_MAX_PREFETCH_DEPTH"]
+
+#: The name under which an offloaded stage input appears in the planner's costs.
+STAGE_INPUT = "stage input"
+#: Largest prefetch depth the chooser tries by default.
+DEFAULT_MAX_PREFETCH_DEPTH = 4
+_REL_TIE = 1e-9
+
+
+@dataclasses.dataclass
+class ScheduleChoice:
+    """A ``StreamingRuntime`` configuration with its predictions (bytes, seconds).
+
+    Attributes:
+      prefetch_depth: ``k``, stages streamed ahead.
+      resident: per stage, ``True`` keeps its weights (and optimizer state) in device memory.
+      offload_activations: training: stage inputs through ``pinned_host``.
+      optimizer_state_on_host: the streamed stages' optimizer state in ``pinned_host`` (``True``)
+        or in device memory.
+      training: whether the predictions are of a training step (else of a forward).
+      device_bytes: predicted peak device bytes.
+      step_s: predicted time of a call in a loop (the cyclic schedule's steady state), seconds.
+      floor_s: the planner's floor of that call: ``max(compute, bytes / bandwidth)``, seconds.
+      plan: the planner's :class:`Plan` of the rewritten costs (module docstring).
+      extra_device_bytes: ``{component: bytes}`` added to ``plan.device_bytes`` (resident stages,
+        device moments, live carry).
+      budget_bytes: the budget it was chosen for (``None`` from :func:`evaluate_choice`).
+      candidates: how many candidates the chooser evaluated (0 from :func:`evaluate_choice`).
+      measured_step_s / measured_peak_bytes: the medians of what :meth:`observe` recorded
+        (``None`` until then).
+    """
+
+    prefetch_depth: int
+    resident: tuple
+    offload_activations: bool
+    optimizer_state_on_host: bool
+    training: bool
+    device_bytes: int
+    step_s: float
+    floor_s: float
+    plan: Plan = dataclasses.field(repr=False)
+    extra_device_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    budget_bytes: int | None = None
+    candidates: int = 0
+    measured_step_s: float | None = None
+    measured_peak_bytes: int | None = None
+    _step_samples: list = dataclasses.field(default_factory=list, repr=False)
+    _peak_samples: list = dataclasses.field(default_factory=list, repr=False)
+
+    @property
+    def num_resident(self) -> int:
+        """Number of resident stages."""
+        return sum(self.resident)
+
+    def runtime_kwargs(self) -> dict:
+        """The ``StreamingRuntime`` constructor arguments this schedule decides: ``prefetch_depth``,
+        ``resident`` (a list of bools), ``offload_activations``, ``optimizer_state_on_host``."""
+        return {"prefetch_depth": self.prefetch_depth, "resident": list(self.resident),
+                "offload_activations": self.offload_activations,
+                "optimizer_state_on_host": self.optimizer_state_on_host}
+
+    def same_config(self, other: "ScheduleChoice") -> bool:
+        """Whether ``other`` configures the runtime identically (:meth:`runtime_kwargs` equal)."""
+        return self.runtime_kwargs() == other.runtime_kwargs()
+
+    def observe(self, step_s: float | None = None, peak_bytes: int | None = None) -> None:
+        """Record a measured step (seconds per call in a loop) and/or peak device bytes;
+        ``measured_*`` become the medians of everything recorded.
+
+        Raises: TypeError / ValueError: ``step_s`` not a finite number > 0, ``peak_bytes`` not an
+        int >= 0 (nothing is recorded then).
+        """
+        if step_s is not None:
+            if isinstance(step_s, bool) or not isinstance(step_s, numbers.Real):
+                raise TypeError(f"step_s must be a number of seconds, got {step_s!r}")
+            if not (math.isfinite(step_s) and step_s > 0):
+                raise ValueError(f"step_s must be finite and > 0 seconds, got {step_s!r}")
+        if peak_bytes is not None:
+            peak_bytes = _as_bytes("ScheduleChoice.observe", "peak_bytes", peak_bytes)
+        if step_s is not None:
+            self._step_samples.append(float(step_s))
+            self.measured_step_s = statistics.median(self._step_samples)
+        if peak_bytes is not None:
+            self._peak_samples.append(peak_bytes)
+            self.measured_peak_bytes = int(statistics.median(self._peak_samples))
+
+    def describe(self) -> str:
+        """One line: ``k``, resident stages, offload, where the moments live."""
+        res = [i for i, r in enumerate(self.resident) if r]
+        return (f"k={self.prefetch_depth}, resident {len(res)}/{len(self.resident)} {res}, "
+                f"offload_activations={self.offload_activations}, "
+                f"optimizer state {'pinned_host' if self.optimizer_state_on_host else 'device'}")
+
+    def explain(self) -> str:
+        """Printable: the configuration, predicted against measured (step, peak, ratios), the
+        budget, then the planner's own table (:meth:`Plan.explain`) of the rewritten costs."""
+        lines = [f"schedule: {self.describe()}",
+                 f"{'training step' if self.training else 'forward'}: predicted {self.step_s:.4f} s "
+                 f"(floor {self.floor_s:.4f} s, {self.step_s / self.floor_s if self.floor_s else 1.0:.3f}x), "
+                 f"peak {self.device_bytes} bytes ({self.device_bytes / GiB:.3f} GiB)"]
+        if self.budget_bytes is not None:
+            lines.append(f"budget {self.budget_bytes} bytes ({self.budget_bytes / GiB:.3f} GiB), "
+                         f"{self.candidates} candidates evaluated")
+        if self.measured_step_s is not None:
+            lines.append(f"measured step {self.measured_step_s:.4f} s = {self.measured_step_s / self.step_s:.3f}x "
+                         f"predicted ({len(self._step_samples)} samples)")
+        else:
+            lines.append("measured step: not yet (ScheduleChoice.observe)")
+        if self.measured_peak_bytes is not None:
+            lines.append(f"measured peak {self.measured_peak_bytes} bytes ({self.measured_peak_bytes / GiB:.3f} GiB)"
+                         f" = {self.measured_peak_bytes / self.device_bytes:.3f}x predicted")
+        else:
+            lines.append("measured peak: not yet (ScheduleChoice.observe)")
+        if self.extra_device_bytes:
+            lines.append("device bytes beside the planner's: " + ", ".join(
+                f"{k} {v} ({v / GiB:.3f} GiB)" for k, v in self.extra_device_bytes.items()))
+        return "\n".join(lines + ["", self.plan.explain()])
+
+
+def _check_costs(costs) -> list:
+    if isinstance(costs, (str, bytes)) or not isinstance(costs, Sequence) or not costs:
+        raise TypeError("costs must be a non-empty sequence of LayerCost (one per stage)")
+    for i, c in enumerate(costs):
+        if not isinstance(c, LayerCost):
+            raise TypeError(f"costs[{i}] must be a LayerCost, got {type(c).__name__}")
+    return list(costs)
+
+
+def _check_resident(resident, n: int) -> tuple:
+    if resident is None:
+        return (False,) * n
+    if isinstance(resident, (str, bytes)) or not isinstance(resident, Sequence) or len(resident) != n \
+            or not all(isinstance(r, bool) for r in resident):
+        raise ValueError(f"resident must be a sequence of {n} bools (one per stage), got {resident!r}")
+    return tuple(resident)
+
+
+def _check_depth(name: str, k) -> int:
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= 16:
+        raise ValueError(f"{name} must be an int in 1..16, got {k!r}")
+    return int(k)
+
+
+def _rewrite(costs: list, resident: tuple, offload: bool, moments_on_host: bool) -> tuple[list, dict]:
+    """The per-stage costs the planner sees for a candidate, and the device bytes taken out of its sight."""
+    out, extra = [], {}
+    for c, r in zip(costs, resident):
+        kw = {"param_bytes": 0 if r else c.param_bytes,
+              "optimizer_bytes": 0 if (r or not moments_on_host) else c.optimizer_bytes,
+              "working_bytes": c.working_bytes}
+        if offload:
+            kw["activations"] = {**c.activations, STAGE_INPUT: c.carry_bytes}
+            kw["carry_bytes"] = 0
+        out.append(dataclasses.replace(c, grad_bytes=c.grad_bytes, host_update_bytes=c.host_update_bytes, **kw))
+    res_w = sum(c.param_bytes + c.optimizer_bytes for c, r in zip(costs, resident) if r)
+    if res_w:
+        extra["resident stages (weights + optimizer state)"] = res_w
+    if not moments_on_host:
+        dev_m = sum(c.optimizer_bytes for c, r in zip(costs, resident) if not r)
+        if dev_m:
+            extra["optimizer state of streamed stages"] = dev_m
+    if offload:
+        extra["carry"] = max(c.carry_bytes for c in costs)
+    return out, extra
+
+
+def evaluate_choice(costs: Sequence[LayerCost], link: Link, *, prefetch_depth: int,
+                      resident: Sequence[bool] | None = None, offload_activations: bool = False,
+                      optimizer_state_on_host: bool = True, training: bool = True, remat: bool = True) -> ScheduleChoice:
+    """Predict peak device bytes and step time of one ``StreamingRuntime`` configuration.
+
+    Args:
+      costs: one :class:`LayerCost` per stage (e.g. ``Calibration.costs``): ``optimizer_bytes``
+        is the stage's optimizer state (0 without an optimizer), ``forward_s`` / ``backward_factor``
+        the measured compute (the backward's time excluding the recompute that ``remat`` adds).
+      link: the measured :class:`Link` (GB/s).
+      prefetch_depth: ``k`` (1..16).
+      resident: per stage, kept in device memory (default: none).
+      offload_activations: training: stage inputs through ``pinned_host``.
+      optimizer_state_on_host: streamed stages' optimizer state in ``pinned_host``.
+      training: a training step (forward + backward + fused update) or a forward.
+      remat: whether the runtime recomputes each stage in its backward (``remat=True``).
+
+    Returns: a :class:`ScheduleChoice` (``budget_bytes`` ``None``).
+
+    Raises: TypeError / ValueError naming the argument (``costs`` not LayerCosts, ``resident``
+      of the wrong length, ``prefetch_depth`` out of range, a flag not a bool).
+    """
+    costs = _check_costs(costs)
+    if not isinstance(link, Link):
+        raise TypeError(f"link must be a Link, got {type(link).__name__}")
+    k = _check_depth("prefetch_depth", prefetch_depth)
+    resident = _check_resident(resident, len(costs))
+    for name, v in (("offload_activations", offload_activations), ("optimizer_state_on_host",
+                    optimizer_state_on_host), ("training", training), ("remat", remat)):
+        _check_bool(name, v)
+    return _evaluate(costs, link, k, resident, bool(offload_activations and training), bool(optimizer_state_on_host),
+                     bool(training), bool(remat))
+
+
+def _evaluate(costs, link, k, resident, offload, moments_on_host, training, remat) -> ScheduleChoice:
+    rewritten, extra = _rewrite(costs, resident, offload, moments_on_host)
+    policy = OffloadPolicy(params="host", grads="host" if training else "device",
+                           optimizer_state="host" if training else "device",
+                           activations={STAGE_INPUT: "host"} if offload else {}, remat=remat and training,
+                           prefetch_depth=k)
+    p = evaluate(policy, rewritten, link=link, training=training,
+                 optimizer_mode="streamed" if training else None)
+    return ScheduleChoice(prefetch_depth=k, resident=resident, offload_activations=offload,
+                    optimizer_state_on_host=moments_on_host, training=training,
+                    device_bytes=p.device_bytes + sum(extra.values()), step_s=p.step_s, floor_s=p.floor_s, plan=p,
+                    extra_device_bytes=extra)
+
+
+def _ranking(costs: list, k: int, training: bool, moments_on_host: bool) -> list[int]:
+    """Stages in the order the chooser makes them resident: bytes a call would not move, per byte held."""
+    L = len(costs)
+    gain = []
+    for i, c in enumerate(costs):
+        held = c.param_bytes + c.optimizer_bytes
+        if training:   # steady state: forward in unless kept from the last step, backward in unless kept at the turn
+            moved = c.param_bytes * ((i >= min(k + 1, L) or i == k) + (i < L - min(k, L)))
+            moved += c.param_bytes + (2 * c.optimizer_bytes if moments_on_host else 0)   # out; moments in + out
+        else:
+            moved = c.param_bytes
+        gain.append((moved / held if held else 0.0, i))
+    return [i for _, i in sorted(gain, key=lambda t: (-t[0], -t[1]))]
+
+
+def choose_schedule(costs: Sequence[LayerCost], link: Link, budget_bytes: int, *, training: bool = True,
+                    remat: bool = True, max_prefetch_depth: int = DEFAULT_MAX_PREFETCH_DEPTH,
+                    allow_offload: bool = True, allow_device_optimizer_state: bool = True) -> ScheduleChoice:
+    """The fastest predicted ``StreamingRuntime`` configuration whose predicted peak fits ``budget_bytes``.
+
+    Args:
+      costs, link, training, remat: as for :func:`evaluate_choice`.
+      budget_bytes: device memory in bytes (int > 0) for everything the runtime holds: weights,
+        optimizer state, activations, temporaries.
+      max_prefetch_depth: largest ``k`` tried (1..16; capped at the number of stages).
+      allow_offload: try ``offload_activations=True`` (training).
+      allow_device_optimizer_state: try the streamed stages' optimizer state in device memory.
+
+    Returns: the chosen :class:`ScheduleChoice` (``budget_bytes`` and ``candidates`` set). Everything
+      fits: every stage resident. Nothing but the streaming window fits: no stage resident.
+
+    Raises:
+      InfeasibleBudgetError: no candidate's predicted peak fits; ``.min_budget_bytes`` is the
+        smallest predicted peak (bytes) of the search space.
+      TypeError / ValueError: bad arguments, naming them.
+    """
+    costs = _check_costs(costs)
+    if not isinstance(link, Link):
+        raise TypeError(f"link must be a Link, got {type(link).__name__}")
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Integral) or budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be a positive int (bytes), got {budget_bytes!r}")
+    kmax = _check_depth("max_prefetch_depth", max_prefetch_depth)
+    for name, v in (("training", training), ("remat", remat), ("allow_offload", allow_offload),
+                    ("allow_device_optimizer_state", allow_device_optimizer_state)):
+        _check_bool(name, v)
+    training, remat = bool(training), bool(remat)
+    L = len(costs)
+    has_state = training and any(c.optimizer_bytes for c in costs)
+    best, smallest, n = None, None, 0
+    for k in range(1, min(kmax, L) + 1):
+        for offload in ((False, True) if (training and allow_offload) else (False,)):
+            for on_host in ((True, False) if (has_state and allow_device_optimizer_state) else (True,)):
+                order = _ranking(costs, k, training, on_host)
+                resident = [False] * L
+                for r in range(L + 1):
+                    if r:
+                        resident[order[r - 1]] = True
+                    s = _evaluate(costs, link, k, tuple(resident), offload, on_host, training, remat)
+                    n += 1
+                    if smallest is None or s.device_bytes < smallest.device_bytes:
+                        smallest = s
+                    if s.device_bytes > budget_bytes:
+                        continue
+                    if best is None or _better(s, best):
+                        best = s
+    if best is None:
+        pol = smallest.plan.policy
+        raise InfeasibleBudgetError(int(budget_bytes), smallest.device_bytes, pol)
+    best.budget_bytes, best.candidates = int(budget_bytes), n
+    return best
+
+
+def _better(a: ScheduleChoice, b: ScheduleChoice) -> bool:
+    if a.step_s < b.step_s * (1 - _REL_TIE):
+        return True
+    if a.step_s > b.step_s * (1 + _REL_TIE):
+        return False
+    ka = (a.offload_activations, not a.optimizer_state_on_host, a.prefetch_depth, a.device_bytes)
+    kb = (b.offload_activations, not b.optimizer_state_on_host, b.prefetch_depth, b.device_bytes)
+    return ka < kb
+
+
+class ChoiceCache:
+    """Chosen schedules kept in memory, keyed by ``(stage signatures, input signature, budget bytes,
+    training)`` (any hashables the caller derives; ``xla_swap.executors.calibrate`` uses the
+    stages' parameter and input shapes and dtypes), least recently used dropped beyond ``maxsize``.
+
+    Raises: ValueError: ``maxsize`` not an int >= 1.
+    """
+
+    def __init__(self, maxsize: int = 64):
+        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1:
+            raise ValueError(f"maxsize must be an int >= 1, got {maxsize!r}")
+        self.maxsize = maxsize
+        self._d: collections.OrderedDict = collections.OrderedDict()
+
+    @staticmethod
+    def key(stage_signatures: Hashable, input_signature: Hashable, budget_bytes: int, training: bool) -> tuple:
+        """The cache key; raises TypeError when a part is not hashable."""
+        k = (stage_signatures, input_signature, int(budget_bytes), bool(training))
+        hash(k)
+        return k
+
+    def get(self, key) -> ScheduleChoice | None:
+        """The schedule cached under ``key`` (marked most recently used), or ``None``."""
+        s = self._d.get(key)
+        if s is not None:
+            self._d.move_to_end(key)
+        return s
+
+    def put(self, key, schedule: ScheduleChoice) -> None:
+        """Cache ``schedule`` under ``key``. Raises TypeError: not a :class:`ScheduleChoice`."""
+        if not isinstance(schedule, ScheduleChoice):
+            raise TypeError(f"schedule must be a ScheduleChoice, got {type(schedule).__name__}")
+        self._d[key] = schedule
+        self._d.move_to_end(key)
+        while len(self._d) > self.maxsize:
+            self._d.popitem(last=False)
+
+    def clear(self) -> None:
+        """Forget every cached schedule."""
+        self._d.clear()
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+#: The process-wide cache used by ``xla_swap.executors.calibrate.autotune`` and ``SwappedStack.autotune``.
+CHOICES = ChoiceCache()
