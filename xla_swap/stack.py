@@ -551,6 +551,38 @@ class SwappedStack:
                 else:
                     params[n].grad.add_(gt)
 
+    def autotune(self, inputs, *, budget_bytes: int, training: bool = True, reps: int = 3, **choose_kwargs):
+        """Choose prefetch depth, resident stages, activation offload and where the optimizer state
+        lives from a short measurement on the device, and run the stack with that choice from now on.
+
+        ``xla_swap.executors.calibrate.autotune`` measures the link and each distinct stage's
+        forward and backward (a few calls), ``xla_swap.planning.chooser.choose_schedule`` picks
+        the fastest predicted configuration whose predicted peak fits, cached per stage
+        signatures, input shapes, budget and mode; ``self.runtime`` is replaced by one running it
+        (weights, optimizer state and step carried over). The runtime stays ``StreamingRuntime``
+        (``InGraphRuntime`` has no training step).
+
+        Args:
+          inputs: a torch tensor or a tuple of them, as for ``train_step`` / ``forward`` (their
+            shapes fix the stages' shapes; the values are not used).
+          budget_bytes: device memory in bytes (int > 0) for *everything* the stack holds on the
+            device (weights, optimizer state, activations, temporaries), unlike the constructor's
+            ``budget_bytes`` (weights and optimizer state).
+          training: choose for ``train_step`` (default) or ``forward``.
+          reps: timed calls per measured figure.
+          **choose_kwargs: ``max_prefetch_depth``, ``allow_offload``, ``allow_device_optimizer_state``.
+
+        Returns: the ``xla_swap.planning.chooser.ScheduleChoice`` (``.explain()``; ``.observe(step_s,
+        peak_bytes)`` records measured figures beside the prediction).
+
+        Raises: ``xla_swap.planning.InfeasibleBudgetError`` (a ``ValueError``) when nothing fits,
+          ``ValueError`` / ``TypeError`` for bad arguments; the stack is unchanged then.
+        """
+        from xla_swap.executors.calibrate import autotune
+        x = self._carry_in(inputs if isinstance(inputs, (tuple, list)) else (inputs,))
+        self.runtime, choice = autotune(self.runtime, x, budget_bytes, training=training, reps=reps, **choose_kwargs)
+        return choice
+
     # ------------------------------------------------------------------ weights
     def state_dicts(self) -> list[dict[str, torch.Tensor]]:
         """The current weights of every stage as CPU torch tensors: ``[{name: tensor}, ...]`` (copies).
