@@ -1,0 +1,4 @@
+"""``python -m benchmarks.gpu_stack``: see the package docstring and ``--help``."""
+from .cli import main
+
+main()
