@@ -313,7 +313,7 @@ def autotune(runtime: StreamingRuntime, h, budget_bytes: int, *, training: bool 
     current = {"prefetch_depth": runtime.prefetch_depth, "resident": list(runtime.resident),
                "offload_activations": runtime.offload_activations,
                "optimizer_state_on_host": runtime.optimizer_state_on_host}
-    if current == choice.runtime_kwargs():
+    if choice.same_config(current):
         return runtime, choice
     return reconfigure(runtime, choice), choice
 

@@ -717,6 +717,210 @@ def placements_for_policy(policy, parameters=None, *, weights=(), grad_results=N
 # ---------------------------------------------------------------------------------------
 # the executor
 # ---------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------
+# the steps of PjrtExecutor.__init__: read the entry signature, resolve placements and
+# devices, rewrite @main's attributes (all inside one MLIR context)
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Entry:
+    """The ``@main`` function of a parsed module: its signature and its argument / result attributes.
+
+    Attributes:
+      main: the ``func.func`` operation.
+      metas / out_metas: per parameter / result, ``(shape tuple, numpy dtype)``.
+      arg_attrs / res_attrs: per parameter / result, a dict of its MLIR attributes (name -> Attribute).
+    """
+    main: Any
+    metas: list
+    out_metas: list
+    arg_attrs: list
+    res_attrs: list
+
+
+def _read_entry(mod: ir.Module) -> _Entry:
+    """The entry function of ``mod`` with its parameter and result shapes, dtypes and attributes.
+
+    Raises: ValueError: the module has no entry function, or a parameter / result is not a
+      ranked tensor of a known element type (named ``parameter i`` / ``result i``).
+    """
+    main = _entry_func(mod)
+    ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
+    n_in, n_out = len(ftype.inputs), len(ftype.results)
+    return _Entry(main=main,
+                  metas=[_tensor_meta(t, f"parameter {i}") for i, t in enumerate(ftype.inputs)],
+                  out_metas=[_tensor_meta(t, f"result {i}") for i, t in enumerate(ftype.results)],
+                  arg_attrs=_attr_dicts(main, "arg_attrs", n_in), res_attrs=_attr_dicts(main, "res_attrs", n_out))
+
+
+def _requested_placements(src: _Source, entry: _Entry, placements: dict, result_memory_kinds: dict):
+    """Per parameter, the requested memory kind and sharding spec (HLO string, jax Sharding or ``None``).
+
+    A parameter not in ``placements`` keeps the memory kind the module declares (a jax lowering's),
+    else ``"device"``, and its own sharding (spec ``None``).
+
+    Returns: ``(kinds, shard_specs)``, two lists with one entry per entry parameter.
+
+    Raises:
+      ValueError: an index of ``placements`` / ``result_memory_kinds`` that does not exist; an
+        unknown memory kind (requested or declared by the module).
+      TypeError: a placement value or its sharding of the wrong type.
+    """
+    n_in, n_out = len(entry.metas), len(entry.out_metas)
+    _check_index_keys(placements, "placements", n_in, "parameter", "entry parameter(s)")
+    _check_index_keys(result_memory_kinds, "result_memory_kinds", n_out, "result", "result(s)")
+    for i, kind in result_memory_kinds.items():
+        if not isinstance(kind, str) or kind not in MEMORY_KINDS:
+            raise ValueError(f"result_memory_kinds[{i}]: unknown memory kind {kind!r}; expected one of "
+                             f"{MEMORY_KINDS}")
+    kinds, shard_specs = [], []
+    for i in range(n_in):
+        kind = (src.arg_memory_kinds[i] if i < len(src.arg_memory_kinds) else None) or DEVICE
+        spec = None
+        p = placements.get(i)
+        if p is not None:
+            if isinstance(p, str):
+                kind = p
+            elif isinstance(p, ParameterPlacement):
+                kind, spec = p.memory_kind, p.sharding
+            elif isinstance(p, jax.sharding.Sharding):
+                kind, spec = p.memory_kind or DEVICE, p
+            else:
+                raise TypeError(f"placements[{i}]: expected 'device', 'pinned_host', a ParameterPlacement "
+                                f"or a jax Sharding, got {type(p).__name__}")
+        if kind not in MEMORY_KINDS:
+            where = f"placements[{i}]" if p is not None else f"parameter {i} (memory kind set by the module)"
+            raise ValueError(f"{where}: unknown memory kind {kind!r}; expected one of {MEMORY_KINDS}")
+        if spec is not None and not isinstance(spec, (str, jax.sharding.Sharding)):
+            raise TypeError(f"placements[{i}]: sharding must be an HLO sharding string or a jax Sharding, "
+                            f"got {type(spec).__name__}")
+        kinds.append(kind)
+        shard_specs.append(spec)
+    return kinds, shard_specs
+
+
+def _parameter_shardings(entry: _Entry, shard_specs: list) -> list:
+    """Per parameter, its HLO sharding: from the requested spec, else the module's ``mhlo.sharding``, else ``None``.
+
+    Raises: ValueError: an invalid sharding string, or one whose rank differs from the parameter's.
+    """
+    out = []
+    for i, spec in enumerate(shard_specs):
+        where = f"placements[{i}]" if spec is not None else f"parameter {i}"
+        if isinstance(spec, jax.sharding.Sharding):
+            hs = _cj.sharding_to_hlo(spec, len(entry.metas[i][0]))
+        else:
+            text = spec if isinstance(spec, str) else _str_attr(entry.arg_attrs[i], "mhlo.sharding")
+            hs = _parse_hlo_sharding(text, where) if text else None
+        if hs is not None:
+            _check_rank(hs, entry.metas[i][0], where)
+        out.append(hs)
+    return out
+
+
+def _resolve_devices(src: _Source, entry: _Entry, devices, shard_specs: list, hlo_shardings: list) -> tuple:
+    """The devices to compile for: ``devices`` checked against the shardings, or the first N of
+    ``jax.devices()`` where N is the device count the module's shardings / ``mhlo.num_partitions`` name.
+
+    Raises: ValueError: the device count or order the module cannot use, duplicates, several
+      platforms, a sharding that splits a dimension unevenly (messages as :class:`PjrtExecutor`'s).
+    """
+    needed = max([_devices_needed(h) for h in hlo_shardings if h is not None] + [0])
+    for a in entry.res_attrs:
+        text = _str_attr(a, "mhlo.sharding")
+        if text:
+            needed = max(needed, _devices_needed(_parse_hlo_sharding(text, "module result")))
+    if src.num_partitions and src.num_partitions > 1:
+        needed = max(needed, src.num_partitions)
+    for spec in shard_specs:
+        if isinstance(spec, jax.sharding.Sharding) and not spec.is_fully_replicated:
+            needed = max(needed, len(_cj.sharding_devices(spec)))
+    if devices is None:
+        available = jax.devices()
+        n = max(needed, 1)
+        if n > len(available):
+            raise ValueError(f"devices: the module is partitioned over {n} devices, but only "
+                             f"{len(available)} {available[0].platform} device(s) are available")
+        devices = tuple(available[:n])
+    if not devices or not all(isinstance(d, jax.Device) for d in devices):
+        raise ValueError(f"devices: expected a non-empty sequence of jax devices, got {devices!r}")
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"devices: duplicate devices in {devices}")
+    if len({d.platform for d in devices}) != 1:
+        raise ValueError(f"devices: all devices must be of one platform, got {devices}")
+    n = len(devices)
+    if n > len(jax.devices(devices[0].platform)):
+        raise ValueError(f"devices: {n} devices given, but only {len(jax.devices(devices[0].platform))} "
+                         f"are available")
+    if src.num_partitions and src.num_partitions > 1 and n != src.num_partitions:
+        raise ValueError(f"devices: the module declares mhlo.num_partitions={src.num_partitions}, "
+                         f"but {n} device(s) were given")
+    for i, hs in enumerate(hlo_shardings):
+        if hs is None:
+            continue
+        k = _devices_needed(hs)
+        if _is_tiled(hs) and k != n:
+            raise ValueError(f"devices: parameter {i} is sharded {hs} over {k} devices, but {n} device(s) "
+                             f"were given; pass {k} devices")
+        if not _is_tiled(hs) and k > n:
+            raise ValueError(f"devices: parameter {i} is placed on {hs}, but only {n} device(s) were given")
+        _check_even(hs, entry.metas[i][0], f"placements[{i}]" if shard_specs[i] is not None else f"parameter {i}")
+    for i, spec in enumerate(shard_specs):
+        if isinstance(spec, jax.sharding.Sharding) and not spec.is_fully_replicated \
+                and _cj.sharding_devices(spec) != devices:
+            raise ValueError(f"placements[{i}]: the sharding's devices {_cj.sharding_devices(spec)} "
+                             f"differ from the executor's devices {devices} (order matters)")
+    return devices
+
+
+def _check_supported_kinds(src: _Source, entry: _Entry, devices: tuple, kinds: list,
+                           result_memory_kinds: dict) -> list:
+    """Check that ``devices`` have every parameter's and result's memory kind.
+
+    Returns: per result, its memory kind (requested, else declared by the module, else ``None``).
+
+    Raises: ValueError: a memory kind the devices lack (naming the parameter or result).
+    """
+    mem_kinds = {m.kind for m in devices[0].addressable_memories()}
+    for i, kind in enumerate(kinds):
+        if kind not in mem_kinds:
+            raise ValueError(f"placements[{i}]: memory kind {kind!r} is not supported by "
+                             f"{devices[0].platform} devices (they have {sorted(mem_kinds)})")
+    res_kinds = [result_memory_kinds.get(i) or (src.result_memory_kinds[i]
+                                                if i < len(src.result_memory_kinds) else None)
+                 for i in range(len(entry.out_metas))]
+    for i, kind in enumerate(res_kinds):
+        if kind is not None and kind not in mem_kinds:
+            where = f"result_memory_kinds[{i}]" if i in result_memory_kinds else f"result {i}"
+            raise ValueError(f"{where}: memory kind {kind!r} is not supported by {devices[0].platform} "
+                             f"devices (they have {sorted(mem_kinds)})")
+    return res_kinds
+
+
+def _set_entry_attributes(entry: _Entry, kinds: list, shard_specs: list, hlo_shardings: list,
+                          result_memory_kinds: dict, res_kinds: list) -> None:
+    """Write ``mhlo.memory_kind`` and ``mhlo.sharding`` on ``@main``'s arguments, and the requested
+    ``mhlo.memory_kind`` on its results (in place; a replaced sharding's stale Shardy copy is dropped)."""
+    new_arg_attrs = []
+    for i, entries in enumerate(entry.arg_attrs):
+        entries = dict(entries)
+        entries["mhlo.memory_kind"] = ir.StringAttr.get(kinds[i])
+        if hlo_shardings[i] is not None:
+            entries["mhlo.sharding"] = ir.StringAttr.get(str(hlo_shardings[i]))
+            if shard_specs[i] is not None and "mhlo.frontend_attributes" in entries:
+                fa = _dict_entries(entries["mhlo.frontend_attributes"])
+                fa.pop("xla.sdy.sharding", None)  # stale Shardy copy of the replaced sharding
+                entries["mhlo.frontend_attributes"] = ir.DictAttr.get(fa)
+        new_arg_attrs.append(ir.DictAttr.get(entries))
+    entry.main.attributes["arg_attrs"] = ir.ArrayAttr.get(new_arg_attrs)
+    new_res_attrs = []
+    for i, entries in enumerate(entry.res_attrs):
+        entries = dict(entries)
+        if i in result_memory_kinds or (res_kinds[i] and "mhlo.memory_kind" not in entries):
+            entries["mhlo.memory_kind"] = ir.StringAttr.get(res_kinds[i])
+        new_res_attrs.append(ir.DictAttr.get(entries))
+    entry.main.attributes["res_attrs"] = ir.ArrayAttr.get(new_res_attrs)
+
+
 class PjrtExecutor:
     """A lowered XLA module compiled with PJRT (jaxlib) for CPU or NVIDIA GPU, SPMD over N devices.
 
@@ -795,160 +999,54 @@ class PjrtExecutor:
         self.transfer_count = 0
         with _cj.make_ir_context() as ctx, ir.Location.unknown(ctx):
             mod = ir.Module.parse(src.mlir)
-            main = _entry_func(mod)
-            ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
-            n_in, n_out = len(ftype.inputs), len(ftype.results)
-            metas = [_tensor_meta(t, f"parameter {i}") for i, t in enumerate(ftype.inputs)]
-            out_metas = [_tensor_meta(t, f"result {i}") for i, t in enumerate(ftype.results)]
-            arg_attrs = _attr_dicts(main, "arg_attrs", n_in)
-            res_attrs = _attr_dicts(main, "res_attrs", n_out)
+            entry = _read_entry(mod)
             _refuse_host_callbacks(mod)
-
-            # -- placements: validate everything before touching anything ----------------
-            _check_index_keys(placements, "placements", n_in, "parameter", "entry parameter(s)")
-            _check_index_keys(result_memory_kinds, "result_memory_kinds", n_out, "result", "result(s)")
-            for i, kind in result_memory_kinds.items():
-                if not isinstance(kind, str) or kind not in MEMORY_KINDS:
-                    raise ValueError(f"result_memory_kinds[{i}]: unknown memory kind {kind!r}; expected one of "
-                                     f"{MEMORY_KINDS}")
-            kinds, shard_specs = [], []   # per parameter: memory kind, (hlo string | jax Sharding | None)
-            for i in range(n_in):
-                kind = (src.arg_memory_kinds[i] if i < len(src.arg_memory_kinds) else None) or DEVICE
-                spec = None
-                p = placements.get(i)
-                if p is not None:
-                    if isinstance(p, str):
-                        kind = p
-                    elif isinstance(p, ParameterPlacement):
-                        kind, spec = p.memory_kind, p.sharding
-                    elif isinstance(p, jax.sharding.Sharding):
-                        kind, spec = p.memory_kind or DEVICE, p
-                    else:
-                        raise TypeError(f"placements[{i}]: expected 'device', 'pinned_host', a ParameterPlacement "
-                                        f"or a jax Sharding, got {type(p).__name__}")
-                if kind not in MEMORY_KINDS:
-                    where = f"placements[{i}]" if p is not None else f"parameter {i} (memory kind set by the module)"
-                    raise ValueError(f"{where}: unknown memory kind {kind!r}; expected one of {MEMORY_KINDS}")
-                if spec is not None and not isinstance(spec, (str, jax.sharding.Sharding)):
-                    raise TypeError(f"placements[{i}]: sharding must be an HLO sharding string or a jax Sharding, "
-                                    f"got {type(spec).__name__}")
-                kinds.append(kind)
-                shard_specs.append(spec)
-
-            hlo_shardings = []
-            for i in range(n_in):
-                spec = shard_specs[i]
-                where = f"placements[{i}]" if spec is not None else f"parameter {i}"
-                if isinstance(spec, jax.sharding.Sharding):
-                    hs = _cj.sharding_to_hlo(spec, len(metas[i][0]))
-                else:
-                    text = spec if isinstance(spec, str) else _str_attr(arg_attrs[i], "mhlo.sharding")
-                    hs = _parse_hlo_sharding(text, where) if text else None
-                if hs is not None:
-                    _check_rank(hs, metas[i][0], where)
-                hlo_shardings.append(hs)
-
-            # -- devices -----------------------------------------------------------------
-            needed = max([_devices_needed(h) for h in hlo_shardings if h is not None] + [0])
-            for a in res_attrs:
-                text = _str_attr(a, "mhlo.sharding")
-                if text:
-                    needed = max(needed, _devices_needed(_parse_hlo_sharding(text, "module result")))
-            if src.num_partitions and src.num_partitions > 1:
-                needed = max(needed, src.num_partitions)
-            for spec in shard_specs:
-                if isinstance(spec, jax.sharding.Sharding) and not spec.is_fully_replicated:
-                    needed = max(needed, len(_cj.sharding_devices(spec)))
-            if devices is None:
-                available = jax.devices()
-                n = max(needed, 1)
-                if n > len(available):
-                    raise ValueError(f"devices: the module is partitioned over {n} devices, but only "
-                                     f"{len(available)} {available[0].platform} device(s) are available")
-                devices = tuple(available[:n])
-            if not devices or not all(isinstance(d, jax.Device) for d in devices):
-                raise ValueError(f"devices: expected a non-empty sequence of jax devices, got {devices!r}")
-            if len(set(devices)) != len(devices):
-                raise ValueError(f"devices: duplicate devices in {devices}")
-            if len({d.platform for d in devices}) != 1:
-                raise ValueError(f"devices: all devices must be of one platform, got {devices}")
-            n = len(devices)
-            if n > len(jax.devices(devices[0].platform)):
-                raise ValueError(f"devices: {n} devices given, but only {len(jax.devices(devices[0].platform))} "
-                                 f"are available")
-            if src.num_partitions and src.num_partitions > 1 and n != src.num_partitions:
-                raise ValueError(f"devices: the module declares mhlo.num_partitions={src.num_partitions}, "
-                                 f"but {n} device(s) were given")
-            for i, hs in enumerate(hlo_shardings):
-                if hs is None:
-                    continue
-                k = _devices_needed(hs)
-                if _is_tiled(hs) and k != n:
-                    raise ValueError(f"devices: parameter {i} is sharded {hs} over {k} devices, but {n} device(s) "
-                                     f"were given; pass {k} devices")
-                if not _is_tiled(hs) and k > n:
-                    raise ValueError(f"devices: parameter {i} is placed on {hs}, but only {n} device(s) were given")
-                _check_even(hs, metas[i][0], f"placements[{i}]" if shard_specs[i] is not None else f"parameter {i}")
-            for i, spec in enumerate(shard_specs):
-                if isinstance(spec, jax.sharding.Sharding) and not spec.is_fully_replicated \
-                        and _cj.sharding_devices(spec) != devices:
-                    raise ValueError(f"placements[{i}]: the sharding's devices {_cj.sharding_devices(spec)} "
-                                     f"differ from the executor's devices {devices} (order matters)")
-            mem_kinds = {m.kind for m in devices[0].addressable_memories()}
-            for i, kind in enumerate(kinds):
-                if kind not in mem_kinds:
-                    raise ValueError(f"placements[{i}]: memory kind {kind!r} is not supported by "
-                                     f"{devices[0].platform} devices (they have {sorted(mem_kinds)})")
-            res_kinds = [result_memory_kinds.get(i) or (src.result_memory_kinds[i]
-                                                        if i < len(src.result_memory_kinds) else None)
-                         for i in range(n_out)]
-            for i, kind in enumerate(res_kinds):
-                if kind is not None and kind not in mem_kinds:
-                    where = f"result_memory_kinds[{i}]" if i in result_memory_kinds else f"result {i}"
-                    raise ValueError(f"{where}: memory kind {kind!r} is not supported by {devices[0].platform} "
-                                     f"devices (they have {sorted(mem_kinds)})")
-            if n > 1:
+            kinds, shard_specs = _requested_placements(src, entry, placements, result_memory_kinds)
+            hlo_shardings = _parameter_shardings(entry, shard_specs)
+            devices = _resolve_devices(src, entry, devices, shard_specs, hlo_shardings)
+            res_kinds = _check_supported_kinds(src, entry, devices, kinds, result_memory_kinds)
+            if len(devices) > 1:
                 hlo_shardings = [hs if hs is not None else _cj.replicated_hlo_sharding() for hs in hlo_shardings]
-
-            # -- rewrite the module: no donation, @main's argument and result attributes -----
             #: indices of the parameters the module itself donated (its input/output aliases),
             #: compiled WITHOUT donation: the caller's arrays are never deleted by a call.
-            self.donated_parameters = _strip_donation(mod, arg_attrs)
-            new_arg_attrs = []
-            for i, entries in enumerate(arg_attrs):
-                entries = dict(entries)
-                entries["mhlo.memory_kind"] = ir.StringAttr.get(kinds[i])
-                if hlo_shardings[i] is not None:
-                    entries["mhlo.sharding"] = ir.StringAttr.get(str(hlo_shardings[i]))
-                    if shard_specs[i] is not None and "mhlo.frontend_attributes" in entries:
-                        fa = _dict_entries(entries["mhlo.frontend_attributes"])
-                        fa.pop("xla.sdy.sharding", None)  # stale Shardy copy of the replaced sharding
-                        entries["mhlo.frontend_attributes"] = ir.DictAttr.get(fa)
-                new_arg_attrs.append(ir.DictAttr.get(entries))
-            main.attributes["arg_attrs"] = ir.ArrayAttr.get(new_arg_attrs)
-            new_res_attrs = []
-            for i, entries in enumerate(res_attrs):
-                entries = dict(entries)
-                if i in result_memory_kinds or (res_kinds[i] and "mhlo.memory_kind" not in entries):
-                    entries["mhlo.memory_kind"] = ir.StringAttr.get(res_kinds[i])
-                new_res_attrs.append(ir.DictAttr.get(entries))
-            main.attributes["res_attrs"] = ir.ArrayAttr.get(new_res_attrs)
-            res_has_sharding = [_str_attr(a, "mhlo.sharding") is not None for a in res_attrs]
-            bytecode = _cj.module_to_bytecode(mod)
-        self._bytecode = bytecode
+            self.donated_parameters = _strip_donation(mod, entry.arg_attrs)
+            _set_entry_attributes(entry, kinds, shard_specs, hlo_shardings, result_memory_kinds, res_kinds)
+            res_has_sharding = [_str_attr(a, "mhlo.sharding") is not None for a in entry.res_attrs]
+            self._bytecode = _cj.module_to_bytecode(mod)
+        self._compile(devices, kinds, res_has_sharding)
+        self._describe_signature(entry, kinds, shard_specs, hlo_shardings)
+        if host_memory_limit_bytes == _AUTO:
+            host_memory_limit_bytes = _default_host_limit(self.platform)
+        self.host_memory_limit_bytes = host_memory_limit_bytes
+        self._report = None
+        log.info("compiled PJRT executable: %d parameter(s) (%d in pinned_host), %d result(s), %d %s device(s)",
+                 len(entry.metas), kinds.count(PINNED_HOST), len(entry.out_metas), len(devices), self.platform)
 
-        # -- compile ---------------------------------------------------------------------
+    def _compile(self, devices: tuple, kinds: list, res_has_sharding: list) -> None:
+        """Compile the rewritten module (``self._bytecode``) for ``devices`` with GSPMD partitioning.
+
+        Sets ``devices``, ``platform``, the loaded executable and its optimized HLO text.
+
+        Raises: jax.errors.JaxRuntimeError: XLA rejected the module.
+        """
         self.devices = devices
         self.platform = devices[0].platform
         log.debug("compiling %d-parameter module for %d %s device(s); memory kinds %s",
-                  n_in, n, self.platform, kinds)
-        # GSPMD (use_shardy_partitioner=False), parameter shardings kept as set above.
-        self._exe = _cj.compile_spmd(bytecode, devices, num_parameters=n_in, result_has_sharding=res_has_sharding)
+                  len(kinds), len(devices), self.platform, kinds)
+        # GSPMD (use_shardy_partitioner=False), parameter shardings kept as set on @main.
+        self._exe = _cj.compile_spmd(self._bytecode, devices, num_parameters=len(kinds),
+                                     result_has_sharding=res_has_sharding)
         self._compiled_text = _cj.compiled_hlo_text(self._exe)
 
-        # -- parameter and result metadata -----------------------------------------------
+    def _describe_signature(self, entry: "_Entry", kinds: list, shard_specs: list, hlo_shardings: list) -> None:
+        """Set ``parameters`` (:class:`ParameterInfo`), ``output_shapes`` / ``output_dtypes`` /
+        ``output_shardings`` and the compiled entry layout from the compiled executable.
+
+        Raises: RuntimeError: the compiled module has another number of entry parameters.
+        """
+        devices, n = self.devices, len(self.devices)
         params = []
-        for i, ((shape, dtype), hs) in enumerate(zip(metas, hlo_shardings)):
+        for i, ((shape, dtype), hs) in enumerate(zip(entry.metas, hlo_shardings)):
             spec = shard_specs[i]
             if isinstance(spec, jax.sharding.Sharding) and not spec.is_fully_replicated:
                 sharding = spec.with_memory_kind(kinds[i])
@@ -959,8 +1057,9 @@ class PjrtExecutor:
             params.append(ParameterInfo(i, shape, dtype, kinds[i], str(hs) if hs is not None else "{replicated}",
                                         sharding))
         self.parameters = tuple(params)
-        self.output_shapes = tuple(s for s, _ in out_metas)
-        self.output_dtypes = tuple(d for _, d in out_metas)
+        n_out = len(entry.out_metas)
+        self.output_shapes = tuple(s for s, _ in entry.out_metas)
+        self.output_dtypes = tuple(d for _, d in entry.out_metas)
         out_kinds = _cj.output_memory_kinds(self._exe) if n_out else []
         out_ops = _cj.output_hlo_shardings(self._exe) if n_out else []
         shardings = []
@@ -975,15 +1074,9 @@ class PjrtExecutor:
             shardings.append(s)
         self.output_shardings = tuple(shardings)
         self._param_layout, self._result_layout = _entry_layout(self._compiled_text)
-        if len(self._param_layout) != n_in:
-            raise RuntimeError(f"compiled module has {len(self._param_layout)} entry parameters, expected {n_in}")
-
-        if host_memory_limit_bytes == _AUTO:
-            host_memory_limit_bytes = _default_host_limit(self.platform)
-        self.host_memory_limit_bytes = host_memory_limit_bytes
-        self._report = None
-        log.info("compiled PJRT executable: %d parameter(s) (%d in pinned_host), %d result(s), %d %s device(s)",
-                 n_in, kinds.count(PINNED_HOST), n_out, n, self.platform)
+        if len(self._param_layout) != len(entry.metas):
+            raise RuntimeError(f"compiled module has {len(self._param_layout)} entry parameters, "
+                               f"expected {len(entry.metas)}")
 
     @classmethod
     def from_policy(cls, module, policy, *, weights=(), grad_results=None, parameters=None,

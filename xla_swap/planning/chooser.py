@@ -122,9 +122,13 @@ class ScheduleChoice:
                 "offload_activations": self.offload_activations,
                 "optimizer_state_on_host": self.optimizer_state_on_host}
 
-    def same_config(self, other: "ScheduleChoice") -> bool:
-        """Whether ``other`` configures the runtime identically (:meth:`runtime_kwargs` equal)."""
-        return self.runtime_kwargs() == other.runtime_kwargs()
+    def same_config(self, other: "ScheduleChoice | Mapping") -> bool:
+        """Whether ``other`` (a choice, or ``StreamingRuntime`` keyword arguments as
+        :meth:`runtime_kwargs` gives them) runs the same schedule: equal arguments, where with
+        every stage resident ``prefetch_depth`` and ``optimizer_state_on_host`` do not matter
+        (nothing streams; a resident stage's optimizer state is in device memory either way)."""
+        kw = other.runtime_kwargs() if isinstance(other, ScheduleChoice) else dict(other)
+        return _config_key(self.runtime_kwargs()) == _config_key(kw)
 
     def observe(self, step_s: float | None = None, peak_bytes: int | None = None) -> None:
         """Record a measured step (seconds per call in a loop) and/or peak device bytes;
@@ -178,6 +182,13 @@ class ScheduleChoice:
             lines.append("device bytes beside the planner's: " + ", ".join(
                 f"{k} {v} ({v / GiB:.3f} GiB)" for k, v in self.extra_device_bytes.items()))
         return "\n".join(lines + ["", self.plan.explain()])
+
+
+def _config_key(kw: Mapping) -> tuple:
+    res = tuple(bool(r) for r in kw["resident"])
+    everything = all(res)
+    return (res, bool(kw["offload_activations"]), None if everything else int(kw["prefetch_depth"]),
+            None if everything else bool(kw["optimizer_state_on_host"]))
 
 
 def _check_costs(costs) -> list:

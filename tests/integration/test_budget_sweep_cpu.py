@@ -1,0 +1,61 @@
+"""The budget sweep benchmark (benchmarks/budget_sweep.py) on CPU: every row runs at a tiny shape and
+the saved JSON re-renders (table and PNG); the analysis is checked on a hand-made raw dict."""
+import json
+
+import budget_sweep  # benchmarks/ is on pytest's pythonpath
+import pytest
+
+
+def test_tiny_run_and_render(tmp_path):
+    assert budget_sweep.main(["--shapes", "32,64,4,8", "64,64,3,16", "--reps", "1", "--window", "1",
+                              "--in-process", "--out-dir", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "budget_sweep.json").read_text())
+    sweep, other = data["raw"]
+    assert set(sweep["auto"]) == {f"auto_{b}" for b in budget_sweep.BUDGETS} and set(other["auto"]) == {"auto_50"}
+    for r in sweep["rows"].values():
+        assert "error" not in r and len(r["step_s"]) == 1 and r["pred_step_s"] > 0
+    assert sweep["rows"]["actoff_k2"]["offloaded_bytes"] > 0
+    assert sweep["rows"]["ondev"]["resident"] == [True] * 4
+    b = sweep["budgets"]
+    assert b["window"] <= b["25"] <= b["50"] <= b["100"]
+    assert sweep["auto"]["auto_100"]["resident"] == [True] * 4          # everything fits: all resident
+    a = budget_sweep.analyze(sweep)
+    assert a["budgets"]["auto_100"]["best_hand"] is not None and "actoff" in a
+    assert (tmp_path / "budget_sweep.png").stat().st_size > 1000
+    md = (tmp_path / "budget_sweep.md").read_text()
+    (tmp_path / "budget_sweep.png").unlink()
+    assert budget_sweep.main(["--render", str(tmp_path / "budget_sweep.json")]) == 0
+    assert (tmp_path / "budget_sweep.png").exists()
+    assert "auto_window" in md and "### shape D,F,L,T = 64,64,3,16" in md
+
+
+def _row(step, pred_step, peak, pred_peak, **kw):
+    return {"step_s": [step], "pred_step_s": pred_step, "peak_bytes": peak, "pred_peak_bytes": pred_peak,
+            "pred_transfer_floor_s": kw.pop("xfer", 0.0), **kw}
+
+
+def test_analysis_of_a_hand_made_raw():
+    G = 2 ** 30
+    raw = {"shape": [8, 16, 4, 2], "forward_s": [0.1] * 4, "backward_s": [0.2] * 4,
+           "rows": {"stream_k2": _row(0.80, 0.78, 12 * G, 12 * G, xfer=0.7),
+                    "actoff_k2": _row(0.808, 0.79, 11.2 * G, 12 * G, offloaded_bytes=0.75 * G, xfer=0.71),
+                    "lastfirst_50": _row(0.70, 0.69, 15 * G, 14 * G, xfer=0.6),
+                    "ondev": _row(0.36, 0.35, 27 * G, 27.5 * G),
+                    "auto_50": _row(0.66, 0.65, 15.5 * G, 15 * G, xfer=0.55)},
+           "auto": {"auto_50": {"budget_bytes": 16 * G, "same_as": None, "pred_step_s": 0.65,
+                                "pred_peak_bytes": 15 * G, "describe": "k=1"},
+                    "auto_100": {"budget_bytes": 28 * G, "same_as": "ondev", "pred_step_s": 0.35,
+                                 "pred_peak_bytes": 27.5 * G, "describe": "all"}}}
+    a = budget_sweep.analyze(raw)
+    b50 = a["budgets"]["auto_50"]
+    assert b50["best_hand"] == "lastfirst_50" and b50["over_best_hand"] == pytest.approx(0.66 / 0.70)
+    assert b50["floor_s"] == pytest.approx(0.55) and b50["over_floor"] == pytest.approx(0.66 / 0.55)
+    assert a["budgets"]["auto_100"]["row"] == "ondev" and a["auto_100_over_ondev"] == pytest.approx(1.0)
+    assert a["budgets"]["auto_100"]["floor_s"] == pytest.approx(0.36)      # the on-device step
+    assert a["actoff"]["overhead"] == pytest.approx(0.01)
+    assert a["actoff"]["cut_per_offloaded_byte"] == pytest.approx(0.8 / 0.75)
+    assert a["rows"]["stream_k2"]["step_over_pred"] == pytest.approx(0.80 / 0.78)
+    assert a["rows"]["ondev"]["peak_over_pred"] == pytest.approx(27 / 27.5)
+    text = budget_sweep.render([a])
+    assert "| auto_50 | 16.00 | k=1 | 0.6600 (0.6500) | 1.200 | lastfirst_50 (0.7000) | 0.943 |" in text
+    assert "overhead 1.00 %" in text
