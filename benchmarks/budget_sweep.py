@@ -364,7 +364,7 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=None)
     p.add_argument("--render", default=None, help="re-render a budget_sweep.json (table and PNG), run nothing")
     p.add_argument("--in-process", action="store_true", help="every shape in this process (peaks then shared)")
-    p.add_argument("--child-timeout-s", type=float, default=240.0)
+    p.add_argument("--child-timeout-s", type=float, default=300.0, help="limit of one shape's subprocess")
     p.add_argument("--child", type=_shape, default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--no-sweep", action="store_true", help=argparse.SUPPRESS)
