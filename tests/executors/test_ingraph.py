@@ -3,7 +3,7 @@
 On CPU the compiler strips the placement annotations (no host offloader), so what is
 checked here is the program: values against the monolithic device-resident reference,
 the weights as ``pinned_host`` entry parameters, pytree carries, errors. Whether XLA
-overlaps the copies is a GPU property, measured by ``benchmarks/gpu_stack.py``
+overlaps the copies is a GPU property, measured by ``python -m benchmarks.gpu_stack``
 (``copy_start_count`` there).
 """
 import jax
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from streaming_cases import L, check_close, chunk_stages, layer, mono_forward, stacked
-from xla_swap.executors import InGraphRuntime, StreamingRuntime
+from xla_swap.executors import InGraphRuntime, MemoryReport, StreamingRuntime
 
 
 def test_forward_matches_monolithic(params, x):
@@ -25,7 +25,13 @@ def test_forward_matches_monolithic(params, x):
     # the weights are entry parameters of the one program, in host memory space S(5)
     text = rt.compile(x).as_text()
     assert text.count("S(5)") >= 2 * L
-    assert rt.memory_analysis() is not None
+    rep = rt.memory_report()
+    assert isinstance(rep, MemoryReport) and rep.executor == "ingraph" and rep.num_devices == 1
+    # on CPU the split comes from the entry layout: the weights in pinned_host, h and the output on the device
+    weights = sum(p["a"].nbytes + p["b"].nbytes for p in params)
+    assert rep.parameter_memory_spaces.count("pinned_host") == 2 * L
+    assert rep.host_argument_bytes == weights and rep.device_argument_bytes == x.nbytes
+    assert rep.output_memory_spaces == ("device",) and rep.device_output_bytes == x.nbytes
     check_close(rt(jnp.asarray(x)), y, rtol=0, atol=0)   # second call: same executable
 
 
@@ -76,7 +82,9 @@ def test_stage_errors_name_the_stage_and_deleted_arrays_are_refused(params, x):
     with pytest.raises(TypeError, match=r"stage 3: stage_fn\(stage_params\[3\], h\) failed while tracing, with h "
                                         r"of shape \(8, 16\) dtype float32 and stage_params\[3\] of .*float32\[8, 32\]"):
         rt.forward(x)
-    assert rt.copy_start_count() == 0 and rt.memory_analysis() is None     # nothing compiled
+    assert rt.copy_start_count() == 0                                    # nothing compiled
+    with pytest.raises(RuntimeError, match="nothing is compiled yet"):
+        rt.memory_report()
     two = InGraphRuntime([layer, lambda p, h: h @ p["b"]], params[:2])
     with pytest.raises(TypeError, match=r"stage 1: stage_fn\[1\]\(stage_params\[1\], h\)"):
         two.forward(x)

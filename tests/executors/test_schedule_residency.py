@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from streaming_cases import check_close, layer, loss_fn, make_input, make_params, mono_forward, stacked
-from xla_swap.executors import StreamingRuntime
+from xla_swap.executors import MemoryReport, StreamingRuntime
 from xla_swap.planning import PrefetchSchedule
 
 CASES = [  # (L, k, resident)
@@ -96,3 +96,57 @@ def test_schedule_argument_errors_leave_the_runtime_usable():
     x = make_input()
     check_close(rt.forward(x), mono_forward(stacked(make_params(2)), x))
     assert np.isfinite(float(rt.train_step(x, loss_fn)[0]))
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["forward", "train_step"])
+def test_memory_report_predicted_matches_measured(training):
+    n, k = 5, 2
+    params, x = make_params(n), make_input()
+    resident = (False, False, False, False, True)
+    rt = StreamingRuntime(layer, params, prefetch_depth=k, resident=resident)
+    before = rt.memory_report(training)
+    assert isinstance(before, MemoryReport) and before.executor == "streaming"
+    assert before.split_source == "none" and before.device_total_bytes == 0      # nothing compiled yet
+    assert before.measured_live_stages == 0
+    stage = params[0]["a"].nbytes + params[0]["b"].nbytes
+    assert before.predicted_live_stages == k + 1 and before.predicted_live_weight_bytes == (k + 1) * stage
+    assert before.resident_weight_bytes == stage and before.host_weight_bytes == (n - 1) * stage
+    for _ in range(2):
+        _run(rt, x, training)
+    rep = rt.memory_report(training)
+    assert rep.measured_live_stages == rep.predicted_live_stages == k + 1
+    assert rep.split_source == "compiled_memory_stats" and rep.num_devices == 1
+    # the largest stage executable takes at least one stage's weights and its input, in device memory
+    assert rep.device_argument_bytes >= stage + x.nbytes and rep.host_argument_bytes == 0
+    assert rep.parameter_memory_spaces == ()
+    off = StreamingRuntime(layer, params, prefetch_depth=k, track_residency=False).memory_report()
+    assert off.measured_live_stages is None
+    with pytest.raises(TypeError, match="training"):
+        rt.memory_report("yes")
+
+
+def test_memory_report_is_per_device_under_sharding():
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    nd = len(jax.devices())
+    params = make_params(3, f=8 * nd)
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    rt = StreamingRuntime(layer, params, prefetch_depth=1, sharding=lambda i, path, leaf: NamedSharding(
+        mesh, P(None, "x") if "a" in jax.tree_util.keystr(path) else P("x", None)),
+        activation_sharding=NamedSharding(mesh, P()))
+    rep = rt.memory_report()
+    stage = params[0]["a"].nbytes + params[0]["b"].nbytes
+    assert rep.num_devices == nd
+    assert rep.host_weight_bytes == 3 * stage // nd and rep.predicted_live_weight_bytes == 2 * stage // nd
+
+
+def test_memory_report_type_checks_its_fields():
+    with pytest.raises(ValueError, match="executor='tpu'; expected one of 'pjrt', 'ingraph', 'streaming'"):
+        MemoryReport("tpu", 1)
+    with pytest.raises(ValueError, match="device_temp_bytes"):
+        MemoryReport("pjrt", 1, device_temp_bytes=-1)
+    with pytest.raises(ValueError, match="split_source"):
+        MemoryReport("pjrt", 1, split_source="guess")
+    rep = MemoryReport("pjrt", 2, raw_stats={"b": 1, "a": 2})
+    with pytest.raises(TypeError):
+        rep.raw_stats["c"] = 3
+    assert hash(rep) == hash(MemoryReport("pjrt", 2, raw_stats={"a": 2, "b": 1}))

@@ -35,7 +35,8 @@ partitioned module that each device runs (``argument_size_in_bytes`` of a parame
 ``f32[4,8,8]`` sharded 4 ways counts ``4*2*8*4`` bytes, not ``4*8*8*4``). The CPU client does
 not split its statistics by memory space (all ``host_*`` fields are 0 and S(5) parameters
 are counted in ``argument_size_in_bytes``); :meth:`PjrtExecutor.memory_report` then takes the
-split of arguments and outputs from the compiled entry layout (see :class:`MemoryReport`).
+split of arguments and outputs from the compiled entry layout (see
+:class:`xla_swap.executors.MemoryReport`, defined in ``report.py``).
 """
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ from jax.sharding import SingleDeviceSharding
 from xla_swap._compat import jax as _cj   # every private jax / jaxlib API used here
 from xla_swap.planning.policy import DEVICE, MEMORY_KINDS, PINNED_HOST
 
+from .report import HOST_MEMORY_SPACE, MemoryReport, compiled_report, entry_layout  # noqa: F401 (re-exported)
+
 log = logging.getLogger(__name__)
 
 # Memory kinds an entry parameter or result may be placed in: ``MEMORY_KINDS`` (``DEVICE``,
@@ -63,8 +66,6 @@ log = logging.getLogger(__name__)
 HOST_MEMORY_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 #: The PJRT GPU default of :data:`HOST_MEMORY_LIMIT_ENV`, in GiB.
 DEFAULT_GPU_HOST_MEMORY_LIMIT_GB = 64
-#: Layout memory space of host memory in compiled HLO (``Layout::kHostMemorySpace``).
-HOST_MEMORY_SPACE = 5
 
 _GPU_PLATFORMS = ("cuda", "rocm", "gpu")
 _MLIR_BYTECODE_MAGIC = b"ML\xefR"
@@ -133,77 +134,6 @@ class ParameterInfo:
     def shard_nbytes(self) -> int:
         """Bytes of one device's shard."""
         return int(math.prod(self.sharding.shard_shape(self.shape))) * self.dtype.itemsize
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryReport:
-    """Compiled memory use of a :class:`PjrtExecutor`, in bytes **per device**.
-
-    Under SPMD every device runs the partitioned module, so each figure is what one device
-    needs (a parameter sharded N ways counts 1/N of its global size; a replicated one
-    counts in full). Host figures are the part in pinned host memory, per device.
-
-    Sources: ``LoadedExecutable.get_compiled_memory_stats()``. Where the client does not
-    split arguments and outputs by memory space (the CPU client reports every ``host_*``
-    field as 0 and counts S(5) parameters in ``argument_size_in_bytes``), the split is taken
-    from the compiled entry computation layout: ``device_argument_bytes =
-    argument_size_in_bytes - (bytes of the S(5) parameters)``; ``split_source`` then reads
-    ``"entry_layout"``, else ``"compiled_memory_stats"``.
-
-    Attributes:
-      num_devices: devices the module runs on (SPMD partitions).
-      device_argument_bytes / host_argument_bytes: entry parameters.
-      device_output_bytes / host_output_bytes: results.
-      device_temp_bytes / host_temp_bytes: temporaries (from the statistics).
-      device_alias_bytes / host_alias_bytes: parameter bytes reused for outputs (statistics).
-      generated_code_bytes: size of the generated code.
-      parameter_memory_spaces: for every entry parameter, ``"device"`` (default memory space),
-        ``"pinned_host"`` (layout ``S(5)``) or ``"S(n)"``, read from the COMPILED HLO.
-      parameter_bytes: every entry parameter's per-device bytes, from the compiled layout.
-      output_memory_spaces / output_bytes: the same for the results.
-      split_source: ``"compiled_memory_stats"`` or ``"entry_layout"`` (see above).
-      raw_stats: the client's statistics as a dict of ints.
-    """
-    num_devices: int
-    device_argument_bytes: int
-    host_argument_bytes: int
-    device_output_bytes: int
-    host_output_bytes: int
-    device_temp_bytes: int
-    host_temp_bytes: int
-    device_alias_bytes: int
-    host_alias_bytes: int
-    generated_code_bytes: int
-    parameter_memory_spaces: tuple
-    parameter_bytes: tuple
-    output_memory_spaces: tuple
-    output_bytes: tuple
-    split_source: str
-    raw_stats: dict
-
-    @property
-    def device_total_bytes(self) -> int:
-        """Lower bound of device memory per device: arguments + outputs - aliased + temporaries."""
-        return (self.device_argument_bytes + self.device_output_bytes - self.device_alias_bytes
-                + self.device_temp_bytes)
-
-    @property
-    def host_total_bytes(self) -> int:
-        """The same bound for pinned host memory, per device."""
-        return self.host_argument_bytes + self.host_output_bytes - self.host_alias_bytes + self.host_temp_bytes
-
-    def __str__(self) -> str:
-        rows = [f"PJRT memory report: bytes per device, {self.num_devices} device(s), split from {self.split_source}",
-                f"{'':12} {'device':>14} {'pinned_host':>14}"]
-        for name, label in (("argument", "arguments"), ("output", "outputs"), ("temp", "temporaries"),
-                            ("alias", "aliased")):
-            rows.append(f"{label:12} {getattr(self, f'device_{name}_bytes'):>14} "
-                        f"{getattr(self, f'host_{name}_bytes'):>14}")
-        rows.append(f"{'total':12} {self.device_total_bytes:>14} {self.host_total_bytes:>14}")
-        rows.append(f"{'param':>5}  {'memory space':12} {'bytes/device':>14}")
-        for i, (space, n) in enumerate(zip(self.parameter_memory_spaces, self.parameter_bytes)):
-            rows.append(f"{i:>5}  {space:12} {n:>14}")
-        return "\n".join(rows)
 
 
 # ---------------------------------------------------------------------------------------
@@ -384,72 +314,6 @@ def _check_rank(hs, shape: tuple, where: str) -> None:
 # ---------------------------------------------------------------------------------------
 # compiled HLO inspection
 # ---------------------------------------------------------------------------------------
-def _split_top_level(s: str) -> list:
-    parts, depth, cur = [], 0, []
-    for ch in s:
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        if ch == "," and depth == 0:
-            parts.append("".join(cur).strip())
-            cur = []
-        else:
-            cur.append(ch)
-    if "".join(cur).strip():
-        parts.append("".join(cur).strip())
-    return parts
-
-
-def _entry_layout(hlo_text: str) -> tuple[list, list]:
-    """The compiled entry computation layout: ([param shape strings], [result shape strings])."""
-    # XLA prints '/*index=5*/' before every fifth shape of long tuples: not part of the shapes.
-    header = re.sub(r"/\*.*?\*/", "", hlo_text.split("\n", 1)[0])
-    start = header.find("entry_computation_layout={")
-    if start < 0:
-        raise RuntimeError("compiled HLO has no entry_computation_layout")
-    i = start + len("entry_computation_layout={")
-    depth, j = 0, i
-    while j < len(header):  # find the matching '}' of entry_computation_layout={...}
-        if header[j] in "([{":
-            depth += 1
-        elif header[j] in ")]}":
-            if depth == 0:
-                break
-            depth -= 1
-        j += 1
-    layout = header[i:j]
-    depth, k = 0, 0
-    for k, ch in enumerate(layout):  # split "(params)->result" at the top-level arrow
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        elif ch == "-" and depth == 0 and layout[k:k + 2] == "->":
-            break
-    params, result = layout[:k].strip(), layout[k + 2:].strip()
-    params = _split_top_level(params[1:-1])
-    results = _split_top_level(result[1:-1]) if result.startswith("(") else [result]
-    return params, results
-
-
-_SHAPE_RE = re.compile(r"^\s*([a-z0-9]+)\[([0-9,]*)\]")
-
-
-def _memory_space(shape_str: str) -> str:
-    m = re.search(r"S\((\d+)\)", shape_str)
-    space = int(m.group(1)) if m else 0
-    return DEVICE if space == 0 else PINNED_HOST if space == HOST_MEMORY_SPACE else f"S({space})"
-
-
-def _shape_bytes(shape_str: str, dtype: np.dtype) -> int:
-    m = _SHAPE_RE.match(shape_str)
-    if not m:
-        raise RuntimeError(f"cannot read the compiled shape {shape_str!r}")
-    dims = [int(d) for d in m.group(2).split(",") if d]
-    return int(math.prod(dims)) * dtype.itemsize
-
-
 def _is_resource_exhausted(e: Exception) -> bool:
     msg = str(e)
     return "RESOURCE_EXHAUSTED" in msg or "Out of memory" in msg or "out of memory" in msg.lower()
@@ -1073,7 +937,7 @@ class PjrtExecutor:
                 s = _cj.gspmd_sharding(devices, op, memory_kind=kind)
             shardings.append(s)
         self.output_shardings = tuple(shardings)
-        self._param_layout, self._result_layout = _entry_layout(self._compiled_text)
+        self._param_layout, self._result_layout = entry_layout(self._compiled_text)
         if len(self._param_layout) != len(entry.metas):
             raise RuntimeError(f"compiled module has {len(self._param_layout)} entry parameters, "
                                f"expected {len(entry.metas)}")
@@ -1146,34 +1010,11 @@ class PjrtExecutor:
         """The compiled memory use, per device, split between device and pinned host memory.
 
         Returns:
-          :class:`MemoryReport` (bytes per device; see its docstring for the sources).
+          :class:`xla_swap.executors.MemoryReport` with ``executor="pjrt"`` (bytes per device;
+          compiled figures only, see its docstring for the sources).
         """
-        raw = _cj.compiled_memory_stats(self._exe)
-        p_spaces = tuple(_memory_space(s) for s in self._param_layout)
-        p_bytes = tuple(_shape_bytes(s, p.dtype) for s, p in zip(self._param_layout, self.parameters))
-        o_spaces = tuple(_memory_space(s) for s in self._result_layout)
-        o_bytes = tuple(_shape_bytes(s, d) for s, d in zip(self._result_layout, self.output_dtypes))
-        host_p = sum(b for s, b in zip(p_spaces, p_bytes) if s == PINNED_HOST)
-        host_o = sum(b for s, b in zip(o_spaces, o_bytes) if s == PINNED_HOST)
-        arg, harg = raw.get("argument_size_in_bytes", 0), raw.get("host_argument_size_in_bytes", 0)
-        out, hout = raw.get("output_size_in_bytes", 0), raw.get("host_output_size_in_bytes", 0)
-        if (host_p or host_o) and not (harg or hout):
-            source = "entry_layout"
-            arg, harg = arg - host_p, host_p
-            out, hout = out - host_o, host_o
-        else:
-            source = "compiled_memory_stats"
-        return MemoryReport(
-            num_devices=len(self.devices),
-            device_argument_bytes=arg, host_argument_bytes=harg,
-            device_output_bytes=out, host_output_bytes=hout,
-            device_temp_bytes=raw.get("temp_size_in_bytes", 0), host_temp_bytes=raw.get("host_temp_size_in_bytes", 0),
-            device_alias_bytes=raw.get("alias_size_in_bytes", 0),
-            host_alias_bytes=raw.get("host_alias_size_in_bytes", 0),
-            generated_code_bytes=raw.get("generated_code_size_in_bytes", 0),
-            parameter_memory_spaces=p_spaces, parameter_bytes=p_bytes,
-            output_memory_spaces=o_spaces, output_bytes=o_bytes,
-            split_source=source, raw_stats=raw)
+        return compiled_report("pjrt", len(self.devices), _cj.compiled_memory_stats(self._exe),
+                               self._param_layout, self._result_layout)
 
     # -- placement -------------------------------------------------------------------------
     def _check_index(self, index) -> int:

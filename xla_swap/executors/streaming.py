@@ -42,6 +42,7 @@ from xla_swap.planning.policy import OffloadPolicy
 from xla_swap.planning.prefetch import PrefetchSchedule
 
 from . import optim as _optim
+from .report import MemoryReport, compiled_report, stats_dict
 from .trace import StageEvent, TraceRecorder
 from ._stages import (DEVICE_KIND, HOST_KIND, _aval_key, _as_aval, _check_memory_kinds, _describe,  # noqa: F401
                       _index_by_identity, _is_diff, _leaf_name, _merge_diff, _split_diff, _stage_fns, _tree_aval,
@@ -560,6 +561,40 @@ class StreamingRuntime:
             del tracked[key]
         return len(stages)
 
+    def memory_report(self, training: bool = False) -> MemoryReport:
+        """Device and host memory of this runtime, per device: compiled, predicted by the schedule, measured.
+
+        Args:
+          training: predict for ``train_step`` (``True``) or ``forward`` (``False``).
+
+        Returns: :class:`xla_swap.executors.MemoryReport` with ``executor="streaming"``: the compiled
+          figures are, per field, the largest over the stage executables cached now (one stage's
+          call; ``split_source="none"`` and zeros before any is compiled);
+          ``predicted_live_stages`` / ``predicted_live_weight_bytes`` from ``schedule(training)``
+          over the stages' per-device weight bytes; ``resident_weight_bytes`` and
+          ``host_weight_bytes`` (weights plus optimizer state, per device, from the arrays);
+          ``measured_live_stages`` = ``max_resident_stages`` with ``track_residency``, else ``None``.
+
+        Raises: TypeError: ``training`` is not a bool.
+        """
+        sched = self.schedule(training)
+        n = self.num_stages
+        weights = [_device_nbytes(p) for p in self.host_params]
+        state = [_device_nbytes(s) for s in self.optimizer_state] or [0] * n
+        resident = sum(weights[i] + state[i] for i in range(n) if self.resident[i])
+        host = sum(weights[i] + (state[i] if self.optimizer_state_on_host else 0)
+                   for i in range(n) if not self.resident[i])
+        extra = dict(predicted_live_stages=sched.max_live_stages,
+                     predicted_live_weight_bytes=sched.peak_live_bytes(weights),
+                     resident_weight_bytes=resident, host_weight_bytes=host,
+                     measured_live_stages=self.max_resident_stages if self.track_residency else None)
+        stats = [stats_dict(_memory_analysis(exe)) for sig in self._sigs.values() for exe in sig.compiled.values()]
+        num_devices = len(self.activation_sharding.device_set)
+        if not stats:
+            return MemoryReport("streaming", num_devices, split_source="none", **extra)
+        largest = {key: max(s.get(key, 0) for s in stats) for key in set().union(*stats)}
+        return compiled_report("streaming", num_devices, largest, [], [], **extra)
+
     def executable_memory(self) -> list[dict]:
         """Compiled memory analysis of every executable cached now.
 
@@ -572,10 +607,7 @@ class StreamingRuntime:
         for sig in self._sigs.values():
             for key, exe in sig.compiled.items():
                 stages = [i for (k, i), e in sig.stage_exe.items() if e is exe and k == key[1]]
-                try:
-                    m = exe.memory_analysis()
-                except Exception:  # noqa: BLE001 - not every backend implements it
-                    m = None
+                m = _memory_analysis(exe)
                 get = (lambda a: getattr(m, a, None)) if m is not None else (lambda a: None)
                 out.append({"kind": key[1], "stages": stages,
                             "argument_bytes": get("argument_size_in_bytes"),
@@ -1155,6 +1187,20 @@ class StreamingRuntime:
             self._carry = nxt
         gx = _merge_diff(g, None, _split_diff(sig.in_aval)[2])
         return first, gx, host_grads
+
+
+def _device_nbytes(tree) -> int:
+    """Bytes one device holds of a pytree of jax arrays (a shard of each leaf; a replicated leaf in full)."""
+    return sum(int(np.prod(a.sharding.shard_shape(a.shape))) * np.dtype(a.dtype).itemsize
+               for a in jax.tree_util.tree_leaves(tree))
+
+
+def _memory_analysis(exe):
+    """``exe.memory_analysis()``, or ``None`` where the backend does not implement it."""
+    try:
+        return exe.memory_analysis()
+    except Exception:  # noqa: BLE001 - not every backend implements it
+        return None
 
 
 def _forward_save_fn(f, remat, box: dict):
