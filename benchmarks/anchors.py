@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Anchor measurements: the FFN stack trained with the usual torch CPU-offload tools.
 
-The stack is the one of ``benchmarks/gpu_stack.py`` written as a torch module: ``L`` layers,
+The stack is the one of ``benchmarks/gpu_stack/`` written as a torch module: ``L`` layers,
 each ``h + b(gelu(a(h), approximate="tanh"))`` with ``a = nn.Linear(D, F, bias=False)`` and
 ``b = nn.Linear(F, D, bias=False)``, weights drawn from N(0, 0.02^2) in the given dtype
 (bfloat16 by default). The input is ``(T, D)`` in the same dtype, the loss

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Export the gpu_stack FFN stack lowered by torch_xla (on CPU) for the PJRT executor on the GPU.
 
-The stack of ``benchmarks/gpu_stack.py``: ``layer(h) = h + gelu(h @ a, tanh) @ b`` over
+The stack of ``benchmarks/gpu_stack/``: ``layer(h) = h + gelu(h @ a, tanh) @ b`` over
 stacked weights ``w1 [L, D, F]``, ``w2 [L, F, D]``, written in torch and scanned with
 ``xla_swap.frontend.scan(layer, x, {"a": w1, "b": w2}, policy=OffloadPolicy(params="host"))``,
 then lowered with ``emit_annotations(True)`` + ``lower_fn``: every iteration's weight slice
@@ -9,7 +9,7 @@ goes through ``annotate_device_placement`` (``_xla_buffer_placement="device"``),
 module can run with the stacked weights in ``pinned_host`` memory. The GPU machine has no
 torch_xla: it only loads the ``HloModuleProto`` and its JSON sidecar (the parameter table:
 which entry parameter is w1, w2, x) and runs them with ``xla_swap.executors.PjrtExecutor``
-(the ``torch_xla-lowered`` variant of ``gpu_stack.py``).
+(the ``torch_xla-lowered`` variant of ``python -m benchmarks.gpu_stack``).
 
 Files, per token count T (``--out-dir``, default ``benchmarks/artifacts``)::
 
@@ -27,12 +27,12 @@ Commands::
     # correctness check on CPU: tiny fp32 stack (D=256 F=512 L=4 T=64 unless given), random
     # weights, exported proto through PjrtExecutor with w1/w2 in pinned_host vs on-device jax
     PYTHONPATH=. PJRT_DEVICE=CPU .venv/bin/python benchmarks/export_torch_xla_stack.py --check
-    # small artifacts for the CPU smoke test of gpu_stack.py (keep them out of the repo)
+    # small artifacts for the CPU smoke test of benchmarks.gpu_stack (keep them out of the repo)
     PYTHONPATH=. PJRT_DEVICE=CPU .venv/bin/python benchmarks/export_torch_xla_stack.py \\
         --d 256 --f 512 --layers 4 --tokens 64 128 --out-dir /tmp/xla_swap_artifacts
 
 This module imports torch / torch_xla only inside the functions that need them, so
-``gpu_stack.py`` can import :func:`artifact_stem` and :func:`load_artifact` on a machine
+``benchmarks.gpu_stack`` can import :func:`artifact_stem` and :func:`load_artifact` on a machine
 with jax alone.
 """
 from __future__ import annotations
@@ -229,7 +229,7 @@ def check(args, command: str) -> dict:
     """Export at the given (small) sizes with random weights, run through PjrtExecutor vs on-device jax.
 
     Writes the artifacts to ``--out-dir`` (a temporary directory unless given), reloads them
-    with :func:`load_artifact` exactly as ``gpu_stack.py`` does, places w1/w2 in
+    with :func:`load_artifact` exactly as ``benchmarks.gpu_stack`` does, places w1/w2 in
     ``pinned_host`` and x on the device, and compares with the stack run by jax with every
     weight on the device. Raises ``AssertionError`` on a mismatch.
     """

@@ -1,12 +1,13 @@
 #!/usr/bin/env python
-"""Timeline PNG of one traced streaming call from a ``gpu_stack.py`` result JSON.
+"""Timeline PNG of one traced streaming call from a ``benchmarks.gpu_stack`` result JSON.
 
-The ``xla_swap-*`` rows of ``benchmarks/gpu_stack.py`` carry a ``trace``: for every stage
+The ``xla_swap-*`` rows of ``python -m benchmarks.gpu_stack`` carry a ``trace``: for every stage
 (layer) and pass, one event per H2D weight transfer, per computation and (training) per D2H
 gradient transfer, with host timestamps relative to the start of the call: ``issued_s``
 (before the dispatch), ``dispatched_s`` (the asynchronous dispatch returned) and ``done_s``
-(``block_until_ready`` returned in the runtime's watcher thread, which waits on the results
-one at a time in dispatch order). No device-side start times exist, so each bar is drawn as
+(``block_until_ready`` returned in the watcher thread of ``xla_swap.executors.TraceRecorder``,
+which waits on the results one at a time in dispatch order). No device-side start times exist,
+so each bar is drawn as
 
     start = max(dispatched_s, done of the previous event on the same lane,
                 done of what it consumes: a computation its stage's H2D of the same pass,
