@@ -491,11 +491,11 @@ def test_streamed_mode_wins_and_matches_measured_step_at_default_shape():
     assert set(p.optimizer_mode_s) == {"streamed", "host"}
     assert p.optimizer_mode_s["streamed"] < p.optimizer_mode_s["host"]
     assert p.step_s == p.optimizer_mode_s["streamed"]
-    # PCIe floor of the streamed step in a loop (the cyclic README's 0.70 s): in = (2L - 2k) weights (the last k
-    # kept at the turn, the first k from the previous step's backward) + L x moments, out = L x (weights +
-    # moments), both directions at once at the both-ways figure; compute 0.365 s is below it.
+    # PCIe floor of the streamed step in a loop: in = (2L - 2k - 1) weights (the last k kept at the turn, the
+    # first k+1 from the previous step's backward) + L x moments, out = L x (weights + moments), both
+    # directions at once at the both-ways figure; compute 0.365 s is below it.
     k, W, M = TS_HOST_POLICY.prefetch_depth, layer.param_bytes, layer.optimizer_bytes
-    tin, tout = (2 * L - 2 * k) * W + L * M, L * (W + M)
+    tin, tout = (2 * L - 2 * k - 1) * W + L * M, L * (W + M)
     floor = max(TSC_ONDEV_ADAMW_S, (tin + tout) / (TSC_LINK.both_gbps * GB))
     assert p.floor_s == pytest.approx(floor, rel=1e-9)
     assert p.step_s >= p.floor_s
@@ -543,8 +543,8 @@ def test_steady_state_step_saves_k_layer_transfers_of_a_transfer_bound_forward(k
     assert k * x * (1 - 1e-9) <= saved <= ((k + 1) * x - c) * (1 + 1e-9)
     if mode == "streamed" and moments == 0:
         assert saved == pytest.approx(cold.phase_s["forward"] - steady.phase_s["forward"], rel=1e-9)
-    # Floors with the same byte counts: 2L - 2k layers of weights in per step (forward L - k - 1, backward
-    # L - k and layer k for the next step; 2L - k in a single call), plus what the optimizer moves: the
+    # Floors with the same byte counts: 2L - 2k - 1 layers of weights in per step (forward L - k - 1, backward
+    # L - k; layers 0..k stay for the next step; 2L - k in a single call), plus what the optimizer moves: the
     # moments in and out with the new weights ("streamed"), or every layer's weights and gradients in and
     # its weights out in the optimizer phase ("device", gradients out in the backward).
     comp = L * layer.forward_s * (1 + layer.backward_factor)
@@ -552,7 +552,7 @@ def test_steady_state_step_saves_k_layer_transfers_of_a_transfer_bound_forward(k
         extra_in, tout = L * layer.optimizer_bytes, L * (W + layer.optimizer_bytes)
     else:
         extra_in, tout = L * (W + layer.grad_bytes), L * (layer.grad_bytes + W)
-    for q, w_in in ((steady, 2 * L - 2 * k), (cold, 2 * L - k)):
+    for q, w_in in ((steady, 2 * L - 2 * k - 1), (cold, 2 * L - k)):
         assert q.floor_s == pytest.approx(max(comp, link.transfer_s(w_in * W + extra_in, tout)), rel=1e-9)
         assert q.step_s >= q.floor_s
     assert steady.floor_s <= cold.floor_s

@@ -184,9 +184,10 @@ class StreamingRuntime:
         one, the streamed copy its backward used, which is then not donated). The next call
         (``forward`` or ``train_step``) starts computing at once instead of waiting for
         stage 0's transfer, and in a serving or training loop the link and the device never
-        idle at a call boundary. A ``train_step``'s backward also streams stage k, into the
-        window slot that stage -1 would have used, so the next forward starts with k+1
-        stages. The live set during a call stays at k+1 stages; between calls up to k
+        idle at a call boundary. A ``train_step``'s backward keeps stage k's weights too
+        (its backward's copy, or the updated weights), in the window slot that stage -1 would
+        have used, so the next forward starts with k+1 stages and a training step moves
+        2L-2k-1 stages of weights in. The live set during a call stays at k+1 stages; between calls up to k
         (k+1 after a ``train_step``) stages' weights stay in device memory (``prefetched_stages``,
         ``release_prefetched()``). A carried stage is used only while ``host_params[i]`` is
         the same object it was copied from (replacing it invalidates the copy).
@@ -671,7 +672,9 @@ class StreamingRuntime:
         ``prefetch_depth`` stages' weights (the backward starts with them). The backward
         runs one ``jax.vjp`` executable per stage in reverse (it recomputes the stage's
         forward: per-stage rematerialisation; see ``remat`` for keeping residuals instead)
-        with the same k-deep prefetch. Weight traffic per step: (2L-k) stages in, and L
+        with the same k-deep prefetch. Weight traffic per step: 2L-2k-1 stages in in a loop
+        (``prefetch_next_call``: the call starts with stages 0..k, the backward keeps them for the
+        next call; 2L-k in a cold call), and L
         stages of gradients out (or, with ``optimizer``, L stages of weights and moments out
         and the moments in). Gradients are taken w.r.t. the floating leaves of the
         parameters and of ``h``; integer and bool leaves are constants.
@@ -997,8 +1000,8 @@ class StreamingRuntime:
         bwd = None
         if train:
             # a resident stage's weights are not donated unless the optimizer replaces them; without
-            # an optimizer, neither are the first k stages' with prefetch_next_call (kept for the next call)
-            keep_w = [self.resident[i] or (self.prefetch_next_call and i < k) for i in range(n)]
+            # an optimizer, neither are the first k+1 stages' with prefetch_next_call (kept for the next call)
+            keep_w = [self.resident[i] or (self.prefetch_next_call and i <= k) for i in range(n)]
             bwd = [self._exe(sig, "backward-saved" if save else "backward", i,
                              donate and (self.optimizer is not None or not keep_w[i])) for i in range(n)]
         if save:
@@ -1116,6 +1119,7 @@ class StreamingRuntime:
             first = out
         del out
         host_grads: list | None = [None] * n if opt is None else None
+        n_keep = min(k + 1, n)  # stages 0..k stay on the device for the next call (cyclic schedule)
         qs: dict[int, Any] = {}
         prev_host = None
         def fetch_acts(j):
@@ -1151,7 +1155,7 @@ class StreamingRuntime:
                 recorder.add(ev, g)
             ev = StageEvent("backward", i, "d2h", recorder.now()) if recorder is not None else None
             if opt is None:
-                if nxt is not None and i < nc and not self.resident[i]:
+                if nxt is not None and i < n_keep and not self.resident[i]:
                     nxt[i] = (self.host_params[i], p)  # not donated: the next call's forward starts with it
                 self._track(dp, i)
                 hg = jax.device_put(dp, self._diff_grad_sh[i])
@@ -1162,7 +1166,7 @@ class StreamingRuntime:
                 self._track(dp, i)
                 self.host_params[i] = jax.device_put(new_p, self._host_sh[i])
                 self.optimizer_state[i] = jax.device_put(new_s, self._state_host_sh[i])
-                if nxt is not None and i < nc and not self.resident[i]:
+                if nxt is not None and i < n_keep and not self.resident[i]:
                     nxt[i] = (self.host_params[i], new_p)  # the updated weights, already on the device
                 moved = (self.host_params[i], self.optimizer_state[i])
                 del new_p, new_s
@@ -1173,11 +1177,6 @@ class StreamingRuntime:
             if i - k >= 0:
                 self._fetch(q, i - k, "backward", recorder, qs)
                 fetch_acts(i - k)
-            elif i == k - 1 and nxt is not None and k < n and not self.resident[k]:
-                # the window's free slot (stage -1 does not exist): stage k for the next forward
-                tmp: dict[int, Any] = {}
-                self._fetch(tmp, k, "next", recorder)
-                nxt[k] = (self.host_params[k], tmp[k])
             self._record("backward", i)
             del p, dp
             prev_host = moved

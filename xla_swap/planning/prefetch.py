@@ -15,8 +15,9 @@ cyclic across calls"):
   is fetched instead (a live copy when its weights are still on the device). In training the last
   ``k`` stages stay on the device for the backward.
 * backward (training): stages in reverse; after stage ``i``'s backward is dispatched, stage ``i-k``
-  is fetched; with ``prefetch_next_call`` the stages ``0..k-1`` are kept for the next call and, in
-  the step that would fetch stage ``-1``, stage ``k`` is fetched for it.
+  is fetched; with ``prefetch_next_call`` the stages ``0..k`` are kept for the next call (the
+  copy the backward used, or the updated weights): ``k+1`` stages, stage ``k`` in the window slot
+  that stage ``-1`` would have used.
 * ``resident`` stages live in device memory for good: never fetched, never counted as live.
 * a fetch of a stage that the previous call left on the device (``carried_in``) moves nothing.
 
@@ -206,16 +207,12 @@ def _build(n: int, k: int, training: bool, res: tuple, cyclic: bool, steady: boo
     live -= waiting                 # a carried copy the forward did not use is dropped
     if training:
         for i in range(n - 1, -1, -1):
-            own, ahead = (), ()
-            if cyclic and i < nc and not res[i]:
+            own = ()
+            if cyclic and i <= k and not res[i]:
                 nxt.add(i)          # kept (the updated or streamed weights) for the next call
             if i - k >= 0:
                 own = (i - k,) if fetch(i - k) else ()
-            elif i == k - 1 and cyclic and k < n and not res[k]:
-                live.add(k)
-                nxt.add(k)
-                ahead = (k,)
-            steps.append(ScheduleStep("backward", i, own, ahead, tuple(sorted(live))))
+            steps.append(ScheduleStep("backward", i, own, (), tuple(sorted(live))))
             if i not in nxt:
                 live.discard(i)
     return {"carried_in": tuple(sorted(carried_in)), "prologue": prologue, "steps": tuple(steps),
