@@ -41,8 +41,9 @@ back-to-back calls synced at its end, divided by the window; default 1: per-call
   pinned_host -> device with every device pulling its own fsdp shards at once (``h2d``), device
   -> pinned_host (``d2h``), both at once (``both``, 2W moved); ``1``: the same on one device.
 
-Floors (W = weight bytes, k = 2, ``kept`` = 2k stages kept on the device at the turns of a step,
-per-GPU bandwidths ``bw / n``; each device moves its own W/n):
+Floors (W = weight bytes, k = 2, ``kept`` = 2k+1 stages kept on the device at the turns of a step:
+k forward to backward, k+1 backward to the next forward; per-GPU bandwidths ``bw / n``; each
+device moves its own W/n):
 forward ``max(ondev_fwd, (W/n) / h2d)``; training ``max(ondev_train, w_in / h2d, (W/n) / d2h,
 (w_in + W/n) / both)`` with ``w_in = (2L - kept)/L * W/n``. The 1-GPU floors: the same with n=1,
 the 1-GPU bandwidths and the 1-GPU on-device rows (transfer terms only when those were not run).
@@ -82,7 +83,7 @@ import numpy as np
 
 from anchors import FFNLayer
 from anchors import _shape as _shape3  # D,F,L
-from torch_stack import _rand, _timeit
+from torch_stack import _interleaved, _rand, _timeit
 
 #: Targets: forward and training over their floors (at most), scaling at n=2 (at least; 0.925 n
 #: on n GPUs), the one-device mesh over the plain device path (at most).
@@ -157,28 +158,6 @@ def measure_bandwidth(host_params, reps: int = 3) -> dict:
     return {"h2d": max(h2d), "d2h": max(d2h), "both": max(both), "bytes": W}
 
 
-def _interleaved(calls: dict, reps: int, sync, window: int = 1) -> dict:
-    """``_timeit`` for several calls at once, alternating rep by rep (drift hits each alike):
-    one warm-up call each, then ``reps`` rounds of one window per call. ``{name: [seconds per call]}``."""
-    out = {name: [] for name in calls}
-    for c in calls.values():
-        sync(c())
-    for _ in range(reps):
-        for name, c in calls.items():
-            out[name].append(_window(c, sync, window))
-    return out
-
-
-def _window(call, sync, window: int) -> float:
-    """Seconds per call of ``window`` back-to-back calls synced once at the end."""
-    t = time.perf_counter()
-    r = None
-    for _ in range(window):
-        r = call()
-    sync(r)
-    return (time.perf_counter() - t) / window
-
-
 def _spec_json(sharding):
     """A sharding's PartitionSpec as a JSON list (None: replicated dim; a list: several mesh axes)."""
     spec = getattr(sharding, "spec", None)
@@ -219,7 +198,7 @@ def measure(n: int, D: int, F: int, L: int, tokens, shardings=SHARDINGS, reps: i
     layers = make_layers(D, F, L, dtype, seed)
     W = sum(p.numel() * p.element_size() for m in layers for p in m.parameters())
     cuda = torch.cuda.is_available()
-    res = {"n": n, "shape": [D, F, L], "tokens": list(tokens), "dtype": dtype, "k": k, "kept_at_turns": 2 * k,
+    res = {"n": n, "shape": [D, F, L], "tokens": list(tokens), "dtype": dtype, "k": k, "kept_at_turns": 2 * k + 1,
            "weight_bytes": W, "reps": reps, "window": window, "platform": devs[0].platform,
            "device_kind": devs[0].device_kind, "cuda_inputs": cuda, "bw": {}, "rows": {}}
     rng = np.random.default_rng(seed + 1)
@@ -287,7 +266,8 @@ def measure(n: int, D: int, F: int, L: int, tokens, shardings=SHARDINGS, reps: i
                 r[f"fwd_rt{suffix}"] = _timeit(lambda: st.runtime.forward((xj, {})), reps, sync=jbr, window=window)
                 note(group, T, f"fwd_rt{suffix}")
                 y = jbr(st.runtime.forward((xj, {})))  # and the output conversion alone (jax -> torch)
-                r[f"out_conv{suffix}"] = _timeit(lambda: st._out(y, cuda), reps, sync=sync_t, window=window)
+                out_dev = x.device if cuda else None  # the entry point returns on the input's GPU
+                r[f"out_conv{suffix}"] = _timeit(lambda: st._out(y, out_dev), reps, sync=sync_t, window=window)
                 note(group, T, f"out_conv{suffix}")
                 del y
             r[f"{prefix}train{suffix}"] = _timeit(train, reps, sync=jbr, window=window)

@@ -36,7 +36,11 @@ Every row is the steady-state time per call of a loop: after one warm-up call, `
 windows of ``--window`` back-to-back calls (default 3), each synced once at its end, divided by
 the window (a step's trailing copies overlap the next step, as in a training loop; the runtime's
 cyclic schedule, ``prefetch_next_call``, has the next call's first k stages in device memory when
-it starts). ``--window 1`` times each call synced on its own (per-call latency).
+it starts). ``--window 1`` times each call synced on its own (per-call latency). The rows compared
+with each other are timed in turn, window by window, with both stacks built (``_interleaved``:
+``jax_fwd`` / ``torch_fwd`` / ``torch_fwd_rt``, then ``jax_train`` / ``torch_train``), so that
+drift of the machine hits them alike; ``bw_torch_stack`` is the bulk bandwidth of the torch
+stack's own ``pinned_host`` buffers (``bw``: the JAX stack's).
 ``torch_fwd_in`` / ``torch_fwd_out`` split the entry point: torch input with a jax sync, and jax
 input with the torch output and ``torch.cuda.synchronize``.
 
@@ -93,17 +97,50 @@ def _timeit(call, reps, sync=None, window=1):
     call of a loop (a call's trailing copies, e.g. the last stages' updated weights going to the
     host, overlap the next call, as in a training loop that does not wait for them).
     """
-    sync = sync or (lambda r: r)
-    sync(call())
-    out = []
+    return _interleaved({"call": call}, reps, sync or (lambda r: r), window)["call"]
+
+
+def _interleaved(calls: dict, reps: int, sync, window: int = 1) -> dict:
+    """``_timeit`` of several calls at once, alternating window by window, so that drift (clocks,
+    the host) hits each alike: one warm-up call each, then ``reps`` rounds of one window per call.
+    ``calls``: ``{name: call}``; returns ``{name: [seconds per call, ...]}``."""
+    out = {name: [] for name in calls}
+    for c in calls.values():
+        sync(c())
+    for _ in range(reps):
+        for name, c in calls.items():
+            out[name].append(_window(c, sync, window))
+    return out
+
+
+def _window(call, sync, window: int) -> float:
+    """Seconds per call of ``window`` back-to-back calls synced once at the end (``sync(last result)``)."""
+    t = time.perf_counter()
+    r = None
+    for _ in range(window):
+        r = call()
+    sync(r)
+    return (time.perf_counter() - t) / window
+
+
+def _bandwidth(host_params, W: int, dsh, hsh, reps: int = 3) -> dict:
+    """Best of ``reps`` bulk copies of ``host_params`` (``W`` bytes in ``pinned_host``): bytes/s host ->
+    device (``h2d``), device -> host (``d2h``) and both at once (``both``, 2W moved)."""
+    import jax
+    jbr = jax.block_until_ready
+    h2d, d2h, both = [], [], []
+    on_dev = jbr(jax.device_put(host_params, dsh))
     for _ in range(reps):
         t = time.perf_counter()
-        r = None
-        for _ in range(window):
-            r = call()
-        sync(r)
-        out.append((time.perf_counter() - t) / window)
-    return out
+        jbr(jax.device_put(host_params, dsh))
+        h2d.append(W / (time.perf_counter() - t))
+        t = time.perf_counter()
+        jbr(jax.device_put(on_dev, hsh))
+        d2h.append(W / (time.perf_counter() - t))
+        t = time.perf_counter()
+        jbr((jax.device_put(host_params, dsh), jax.device_put(on_dev, hsh)))
+        both.append(2 * W / (time.perf_counter() - t))
+    return {"h2d": max(h2d), "d2h": max(d2h), "both": max(both)}
 
 
 def measure_shape(D, F, L, T, reps, k=2, window=1):
@@ -167,30 +204,58 @@ def measure_shape(D, F, L, T, reps, k=2, window=1):
     dev = jax.devices()[0]
     dsh = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
     hsh = dsh.with_memory_kind("pinned_host")
-    h2d, d2h, both = [], [], []
-    on_dev = jax.block_until_ready(jax.device_put(rt.host_params, dsh))
-    for _ in range(3):
-        t = time.perf_counter()
-        jax.block_until_ready(jax.device_put(rt.host_params, dsh))
-        h2d.append(W / (time.perf_counter() - t))
-        t = time.perf_counter()
-        jax.block_until_ready(jax.device_put(on_dev, hsh))
-        d2h.append(W / (time.perf_counter() - t))
-        t = time.perf_counter()
-        jax.block_until_ready((jax.device_put(rt.host_params, dsh), jax.device_put(on_dev, hsh)))
-        both.append(2 * W / (time.perf_counter() - t))
-    del on_dev
-    res["bw"] = {"h2d": max(h2d), "d2h": max(d2h), "both": max(both)}
+    res["bw"] = _bandwidth(rt.host_params, W, dsh, hsh)
 
-    # ---- JAX-written rows ----
     note("bandwidth")
     x_dev = jax.device_put(x_np, dev)
-    rows["jax_fwd"] = timed(lambda: rt.forward(x_dev))
-    note("jax_fwd")
-    rows["jax_train"] = timed(lambda: rt.train_step(x_dev, jloss)[::2])
-    note("jax_train")
+    # ---- the JAX-written and the torch-written stack, timed window by window in turn ----
+    pol = OffloadPolicy(params="host", grads="host", optimizer_state="host", remat=True, prefetch_depth=k)
+    st = SwappedStack(layers, policy=pol, devices=jax.devices()[:1], accumulate_grads=False)
+    res["bw_torch_stack"] = _bandwidth(st.runtime.host_params, W, dsh, hsh)  # its own pinned buffers
+    cuda = torch.cuda.is_available()
+    x_c = x_t.cuda() if cuda else x_t
+    out_dev = x_c.device if cuda else None  # where the entry point puts its output
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def tsync(_):
+        sync()
+
+    def sync_any(r):  # a jax result (its arrays) or a torch one (the whole device)
+        jbr([a for a in jax.tree_util.tree_leaves(r) if isinstance(a, jax.Array)])
+        sync()
+
+    def torch_fwd():
+        return st(x_c)
+
+    def torch_train():
+        st.train_step(x_c, loss_fn=tloss)
+        return st.last_grads
+    # torch_fwd_rt: the torch stack's runtime called as the JAX row is (jax array in, jax array
+    # out): torch_fwd - torch_fwd_rt is the entry point's per-call conversion (DLPack in and out)
+    rows.update(_interleaved({"jax_fwd": lambda: rt.forward(x_dev), "torch_fwd": torch_fwd,
+                              "torch_fwd_rt": lambda: st.runtime.forward((x_dev, {}))}, reps, sync_any, window))
+    note("torch_fwd")
+    rows.update(_interleaved({"jax_train": lambda: rt.train_step(x_dev, jloss)[::2], "torch_train": torch_train},
+                             reps, sync_any, window))
+    note("torch_train")
     ref_out = np.asarray(rt.forward(x_dev)).astype(np.float32)
     rt = None  # free its buffers before the next row
+    gc.collect()
+    # halves of the entry point: the torch input only (jax sync), the torch output only (torch sync)
+    rows["torch_fwd_in"] = timed(lambda: st.runtime.forward(st._carry_in((x_c,))))
+    rows["torch_fwd_out"] = timed(lambda: st._out(st.runtime.forward((x_dev, {})), out_dev), tsync)
+    note("torch_fwd_out")
+    # host time of the entry point's conversions alone: torch in -> jax, jax out -> torch
+    y_rt = jax.block_until_ready(st.runtime.forward((x_dev, {})))
+    rows["torch_in_conv"] = _timeit(lambda: st._carry_in((x_c,)), reps, jbr)
+    rows["torch_out_conv"] = _timeit(lambda: st._out(y_rt, out_dev), reps, tsync)
+    del y_rt
+    note("torch_out_conv")
+    out_t = torch_fwd().float().cpu().numpy()
+    sync()
+    res["torch_output_device"] = str(torch_fwd().device)
+    res["torch_vs_jax_max_abs_diff"] = float(np.abs(out_t - ref_out).max())
+    st = None  # free its buffers before the next row
     gc.collect()
     # the same calls with a non-cyclic schedule: every call streams stage 0 first (what the cycle saves)
     rt = StreamingRuntime(stage_jax, wj, prefetch_depth=k, track_residency=False, prefetch_next_call=False)
@@ -213,47 +278,7 @@ def measure_shape(D, F, L, T, reps, k=2, window=1):
     note("ondev_adamw")
     rt = None  # free its buffers before the next row
     gc.collect()
-    # ---- torch-written rows through the entry point ----
-    pol = OffloadPolicy(params="host", grads="host", optimizer_state="host", remat=True, prefetch_depth=k)
-    st = SwappedStack(layers, policy=pol, devices=jax.devices()[:1], accumulate_grads=False)
-    cuda = torch.cuda.is_available()
-    x_c = x_t.cuda() if cuda else x_t
-    out_dev = x_c.device if cuda else None  # where the entry point puts its output
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-
-    def torch_fwd():
-        return st(x_c)
-
-    def tsync(_):
-        sync()
-    rows["torch_fwd"] = timed(torch_fwd, tsync)
-    note("torch_fwd")
-    # diagnostic: the same runtime called as the JAX row is (jax array in, jax array out): what is
-    # left of torch_fwd - torch_fwd_rt is the entry point's per-call conversion (DLPack in and out)
-    rows["torch_fwd_rt"] = timed(lambda: st.runtime.forward((x_dev, {})))
-    note("torch_fwd_rt")
-    # halves of the entry point: the torch input only (jax sync), the torch output only (torch sync)
-    rows["torch_fwd_in"] = timed(lambda: st.runtime.forward(st._carry_in((x_c,))))
-    rows["torch_fwd_out"] = timed(lambda: st._out(st.runtime.forward((x_dev, {})), out_dev), tsync)
-    note("torch_fwd_out")
-    # host time of the entry point's conversions alone: torch in -> jax, jax out -> torch
-    y_rt = jax.block_until_ready(st.runtime.forward((x_dev, {})))
-    rows["torch_in_conv"] = _timeit(lambda: st._carry_in((x_c,)), reps, jbr)
-    rows["torch_out_conv"] = _timeit(lambda: st._out(y_rt, out_dev), reps, tsync)
-    del y_rt
-    note("torch_out_conv")
-    out_t = torch_fwd().float().cpu().numpy()
-    sync()
-    res["torch_output_device"] = str(torch_fwd().device)
-    res["torch_vs_jax_max_abs_diff"] = float(np.abs(out_t - ref_out).max())
-
-    def torch_train():
-        st.train_step(x_c, loss_fn=tloss)
-        return st.last_grads
-    rows["torch_train"] = timed(torch_train)
-    note("torch_train")
-    st = None  # free its buffers before the next row
-    gc.collect()
+    # ---- more torch-written rows through the entry point ----
     # the torch stages' own compute: every stage resident in device memory (budget above the model)
     st = SwappedStack(layers, budget_bytes=10 ** 15, prefetch_depth=k, devices=jax.devices()[:1],
                       accumulate_grads=False)
@@ -345,8 +370,11 @@ def analyze(raw: dict) -> dict:
         ratio["torch_train_nt"] = med["torch_train_nt"] / floors["train"]
     if "torch_train_actoff" in med:  # activation offload: overhead against the same step without it
         ratio["actoff_overhead"] = med["torch_train_actoff"] / med["torch_train"]
-    return {"shape": raw["shape"], "median_s": med, "floor_s": floors, "ratio": ratio,
-            "bw_GBps": {k_: v / 1e9 for k_, v in bw.items()}}
+    out = {"shape": raw["shape"], "median_s": med, "floor_s": floors, "ratio": ratio,
+           "bw_GBps": {k_: v / 1e9 for k_, v in bw.items()}}
+    if "bw_torch_stack" in raw:
+        out["bw_GBps_torch_stack"] = {k_: v / 1e9 for k_, v in raw["bw_torch_stack"].items()}
+    return out
 
 
 def analyze_anchor(anchor: dict, ours_s: float, ours_devstate_s: float) -> dict:
