@@ -41,8 +41,8 @@ back-to-back calls synced at its end, divided by the window; default 1: per-call
   pinned_host -> device with every device pulling its own fsdp shards at once (``h2d``), device
   -> pinned_host (``d2h``), both at once (``both``, 2W moved); ``1``: the same on one device.
 
-Floors (W = weight bytes, k = 2, ``kept`` = 2k+1 stages kept on the device at the turns of a step:
-k forward to backward, k+1 backward to the next forward; per-GPU bandwidths ``bw / n``; each
+Floors (W = weight bytes, k = 2, ``kept`` = 2k+2 stages kept on the device at the turns of a step:
+k+1 forward to backward, k+1 backward to the next forward; per-GPU bandwidths ``bw / n``; each
 device moves its own W/n):
 forward ``max(ondev_fwd, (W/n) / h2d)``; training ``max(ondev_train, w_in / h2d, (W/n) / d2h,
 (w_in + W/n) / both)`` with ``w_in = (2L - kept)/L * W/n``. The 1-GPU floors: the same with n=1,
@@ -198,7 +198,7 @@ def measure(n: int, D: int, F: int, L: int, tokens, shardings=SHARDINGS, reps: i
     layers = make_layers(D, F, L, dtype, seed)
     W = sum(p.numel() * p.element_size() for m in layers for p in m.parameters())
     cuda = torch.cuda.is_available()
-    res = {"n": n, "shape": [D, F, L], "tokens": list(tokens), "dtype": dtype, "k": k, "kept_at_turns": 2 * k + 1,
+    res = {"n": n, "shape": [D, F, L], "tokens": list(tokens), "dtype": dtype, "k": k, "kept_at_turns": 2 * k + 2,
            "weight_bytes": W, "reps": reps, "window": window, "platform": devs[0].platform,
            "device_kind": devs[0].device_kind, "cuda_inputs": cuda, "bw": {}, "rows": {}}
     rng = np.random.default_rng(seed + 1)

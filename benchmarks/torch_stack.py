@@ -47,9 +47,9 @@ input with the torch output and ``torch.cuda.synchronize``.
 Floors (W = weight bytes, M = moment bytes, k = 2; bandwidths measured in the same run by
 moving the weights themselves): forward ``max(ondev_fwd, W/H2D)``; training
 ``max(ondev_train, w_in/H2D, W/D2H, (w_in + W)/both)`` with ``w_in = (2L-c)/L*W``, ``c`` the raw
-file's ``kept_at_turns``: the stages that stay on the device at the turns of a step (k forward to
-backward, k+1 backward to the next forward: ``c = 2k+1``; files measured before the backward kept
-stage k record ``2k``, before the cyclic schedule none, read as ``k``);
+file's ``kept_at_turns``: the stages that stay on the device at the turns of a step (k+1 forward
+to backward, k+1 backward to the next forward: ``c = 2k+2``; files measured before record ``2k+1``
+or ``2k``, before the cyclic schedule none, read as ``k``);
 AdamW step ``max(ondev_adamw, in/H2D, out/D2H, (in+out)/both)`` with ``in = w_in + M`` and
 ``out = W + M`` (the host-memory term is 0: no arithmetic runs on the host).
 
@@ -160,9 +160,9 @@ def measure_shape(D, F, L, T, reps, k=2, window=1):
     x_np = (rng.standard_normal((T, D), dtype=np.float32) * 0.5).astype(bf16)
     x_t = _to_torch(x_np)
     W = sum(a.nbytes for w in wt for a in w.values())
-    # stages that stay on the device at the turns of a step: k forward -> backward, k+1 backward ->
+    # stages that stay on the device at the turns of a step: k+1 forward -> backward, k+1 backward ->
     # next forward (prefetch_next_call); results recorded before the cyclic schedule lack the key (k)
-    res = {"shape": [D, F, L, T], "weight_bytes": W, "moment_bytes": 2 * W, "k": k, "kept_at_turns": 2 * k + 1,
+    res = {"shape": [D, F, L, T], "weight_bytes": W, "moment_bytes": 2 * W, "k": k, "kept_at_turns": 2 * k + 2,
            "rows": {}}
     rows = res["rows"]
     res["window"] = window

@@ -273,8 +273,8 @@ def test_trace_events(params, x):
     assert rt.prefetched_stages == [0, 1, 2]
     assert sorted(e.stage for e in ev if e.kind == "compute" and e.pass_name == "forward") == list(range(L))
     assert sorted(e.stage for e in ev if e.kind == "d2h") == list(range(L))
-    # the last k stages stay resident from the forward: the backward re-fetches L-k of them
-    assert sorted(e.stage for e in ev if e.kind == "h2d" and e.pass_name == "backward") == list(range(L - 2))
+    # the last k+1 stages stay on the device from the forward: the backward re-fetches the other L-k-1
+    assert sorted(e.stage for e in ev if e.kind == "h2d" and e.pass_name == "backward") == list(range(L - 3))
     for e in ev:
         assert 0 <= e.issued_s <= e.dispatched_s <= e.done_s
     # a stage's computation is issued after its weights' transfer

@@ -22,14 +22,14 @@ def test_inference_steady_state_moves_every_stage_once_and_keeps_k():
     assert s.steps[-1] == ScheduleStep("forward", 5, (), (1,), (0, 1, 5))
 
 
-def test_training_steady_state_moves_2L_minus_2k_minus_1():
+def test_training_steady_state_moves_2L_minus_2k_minus_2():
     n, k = 8, 2
     s = PrefetchSchedule(n, k, training=True)
     assert s.carried_in == (0, 1, 2) and s.carried_out == (0, 1, 2)
     assert s.fetched("forward") == (3, 4, 5, 6, 7)                # L - k - 1: stage k came with the carry
-    assert s.fetched("backward") == (5, 4, 3, 2, 1, 0)            # L - k: the last k stayed from the forward
+    assert s.fetched("backward") == (4, 3, 2, 1, 0)               # L - k - 1: the last k+1 stayed from the forward
     assert s.next_call_fetches == ()                              # stages 0..k kept from the backward
-    assert s.num_fetches == 2 * n - 2 * k - 1
+    assert s.num_fetches == 2 * n - 2 * k - 2
     assert [st.pass_name for st in s.steps] == ["forward"] * n + ["backward"] * n
     assert [st.stage for st in s.steps] == list(range(n)) + list(reversed(range(n)))
     assert s.max_live_stages == k + 1
@@ -39,9 +39,9 @@ def test_cold_call_and_no_cycle():
     n, k = 8, 2
     cold = PrefetchSchedule(n, k, training=True, steady_state=False)
     assert cold.carried_in == () and cold.prologue == (0, 1)
-    assert cold.num_fetches == 2 * n - k                          # 2L - k; stages 0..k stay for the next call
+    assert cold.num_fetches == 2 * n - k - 1                      # 2L - k - 1; stages 0..k stay for the next call
     off = PrefetchSchedule(n, k, training=True, prefetch_next_call=False)
-    assert off.carried_out == () and off.num_fetches == 2 * n - k
+    assert off.carried_out == () and off.num_fetches == 2 * n - k - 1
     assert off.steps == PrefetchSchedule(n, k, training=True, prefetch_next_call=False, steady_state=False).steps
 
 
@@ -89,7 +89,7 @@ def test_invariants(n, k, training, cyclic, steady, data):
     if cyclic and steady:                     # the steady state starts with what it leaves
         assert s.carried_in == s.carried_out
     if training and not (cyclic and steady):
-        assert len(s.fetched("backward")) == len([j for j in streamed if j < n - k])
+        assert len(s.fetched("backward")) == len([j for j in streamed if j < n - k - 1])
 
 
 def test_immutable_and_hashable():

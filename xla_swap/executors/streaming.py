@@ -175,7 +175,7 @@ class StreamingRuntime:
       offload_activations: in ``train_step``, send each stage's kept input (and, with
         ``remat`` other than ``True``, its saved residuals) to ``pinned_host`` once the stage
         has been dispatched, and bring it back ``prefetch_depth`` stages ahead in the backward,
-        next to the weights (activation offload; the last k stages keep theirs on the device).
+        next to the weights (activation offload; the last k+1 stages keep theirs on the device).
         Device memory for kept activations drops from L stages to about 2k+1.
       prefetch_next_call: treat the schedule as cyclic across calls (default ``True``): a
         ``forward`` keeps streaming at its tail and leaves the first ``min(k, L)`` stages'
@@ -187,7 +187,8 @@ class StreamingRuntime:
         idle at a call boundary. A ``train_step``'s backward keeps stage k's weights too
         (its backward's copy, or the updated weights), in the window slot that stage -1 would
         have used, so the next forward starts with k+1 stages and a training step moves
-        2L-2k-1 stages of weights in. The live set during a call stays at k+1 stages; between calls up to k
+        2L-2k-2 stages of weights in (the last k+1 stay on the device at the turn from forward to
+        backward). The live set during a call stays at k+1 stages; between calls up to k
         (k+1 after a ``train_step``) stages' weights stay in device memory (``prefetched_stages``,
         ``release_prefetched()``). A carried stage is used only while ``host_params[i]`` is
         the same object it was copied from (replacing it invalidates the copy).
@@ -669,12 +670,13 @@ class StreamingRuntime:
         (or, with ``optimizer``, each stage is updated right after its backward).
 
         The forward keeps every stage's input on the device (L activations) and the last
-        ``prefetch_depth`` stages' weights (the backward starts with them). The backward
+        ``prefetch_depth + 1`` stages' weights (the backward starts with them). The backward
         runs one ``jax.vjp`` executable per stage in reverse (it recomputes the stage's
         forward: per-stage rematerialisation; see ``remat`` for keeping residuals instead)
-        with the same k-deep prefetch. Weight traffic per step: 2L-2k-1 stages in in a loop
-        (``prefetch_next_call``: the call starts with stages 0..k, the backward keeps them for the
-        next call; 2L-k in a cold call), and L
+        with the same k-deep prefetch. Weight traffic per step: 2L-2k-2 stages in in a loop
+        (the last k+1 stay on the device from the forward to the backward; with
+        ``prefetch_next_call`` the call starts with stages 0..k, the backward keeps them for the
+        next call; 2L-k-1 in a cold call), and L
         stages of gradients out (or, with ``optimizer``, L stages of weights and moments out
         and the moments in). Gradients are taken w.r.t. the floating leaves of the
         parameters and of ``h``; integer and bool leaves are constants.
@@ -1051,8 +1053,9 @@ class StreamingRuntime:
         self.offloaded_activation_nbytes = 0
         saved: list = [None] * n
         x = jax.device_put(h, self._act(sig.chain[0]))
-        # Forward. In training, the last k stages stay resident for the start of the backward.
-        keep = set(range(max(0, n - k), n)) if train else set()
+        # Forward. In training, the last k+1 stages stay for the start of the backward: once the
+        # forward fetches nothing more, stage n-k-1's slot of the (k+1)-stage window would idle.
+        keep = set(range(max(0, n - k - 1), n)) if train else set()
         q: dict[int, Any] = {}
         nc = min(k, n)
         for j in range(nc):

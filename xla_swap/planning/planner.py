@@ -140,14 +140,14 @@ waits, as any, for the buffer of the row ``k+1`` rows earlier):
   ``"device"`` mode's optimizer phase, both in the order ``L-1..0``) keeps the updated weights of
   layers ``0..k`` (layer ``k`` in its window's free slot, the slot of a layer ``-1``), so the next
   forward starts with layers ``0..k`` and streams ``L - k - 1``; the first of them waits for layer
-  0 to free its slot of the ``k+1``-layer window.  With the last ``k`` kept at the
-  forward->backward turn, the backward streams ``L - k``: ``2L - 2k - 1`` layers of weights in per
-  step (nothing when ``k >= L``); the ``"device"``
+  0 to free its slot of the ``k+1``-layer window.  With the last ``k+1`` kept at the
+  forward->backward turn, the backward streams ``L - k - 1``: ``2L - 2k - 2`` layers of weights in
+  per step (nothing when ``k + 1 >= L``); the ``"device"``
   mode's optimizer phase moves its own ``L`` in and out.  ``StreamingRuntime.train_step``
   without an optimizer keeps the streamed weights its backward used: the bytes of the
   ``"streamed"`` mode with ``optimizer_bytes=0`` (new weights out instead of gradients).
 * training, mode ``"host"``: no carry: the CPU rewrites the weights after the backward, layer 0
-  last, so the next forward copies all ``L`` in (``2L - k`` per step) once layer 0 is updated -
+  last, so the next forward copies all ``L`` in (``2L - k - 1`` per step) once layer 0 is updated -
   the single-call time.
 
 Each call is simulated from an idle link, so its last outbound copy stays exposed (in a loop it
@@ -155,11 +155,11 @@ overlaps the next call's start: the prediction errs high by up to that copy).  T
 the bytes of the simulation they bound.  ``steady_state=False`` times a single, cold call (the first
 of a loop, or ``prefetch_next_call=False``): every weight the call uses streams in during it, the
 first prefetch is exposed (uniform layers, inference: ``max(x + L*c, L*x + c)``), and a training
-step moves ``2L - k`` layers of weights in.  The memory model is the same for both.  Measured
+step moves ``2L - k - 1`` layers of weights in.  The memory model is the same for both.  Measured
 (benchmarks/results/torch_stack_cyclic/README.md, H100, 8 bf16 layers D=8192 F=32768, 8192 tokens,
 k=2, link 54.5 / 54.6 / 79.3 GB/s, on-device compute 95.3 ms forward, 250.9 ms backward, 18.8 ms
 AdamW; the runtime measured there kept layers ``0..k-1`` and streamed layer ``k`` at the start of
-the next forward: one layer more per step than today's schedule): forward predicted 157.6 ms (= the floor) against 155.9 ms
+the next forward and kept the last ``k`` at the turn: two layers more per step than today's schedule): forward predicted 157.6 ms (= the floor) against 155.9 ms
 measured in a loop (cold: 169.5 ms against 171.1 ms with ``prefetch_next_call=False``); training
 step without optimizer 0.393 s against 0.395 s (cold: 0.440 s against 0.419 s); AdamW step with
 bf16 moments streamed 0.798 s against 0.753 s (floor 0.704 s: ``2L - 2k`` layers of weights + ``L``
@@ -171,7 +171,7 @@ With the state in host memory the planner times two ways to run the step and kee
 (``evaluate`` / ``plan`` ``optimizer_mode=`` forces one).  Both simulate the whole step as one
 stream (forward rows, then backward rows; the backward's first copies may overlap the forward's
 tail), keep the last ``k`` layers' weights resident across the turn as ``StreamingRuntime`` does
-(``2L - 2k - 1`` layers of weights in per step in the steady state of ``"streamed"``, ``2L - k`` in a
+(``2L - 2k - 2`` layers of weights in per step in the steady state of ``"streamed"``, ``2L - k - 1`` in a
 single call and in ``"host"``: section "Steady state"), and share the link as copies overlap (a copy
 alone gets its direction's full bandwidth; copies in both directions split ``both_gbps``):
 

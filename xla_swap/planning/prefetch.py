@@ -13,7 +13,8 @@ cyclic across calls"):
   stage ``i``'s computation is dispatched, stage ``i+k`` is fetched. In inference with
   ``prefetch_next_call``, where ``i+k`` is past the last stage, the next call's stage ``i+k-L``
   is fetched instead (a live copy when its weights are still on the device). In training the last
-  ``k`` stages stay on the device for the backward.
+  ``k+1`` stages stay on the device for the backward (once the forward fetches nothing more, the
+  window has room for them).
 * backward (training): stages in reverse; after stage ``i``'s backward is dispatched, stage ``i-k``
   is fetched; with ``prefetch_next_call`` the stages ``0..k`` are kept for the next call (the
   copy the backward used, or the updated weights): ``k+1`` stages, stage ``k`` in the window slot
@@ -179,16 +180,19 @@ def _build(n: int, k: int, training: bool, res: tuple, cyclic: bool, steady: boo
         """Bring stage j's weights to the device; True when that is a copy."""
         if res[j]:
             return False
-        live.add(j)
-        if j in waiting:
+        if j in waiting:            # carried in by the previous call
             waiting.discard(j)
+            live.add(j)
             return False
+        if j in live:               # still on the device (kept across the turn)
+            return False
+        live.add(j)
         return True
 
     prologue = tuple(j for j in range(nc) if fetch(j))
     steps: list[ScheduleStep] = []
     nxt: set[int] = set()
-    keep = set(range(max(0, n - k), n)) if training else set()
+    keep = set(range(max(0, n - k - 1), n)) if training else set()
     for i in range(n):
         own, ahead = (), []
         if i + k < n:
