@@ -25,7 +25,8 @@ def test_all_rows_run_and_analyze(tmp_path):
 
 
 @pytest.mark.parametrize("name, fsdp2_x, ds_x", [("torch_stack", "4.0x faster", "3.2x faster"),
-                                                  ("torch_stack_cyclic", "4.1x faster", "3.2x faster")])
+                                                  ("torch_stack_cyclic", "4.1x faster", "3.2x faster"),
+                                                  ("torch_stack_nn", "3.9x faster", "3.1x faster")])
 def test_committed_gpu_table_rerenders(name, fsdp2_x, ds_x):
     results = RESULTS.parent / name
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "torch_stack.py"), "--render",
