@@ -37,7 +37,7 @@ the peak was not measured); ``auto_100`` against
 ``ondev``; activation offload (``actoff_k2`` against ``stream_k2``): overhead and peak cut per
 offloaded byte; per shape the auto row against the floor ``max(ondev step, the auto row's bytes /
 the measured link)`` (``ondev`` measured when it fits, else the calibrated compute). ``--render
-FILE`` re-renders a saved ``budget_sweep.json`` (table + ``budget_sweep.png``: step time and peak
+FILE`` re-renders a saved ``budget_sweep.json`` (table, and with ``--out-dir`` ``budget_sweep.png``: step time and peak
 against budget, measured and predicted).
 
 Expected on one H100 (written before any run; link ~54 GB/s each way pinned, ~80 both ways;
@@ -362,7 +362,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--window", type=int, default=2, help="back-to-back steps per timed window")
     p.add_argument("--out-dir", default=None)
-    p.add_argument("--render", default=None, help="re-render a budget_sweep.json (table and PNG), run nothing")
+    p.add_argument("--render", default=None, help="re-render a budget_sweep.json (table; the PNG into --out-dir "
+                   "when given), run nothing")
     p.add_argument("--in-process", action="store_true", help="every shape in this process (peaks then shared)")
     p.add_argument("--child-timeout-s", type=float, default=300.0, help="limit of one shape's subprocess")
     p.add_argument("--child", type=_shape, default=None, help=argparse.SUPPRESS)
@@ -378,8 +379,9 @@ def main(argv=None) -> int:
         data = json.load(open(args.render))
         raws = [r for r in data["raw"] if "error" not in r]
         print(render([analyze(r) for r in raws]))
-        if raws:
-            plot(raws[0], os.path.join(os.path.dirname(os.path.abspath(args.render)), "budget_sweep.png"))
+        if raws and args.out_dir:  # the PNG only where asked: never over a committed one
+            os.makedirs(args.out_dir, exist_ok=True)
+            plot(raws[0], os.path.join(args.out_dir, "budget_sweep.png"))
         return 0
     raws = []
     for j, shape in enumerate(args.shapes):

@@ -1,5 +1,5 @@
 """The budget sweep benchmark (benchmarks/budget_sweep.py) on CPU: every row runs at a tiny shape and
-the saved JSON re-renders (table and PNG); the analysis is checked on a hand-made raw dict."""
+the saved JSON re-renders (table; the PNG only into --out-dir); the analysis is checked on a hand-made raw dict."""
 import json
 
 import budget_sweep  # benchmarks/ is on pytest's pythonpath
@@ -25,7 +25,9 @@ def test_tiny_run_and_render(tmp_path):
     md = (tmp_path / "budget_sweep.md").read_text()
     (tmp_path / "budget_sweep.png").unlink()
     assert budget_sweep.main(["--render", str(tmp_path / "budget_sweep.json")]) == 0
-    assert (tmp_path / "budget_sweep.png").exists()
+    assert not (tmp_path / "budget_sweep.png").exists()          # --render writes nothing unless asked
+    assert budget_sweep.main(["--render", str(tmp_path / "budget_sweep.json"), "--out-dir", str(tmp_path / "r")]) == 0
+    assert (tmp_path / "r" / "budget_sweep.png").exists()
     assert "auto_window" in md and "### shape D,F,L,T = 64,64,3,16" in md
 
 
@@ -59,3 +61,15 @@ def test_analysis_of_a_hand_made_raw():
     text = budget_sweep.render([a])
     assert "| auto_50 | 16.00 | k=1 | 0.6600 (0.6500) | 1.200 | lastfirst_50 (0.7000) | 0.943 |" in text
     assert "overhead 1.00 %" in text
+
+
+def test_committed_gpu_table_rerenders():
+    """The committed H100 sweep (benchmarks/results/budget_sweep/) re-renders to its committed table."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    res = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "budget_sweep"
+    out = subprocess.run([sys.executable, str(res.parents[1] / "budget_sweep.py"), "--render",
+                          str(res / "budget_sweep.json")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout == (res / "budget_sweep.md").read_text()
