@@ -41,8 +41,18 @@ def test_budget_respected_and_more_budget_is_never_slower():
         assert c.device_bytes <= gib * GiB
         if prev is not None:
             assert c.step_s <= prev.step_s * (1 + 1e-9)
-            assert c.num_resident >= prev.num_resident or c.prefetch_depth != prev.prefetch_depth
+            assert c.num_resident >= prev.num_resident or c.prefetch_depth != prev.prefetch_depth \
+                or c.optimizer_state_on_host != prev.optimizer_state_on_host
         prev = c
+
+
+def test_depth_one_only_when_nothing_deeper_fits():
+    """k = 1 (which the runtime measured far slower than predicted) is picked only below every k >= 2 peak."""
+    # the smallest peak with k >= 2: k = 2, nothing resident, moments on the host, activations offloaded or not
+    k2_min = min(evaluate_choice(COSTS, LINK, prefetch_depth=2, offload_activations=o).device_bytes for o in (False, True))
+    for gib in (8, 9, 10, 12, 14, 16, 20, 24, 28, 40):
+        c = choose_schedule(COSTS, LINK, gib * GiB)
+        assert (c.prefetch_depth == 1) == (gib * GiB < k2_min), (gib, c.prefetch_depth)
 
 
 def test_resident_stages_move_nothing_in_the_model():

@@ -306,6 +306,12 @@ def choose_schedule(costs: Sequence[LayerCost], link: Link, budget_bytes: int, *
                     allow_offload: bool = True, allow_device_optimizer_state: bool = True) -> ScheduleChoice:
     """The fastest predicted ``StreamingRuntime`` configuration whose predicted peak fits ``budget_bytes``.
 
+    Prefetch depth 1 is a last resort: it is chosen only when no configuration with ``k >= 2``
+    fits. On an H100 the runtime ran k = 1 1.29x-1.80x slower than this model predicts (AdamW with
+    streamed moments), while its k >= 2 rows were within 0-6 % at the default shape, so a k = 1
+    pick that the model ranks first lost 13-18 % to a k = 2 row of the same budget
+    (``benchmarks/results/budget_sweep/README.md``).
+
     Args:
       costs, link, training, remat: as for :func:`evaluate_choice`.
       budget_bytes: device memory in bytes (int > 0) for everything the runtime holds: weights,
@@ -335,7 +341,10 @@ def choose_schedule(costs: Sequence[LayerCost], link: Link, budget_bytes: int, *
     L = len(costs)
     has_state = training and any(c.optimizer_bytes for c in costs)
     best, smallest, n = None, None, 0
-    for k in range(1, min(kmax, L) + 1):
+    depths = [k for k in range(2, min(kmax, L) + 1)] + [1]   # k = 1 only if no k >= 2 fits (docstring)
+    for k in depths:
+        if k == 1 and best is not None:
+            break
         for offload in ((False, True) if (training and allow_offload) else (False,)):
             for on_host in ((True, False) if (has_state and allow_device_optimizer_state) else (True,)):
                 order = _ranking(costs, k, training, on_host)
