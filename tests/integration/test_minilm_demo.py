@@ -34,7 +34,7 @@ def test_pjrt_executor_with_host_weights():
                  "[PASS] 0 host transfers while lowering and running",
                  "[PASS] layer weights sharded over the mesh"):
         assert line in out, out[-4000:]
-    assert "PJRT memory report" in out and "pinned_host" in out
+    assert "pjrt memory report" in out and "pinned_host" in out  # MemoryReport.__str__ (executor="pjrt")
 
 
 def test_streaming_executor():
