@@ -643,3 +643,76 @@ def test_bad_optimizer_mode_arguments_are_named():
         evaluate(TS_HOST_POLICY, layer, L, steady_state="yes")
     with pytest.raises(ValueError, match="steady_state"):
         plan(layer, L, 1 << 50, steady_state=None)
+
+
+# ----------------------------------------------------------------------------- several devices (num_devices)
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("policy", [OffloadPolicy(), OffloadPolicy(params="host", prefetch_depth=2),
+                                    OffloadPolicy(params="host", grads="host", optimizer_state="host")])
+def test_one_device_is_the_one_device_model(policy, training):
+    """num_devices=1 (explicit) gives exactly today's Plans, from evaluate, plan and min_feasible_bytes."""
+    pol = policy if training else OffloadPolicy(params=policy.params, prefetch_depth=policy.prefetch_depth)
+    assert evaluate(pol, BIG, L, training=training, num_devices=1) == evaluate(pol, BIG, L, training=training)
+    for budget in (60 * GiB, 30 * GiB, 12 * GiB):
+        assert plan(BIG, L, budget, training=training, num_devices=1) == plan(BIG, L, budget, training=training)
+        assert plan(SMALL, 6, budget, training=training, num_devices=1) == plan(SMALL, 6, budget, training=training)
+    assert min_feasible_bytes(BIG, L, training=training, num_devices=1) == min_feasible_bytes(BIG, L, training=training)
+    assert evaluate(pol, BIG, L, training=training).num_devices == 1
+
+
+@pytest.mark.parametrize("mode", ["streamed", "host", "device"])
+def test_two_devices_halve_the_sharded_bytes_and_their_transfers(mode):
+    """n=2: each device holds and moves half of every layer's weights, gradients and optimizer state;
+    with no compute to hide behind, its per-layer transfer times and the floor halve too."""
+    layer = dataclasses.replace(BIG, forward_s=0.0)      # transfer-bound: the floor is its transfer term
+    host = OffloadPolicy(params="host", grads="host", optimizer_state="device" if mode == "device" else "host",
+                         prefetch_depth=2)
+    one = evaluate(host, layer, L, optimizer_mode=mode)
+    two = evaluate(host, layer, L, optimizer_mode=mode, num_devices=2)
+    assert two.num_devices == 2 and two.optimizer_mode == mode
+    for k in ("params", "grads", "optimizer_state"):
+        assert two.host_components[k] * 2 == one.host_components[k]
+    assert one.host_components["params"] > 0 and one.host_components["grads"] > 0
+    assert two.device_bytes < one.device_bytes
+    dev_one, dev_two = evaluate(OffloadPolicy(), layer, L), evaluate(OffloadPolicy(), layer, L, num_devices=2)
+    for k in ("params", "grads", "optimizer_state"):
+        assert dev_two.device_components[k] * 2 == dev_one.device_components[k] > 0
+    for k in ("activation ffn_hidden", "intermediates", "carry"):   # per device as the caller gives them
+        assert dev_two.device_components[k] == dev_one.device_components[k]
+    assert any(one.layer_transfer_s)
+    assert two.layer_transfer_s == pytest.approx([x / 2 for x in one.layer_transfer_s], rel=1e-12)
+    assert one.floor_s > 0 and two.floor_s == pytest.approx(one.floor_s / 2, rel=1e-12)
+    if mode == "host":   # the CPU update's bytes are sharded too (each device's host memory updates its shard)
+        assert two.host_update_s == pytest.approx(one.host_update_s / 2, rel=1e-12)
+    # an odd byte count: each device holds the largest shard (rounded up)
+    odd = dataclasses.replace(BIG, param_bytes=BIG.param_bytes + 1, grad_bytes=None)
+    assert evaluate(OffloadPolicy(), odd, L, num_devices=2).device_components["params"] == L * (BIG.param_bytes // 2 + 1)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_two_devices_fit_a_budget_one_cannot(training):
+    budget = min_feasible_bytes(BIG, L, training=training, num_devices=2)
+    assert budget < min_feasible_bytes(BIG, L, training=training)
+    with pytest.raises(InfeasibleBudgetError):
+        plan(BIG, L, budget, training=training)
+    p = plan(BIG, L, budget, training=training, num_devices=2)
+    assert p.device_bytes <= budget and p.num_devices == 2 and p.min_budget_bytes == budget
+    assert "2 devices (bytes and times per device)" in p.explain()
+    # all on the device: 2 devices fit a model whose weights + grads + state one device cannot hold
+    full = evaluate(OffloadPolicy(), BIG, L, training=training)
+    half = plan(BIG, L, full.device_bytes - 1, training=training, num_devices=2)
+    assert half.policy.params == "device"
+    assert plan(BIG, L, full.device_bytes - 1, training=training).policy != OffloadPolicy()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.0, 2.5, True, False, "2", None])
+def test_bad_num_devices_is_refused_first(bad):
+    calls = (lambda: evaluate(OffloadPolicy(), BIG, L, num_devices=bad),
+             lambda: evaluate("not a policy", BIG, L, num_devices=bad),       # checked before anything
+             lambda: plan(BIG, L, GiB, num_devices=bad),
+             lambda: plan(BIG, 0, None, num_devices=bad),
+             lambda: min_feasible_bytes(BIG, L, num_devices=bad))
+    for call in calls:
+        with pytest.raises(ValueError, match="num_devices"):
+            call()

@@ -248,6 +248,32 @@ whenever offloading or recomputing a layer's activations costs less than its wei
 earlier class back to the device when a later move frees more.  In inference only the parameters
 (and the prefetch depth) are placed: parameters are the only class that moves.
 
+Several devices (``num_devices=`` of evaluate / plan / min_feasible_bytes; ``Plan.num_devices``)
+--------------------------------------------------------------------------------------------------
+A stack spread over ``n`` devices, FSDP-style or tensor-parallel, as ``SwappedStack`` /
+``StreamingRuntime`` run it with a mesh: every layer's weights, gradients and optimizer state are
+sharded over all ``n`` devices and each device's shard lives in the host memory attached to it, so
+each device holds and moves ``1/n`` of them.  The planner models **one device**: it divides each
+layer's ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` and ``host_update_bytes`` by ``n``
+(rounded up: the largest shard) and leaves everything else as given.  So:
+
+* every other :class:`LayerCost` field is **per device, as the caller gives it**: the compute time
+  (``forward_s`` or ``flops / flops_per_s``, ``optimizer_s``, ``recompute_s``) and the activation
+  bytes (``activations``, ``intermediate_bytes``, ``carry_bytes``, ``working_bytes``).  With FSDP
+  plus data parallelism (the batch split over the devices) or tensor parallelism they are about
+  ``1/n`` of the one-device figures: pass the per-device values (e.g. the one-device ones divided by
+  ``n``).  The planner does not divide them: how the tokens and the activations split depends on the
+  sharding (a tensor-parallel layer keeps its replicated carry whole).
+* :class:`Link` is **per device**: each GPU has its own PCIe link (issue 13's probe: 54.4 GB/s per
+  GPU, 108.8 aggregate on 2 H200s).  ``host_memory_gbps`` is the host memory bandwidth one device's
+  CPU update gets: where ``n`` devices share one host, pass the host's figure divided by ``n``.
+* the collectives (FSDP's all-gather and reduce-scatter, tensor parallelism's all-reduces) are not
+  in the time model; where they matter, add their time to the per-device compute.
+* every reported byte (``Plan.device_bytes``, ``host_bytes``, the components, ``min_budget_bytes``,
+  ``budget_bytes``) and every time is **per device**; the budget is one device's memory.
+
+``num_devices=1`` (the default) is the one-device model, unchanged.
+
 Errors: invalid inputs raise ``ValueError`` / ``TypeError`` naming the field; an unreachable
 budget raises :class:`InfeasibleBudgetError` (a ``ValueError``).
 """
@@ -360,7 +386,11 @@ def _gib(n: float) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """Host <-> device link bandwidths, in GB/s (1e9 bytes/s).
+    """Host <-> device link bandwidths of **one device**, in GB/s (1e9 bytes/s).
+
+    Per device: with ``num_devices > 1`` each device has its own link (its own PCIe link to the
+    host memory attached to it) and moves its own shard over it; ``host_memory_gbps`` is the host
+    memory bandwidth one device's CPU update gets (module docstring, "Several devices").
 
     Args:
       h2d_gbps: host-to-device bandwidth when only that direction moves.
@@ -581,8 +611,9 @@ class Plan:
 
     Attributes:
       policy: the chosen :class:`OffloadPolicy`.
-      device_bytes: predicted peak device bytes (memory model of the module docstring).
-      host_bytes: bytes kept in host memory.
+      device_bytes: predicted peak device bytes of one device (memory model of the module
+        docstring); with ``num_devices > 1`` every byte count of a Plan is per device.
+      host_bytes: bytes kept in host memory (one device's share).
       layer_transfer_s: per layer, transfer seconds summed over phases (``Link.transfer_s``).
       layer_compute_s: per layer, compute seconds summed over phases (incl. recompute, update).
       step_s: predicted step time, seconds.
@@ -603,6 +634,7 @@ class Plan:
         allows (``{"device": ...}``, or ``{"streamed": ..., "host": ...}``); empty in inference.
       host_update_s: total seconds of CPU optimizer update, ``sum(host_update_bytes) /
         host_memory_gbps`` (0 unless ``optimizer_mode == "host"``).
+      num_devices: the devices the stack is sharded over (module docstring, "Several devices").
       steady_state: whether ``step_s`` / ``floor_s`` / the per-layer times describe a call of a loop
         (the cyclic schedule's steady state, the default) or a single, cold call (see :func:`evaluate`).
     """
@@ -629,6 +661,7 @@ class Plan:
     optimizer_mode_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
     host_update_s: float = 0.0
     steady_state: bool = True
+    num_devices: int = 1
 
     @property
     def slowdown(self) -> float:
@@ -641,7 +674,9 @@ class Plan:
         p = self.policy
         lines = [f"OffloadPolicy: params={p.params} grads={p.grads} optimizer_state={p.optimizer_state} "
                  f"activations={dict(p.activations)} remat={p.remat} prefetch_depth={p.prefetch_depth}",
-                 f"mode: {'training' if self.training else 'inference'}, {self.num_layers} layers, memory model "
+                 f"mode: {'training' if self.training else 'inference'}, {self.num_layers} layers, "
+                 + (f"{self.num_devices} devices (bytes and times per device), " if self.num_devices != 1 else "")
+                 + "memory model "
                  f"for {self.target}, link "
                  f"h2d {self.link.h2d_gbps:g} / d2h {self.link.d2h_gbps:g} / both {self.link.both_gbps:g} GB/s"
                  + (f", optimizer mode {self.optimizer_mode}" if self.optimizer_mode else "")
@@ -1023,6 +1058,29 @@ def _step(phases, policy: OffloadPolicy, link: Link) -> dict[str, float]:
     return {name: _simulate([r[1:] for r in rows], policy.prefetch_depth, link) for name, rows in phases.items()}
 
 
+def _check_num_devices(num_devices) -> int:
+    if isinstance(num_devices, bool) or not isinstance(num_devices, numbers.Integral) or num_devices < 1:
+        raise ValueError(f"num_devices must be an int >= 1 (the devices the stack is sharded over), "
+                         f"got {num_devices!r}")
+    return int(num_devices)
+
+
+def _per_device(layers: list[LayerCost], n: int) -> list[LayerCost]:
+    """One device's share of each layer over ``n`` devices: weights, gradients, optimizer state and
+    the CPU update's bytes divided by ``n``, rounded up; the rest as given (module docstring,
+    "Several devices")."""
+    if n == 1:
+        return layers
+    shard = lambda b: -(-b // n)  # noqa: E731  (ceil: the largest shard)
+    cache = {}
+    for l in layers:
+        if id(l) not in cache:
+            cache[id(l)] = dataclasses.replace(
+                l, param_bytes=shard(l.param_bytes), grad_bytes=shard(l.grad_bytes),
+                optimizer_bytes=shard(l.optimizer_bytes), host_update_bytes=shard(l.host_update_bytes))
+    return [cache[id(l)] for l in layers]
+
+
 def _check_link(link) -> Link:
     if not isinstance(link, Link):
         raise TypeError(f"link must be a Link, got {type(link).__name__}")
@@ -1071,7 +1129,7 @@ def _modes_of(policy: OffloadPolicy, optimizer_mode: str | None) -> tuple[str, .
 
 
 def _build(policy, layers, training, link, budget=None, min_budget=None, target="accelerator",
-           optimizer_mode=None, host_overlap=True, steady_state=True) -> Plan:
+           optimizer_mode=None, host_overlap=True, steady_state=True, num_devices=1) -> Plan:
     peak, phase, comps, host = _memory(policy, layers, training, target)
     if training and policy.optimizer_state == "host":
         res = {m: _offloaded_optimizer(policy, layers, link, m, host_overlap, steady_state) for m in ("streamed", "host")}
@@ -1083,7 +1141,8 @@ def _build(policy, layers, training, link, budget=None, min_budget=None, target=
                     host_components=host, peak_phase=phase, num_layers=len(layers), training=training, link=link,
                     phase_layers=r["phase_layers"], budget_bytes=budget, min_budget_bytes=min_budget, target=target,
                     optimizer_mode=mode, optimizer_mode_s={m: v["step_s"] for m, v in res.items()},
-                    host_update_s=r["host_update_s"] if mode == "host" else 0.0, steady_state=steady_state)
+                    host_update_s=r["host_update_s"] if mode == "host" else 0.0, steady_state=steady_state,
+                    num_devices=num_devices)
     phases = _phases(policy, layers, training, steady_state)
     phase_s = _step(phases, policy, link)
     L = len(layers)
@@ -1101,12 +1160,14 @@ def _build(policy, layers, training, link, budget=None, min_budget=None, target=
                 num_layers=L, training=training, link=link, phase_layers=phase_layers,
                 budget_bytes=budget, min_budget_bytes=min_budget, target=target,
                 optimizer_mode="device" if training else None,
-                optimizer_mode_s={"device": sum(phase_s.values())} if training else {}, steady_state=steady_state)
+                optimizer_mode_s={"device": sum(phase_s.values())} if training else {}, steady_state=steady_state,
+                num_devices=num_devices)
 
 
 def evaluate(policy: OffloadPolicy, layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
              link: Link = H200_PINNED, *, training: bool = True, target: str = "accelerator",
-             optimizer_mode: str | None = None, host_overlap: bool = True, steady_state: bool = True) -> Plan:
+             optimizer_mode: str | None = None, host_overlap: bool = True, steady_state: bool = True,
+             num_devices: int = 1) -> Plan:
     """Predict device bytes and step time of one ``policy`` (no budget, no search).
 
     Args:
@@ -1133,6 +1194,10 @@ def evaluate(policy: OffloadPolicy, layers: LayerCost | Sequence[LayerCost], num
         before.  ``False``: a single, cold call (the first of a loop, or ``prefetch_next_call=False``):
         every weight it uses streams in during the call.
         Module docstring, "Steady state".  The memory model is the same for both.
+      num_devices: the devices the stack is sharded over, FSDP-style or tensor-parallel (default 1):
+        each holds and moves ``1/n`` of every layer's weights, gradients and optimizer state; the
+        other LayerCost fields (compute, activations) and ``link`` are per device as given, and so
+        is every byte and time of the result (module docstring, "Several devices").
 
     Named activations of the layers that ``policy.activations`` does not mention are treated as
     ``"device"`` (saved on the device); in inference activation placements are ignored.
@@ -1143,9 +1208,10 @@ def evaluate(policy: OffloadPolicy, layers: LayerCost | Sequence[LayerCost], num
     ``offload_name`` tagged it), when ``optimizer_mode`` is not in :data:`OPTIMIZER_MODES` or does
     not match ``policy.optimizer_state``, or when ``host_overlap`` or ``steady_state`` is not a bool.
     """
+    n_dev = _check_num_devices(num_devices)
     if not isinstance(policy, OffloadPolicy):
         raise TypeError(f"policy must be an OffloadPolicy, got {type(policy).__name__}")
-    layers = _resolve_layers(layers, num_layers)
+    layers = _per_device(_resolve_layers(layers, num_layers), n_dev)
     known = {n for l in layers for n in l.activations}
     unknown = sorted(set(policy.activations) - known)
     if unknown:
@@ -1159,7 +1225,8 @@ def evaluate(policy: OffloadPolicy, layers: LayerCost | Sequence[LayerCost], num
         raise ValueError(f"optimizer_mode={mode!r} does not match policy.optimizer_state="
                          f"{policy.optimizer_state!r}: use {' or '.join(map(repr, _modes_of(policy, None)))}")
     return _build(policy, layers, training, _check_link(link), target=_check_target(target),
-                  optimizer_mode=mode if training else None, host_overlap=overlap, steady_state=steady)
+                  optimizer_mode=mode if training else None, host_overlap=overlap, steady_state=steady,
+                  num_devices=n_dev)
 
 
 def _candidates(layers: list[LayerCost], training: bool, max_depth: int):
@@ -1197,13 +1264,15 @@ def _space(layers, training, max_prefetch_depth, target="accelerator"):
 
 
 def min_feasible_bytes(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None, *,
-                       training: bool = True, max_prefetch_depth: int = 4, target: str = "accelerator") -> int:
+                       training: bool = True, max_prefetch_depth: int = 4, target: str = "accelerator",
+                       num_devices: int = 1) -> int:
     """The exact minimum, over the search space of :func:`plan`, of the predicted peak device bytes
-    (``target`` as in :func:`evaluate`).
+    (``target`` and ``num_devices`` as in :func:`evaluate`; per device).
 
     Raises: TypeError / ValueError for invalid arguments, naming them.
     """
-    layers = _resolve_layers(layers, num_layers)
+    n_dev = _check_num_devices(num_devices)
+    layers = _per_device(_resolve_layers(layers, num_layers), n_dev)
     return min(peak for _, _, peak in _space(layers, _check_training(training), max_prefetch_depth,
                                              _check_target(target)))
 
@@ -1211,7 +1280,7 @@ def min_feasible_bytes(layers: LayerCost | Sequence[LayerCost], num_layers: int 
 def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None, budget_bytes: int | None = None,
          link: Link = H200_PINNED, *, training: bool = True, max_prefetch_depth: int = 4,
          target: str = "accelerator", optimizer_mode: str | None = None, host_overlap: bool = True,
-         steady_state: bool = True) -> Plan:
+         steady_state: bool = True, num_devices: int = 1) -> Plan:
     """Choose the policy with the lowest predicted step time whose predicted device bytes fit.
 
     Args:
@@ -1230,6 +1299,8 @@ def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
         inference.
       host_overlap: as in :func:`evaluate` (the ``"host"`` mode's overlap with the backward).
       steady_state: as in :func:`evaluate`: time a call of a loop (default) or a single, cold call.
+      num_devices: as in :func:`evaluate` (default 1): the stack sharded over ``n`` devices; the
+        budget is one device's memory and the Plan's bytes and times are per device.
 
     Returns: a :class:`Plan` (its ``optimizer_mode`` says how the optimizer step runs).  Search, tie-breaking and the order in which shrinking budgets move
     components to the host: see the module docstring.
@@ -1239,7 +1310,8 @@ def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
         stated in the message in bytes and GiB.
       TypeError / ValueError: invalid arguments, naming them.
     """
-    layers = _resolve_layers(layers, num_layers)
+    n_dev = _check_num_devices(num_devices)
+    layers = _per_device(_resolve_layers(layers, num_layers), n_dev)
     training = _check_training(training)
     link = _check_link(link)
     target = _check_target(target)
@@ -1286,4 +1358,4 @@ def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
     _, _, chosen, _, how = min(near, key=lambda c: (sum(host_bytes(c[2]).values()), _complexity(c[2]), c[3], c[1],
                                                      c[4] not in (None, "streamed")))
     return _build(chosen, layers, training, link, budget, min_peak, target, optimizer_mode=how,
-                  host_overlap=overlap, steady_state=steady)
+                  host_overlap=overlap, steady_state=steady, num_devices=n_dev)
