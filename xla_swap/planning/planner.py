@@ -264,7 +264,7 @@ layer's ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` and ``host_update_b
   ``1/n`` of the one-device figures: pass the per-device values (e.g. the one-device ones divided by
   ``n``).  The planner does not divide them: how the tokens and the activations split depends on the
   sharding (a tensor-parallel layer keeps its replicated carry whole).
-* :class:`Link` is **per device**: each GPU has its own PCIe link (issue 13's probe: 54.4 GB/s per
+* :class:`Link` is **per device**: each GPU has its own PCIe link (docs/measured.md section 7: 54.4 GB/s per
   GPU, 108.8 aggregate on 2 H200s).  ``host_memory_gbps`` is the host memory bandwidth one device's
   CPU update gets: where ``n`` devices share one host, pass the host's figure divided by ``n``.
 * the collectives (FSDP's all-gather and reduce-scatter, tensor parallelism's all-reduces) are not
