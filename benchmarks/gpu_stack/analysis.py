@@ -1,4 +1,5 @@
-"""Analysis of a result: pure functions from the result JSON (dicts) to JSON (standard library only).
+"""Analysis of a result: pure functions from the result JSON (dicts) to JSON (standard library and
+``xla_swap.planning``'s pure-Python schedule only).
 
 * :func:`predict_peak`: a row's predicted peak device bytes (the memory model of each kind).
 * :func:`compute_floors`: per token count, the forward and training floors (milliseconds)
@@ -13,6 +14,8 @@ in GB/s (1e9 bytes per second).
 from __future__ import annotations
 
 import dataclasses
+
+from xla_swap.planning.prefetch import PrefetchSchedule
 
 from ._util import GiB
 from .variants import FLAG_SETS, base_name, compute_reference_names, lookup
@@ -70,7 +73,8 @@ def predict_peak(row: dict, layers: int) -> dict:
     """Predicted peak device bytes of a timed row (bytes in use before the call + the call's working set).
 
     * xla_swap streaming, throttled: the largest live set over the runtime's schedule: at each
-      stage, the weights of the k+1 stages it holds (forward: i..i+k; backward: i-k..i, the
+      stage, the weights of the stages ``xla_swap.planning.PrefetchSchedule`` says are live there
+      (the runtime's own schedule: at most k+1; the larger of a cold and a steady-state call; the
       gradients reuse the streamed weights' buffers by donation), the stage inputs and saved
       residuals kept so far (training), the stage's input and output (cotangents) and its
       executable's temporaries (``stage_temp_bytes``).
@@ -108,19 +112,25 @@ def predict_peak(row: dict, layers: int) -> dict:
         ins, tf, tb = row["stage_input_nbytes"], row["stage_temp_bytes"]["forward"], row["stage_temp_bytes"]["backward"]
         outs = ins[1:] + [h]
         res_b = row["residual_nbytes"] if train else [0] * n
+        resident = tuple(row.get("resident") or (False,) * n)
+        weights: dict = {}  # (pass, stage) -> bytes of live stage weights, the larger of a cold and a steady call
+        for steady in (False, True):
+            for st in PrefetchSchedule(n, k, training=train, resident=resident, steady_state=steady).steps:
+                key = (st.pass_name, st.stage)
+                weights[key] = max(weights.get(key, 0), sum(sn[j] for j in st.live))
         steps = []  # (what, bytes) live while stage i runs, per the runtime's schedule
-        for i in range(n):  # forward: weights of i..i+k, kept inputs/residuals so far, in + out, temp
+        for i in range(n):  # forward: live weights, kept inputs/residuals so far, in + out, temp
             kept = (sum(ins[:i + 1]) + sum(res_b[:i])) if train else ins[i]
-            steps.append((f"forward {i}", sum(sn[i:i + k + 1]) + kept + outs[i] + res_b[i] + tf[i]))
+            steps.append((f"forward {i}", weights[("forward", i)] + kept + outs[i] + res_b[i] + tf[i]))
         if train:
-            for i in range(n - 1, -1, -1):  # backward: weights of i-k..i (grads reuse i's), kept
+            for i in range(n - 1, -1, -1):  # backward: live weights (grads reuse i's), kept
                 # inputs/residuals of stages <= i, cotangent in (outs[i]) and out (ins[i]), temp
-                steps.append((f"backward {i}", sum(sn[max(0, i - k):i + 1]) + sum(ins[:i + 1]) + sum(res_b[:i + 1])
+                steps.append((f"backward {i}", weights[("backward", i)] + sum(ins[:i + 1]) + sum(res_b[:i + 1])
                               + outs[i] + ins[i] + tb[i]))
         what, work = max(steps, key=lambda t: t[1])
         return {"predicted_peak_bytes": before + work,
-                "predicted_note": f"live set at {what}: {work / GiB:.2f} GiB (weights of k+1={k + 1} stages, "
-                                  "activations, residuals, temporaries)"}
+                "predicted_note": f"live set at {what}: {work / GiB:.2f} GiB (weights of the schedule's live "
+                                  f"stages, at most k+1={k + 1}, activations, residuals, temporaries)"}
     if row.get("temp_bytes") is not None and v.kind != "on-device-loop":
         outb = row.get("output_bytes") or (h if not train else h + h + W)
         return {"predicted_peak_bytes": before + row["temp_bytes"] + outb,

@@ -263,6 +263,10 @@ def test_predicted_peak_of_a_streaming_row_is_its_largest_live_set():
     train = dict(row, variant="train-xla_swap-k1", residual_nbytes=[7, 7, 7])
     # backward of stage 2: weights of 1..2, inputs and residuals of 0..2, cotangent in and out
     assert analysis.predict_peak(train, layers=3)["predicted_peak_bytes"] == 1000 + 200 + 30 + 21 + 10 + 10
+    # the weights term is the runtime's PrefetchSchedule: with stages 0 and 1 resident (counted in the
+    # bytes in use before) only stage 2's weights are live
+    part = dict(train, resident=[True, True, False])
+    assert analysis.predict_peak(part, layers=3)["predicted_peak_bytes"] == 1000 + 100 + 30 + 21 + 10 + 10
     assert analysis.predict_peak(dict(row, throttle=False), 3)["predicted_peak_bytes"] is None
     assert analysis.predict_peak(dict(row, bytes_in_use_before=None), 3) == {}
     loop = {"variant": "train-on-device", "bytes_in_use_before": 0, "activation_bytes": 10, "weight_bytes": 300,
