@@ -144,24 +144,41 @@ def _input_to_jax(t: torch.Tensor, sharding_of: Callable | None = None):
 def _out_to_torch(a, device: torch.device | None) -> torch.Tensor:
     """A runtime output as a torch tensor: on the CUDA ``device`` when given and the array lives on
     GPUs (through DLPack; an array split over several local GPUs is assembled on ``device`` by
-    peer-to-peer copies, never through the host), else a CPU copy."""
+    peer-to-peer copies, never through the host), else a CPU copy.
+
+    A copy between GPUs reads a buffer jax owns, which jax may reuse once the array is dropped
+    (it does not see torch's streams), so the devices involved are synchronised before returning
+    (only where such a copy ran: an output on ``device`` itself is shared, not copied).
+    """
     if device is not None and isinstance(a, jax.Array) and a.sharding.memory_kind in (None, "device") \
             and a.is_fully_addressable and all(d.platform == "gpu" for d in a.devices()):
         if len(a.devices()) == 1 or a.is_fully_replicated:
-            shard = a.addressable_shards[0].data
-            with torch.cuda.device(_cuda_of(next(iter(shard.devices())))):
-                return torch.from_dlpack(shard).to(device)
-        out, done = None, set()
+            shard = next((s.data for s in a.addressable_shards if _cuda_of(s.device) == device),
+                         a.addressable_shards[0].data)
+            src = _cuda_of(next(iter(shard.devices())))
+            with torch.cuda.device(src):
+                t = torch.from_dlpack(shard)
+            if src == device:
+                return t
+            out = t.to(device)
+            torch.cuda.synchronize(src)
+            torch.cuda.synchronize(device)
+            return out
+        out, done, used = None, set(), {device}
         for sh in a.addressable_shards:
             key = tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s for s in sh.index)
             if key in done:
                 continue
             done.add(key)
-            with torch.cuda.device(_cuda_of(sh.device)):
+            src = _cuda_of(sh.device)
+            used.add(src)
+            with torch.cuda.device(src):
                 piece = torch.from_dlpack(sh.data)
             if out is None:
                 out = torch.empty(a.shape, dtype=piece.dtype, device=device)
-            out[sh.index].copy_(piece, non_blocking=True)
+            out[sh.index].copy_(piece)
+        for d in used:
+            torch.cuda.synchronize(d)
         return out
     return _to_torch(a)
 
