@@ -83,7 +83,7 @@ import numpy as np
 
 from anchors import FFNLayer
 from anchors import _shape as _shape3  # D,F,L
-from torch_stack import _interleaved, _rand, _timeit
+from torch_stack import _interleaved, _rand, _timeit, measure_bandwidth
 
 #: Targets: forward and training over their floors (at most), scaling at n=2 (at least; 0.925 n
 #: on n GPUs), the one-device mesh over the plain device path (at most).
@@ -126,36 +126,6 @@ def make_layers(D: int, F: int, L: int, dtype: str = "bfloat16", seed: int = 0) 
         m.b.weight = torch.nn.Parameter(_to_torch(_rand(rng, (D, F), np_dt)))
         layers.append(m)
     return layers
-
-
-def measure_bandwidth(host_params, reps: int = 3) -> dict:
-    """Aggregate pinned-host bandwidths (bytes/s, best of ``reps``) moving ``host_params`` itself.
-
-    ``host_params``: a pytree of ``pinned_host`` jax arrays (a runtime's ``host_params``, sharded
-    or not). ``h2d``: every array to device memory with the same sharding (each device pulls its
-    own shards, all at once), W / seconds; ``d2h``: a device copy back to ``pinned_host``, W /
-    seconds; ``both``: the two at once, 2W / seconds. W = the arrays' total (logical) bytes.
-    """
-    import jax
-
-    leaves = jax.tree_util.tree_leaves(host_params)
-    W = sum(a.nbytes for a in leaves)
-    hsh = [a.sharding for a in leaves]
-    dsh = [s.with_memory_kind("device") for s in hsh]
-    on_dev = jax.block_until_ready(jax.device_put(leaves, dsh))
-    h2d, d2h, both = [], [], []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(jax.device_put(leaves, dsh))
-        h2d.append(W / (time.perf_counter() - t))
-        t = time.perf_counter()
-        jax.block_until_ready(jax.device_put(on_dev, hsh))
-        d2h.append(W / (time.perf_counter() - t))
-        t = time.perf_counter()
-        jax.block_until_ready((jax.device_put(leaves, dsh), jax.device_put(on_dev, hsh)))
-        both.append(2 * W / (time.perf_counter() - t))
-    del on_dev
-    return {"h2d": max(h2d), "d2h": max(d2h), "both": max(both), "bytes": W}
 
 
 def _spec_json(sharding):

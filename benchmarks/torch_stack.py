@@ -123,24 +123,39 @@ def _window(call, sync, window: int) -> float:
     return (time.perf_counter() - t) / window
 
 
-def _bandwidth(host_params, W: int, dsh, hsh, reps: int = 3) -> dict:
-    """Best of ``reps`` bulk copies of ``host_params`` (``W`` bytes in ``pinned_host``): bytes/s host ->
-    device (``h2d``), device -> host (``d2h``) and both at once (``both``, 2W moved)."""
+def measure_bandwidth(host_params, reps: int = 3) -> dict:
+    """Aggregate pinned-host bandwidths (bytes/s, best of ``reps``) moving ``host_params`` itself.
+
+    ``host_params``: a pytree of ``pinned_host`` jax arrays (a runtime's ``host_params``, sharded
+    or not). ``h2d``: every array to device memory with the same sharding (each device pulls its
+    own shards, all at once), W / seconds; ``d2h``: a device copy back to ``pinned_host``, W /
+    seconds; ``both``: the two at once, 2W / seconds. W = the arrays' total (logical) bytes.
+    """
     import jax
-    jbr = jax.block_until_ready
+
+    leaves = jax.tree_util.tree_leaves(host_params)
+    W = sum(a.nbytes for a in leaves)
+    hsh = [a.sharding for a in leaves]
+    dsh = [s.with_memory_kind("device") for s in hsh]
+    on_dev = jax.block_until_ready(jax.device_put(leaves, dsh))
     h2d, d2h, both = [], [], []
-    on_dev = jbr(jax.device_put(host_params, dsh))
     for _ in range(reps):
         t = time.perf_counter()
-        jbr(jax.device_put(host_params, dsh))
+        jax.block_until_ready(jax.device_put(leaves, dsh))
         h2d.append(W / (time.perf_counter() - t))
         t = time.perf_counter()
-        jbr(jax.device_put(on_dev, hsh))
+        jax.block_until_ready(jax.device_put(on_dev, hsh))
         d2h.append(W / (time.perf_counter() - t))
         t = time.perf_counter()
-        jbr((jax.device_put(host_params, dsh), jax.device_put(on_dev, hsh)))
+        jax.block_until_ready((jax.device_put(leaves, dsh), jax.device_put(on_dev, hsh)))
         both.append(2 * W / (time.perf_counter() - t))
-    return {"h2d": max(h2d), "d2h": max(d2h), "both": max(both)}
+    del on_dev
+    return {"h2d": max(h2d), "d2h": max(d2h), "both": max(both), "bytes": W}
+
+
+def _link(bw: dict) -> dict:
+    """The bandwidths of a ``measure_bandwidth`` result (bytes/s), as the raw JSON keeps them."""
+    return {k: bw[k] for k in ("h2d", "d2h", "both")}
 
 
 def measure_shape(D, F, L, T, reps, k=2, window=1):
@@ -202,16 +217,14 @@ def measure_shape(D, F, L, T, reps, k=2, window=1):
     # ---- bandwidths: move the weights themselves ----
     rt = StreamingRuntime(stage_jax, wj, prefetch_depth=k, track_residency=False)
     dev = jax.devices()[0]
-    dsh = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
-    hsh = dsh.with_memory_kind("pinned_host")
-    res["bw"] = _bandwidth(rt.host_params, W, dsh, hsh)
+    res["bw"] = _link(measure_bandwidth(rt.host_params))
 
     note("bandwidth")
     x_dev = jax.device_put(x_np, dev)
     # ---- the JAX-written and the torch-written stack, timed window by window in turn ----
     pol = OffloadPolicy(params="host", grads="host", optimizer_state="host", remat=True, prefetch_depth=k)
     st = SwappedStack(layers, policy=pol, devices=jax.devices()[:1], accumulate_grads=False)
-    res["bw_torch_stack"] = _bandwidth(st.runtime.host_params, W, dsh, hsh)  # its own pinned buffers
+    res["bw_torch_stack"] = _link(measure_bandwidth(st.runtime.host_params))  # its own pinned buffers
     cuda = torch.cuda.is_available()
     x_c = x_t.cuda() if cuda else x_t
     out_dev = x_c.device if cuda else None  # where the entry point puts its output
