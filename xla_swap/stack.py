@@ -108,7 +108,7 @@ def _cuda_to_jax(t: torch.Tensor, sharding=None) -> jax.Array:
     (peer to peer: NVLink or PCIe, no host) to that GPU, shared through DLPack, and the pieces
     assembled with ``jax.make_array_from_single_device_arrays``: jax's own resharding of a
     one-GPU array went through a much slower path (on 2 H200s the input of the data-parallel
-    forward took 113 ms for 128 MiB; ``benchmarks/results/multi_gpu/README.md``).
+    forward took 113 ms for 128 MiB; ``benchmarks/README.md``, "The torch entry point on N GPUs").
     DLPack export runs under ``torch.cuda.device(piece.device)``: torch refuses to export a
     tensor of another device than the current one, and jax's client set-up may change it.
     """
@@ -153,11 +153,10 @@ def _out_to_torch(a, device: torch.device | None) -> torch.Tensor:
     if device is not None and isinstance(a, jax.Array) and a.sharding.memory_kind in (None, "device") \
             and a.is_fully_addressable and all(d.platform == "gpu" for d in a.devices()):
         if len(a.devices()) == 1 or a.is_fully_replicated:
-            shard = next((s.data for s in a.addressable_shards if _cuda_of(s.device) == device),
-                         a.addressable_shards[0].data)
-            src = _cuda_of(next(iter(shard.devices())))
+            sh = next((s for s in a.addressable_shards if _cuda_of(s.device) == device), a.addressable_shards[0])
+            src = _cuda_of(sh.device)
             with torch.cuda.device(src):
-                t = torch.from_dlpack(shard)
+                t = torch.from_dlpack(sh.data)
             if src == device:
                 return t
             out = t.to(device)
@@ -506,8 +505,8 @@ class SwappedStack:
         (the message names it).
         """
         x = self._carry_in(inputs)
-        cuda = next((t.device for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"), None)
-        return self._out(self.runtime.forward(x), cuda)
+        out_dev = next((t.device for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"), None)
+        return self._out(self.runtime.forward(x), out_dev)
 
     __call__ = forward
 
@@ -636,10 +635,10 @@ class SwappedStack:
             return None
         return self.runtime._act(jax.ShapeDtypeStruct(shape, jnp.dtype(str(dtype).removeprefix("torch."))))
 
-    def _out(self, y, cuda: torch.device | None):
+    def _out(self, y, device: torch.device | None):
         if isinstance(y, tuple) and len(y) == 2 and isinstance(y[1], dict):
             y = y[0]
-        return jax.tree_util.tree_map(lambda a: _out_to_torch(a, cuda), y)
+        return jax.tree_util.tree_map(lambda a: _out_to_torch(a, device), y)
 
 
 class _CausalLMFirst(torch.nn.Module):

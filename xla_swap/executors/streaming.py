@@ -1122,7 +1122,6 @@ class StreamingRuntime:
             first = out
         del out
         host_grads: list | None = [None] * n if opt is None else None
-        n_keep = min(k + 1, n)  # stages 0..k stay on the device for the next call (cyclic schedule)
         qs: dict[int, Any] = {}
         prev_host = None
         def fetch_acts(j):
@@ -1158,8 +1157,8 @@ class StreamingRuntime:
                 recorder.add(ev, g)
             ev = StageEvent("backward", i, "d2h", recorder.now()) if recorder is not None else None
             if opt is None:
-                if nxt is not None and i < n_keep and not self.resident[i]:
-                    nxt[i] = (self.host_params[i], p)  # not donated: the next call's forward starts with it
+                if nxt is not None and i <= k and not self.resident[i]:  # stages 0..k: kept for the next call
+                    nxt[i] = (self.host_params[i], p)  # not donated (keep_w): the next call's forward starts with it
                 self._track(dp, i)
                 hg = jax.device_put(dp, self._diff_grad_sh[i])
                 host_grads[i] = _merge_diff(hg, None, _split_diff(self._param_avals[i])[2])
@@ -1169,7 +1168,7 @@ class StreamingRuntime:
                 self._track(dp, i)
                 self.host_params[i] = jax.device_put(new_p, self._host_sh[i])
                 self.optimizer_state[i] = jax.device_put(new_s, self._state_host_sh[i])
-                if nxt is not None and i < n_keep and not self.resident[i]:
+                if nxt is not None and i <= k and not self.resident[i]:
                     nxt[i] = (self.host_params[i], new_p)  # the updated weights, already on the device
                 moved = (self.host_params[i], self.optimizer_state[i])
                 del new_p, new_s
