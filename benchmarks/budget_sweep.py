@@ -13,45 +13,53 @@ new weights and moments; times are the steady state of a loop (medians of ``--re
 Per shape, one subprocess (jax cannot reset ``peak_bytes_in_use``, so a process's peaks belong to
 one shape): ``SwappedStack`` is built once (its runtime ``rt0``: k=2, everything streamed), then
 ``xla_swap.executors.calibrate.calibrate`` measures the link and the layer's forward / backward
-(the calibration, ``cal``), then every row runs its configuration on a runtime
-``reconfigure``-d from ``rt0`` (the same weights), rows in ascending predicted peak so that each
-row's peak is the process's high-water mark when it rises (a row whose peak does not rise above
-an earlier row's is recorded as not measured).
+(the calibration, ``cal``; its own high-water mark is recorded as ``peak_after_calibration``).
+Every configuration is then chosen from ``cal`` (the hand rows evaluated, the auto rows picked by
+``xla_swap.planning.chooser.choose_schedule``, what ``SwappedStack.autotune`` calls) before any
+runtime is built, and the rows run in ascending predicted peak (``actoff_k2`` right before
+``stream_k2``), each on a runtime ``reconfigure``-d from ``rt0`` (the same weights) or, for an auto
+row, built by ``stack.autotune(x, budget_bytes=b, calibration=cal)`` itself; a row's peak is
+recorded when it rises above the process's high-water mark (else "-": not measured).
 
-Rows (configurations as data, :func:`rows_for`): hand-picked ``stream_k1`` / ``stream_k2``
-(nothing resident, moments in ``pinned_host``), ``actoff_k2`` (``stream_k2`` with
+Rows (configurations as data, :func:`rows_for`). Training (``stack.train_step``): hand-picked
+``stream_k2`` (nothing resident, moments in ``pinned_host``), ``actoff_k2`` (``stream_k2`` with
 ``offload_activations=True``), ``lastfirst_<b>`` (``SwappedStack(budget_bytes=)``'s rule: stages
 resident from the last backwards while their weights + moments fit beside the k+1 window, for the
-weights + state share of budget ``b``), ``devstate_k2`` (moments in device memory), ``ondev``
-(every stage resident, moments on the device: the on-device step), and ``auto_<b>`` (the
-chooser's pick for budget ``b``, via ``stack.autotune``; a pick equal to a hand row's
-configuration reuses that row's measurement). Budgets of the sweep shape: ``window`` (the smallest
-predicted peak of the chooser's search space: a (k+1)-stage window), ``25`` / ``50`` / ``100``
-(that share of weights + optimizer state, plus the activations and temporaries the model predicts
-beside them, so ``100`` holds everything; at least ``window``). Other shapes: ``auto_50`` and
-the hand rows that bound it.
+weights + state share of budget ``b``), ``ondev`` (every stage resident, moments on the device: the
+on-device step), and on the sweep shape ``stream_k1``, ``devstate_k2`` (moments in device memory)
+and ``half_k2`` (the last half of the stages resident); ``auto_<b>``: the chooser's pick for budget
+``b`` (a pick equal to a hand row's configuration reuses that row's measurement). Forward
+(``stack.forward``, CUDA in and out): ``fwd_k2``, ``fwd_k4``, ``fwd_half_k2``, ``fwd_ondev`` and
+``fwd_auto_50``. Budgets (:func:`budgets_for`, per mode): ``window`` (the smallest predicted peak
+of a k=2 stream with nothing resident: (k+1) stages), ``25`` / ``50`` / ``100`` (that share of
+weights (+ optimizer state in training), plus the activations and temporaries the model predicts
+beside them, so ``100`` holds everything; at least ``window``). The sweep shape (the first) gets
+every training budget, the others ``auto_50``; every shape gets ``fwd_auto_50``.
 
 Analysis (:func:`analyze`, pure): measured / predicted step and peak per row; per budget the auto
-row against the best hand row that fits that budget (its measured peak, or its predicted one where
-the peak was not measured); ``auto_100`` against
-``ondev``; activation offload (``actoff_k2`` against ``stream_k2``): overhead and peak cut per
-offloaded byte; per shape the auto row against the floor ``max(ondev step, the auto row's bytes /
-the measured link)`` (``ondev`` measured when it fits, else the calibrated compute). ``--render
-FILE`` re-renders a saved ``budget_sweep.json`` (table, and with ``--out-dir`` ``budget_sweep.png``: step time and peak
-against budget, measured and predicted).
+row against the best hand row of its mode that fits that budget (its measured peak, or its
+predicted one where the peak was not measured) and against the budget's floor (:func:`floor_for`:
+``max(on-device step of the mode, measured; the fewest-bytes transfer time of any configuration
+that fits)``); ``auto_100`` against ``ondev``; activation offload (``actoff_k2`` against
+``stream_k2``): overhead, and peak cut per offloaded byte; ``half_k2`` against today's phase bound
+(:func:`phase_bound`). ``--render FILE`` re-renders a saved ``budget_sweep.json`` (table, and with
+``--out-dir`` ``budget_sweep.png``: step time and peak against budget, measured and predicted).
 
-Expected on one H100 (written before any run; link ~54 GB/s each way pinned, ~80 both ways;
-default shape 8 layers D=8192 F=32768 bf16, 8192 tokens: W = 8 GiB of weights, M = 16 GiB of bf16
-moments, on-device AdamW step ~0.36 s, everything streamed ~0.75-0.80 s): budgets of about 9 / 9.5
-/ 15 / 27 GiB; the step falling from ~0.8 s (window) to ~0.7 s (50 %, two or three stages resident)
-to the on-device ~0.36 s (100 %, auto within 1.02x of ``ondev``: the same configuration); measured
-step within 10 % of the prediction for the streamed rows (the planner's 0.798 s against 0.753 s
-measured before); measured peak within ~15 % of the prediction (the model counts the optimizer
-phase's window of weights + gradients + moments, the runtime's backward holds a similar set);
-activation offload at < 2 % overhead and a peak cut of about 0.6-0.9 GiB for 0.75 GiB offloaded
-(the (k+1)-input window stays); the auto row never more than 2 % slower than the best hand row of
-its budget, and at the two other shapes (16 layers D=4096 F=14336 16384 tokens; 12 layers D=6144
-F=24576 4096 tokens) within ~1.05-1.15x of the floor. Not built: chunking and the in-graph runtime
+Expected on one H100, run of 2026-11-24 (written before it; link ~50 GB/s each way pinned, ~80
+both ways; default shape 8 layers D=8192 F=32768 bf16, 8192 tokens, W = 8 GiB, bf16 moments 16
+GiB): the training rows as in the first run (``results/budget_sweep/README.md``: stream_k2 ~0.81
+s, lastfirst_50 ~0.76 s, ondev ~0.36 s); now with peaks at every shape (the calibration's
+high-water mark is ~2 stages' weights + state, below every training row's), measured within
+~10 % of the prediction for the streamed rows; auto_window = stream_k2 or actoff_k2 (k = 2);
+half_k2 (4 of 8 resident) ~0.6 s, under the phase bound (~0.75 s); activation offload: a peak
+cut of about (L - k - 1) stage inputs (0.6 GiB at the default shape, 1.6 GiB at the second)
+for < 1 % overhead at the compute-bound second shape and ~2 % at the transfer-bound default one.
+Forward: fwd_auto_50 within ~1.05x its floor where the forward is compute-bound (second
+shape) and ~1.1x where half the weights still stream slower than the compute (default, fourth).
+Training auto_50 stays above 1.05x its floor at the transfer-bound shapes (the backward moves
+weights + moments both ways: 1.1-1.3x). The fourth shape (20 layers D=5120 F=13824, 8192 tokens,
+fixed here before any run of it): transfer-bound in both passes (5.7 ms of weights against ~3 ms of
+forward per stage), stream_k2 ~0.5 s, ondev ~0.3 s. Not built: chunking and the in-graph runtime
 choice (``InGraphRuntime`` has no training step).
 
     PYTHONPATH=. python3 benchmarks/budget_sweep.py --out-dir /tmp/sweep           # GPU, ~5 min
@@ -70,7 +78,7 @@ import subprocess
 import sys
 import time
 
-SHAPES = [(8192, 32768, 8, 8192), (4096, 14336, 16, 16384), (6144, 24576, 12, 4096)]
+SHAPES = [(8192, 32768, 8, 8192), (4096, 14336, 16, 16384), (6144, 24576, 12, 4096), (5120, 13824, 20, 8192)]
 #: Budgets of the sweep shape: "window" and shares (%) of weights + optimizer state.
 BUDGETS = ("window", "25", "50", "100")
 TARGETS = {"pred_step": 0.10, "pred_peak": 0.10, "ondev": 1.02, "actoff_overhead": 0.02, "actoff_cut": 0.90,
@@ -100,37 +108,59 @@ def lastfirst(costs, k: int, state_budget: int) -> list:
     return res
 
 
-def budgets_for(costs, link) -> dict:
-    """``{budget name: bytes}`` (module docstring)."""
-    from xla_swap.planning import InfeasibleBudgetError
-    from xla_swap.planning.chooser import choose_schedule, evaluate_choice
-    try:
-        choose_schedule(costs, link, 1)
-    except InfeasibleBudgetError as e:
-        window = e.min_budget_bytes
-    ws = sum(c.param_bytes + c.optimizer_bytes for c in costs)
+def budgets_for(costs, link, training: bool = True) -> dict:
+    """``{budget name: bytes}`` of one mode (module docstring): ``window`` is the smallest predicted
+    peak of a ``K``-deep stream with nothing resident (offload on or off); a share ``b`` is ``b`` %
+    of the weights (+ optimizer state in training) plus what the all-resident configuration
+    predicts beside them (activations, temporaries), at least ``window``."""
+    from xla_swap.planning.chooser import evaluate_choice
+    window = min(evaluate_choice(costs, link, prefetch_depth=K, offload_activations=off, training=training).device_bytes
+                 for off in ((False, True) if training else (False,)))
+    ws = sum(c.param_bytes + (c.optimizer_bytes if training else 0) for c in costs)
     full = evaluate_choice(costs, link, prefetch_depth=K, resident=[True] * len(costs),
-                           optimizer_state_on_host=False).device_bytes
+                           optimizer_state_on_host=False, training=training).device_bytes
     out = {"window": window}
     for f in BUDGETS[1:]:
         out[f] = max(window, int(ws * int(f) / 100) + (full - ws))
     return out
 
 
-def rows_for(costs, link, budgets: dict, sweep: bool) -> dict:
-    """``{row: runtime kwargs}`` of the hand rows and ``{row: budget}`` of the auto rows (configurations as data)."""
+def rows_for(costs, budgets: dict, fwd_budgets: dict, sweep: bool) -> dict:
+    """The rows of one shape (configurations as data): ``{"hand": {row: runtime kwargs}, "auto":
+    {row: budget bytes}}`` for training, and the same under ``"fwd_hand"`` / ``"fwd_auto"`` for the
+    forward. Every shape: ``stream_k2``, ``actoff_k2``, ``lastfirst_50``, ``ondev``, ``auto_50``;
+    the sweep shape adds ``stream_k1``, ``devstate_k2``, ``half_k2`` (the last half of the stages
+    resident), ``lastfirst_25`` and the other budgets.
+    Forward, every shape: ``fwd_k2``, ``fwd_k4``, ``fwd_half_k2`` (the last half resident),
+    ``fwd_ondev``, ``fwd_auto_50``."""
     L = len(costs)
     ws = sum(c.param_bytes + c.optimizer_bytes for c in costs)
-    hand = {"stream_k1": dict(prefetch_depth=1), "stream_k2": dict(prefetch_depth=K), "ondev": dict(prefetch_depth=K, resident=[True] * L,
-                                                               optimizer_state_on_host=False)}
+    everything = dict(prefetch_depth=K, resident=[True] * L, optimizer_state_on_host=False)
+    hand = {"stream_k2": dict(prefetch_depth=K), "actoff_k2": dict(prefetch_depth=K, offload_activations=True),
+            "ondev": everything}
     names = BUDGETS if sweep else ("50",)
     for b in names:
         if b not in ("window", "100"):
             hand[f"lastfirst_{b}"] = dict(prefetch_depth=K, resident=lastfirst(costs, K, ws * int(b) // 100))
+    half = [i >= L // 2 for i in range(L)]
     if sweep:
-        hand["actoff_k2"] = dict(prefetch_depth=K, offload_activations=True)
+        hand["stream_k1"] = dict(prefetch_depth=1)
         hand["devstate_k2"] = dict(prefetch_depth=K, optimizer_state_on_host=False)
-    return {"hand": hand, "auto": {f"auto_{b}": budgets[b] for b in names}}
+        hand["half_k2"] = dict(prefetch_depth=K, resident=half)
+    fwd_hand = {"fwd_k2": dict(prefetch_depth=K), "fwd_k4": dict(prefetch_depth=min(4, L)),
+                "fwd_half_k2": dict(prefetch_depth=K, resident=half), "fwd_ondev": everything}
+    return {"hand": hand, "auto": {f"auto_{b}": budgets[b] for b in names},
+            "fwd_hand": fwd_hand, "fwd_auto": {"fwd_auto_50": fwd_budgets["50"]}}
+
+
+def floor_for(costs, link, budget: int, compute_s: float, training: bool, remat: bool = True) -> float:
+    """The floor of a budget (seconds): ``max(compute_s, transfer)``, where ``transfer`` is the
+    predicted transfer time (``floor_s``: in / h2d, out / d2h and both at once, the
+    ``xla_swap.planning`` time model) of the configuration the chooser picks for ``budget`` on the
+    costs with their compute set to 0, i.e. the fewest bytes any configuration that fits must move."""
+    from xla_swap.planning.chooser import choose_schedule
+    no_compute = [dataclasses.replace(c, forward_s=0.0) for c in costs]
+    return max(compute_s, choose_schedule(no_compute, link, int(budget), training=training, remat=remat).floor_s)
 
 
 def _cost_json(c) -> dict:
@@ -144,6 +174,25 @@ def _choice_json(s) -> dict:
             "pred_step_s": s.step_s, "pred_peak_bytes": s.device_bytes, "pred_floor_s": s.floor_s}
 
 
+def _order(configs: dict) -> list:
+    """Row names in ascending predicted peak, ``actoff_k2`` moved right before ``stream_k2`` (its
+    peak is the lower one when offload works: both then rise above the high-water mark)."""
+    order = sorted(configs, key=lambda n: (configs[n][0].device_bytes, n))
+    if "actoff_k2" in order and "stream_k2" in order and order.index("actoff_k2") > order.index("stream_k2"):
+        order.remove("actoff_k2")
+        order.insert(order.index("stream_k2"), "actoff_k2")
+    return order
+
+
+def phase_bound(costs, link, remat: bool = True) -> float:
+    """Today's phase bound of a training step (seconds): the all-streamed ``K``-deep schedule's sum
+    over its phases of ``max(compute, transfer)`` (``Plan.phase_layers`` of the planner's model on
+    the calibrated costs): what streaming every layer in both passes cannot beat."""
+    from xla_swap.planning.chooser import evaluate_choice
+    plan = evaluate_choice(costs, link, prefetch_depth=K, remat=remat).plan
+    return sum(max(sum(c for _, (c, _x) in rows), sum(x for _, (_c, x) in rows)) for rows in plan.phase_layers.values())
+
+
 def measure_shape(D, F, L, T, reps=3, window=2, sweep=True) -> dict:
     """Calibrate, then run every row of one shape in this process: the raw result (JSON-able)."""
     import jax
@@ -154,7 +203,7 @@ def measure_shape(D, F, L, T, reps=3, window=2, sweep=True) -> dict:
 
     from xla_swap.executors.calibrate import calibrate, peak_bytes_in_use, reconfigure
     from xla_swap.planning import AdamW
-    from xla_swap.planning.chooser import ChoiceCache, evaluate_choice
+    from xla_swap.planning.chooser import ChoiceCache, choose_schedule, evaluate_choice
     from xla_swap.stack import SwappedStack, _to_torch
 
     t_start = time.perf_counter()
@@ -162,7 +211,8 @@ def measure_shape(D, F, L, T, reps=3, window=2, sweep=True) -> dict:
     layers = make_layers(D, F, L)
     rng = np.random.default_rng(1)
     x = _to_torch((rng.standard_normal((T, D), dtype=np.float32) * 0.5).astype(jax.numpy.bfloat16))
-    x = x.cuda() if torch.cuda.is_available() else x
+    cuda = torch.cuda.is_available()
+    x = x.cuda() if cuda else x
 
     def tloss(o):
         return (o.float() ** 2).mean()
@@ -170,50 +220,70 @@ def measure_shape(D, F, L, T, reps=3, window=2, sweep=True) -> dict:
     rt0 = stack.runtime
     cal = calibrate(rt0, stack._carry_in((x,)), reps=reps)
     costs, link = list(cal.costs), cal.link
-    budgets = budgets_for(costs, link)
-    spec = rows_for(costs, link, budgets, sweep)
-    no_compute = [dataclasses.replace(c, forward_s=0.0) for c in costs]
+    budgets, fwd_budgets = budgets_for(costs, link, True), budgets_for(costs, link, False)
+    spec = rows_for(costs, budgets, fwd_budgets, sweep)
     limit = (dev.memory_stats() or {}).get("bytes_limit")
     res = {"shape": [D, F, L, T], "k": K, "reps": reps, "window": window, "device": str(dev.device_kind),
            "weight_bytes": sum(c.param_bytes for c in costs), "state_bytes": sum(c.optimizer_bytes for c in costs),
            "link_GBps": {"h2d": link.h2d_gbps, "d2h": link.d2h_gbps, "both": link.both_gbps},
            "link_samples": cal.link_samples, "forward_s": list(cal.forward_s), "backward_s": list(cal.backward_s),
-           "calibration_s": cal.wall_s, "costs": [_cost_json(c) for c in costs], "budgets": budgets,
-           "bytes_limit": limit, "rows": {}, "auto": {}}
-    # the auto rows: what the chooser picks (through the entry point, from the one calibration)
+           "calibration_s": cal.wall_s, "peak_after_calibration": peak_bytes_in_use(dev),
+           "costs": [_cost_json(c) for c in costs], "budgets": budgets, "fwd_budgets": fwd_budgets,
+           "phase_bound_s": phase_bound(costs, link, cal.remat), "bytes_limit": limit, "rows": {}, "auto": {}}
+    # Every configuration is chosen here from the one calibration with the chooser itself (what
+    # SwappedStack.autotune calls); the auto rows' runtimes are built by stack.autotune when they
+    # run, so no runtime but the measured one holds device memory while a peak is read.
+    configs = {name: (evaluate_choice(costs, link, **kw), True) for name, kw in spec["hand"].items()}
+    configs.update({name: (evaluate_choice(costs, link, training=False, **kw), False)
+                    for name, kw in spec["fwd_hand"].items()})
+    for group, training in (("auto", True), ("fwd_auto", False)):
+        hands = spec["hand" if training else "fwd_hand"]
+        for name, b in spec[group].items():
+            choice = choose_schedule(costs, link, int(b), training=training, remat=cal.remat)
+            same = [h for h in hands if configs[h][0].same_config(choice)]
+            compute = sum(cal.forward_s) + (sum(cal.backward_s) if training else 0.0)
+            res["auto"][name] = {"budget_bytes": b, "training": training, "same_as": same[0] if same else None,
+                                 **_choice_json(choice), "describe": choice.describe(),
+                                 "budget_transfer_floor_s": floor_for(costs, link, b, 0.0, training, cal.remat),
+                                 "calibrated_compute_s": compute}
+            if not same:
+                configs[name] = (choice, training)
     cache = ChoiceCache()
-    configs = {}
-    for name, kw in spec["hand"].items():
-        configs[name] = evaluate_choice(costs, link, **kw)
-    for name, b in spec["auto"].items():
-        stack.runtime = rt0
-        choice = stack.autotune(x, budget_bytes=b, calibration=cal, cache=cache)
-        stack.runtime = None
-        same = [h for h in spec["hand"] if configs[h].same_config(choice)]
-        res["auto"][name] = {"budget_bytes": b, "same_as": same[0] if same else None, **_choice_json(choice),
-                             "describe": choice.describe()}
-        if not same:
-            configs[name] = choice
     gc.collect()
-    order = sorted(configs, key=lambda n: (configs[n].device_bytes, not configs[n].offload_activations, n))
-    for name in order:
-        ch = configs[name]
-        row = {**_choice_json(ch), "pred_transfer_floor_s":
-               evaluate_choice(no_compute, link, **ch.runtime_kwargs()).floor_s}
+    for name in _order(configs):
+        ch, training = configs[name]
+        row = {**_choice_json(ch), "training": training, "pred_transfer_floor_s": evaluate_choice(
+            [dataclasses.replace(c, forward_s=0.0) for c in costs], link, training=training,
+            **ch.runtime_kwargs()).floor_s}
         if limit and ch.device_bytes > 0.95 * limit:
             row["skipped"] = f"predicted peak {ch.device_bytes} > 95% of the device's {limit} bytes"
             res["rows"][name] = row
             continue
         try:
-            stack.runtime = reconfigure(rt0, ch)
+            if name in res["auto"]:       # through the entry point, as a user calls it
+                stack.runtime = rt0
+                got = stack.autotune(x, budget_bytes=res["auto"][name]["budget_bytes"], training=training,
+                                     calibration=cal, cache=cache)
+                if not got.same_config(ch):
+                    raise AssertionError(f"stack.autotune chose {got.describe()}, the chooser {ch.describe()}")
+            else:
+                stack.runtime = reconfigure(rt0, ch)
             rt = stack.runtime
             peak0 = peak_bytes_in_use(dev)
             in_use0 = (dev.memory_stats() or {}).get("bytes_in_use")
+            if training:
+                def step():
+                    stack.train_step(x)
+                    return rt.host_params, rt.optimizer_state
+                sync = jax.block_until_ready
+            else:
+                def step():
+                    return stack.forward(x)
 
-            def step():
-                stack.train_step(x)
-                return rt.host_params, rt.optimizer_state
-            times = _timeit(step, reps, jax.block_until_ready, window)
+                def sync(_):
+                    if cuda:
+                        torch.cuda.synchronize()
+            times = _timeit(step, reps, sync, window)
             peak1 = peak_bytes_in_use(dev)
             row.update(step_s=times, offloaded_bytes=rt.offloaded_activation_nbytes, bytes_in_use_before=in_use0,
                        peak_bytes=peak1 if (peak1 is not None and (peak0 is None or peak1 > peak0)) else None,
@@ -226,7 +296,7 @@ def measure_shape(D, F, L, T, reps=3, window=2, sweep=True) -> dict:
             gc.collect()
         res["rows"][name] = row
         print(json.dumps({"shape": [D, F, L, T], "row": name, "median_s": statistics.median(row["step_s"])
-                          if "step_s" in row else None, "peak": row.get("peak_bytes"),
+                          if "step_s" in row else None, "peak": row.get("peak_bytes"), "error": row.get("error"),
                           "elapsed_s": round(time.perf_counter() - t_start, 1)}), flush=True)
     res["wall_s"] = time.perf_counter() - t_start
     return res
@@ -243,33 +313,40 @@ def analyze(raw: dict) -> dict:
     for name, r in rows.items():
         m = med(name)
         out["rows"][name] = {"step_s": m, "pred_step_s": r["pred_step_s"], "peak_bytes": r.get("peak_bytes"),
-                             "pred_peak_bytes": r["pred_peak_bytes"],
+                             "pred_peak_bytes": r["pred_peak_bytes"], "training": r.get("training", True),
                              "step_over_pred": m / r["pred_step_s"] if m else None,
-                             "peak_over_pred": r["peak_bytes"] / r["pred_peak_bytes"] if r.get("peak_bytes") else None}
-    ondev = med("ondev")
-    compute = ondev if ondev else sum(raw["forward_s"]) + sum(raw["backward_s"])
-    hand = [n for n in rows if not n.startswith("auto_")]
+                             "peak_over_pred": r["peak_bytes"] / r["pred_peak_bytes"] if r.get("peak_bytes") else None,
+                             "error": r.get("error"), "skipped": r.get("skipped")}
     for name, a in raw["auto"].items():
+        training = a.get("training", True)
         src = a["same_as"] or name
         m, b = med(src), a["budget_bytes"]
         r = rows.get(src, {})
+        ondev = med("ondev" if training else "fwd_ondev")
+        compute = ondev if ondev else a.get("calibrated_compute_s", 0.0)
+        hand = [n for n in rows if not n.startswith(("auto_", "fwd_auto_")) and rows[n].get("training", True) == training]
         fits = [(med(h), h) for h in hand if med(h) and (rows[h].get("peak_bytes") or rows[h]["pred_peak_bytes"]) <= b]
         best = min(fits) if fits else (None, None)
-        floor = max(compute, r.get("pred_transfer_floor_s", 0.0))
+        floor = max(compute, a.get("budget_transfer_floor_s", r.get("pred_transfer_floor_s", 0.0)))
         out["budgets"][name] = {
-            "budget_bytes": b, "row": src, "describe": a["describe"], "step_s": m, "pred_step_s": a["pred_step_s"],
-            "pred_peak_bytes": a["pred_peak_bytes"], "peak_bytes": r.get("peak_bytes"), "floor_s": floor,
-            "over_floor": m / floor if m else None, "best_hand": best[1], "best_hand_s": best[0],
+            "budget_bytes": b, "training": training, "row": src, "describe": a["describe"], "step_s": m,
+            "pred_step_s": a["pred_step_s"], "pred_peak_bytes": a["pred_peak_bytes"], "peak_bytes": r.get("peak_bytes"),
+            "floor_s": floor, "over_floor": m / floor if m else None, "best_hand": best[1], "best_hand_s": best[0],
             "over_best_hand": m / best[0] if (m and best[0]) else None}
-    if "auto_100" in out["budgets"] and ondev:
-        out["auto_100_over_ondev"] = out["budgets"]["auto_100"]["step_s"] / ondev
+    if "auto_100" in out["budgets"] and med("ondev"):
+        out["auto_100_over_ondev"] = out["budgets"]["auto_100"]["step_s"] / med("ondev")
     on, off = rows.get("actoff_k2", {}), rows.get("stream_k2", {})
     if med("actoff_k2") and med("stream_k2"):
-        act = {"overhead": med("actoff_k2") / med("stream_k2") - 1, "offloaded_bytes": on.get("offloaded_bytes")}
+        act = {"overhead": med("actoff_k2") / med("stream_k2") - 1, "offloaded_bytes": on.get("offloaded_bytes"),
+               "pred_overhead": on["pred_step_s"] / off["pred_step_s"] - 1}
         if on.get("peak_bytes") and off.get("peak_bytes") and on.get("offloaded_bytes"):
             act["peak_cut_bytes"] = off["peak_bytes"] - on["peak_bytes"]
             act["cut_per_offloaded_byte"] = act["peak_cut_bytes"] / on["offloaded_bytes"]
         out["actoff"] = act
+    if med("half_k2") and raw.get("phase_bound_s"):
+        out["half"] = {"step_s": med("half_k2"), "phase_bound_s": raw["phase_bound_s"],
+                       "over_phase_bound": med("half_k2") / raw["phase_bound_s"], "stream_k2_s": med("stream_k2"),
+                       "over_stream_k2": med("half_k2") / med("stream_k2") if med("stream_k2") else None}
     return out
 
 
@@ -291,10 +368,11 @@ def render(results: list) -> str:
         for n, r in a["rows"].items():
             lines.append(f"| {n} | {_x(r['step_s'], '{:.4f}')} | {r['pred_step_s']:.4f} | {_x(r['step_over_pred'])} | "
                          f"{_gib(r['peak_bytes'])} | {_gib(r['pred_peak_bytes'])} | {_x(r['peak_over_pred'])} |")
-        lines += ["", "| budget | GiB | chosen | step s (pred) | / floor | best hand row (s) | auto / best hand |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "| budget | mode | GiB | chosen | step s (pred) | / floor | best hand row (s) | auto / best hand |",
+                  "|---|---|---|---|---|---|---|---|"]
         for n, b in a["budgets"].items():
-            lines.append(f"| {n} | {_gib(b['budget_bytes'])} | {b['describe']} | {_x(b['step_s'], '{:.4f}')} "
+            mode = "train" if b.get("training", True) else "forward"
+            lines.append(f"| {n} | {mode} | {_gib(b['budget_bytes'])} | {b['describe']} | {_x(b['step_s'], '{:.4f}')} "
                          f"({b['pred_step_s']:.4f}) | {_x(b['over_floor'])} | {b['best_hand']} "
                          f"({_x(b['best_hand_s'], '{:.4f}')}) | {_x(b['over_best_hand'])} |")
         if "auto_100_over_ondev" in a:
@@ -303,7 +381,12 @@ def render(results: list) -> str:
             act = a["actoff"]
             lines.append(f"\nactivation offload: overhead {100 * act['overhead']:.2f} %, offloaded "
                          f"{_gib(act.get('offloaded_bytes'))} GiB, peak cut {_gib(act.get('peak_cut_bytes'))} GiB "
-                         f"({_x(act.get('cut_per_offloaded_byte'))} per offloaded byte)")
+                         f"({_x(act.get('cut_per_offloaded_byte'))} per offloaded byte); predicted overhead "
+                         f"{100 * act.get('pred_overhead', float('nan')):.2f} %")
+        if "half" in a:
+            h = a["half"]
+            lines.append(f"\nhalf the stages resident (half_k2): {h['step_s']:.4f} s = {h['over_phase_bound']:.3f}x "
+                         f"the all-streamed phase bound ({h['phase_bound_s']:.4f} s), {_x(h['over_stream_k2'])}x stream_k2")
         lines.append("")
     return "\n".join(lines)
 
@@ -314,7 +397,7 @@ def plot(raw: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     a = analyze(raw)
-    pts = sorted(a["budgets"].values(), key=lambda b: b["budget_bytes"])
+    pts = sorted((b for b in a["budgets"].values() if b.get("training", True)), key=lambda b: b["budget_bytes"])
     xs = [b["budget_bytes"] / 2 ** 30 for b in pts]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     ax1.plot(xs, [b["pred_step_s"] for b in pts], "o--", label="predicted")

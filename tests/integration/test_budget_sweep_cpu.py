@@ -11,7 +11,8 @@ def test_tiny_run_and_render(tmp_path):
                               "--in-process", "--out-dir", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "budget_sweep.json").read_text())
     sweep, other = data["raw"]
-    assert set(sweep["auto"]) == {f"auto_{b}" for b in budget_sweep.BUDGETS} and set(other["auto"]) == {"auto_50"}
+    assert set(sweep["auto"]) == {f"auto_{b}" for b in budget_sweep.BUDGETS} | {"fwd_auto_50"}
+    assert set(other["auto"]) == {"auto_50", "fwd_auto_50"}
     for r in sweep["rows"].values():
         assert "error" not in r and len(r["step_s"]) == 1 and r["pred_step_s"] > 0
     assert sweep["rows"]["actoff_k2"]["offloaded_bytes"] > 0
@@ -21,6 +22,16 @@ def test_tiny_run_and_render(tmp_path):
     assert sweep["auto"]["auto_100"]["resident"] == [True] * 4          # everything fits: all resident
     a = budget_sweep.analyze(sweep)
     assert a["budgets"]["auto_100"]["best_hand"] is not None and "actoff" in a
+    # forward rows (their own budgets and auto row), half resident against the phase bound
+    fwd = {"fwd_k2", "fwd_k4", "fwd_half_k2", "fwd_ondev"}
+    assert fwd <= set(sweep["rows"]) and not any(sweep["rows"][n]["training"] for n in fwd)
+    assert sweep["auto"]["fwd_auto_50"]["training"] is False and sweep["rows"]["half_k2"]["resident"] == [False] * 2 + [True] * 2
+    assert a["budgets"]["fwd_auto_50"]["best_hand"] in fwd and sweep["phase_bound_s"] > 0 and "half" in a
+    # peaks: actoff_k2 runs right before stream_k2; the floor is never under the on-device step
+    order = list(sweep["rows"])
+    assert order.index("actoff_k2") + 1 == order.index("stream_k2")
+    assert a["budgets"]["auto_50"]["floor_s"] >= a["rows"]["ondev"]["step_s"]
+    assert "actoff" in budget_sweep.analyze(other)          # every shape measures activation offload
     assert (tmp_path / "budget_sweep.png").stat().st_size > 1000
     md = (tmp_path / "budget_sweep.md").read_text()
     (tmp_path / "budget_sweep.png").unlink()
@@ -29,6 +40,19 @@ def test_tiny_run_and_render(tmp_path):
     assert budget_sweep.main(["--render", str(tmp_path / "budget_sweep.json"), "--out-dir", str(tmp_path / "r")]) == 0
     assert (tmp_path / "r" / "budget_sweep.png").exists()
     assert "auto_window" in md and "### shape D,F,L,T = 64,64,3,16" in md
+
+
+def test_floor_for_is_the_compute_when_everything_fits_and_the_bytes_when_little_does():
+    from xla_swap.planning import LayerCost, Link
+    link = Link(h2d_gbps=50.0, d2h_gbps=50.0, both_gbps=80.0)
+    costs = [LayerCost(param_bytes=10 ** 9, grad_bytes=10 ** 9, optimizer_bytes=2 * 10 ** 9, carry_bytes=10 ** 6,
+                       forward_s=0.01)] * 12
+    b = budget_sweep.budgets_for(costs, link)
+    assert budget_sweep.floor_for(costs, link, b["100"], 0.123, True) == pytest.approx(0.123)
+    low = budget_sweep.floor_for(costs, link, b["window"], 0.0, True)
+    half = budget_sweep.floor_for(costs, link, b["50"], 0.0, True)
+    assert low > half > 0                        # more budget, fewer bytes must move
+    assert budget_sweep.floor_for(costs, link, b["window"], 100.0, True) == 100.0
 
 
 def _row(step, pred_step, peak, pred_peak, **kw):
@@ -59,7 +83,7 @@ def test_analysis_of_a_hand_made_raw():
     assert a["rows"]["stream_k2"]["step_over_pred"] == pytest.approx(0.80 / 0.78)
     assert a["rows"]["ondev"]["peak_over_pred"] == pytest.approx(27 / 27.5)
     text = budget_sweep.render([a])
-    assert "| auto_50 | 16.00 | k=1 | 0.6600 (0.6500) | 1.200 | lastfirst_50 (0.7000) | 0.943 |" in text
+    assert "| auto_50 | train | 16.00 | k=1 | 0.6600 (0.6500) | 1.200 | lastfirst_50 (0.7000) | 0.943 |" in text
     assert "overhead 1.00 %" in text
 
 

@@ -37,6 +37,12 @@ from xla_swap.planning.planner import GB, LayerCost, Link
 from ._stages import DEVICE_KIND, HOST_KIND, _aval_key, _split_diff
 from .streaming import StreamingRuntime
 
+#: Fewest timed copies per direction of :func:`calibrate`'s link measurement (medians). With 3, one
+#: H100 process read 37-69 GB/s both ways where the other processes of the same run read 76-82
+#: (a stall of one copy moves a median of 3), and its predictions were 23-28 % slow
+#: (``benchmarks/results/budget_sweep/README.md``).
+LINK_REPS = 7
+
 __all__ = ["Calibration", "calibrate", "measure_link", "peak_bytes_in_use", "runtime_signature", "reconfigure",
            "autotune"]
 
@@ -161,7 +167,8 @@ def calibrate(runtime: StreamingRuntime, h, *, reps: int = 3) -> Calibration:
         ``remat`` and shardings; nothing of its state changes: the measured copies are its own
         buffers copied, not donated).
       h: an input of the stack (its signature fixes every stage's shapes), numpy or jax arrays.
-      reps: timed calls per measurement (medians), after one warm-up each.
+      reps: timed calls per measurement (medians), after one warm-up each; the link takes at
+        least :data:`LINK_REPS`.
 
     Returns: a :class:`Calibration`. Every time is positive and finite on a working device.
 
@@ -174,7 +181,7 @@ def calibrate(runtime: StreamingRuntime, h, *, reps: int = 3) -> Calibration:
     rt = runtime
     sig = rt._signature(h)        # raises for a bad input before anything runs
     key = runtime_signature(rt, h)
-    link, samples = measure_link(rt, reps=reps)
+    link, samples = measure_link(rt, reps=max(reps, LINK_REPS))
     remat = rt.remat is True
     groups: dict[Any, list[int]] = {}
     for i in range(rt.num_stages):
