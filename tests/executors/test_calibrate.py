@@ -120,12 +120,39 @@ def test_reconfigure_carries_optimizer_state(params, x):
     b.train_step(x, loss_fn)
     choice = evaluate_choice(list(calibrate(a, x, reps=1).costs), calibrate(a, x, reps=1).link, prefetch_depth=1,
                              resident=[True] + [False] * 7)
+    before = [[tuple(np.asarray(t) for t in pair) for pair in st] for st in a.optimizer_state]
     a2 = reconfigure(a, choice)
     assert a2.step == 1
     a2.train_step(x, loss_fn)
     b.train_step(x, loss_fn)
     for p, q in zip(a2.host_params, b.host_params):
         check_close(p["a"], q["a"], rtol=1e-5, atol=1e-6)
+    # the old runtime's moments were copied, not aliased or donated: still there, unchanged
+    for st, ref in zip(a.optimizer_state, before):
+        for pair, rpair in zip(st, ref):
+            for t, r in zip(pair, rpair):
+                np.testing.assert_array_equal(np.asarray(t), r)
+
+
+def test_optimizer_state_argument(params, x):
+    opt = AdamW(lr=1e-2)
+    a = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt)
+    a.train_step(x, loss_fn)
+    b = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt, optimizer_state=a.optimizer_state)
+    for sa, sb in zip(a.optimizer_state, b.optimizer_state):
+        for pa, pb in zip(sa, sb):
+            assert pa[0] is not pb[0]
+            np.testing.assert_array_equal(np.asarray(pa[0]), np.asarray(pb[0]))
+            assert float(np.abs(np.asarray(pb[1])).max()) > 0          # not the zero state
+    bad = [list(s) for s in a.optimizer_state]
+    bad[3] = bad[3][:-1]
+    with pytest.raises(ValueError, match=r"optimizer_state\[3\]"):
+        StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt, optimizer_state=bad)
+    with pytest.raises(ValueError, match="one list of \\(m, v\\) pairs per stage"):
+        StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt, optimizer_state=a.optimizer_state[:2])
+    with pytest.raises(ValueError, match="without an optimizer"):
+        StreamingRuntime(layer, params, prefetch_depth=2, optimizer_state=a.optimizer_state)
+    a.train_step(x, loss_fn)                                           # the failed calls changed nothing
 
 
 def test_bad_arguments_leave_the_runtime_usable(params, x):

@@ -90,6 +90,24 @@ def _remat_from_policy(policy: OffloadPolicy):
     return True
 
 
+def _checked_state(optimizer, state, avals: list, stage: int) -> list:
+    """``state`` (a stage's ``[(m, v), ...]``) as a list of pairs, checked against the trainable
+    leaves' shapes and the optimizer's state dtype; ValueError naming the stage otherwise."""
+    ok = isinstance(state, Sequence) and not isinstance(state, (str, bytes)) and len(state) == len(avals)
+    pairs = list(state) if ok else []
+    for pair, a in zip(pairs, avals):
+        dt = np.dtype(_optim.state_dtype(optimizer, a.dtype))
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2
+                and all(tuple(getattr(x, "shape", ())) == tuple(a.shape) and getattr(x, "dtype", None) == dt
+                        for x in pair)):
+            ok = False
+    if not ok:
+        raise ValueError(f"optimizer_state[{stage}] must be {len(avals)} (m, v) pairs of the trainable leaves' shapes "
+                         f"{[tuple(a.shape) for a in avals]} and dtype "
+                         f"{[str(np.dtype(_optim.state_dtype(optimizer, a.dtype))) for a in avals]}")
+    return [tuple(p) for p in pairs]
+
+
 class StreamingRuntime:
     """Run a stack of stages with host-resident weights streamed to the device k stages ahead.
 
@@ -166,6 +184,11 @@ class StreamingRuntime:
         hold them. Gradients do not leave the device.
       optimizer_state_on_host: where the moments live between steps: ``pinned_host``
         (default, streamed with the weights) or device memory.
+      optimizer_state: with ``optimizer``, the initial moments instead of zeros: per stage a
+        list of ``(m, v)`` pairs, one per trainable leaf, as ``optimizer_state`` holds them
+        (numpy or jax arrays, any memory; e.g. another runtime's). They are copied into place
+        (never aliased or donated); no zero state is allocated first, so carrying a state over
+        (``xla_swap.executors.calibrate.reconfigure``) does not hold it twice in device memory.
       trainable: ``(stage_index, leaf_path) -> bool``: which floating leaves the optimizer
         updates (default: all). Non-trainable floating leaves (e.g. a rotary frequency
         buffer) still get gradients in ``train_step`` without an optimizer.
@@ -218,7 +241,9 @@ class StreamingRuntime:
         (the message names the stage and leaf); both ``device`` and ``sharding`` are
         given; the device has no ``pinned_host`` memory; ``activation_sharding`` is
         needed but missing; ``resident`` has the wrong length; ``max_signatures < 1``;
-        ``batch_axis`` is not an axis of ``activation_sharding``'s mesh.
+        ``batch_axis`` is not an axis of ``activation_sharding``'s mesh; ``optimizer_state``
+        given without ``optimizer``, or not one list of ``(m, v)`` pairs per stage of the
+        trainable leaves' shapes and the optimizer's state dtype (the message names the stage).
     """
 
     def __init__(
@@ -240,6 +265,7 @@ class StreamingRuntime:
         grads_to_host: bool = True,
         optimizer: AdamW | None = None,
         optimizer_state_on_host: bool = True,
+        optimizer_state: Sequence | None = None,
         trainable: Callable | None = None,
         max_signatures: int = DEFAULT_MAX_SIGNATURES,
         offload_activations: bool = False,
@@ -417,6 +443,13 @@ class StreamingRuntime:
         #: in ``pinned_host`` (or device memory); empty lists without an optimizer.
         self.optimizer_state: list = []
         self._state_dev_sh, self._state_host_sh = [], []
+        if optimizer_state is not None and (optimizer is None or isinstance(optimizer_state, (str, bytes))
+                                            or not isinstance(optimizer_state, Sequence)
+                                            or len(optimizer_state) != n):
+            raise ValueError(f"optimizer_state must be None or, with an optimizer, one list of (m, v) pairs per "
+                             f"stage ({n} stages), got {type(optimizer_state).__name__}"
+                             + ("" if optimizer is not None else " without an optimizer"))
+        states = []
         for i in range(n):
             leaves = jax.tree_util.tree_leaves(self._param_avals[i])
             ds = jax.tree_util.tree_leaves(dev_sh[i])
@@ -429,8 +462,13 @@ class StreamingRuntime:
             self._state_host_sh.append([(ds[j].with_memory_kind(HOST_KIND if on_host else DEVICE_KIND),) * 2
                                         for j in sel])
             if optimizer is not None:
-                st = _optim.init_state(optimizer, [leaves[j] for j in sel])
-                self.optimizer_state.append(jax.device_put(st, self._state_host_sh[i]))
+                if optimizer_state is None:
+                    states.append(_optim.init_state(optimizer, [leaves[j] for j in sel]))
+                else:
+                    states.append(_checked_state(optimizer, optimizer_state[i], [leaves[j] for j in sel], i))
+        # copies (may_alias=False): a given state stays its owner's
+        self.optimizer_state = [jax.device_put(st, sh, may_alias=False if optimizer_state is not None else None)
+                                for st, sh in zip(states, self._state_host_sh)]
         #: number of optimizer steps applied so far.
         self.step: int = 0
         #: bytes of each stage's weights (logical sizes), and their sum.
