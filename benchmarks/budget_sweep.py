@@ -125,32 +125,32 @@ def budgets_for(costs, link, training: bool = True) -> dict:
     return out
 
 
-def rows_for(costs, budgets: dict, fwd_budgets: dict, sweep: bool) -> dict:
-    """The rows of one shape (configurations as data): ``{"hand": {row: runtime kwargs}, "auto":
-    {row: budget bytes}}`` for training, and the same under ``"fwd_hand"`` / ``"fwd_auto"`` for the
-    forward. Every shape: ``stream_k2``, ``actoff_k2``, ``lastfirst_50``, ``ondev``, ``auto_50``;
-    the sweep shape adds ``stream_k1``, ``devstate_k2``, ``half_k2`` (the last half of the stages
-    resident), ``lastfirst_25`` and the other budgets.
-    Forward, every shape: ``fwd_k2``, ``fwd_k4``, ``fwd_half_k2`` (the last half resident),
-    ``fwd_ondev``, ``fwd_auto_50``."""
+def rows_for(costs, budgets: dict, sweep: bool, training: bool = True) -> dict:
+    """The rows of one shape and mode (configurations as data): ``{"hand": {row: runtime kwargs},
+    "auto": {row: budget bytes}}``. Training, every shape: ``stream_k2``, ``actoff_k2``,
+    ``lastfirst_50``, ``ondev``, ``ondev_actoff`` (every stage resident, activations offloaded),
+    ``auto_50``; the sweep shape adds ``stream_k1``, ``devstate_k2``, ``half_k2`` (the last half of
+    the stages resident), ``lastfirst_25`` and the other budgets. Forward, every shape: ``fwd_k2``,
+    ``fwd_k4``, ``fwd_half_k2`` (the last half resident), ``fwd_ondev``, ``fwd_auto_50``."""
     L = len(costs)
     ws = sum(c.param_bytes + c.optimizer_bytes for c in costs)
     everything = dict(prefetch_depth=K, resident=[True] * L, optimizer_state_on_host=False)
+    half = [i >= L // 2 for i in range(L)]
+    if not training:
+        hand = {"fwd_k2": dict(prefetch_depth=K), "fwd_k4": dict(prefetch_depth=min(4, L)),
+                "fwd_half_k2": dict(prefetch_depth=K, resident=half), "fwd_ondev": everything}
+        return {"hand": hand, "auto": {"fwd_auto_50": budgets["50"]}}
     hand = {"stream_k2": dict(prefetch_depth=K), "actoff_k2": dict(prefetch_depth=K, offload_activations=True),
-            "ondev": everything}
+            "ondev": everything, "ondev_actoff": dict(everything, offload_activations=True)}
     names = BUDGETS if sweep else ("50",)
     for b in names:
         if b not in ("window", "100"):
             hand[f"lastfirst_{b}"] = dict(prefetch_depth=K, resident=lastfirst(costs, K, ws * int(b) // 100))
-    half = [i >= L // 2 for i in range(L)]
     if sweep:
         hand["stream_k1"] = dict(prefetch_depth=1)
         hand["devstate_k2"] = dict(prefetch_depth=K, optimizer_state_on_host=False)
         hand["half_k2"] = dict(prefetch_depth=K, resident=half)
-    fwd_hand = {"fwd_k2": dict(prefetch_depth=K), "fwd_k4": dict(prefetch_depth=min(4, L)),
-                "fwd_half_k2": dict(prefetch_depth=K, resident=half), "fwd_ondev": everything}
-    return {"hand": hand, "auto": {f"auto_{b}": budgets[b] for b in names},
-            "fwd_hand": fwd_hand, "fwd_auto": {"fwd_auto_50": fwd_budgets["50"]}}
+    return {"hand": hand, "auto": {f"auto_{b}": budgets[b] for b in names}}
 
 
 def floor_for(costs, link, budget: int, compute_s: float, training: bool, remat: bool = True) -> float:
@@ -174,13 +174,19 @@ def _choice_json(s) -> dict:
             "pred_step_s": s.step_s, "pred_peak_bytes": s.device_bytes, "pred_floor_s": s.floor_s}
 
 
+#: (offloaded row, the same row keeping its activations): the first runs right before the second.
+ACTOFF_PAIRS = (("actoff_k2", "stream_k2"), ("ondev_actoff", "ondev"))
+
+
 def _order(configs: dict) -> list:
-    """Row names in ascending predicted peak, ``actoff_k2`` moved right before ``stream_k2`` (its
-    peak is the lower one when offload works: both then rise above the high-water mark)."""
+    """Row names in ascending predicted peak, each offloaded row of :data:`ACTOFF_PAIRS` moved right
+    before its pair (its peak is the lower one when offload works: both then rise above the
+    high-water mark)."""
     order = sorted(configs, key=lambda n: (configs[n][0].device_bytes, n))
-    if "actoff_k2" in order and "stream_k2" in order and order.index("actoff_k2") > order.index("stream_k2"):
-        order.remove("actoff_k2")
-        order.insert(order.index("stream_k2"), "actoff_k2")
+    for on, off in ACTOFF_PAIRS:
+        if on in order and off in order and order.index(on) > order.index(off):
+            order.remove(on)
+            order.insert(order.index(off), on)
     return order
 
 
@@ -194,16 +200,14 @@ def phase_bound(costs, link, remat: bool = True) -> float:
 
 
 def measure_shape(D, F, L, T, reps=3, window=2, sweep=True) -> dict:
-    """Calibrate, then run every row of one shape in this process: the raw result (JSON-able)."""
+    """Both modes of one shape in this process, the forward first (its peaks are the lower ones):
+    the raw result (JSON-able)."""
     import jax
     import numpy as np
     import torch
     from multi_gpu import make_layers
-    from torch_stack import _timeit
 
-    from xla_swap.executors.calibrate import calibrate, peak_bytes_in_use, reconfigure
     from xla_swap.planning import AdamW
-    from xla_swap.planning.chooser import ChoiceCache, choose_schedule, evaluate_choice
     from xla_swap.stack import SwappedStack, _to_torch
 
     t_start = time.perf_counter()
@@ -211,54 +215,86 @@ def measure_shape(D, F, L, T, reps=3, window=2, sweep=True) -> dict:
     layers = make_layers(D, F, L)
     rng = np.random.default_rng(1)
     x = _to_torch((rng.standard_normal((T, D), dtype=np.float32) * 0.5).astype(jax.numpy.bfloat16))
-    cuda = torch.cuda.is_available()
-    x = x.cuda() if cuda else x
+    x = x.cuda() if torch.cuda.is_available() else x
+    res = {"shape": [D, F, L, T], "k": K, "reps": reps, "window": window, "device": str(dev.device_kind),
+           "bytes_limit": (dev.memory_stats() or {}).get("bytes_limit"), "rows": {}, "auto": {}, "aliases": {}}
+    # serving: a stack without an optimizer (as a user serves), its own calibration
+    stack = SwappedStack(layers, devices=[dev])
+    _run_mode(stack, x, False, sweep, reps, window, res, t_start)
+    stack = None
+    gc.collect()
 
     def tloss(o):
         return (o.float() ** 2).mean()
     stack = SwappedStack(layers, optimizer=AdamW(lr=1e-5), loss_fn=tloss, devices=[dev], accumulate_grads=False)
+    _run_mode(stack, x, True, sweep, reps, window, res, t_start)
+    res["wall_s"] = time.perf_counter() - t_start
+    return res
+
+
+def _run_mode(stack, x, training: bool, sweep: bool, reps: int, window: int, res: dict, t_start: float) -> None:
+    """Calibrate ``stack`` (its runtime ``rt0``: k=2, everything streamed), choose every row's
+    configuration from that one calibration, then run the rows in :func:`_order` (module
+    docstring); fills ``res``."""
+    import jax
+    import torch
+    from torch_stack import _timeit
+
+    from xla_swap.executors.calibrate import calibrate, peak_bytes_in_use, reconfigure
+    from xla_swap.planning.chooser import ChoiceCache, choose_schedule, evaluate_choice
+
+    dev = jax.devices()[0]
+    cuda = torch.cuda.is_available()
     rt0 = stack.runtime
     cal = calibrate(rt0, stack._carry_in((x,)), reps=reps)
     costs, link = list(cal.costs), cal.link
-    budgets, fwd_budgets = budgets_for(costs, link, True), budgets_for(costs, link, False)
-    spec = rows_for(costs, budgets, fwd_budgets, sweep)
-    limit = (dev.memory_stats() or {}).get("bytes_limit")
-    res = {"shape": [D, F, L, T], "k": K, "reps": reps, "window": window, "device": str(dev.device_kind),
-           "weight_bytes": sum(c.param_bytes for c in costs), "state_bytes": sum(c.optimizer_bytes for c in costs),
-           "link_GBps": {"h2d": link.h2d_gbps, "d2h": link.d2h_gbps, "both": link.both_gbps},
-           "link_samples": cal.link_samples, "forward_s": list(cal.forward_s), "backward_s": list(cal.backward_s),
-           "calibration_s": cal.wall_s, "peak_after_calibration": peak_bytes_in_use(dev),
-           "costs": [_cost_json(c) for c in costs], "budgets": budgets, "fwd_budgets": fwd_budgets,
-           "phase_bound_s": phase_bound(costs, link, cal.remat), "bytes_limit": limit, "rows": {}, "auto": {}}
+    budgets = budgets_for(costs, link, training)
+    spec = rows_for(costs, budgets, sweep, training)
+    limit = res["bytes_limit"]
+    m = "" if training else "fwd_"
+    res.update({f"{m}weight_bytes": sum(c.param_bytes for c in costs),
+                f"{m}state_bytes": sum(c.optimizer_bytes for c in costs),
+                f"{m}link_GBps": {"h2d": link.h2d_gbps, "d2h": link.d2h_gbps, "both": link.both_gbps},
+                f"{m}link_samples": cal.link_samples, f"{m}forward_s": list(cal.forward_s),
+                f"{m}calibration_s": cal.wall_s, f"{m}peak_after_calibration": peak_bytes_in_use(dev),
+                f"{m}costs": [_cost_json(c) for c in costs], f"{m}budgets": budgets})
+    if training:
+        res.update(backward_s=list(cal.backward_s), phase_bound_s=phase_bound(costs, link, cal.remat))
     # Every configuration is chosen here from the one calibration with the chooser itself (what
     # SwappedStack.autotune calls); the auto rows' runtimes are built by stack.autotune when they
-    # run, so no runtime but the measured one holds device memory while a peak is read.
-    configs = {name: (evaluate_choice(costs, link, **kw), True) for name, kw in spec["hand"].items()}
-    configs.update({name: (evaluate_choice(costs, link, training=False, **kw), False)
-                    for name, kw in spec["fwd_hand"].items()})
-    for group, training in (("auto", True), ("fwd_auto", False)):
-        hands = spec["hand" if training else "fwd_hand"]
-        for name, b in spec[group].items():
-            choice = choose_schedule(costs, link, int(b), training=training, remat=cal.remat)
-            same = [h for h in hands if configs[h][0].same_config(choice)]
-            compute = sum(cal.forward_s) + (sum(cal.backward_s) if training else 0.0)
-            res["auto"][name] = {"budget_bytes": b, "training": training, "same_as": same[0] if same else None,
-                                 **_choice_json(choice), "describe": choice.describe(),
-                                 "budget_transfer_floor_s": floor_for(costs, link, b, 0.0, training, cal.remat),
-                                 "calibrated_compute_s": compute}
-            if not same:
-                configs[name] = (choice, training)
+    # run, so no runtime but the measured one holds device memory while a peak is read. A hand row
+    # equal to an earlier one is not run again (res["aliases"]).
+    configs = {}
+    for name, kw in spec["hand"].items():
+        ch = evaluate_choice(costs, link, training=training, **kw)
+        same = [h for h in configs if configs[h][0].same_config(ch)]
+        if same:
+            res["aliases"][name] = same[0]
+        else:
+            configs[name] = (ch, training)
+    hands = list(configs)
+    compute = sum(cal.forward_s) + (sum(cal.backward_s) if training else 0.0)
+    for name, b in spec["auto"].items():
+        choice = choose_schedule(costs, link, int(b), training=training, remat=cal.remat)
+        same = [h for h in hands if configs[h][0].same_config(choice)]
+        res["auto"][name] = {"budget_bytes": b, "training": training, "same_as": same[0] if same else None,
+                             **_choice_json(choice), "describe": choice.describe(),
+                             "budget_transfer_floor_s": floor_for(costs, link, b, 0.0, training, cal.remat),
+                             "calibrated_compute_s": compute}
+        if not same:
+            configs[name] = (choice, training)
     cache = ChoiceCache()
     gc.collect()
+    no_compute = [dataclasses.replace(c, forward_s=0.0) for c in costs]
     for name in _order(configs):
-        ch, training = configs[name]
+        ch, _ = configs[name]
         row = {**_choice_json(ch), "training": training, "pred_transfer_floor_s": evaluate_choice(
-            [dataclasses.replace(c, forward_s=0.0) for c in costs], link, training=training,
-            **ch.runtime_kwargs()).floor_s}
+            no_compute, link, training=training, **ch.runtime_kwargs()).floor_s}
         if limit and ch.device_bytes > 0.95 * limit:
             row["skipped"] = f"predicted peak {ch.device_bytes} > 95% of the device's {limit} bytes"
             res["rows"][name] = row
             continue
+        rt = None
         try:
             if name in res["auto"]:       # through the entry point, as a user calls it
                 stack.runtime = rt0
@@ -291,15 +327,16 @@ def measure_shape(D, F, L, T, reps=3, window=2, sweep=True) -> dict:
         except Exception as e:  # noqa: BLE001 - recorded; the other rows still run
             row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
         finally:
-            stack.runtime = None
+            stack.runtime = rt0
             rt = None
             gc.collect()
         res["rows"][name] = row
-        print(json.dumps({"shape": [D, F, L, T], "row": name, "median_s": statistics.median(row["step_s"])
+        print(json.dumps({"shape": res["shape"], "row": name, "median_s": statistics.median(row["step_s"])
                           if "step_s" in row else None, "peak": row.get("peak_bytes"), "error": row.get("error"),
                           "elapsed_s": round(time.perf_counter() - t_start, 1)}), flush=True)
-    res["wall_s"] = time.perf_counter() - t_start
-    return res
+    for name, src in res["aliases"].items():
+        if src in res["rows"] and name not in res["rows"]:
+            res["rows"][name] = {**res["rows"][src], "same_as": src}
 
 
 def analyze(raw: dict) -> dict:
@@ -335,14 +372,15 @@ def analyze(raw: dict) -> dict:
             "over_best_hand": m / best[0] if (m and best[0]) else None}
     if "auto_100" in out["budgets"] and med("ondev"):
         out["auto_100_over_ondev"] = out["budgets"]["auto_100"]["step_s"] / med("ondev")
-    on, off = rows.get("actoff_k2", {}), rows.get("stream_k2", {})
-    if med("actoff_k2") and med("stream_k2"):
-        act = {"overhead": med("actoff_k2") / med("stream_k2") - 1, "offloaded_bytes": on.get("offloaded_bytes"),
-               "pred_overhead": on["pred_step_s"] / off["pred_step_s"] - 1}
-        if on.get("peak_bytes") and off.get("peak_bytes") and on.get("offloaded_bytes"):
-            act["peak_cut_bytes"] = off["peak_bytes"] - on["peak_bytes"]
-            act["cut_per_offloaded_byte"] = act["peak_cut_bytes"] / on["offloaded_bytes"]
-        out["actoff"] = act
+    for key, (on_name, off_name) in zip(("actoff", "actoff_ondev"), ACTOFF_PAIRS):
+        on, off = rows.get(on_name, {}), rows.get(off_name, {})
+        if med(on_name) and med(off_name):
+            act = {"rows": [on_name, off_name], "overhead": med(on_name) / med(off_name) - 1,
+                   "offloaded_bytes": on.get("offloaded_bytes"), "pred_overhead": on["pred_step_s"] / off["pred_step_s"] - 1}
+            if on.get("peak_bytes") and off.get("peak_bytes") and on.get("offloaded_bytes"):
+                act["peak_cut_bytes"] = off["peak_bytes"] - on["peak_bytes"]
+                act["cut_per_offloaded_byte"] = act["peak_cut_bytes"] / on["offloaded_bytes"]
+            out[key] = act
     if med("half_k2") and raw.get("phase_bound_s"):
         out["half"] = {"step_s": med("half_k2"), "phase_bound_s": raw["phase_bound_s"],
                        "over_phase_bound": med("half_k2") / raw["phase_bound_s"], "stream_k2_s": med("stream_k2"),
@@ -377,12 +415,13 @@ def render(results: list) -> str:
                          f"({_x(b['best_hand_s'], '{:.4f}')}) | {_x(b['over_best_hand'])} |")
         if "auto_100_over_ondev" in a:
             lines.append(f"\nauto at 100 % / on-device step: {a['auto_100_over_ondev']:.3f}")
-        if "actoff" in a:
-            act = a["actoff"]
-            lines.append(f"\nactivation offload: overhead {100 * act['overhead']:.2f} %, offloaded "
-                         f"{_gib(act.get('offloaded_bytes'))} GiB, peak cut {_gib(act.get('peak_cut_bytes'))} GiB "
-                         f"({_x(act.get('cut_per_offloaded_byte'))} per offloaded byte); predicted overhead "
-                         f"{100 * act.get('pred_overhead', float('nan')):.2f} %")
+        for key in ("actoff", "actoff_ondev"):
+            if key in a:
+                act = a[key]
+                lines.append(f"\nactivation offload ({act['rows'][0]} against {act['rows'][1]}): overhead "
+                             f"{100 * act['overhead']:.2f} % (predicted {100 * act['pred_overhead']:.2f} %), offloaded "
+                             f"{_gib(act.get('offloaded_bytes'))} GiB, peak cut {_gib(act.get('peak_cut_bytes'))} GiB "
+                             f"({_x(act.get('cut_per_offloaded_byte'))} per offloaded byte)")
         if "half" in a:
             h = a["half"]
             lines.append(f"\nhalf the stages resident (half_k2): {h['step_s']:.4f} s = {h['over_phase_bound']:.3f}x "

@@ -28,8 +28,11 @@ def test_tiny_run_and_render(tmp_path):
     assert sweep["auto"]["fwd_auto_50"]["training"] is False and sweep["rows"]["half_k2"]["resident"] == [False] * 2 + [True] * 2
     assert a["budgets"]["fwd_auto_50"]["best_hand"] in fwd and sweep["phase_bound_s"] > 0 and "half" in a
     # peaks: actoff_k2 runs right before stream_k2; the floor is never under the on-device step
-    order = list(sweep["rows"])
-    assert order.index("actoff_k2") + 1 == order.index("stream_k2")
+    order = [n for n in sweep["rows"] if "same_as" not in sweep["rows"][n]]
+    assert order.index("actoff_k2") + 1 == order.index("stream_k2") and order.index("ondev_actoff") + 1 == order.index("ondev")
+    for name, src in sweep["aliases"].items():               # a hand row equal to an earlier one is not run again
+        assert sweep["rows"][name]["step_s"] == sweep["rows"][src]["step_s"] and name not in order
+    assert "actoff_ondev" in a
     assert a["budgets"]["auto_50"]["floor_s"] >= a["rows"]["ondev"]["step_s"]
     assert "actoff" in budget_sweep.analyze(other)          # every shape measures activation offload
     assert (tmp_path / "budget_sweep.png").stat().st_size > 1000
