@@ -130,3 +130,16 @@ def test_bad_arguments_are_named(kwargs, exc, match):
         choose_schedule(COSTS, (54, 54), GiB)
     with pytest.raises(ValueError, match="resident"):
         evaluate_choice(COSTS, LINK, prefetch_depth=2, resident=[True])
+
+
+def test_one_resident_stage_at_either_end_is_searched():
+    """With a budget for one resident stage beside the k=2 window, the pick is at least as fast (by
+    the model) as the last stage or the first stage resident (both ends' prefixes are searched, not
+    only the byte ranking's), and no slower than the ranking's own single stage."""
+    from xla_swap.planning.chooser import _ranking
+    one = evaluate_choice(COSTS, LINK, prefetch_depth=2, resident=[False] * 7 + [True]).device_bytes
+    c = choose_schedule(COSTS, LINK, one, allow_offload=False, allow_device_optimizer_state=False)
+    first = _ranking(COSTS, 2, True, True)[0]
+    ends = [evaluate_choice(COSTS, LINK, prefetch_depth=2, resident=[j == i for j in range(8)]) for i in (0, 7, first)]
+    assert c.num_resident == 1 and c.step_s <= min(s.step_s for s in ends) * (1 + 1e-9)
+    assert min(e.step_s for e in ends[:2]) < ends[2].step_s        # here an end beats the ranking's pick

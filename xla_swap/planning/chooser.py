@@ -36,7 +36,12 @@ carry. The step time and floor are the planner's (steady state of the cyclic sch
 How it searches (:func:`choose_schedule`): for every ``k``, offload on/off and moments
 host/device, stages are ranked by the bytes a step would not move if that stage were resident,
 per byte it holds (ties: the later stage first, the first the backward needs), and every prefix
-of that ranking is evaluated (``L + 1`` residency sets). The candidate with the lowest predicted
+of that ranking is evaluated (``L + 1`` residency sets); in training, so are the prefixes of the
+last-stage-first order (the stages the backward needs first, ``SwappedStack(budget_bytes=)``'s
+rule) and of the first-stage-first order (the stages a call starts with). On an H100 (8 layers D=8192 F=32768, AdamW, a budget for one resident stage) the ranking
+alone gave stage 5, predicted 0.730 s and measured 0.830 s, where stage 7, predicted 0.716 s,
+measured 0.721 s: the model ranked the two right, but stage 7 was not among its candidates
+(``benchmarks/results/budget_sweep/README.md``). The candidate with the lowest predicted
 step whose predicted peak fits the budget wins; ties (within ``1e-9`` relative) go to the simpler
 candidate: without offload (its cost beyond the copies, if any, is not modelled), moments on the
 host, the smaller ``k``, then the smaller peak. A budget no candidate fits
@@ -301,6 +306,26 @@ def _ranking(costs: list, k: int, training: bool, moments_on_host: bool) -> list
     return [i for _, i in sorted(gain, key=lambda t: (-t[0], -t[1]))]
 
 
+def _orders(costs: list, k: int, training: bool, moments_on_host: bool) -> list[list[int]]:
+    """The stage orders whose prefixes are tried as residency sets: :func:`_ranking`, and in
+    training also the last stage first (the stages the backward needs first) and the first stage
+    first (those the next call starts with; module docstring)."""
+    orders = [_ranking(costs, k, training, moments_on_host)]
+    if training:
+        orders += [list(reversed(range(len(costs)))), list(range(len(costs)))]
+    return orders
+
+
+def _prefixes(orders: list[list[int]]):
+    """Every prefix of every order as a residency tuple (``L + 1`` per order, the empty set first)."""
+    for order in orders:
+        resident = [False] * len(order)
+        yield tuple(resident)
+        for i in order:
+            resident[i] = True
+            yield tuple(resident)
+
+
 def choose_schedule(costs: Sequence[LayerCost], link: Link, budget_bytes: int, *, training: bool = True,
                     remat: bool = True, max_prefetch_depth: int = DEFAULT_MAX_PREFETCH_DEPTH,
                     allow_offload: bool = True, allow_device_optimizer_state: bool = True) -> ScheduleChoice:
@@ -347,12 +372,12 @@ def choose_schedule(costs: Sequence[LayerCost], link: Link, budget_bytes: int, *
             break
         for offload in ((False, True) if (training and allow_offload) else (False,)):
             for on_host in ((True, False) if (has_state and allow_device_optimizer_state) else (True,)):
-                order = _ranking(costs, k, training, on_host)
-                resident = [False] * L
-                for r in range(L + 1):
-                    if r:
-                        resident[order[r - 1]] = True
-                    s = _evaluate(costs, link, k, tuple(resident), offload, on_host, training, remat)
+                seen = set()
+                for resident in _prefixes(_orders(costs, k, training, on_host)):
+                    if resident in seen:
+                        continue
+                    seen.add(resident)
+                    s = _evaluate(costs, link, k, resident, offload, on_host, training, remat)
                     n += 1
                     if smallest is None or s.device_bytes < smallest.device_bytes:
                         smallest = s
