@@ -83,10 +83,11 @@ def _shape(s):
 
 
 def _rand(rng, shape, dtype):
-    """Random N(0, 0.02^2) weights fast: a random [rows, 1024] block tiled along the columns."""
+    """Random N(0, 0.02^2) weights fast: a random [rows, 1024] block tiled along the columns (cut
+    to ``shape[1]`` columns, which need not be a multiple of 1024)."""
     cols = min(shape[1], 1024)
     blk = (rng.standard_normal((shape[0], cols), dtype=np.float32) * 0.02).astype(dtype)
-    return np.ascontiguousarray(np.tile(blk, (1, shape[1] // cols)))
+    return np.ascontiguousarray(np.tile(blk, (1, -(-shape[1] // cols)))[:, :shape[1]])
 
 
 def _timeit(call, reps, sync=None, window=1):

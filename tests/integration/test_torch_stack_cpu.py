@@ -38,3 +38,14 @@ def test_committed_gpu_table_rerenders(name, fsdp2_x, ds_x):
     rows = [line for line in table.splitlines() if line.startswith(("| 8192", "| 4096"))]
     assert rows and all(line in readme for line in rows), rows
     assert fsdp2_x in table and ds_x in table
+
+
+def test_rand_weights_take_any_column_count():
+    """The fast random weights have the asked shape when the columns are not a multiple of the
+    1024-column block (D=5120 F=13824 of budget_sweep's fourth shape once got 13312 columns)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for shape in ((4, 13824), (3, 1000), (2, 2048)):
+        w = torch_stack._rand(rng, shape, np.float32)
+        assert w.shape == shape and w.flags.c_contiguous and 0.005 < float(w.std()) < 0.05
