@@ -34,14 +34,16 @@ moments of streamed stages (``optimizer_state_on_host=False``) and, with offload
 carry. The step time and floor are the planner's (steady state of the cyclic schedule).
 
 How it searches (:func:`choose_schedule`): for every ``k``, offload on/off and moments
-host/device, stages are ranked by the bytes a step would not move if that stage were resident,
-per byte it holds (ties: the later stage first, the first the backward needs), and every prefix
-of that ranking is evaluated (``L + 1`` residency sets); in training, so are the prefixes of the
-last-stage-first order (the stages the backward needs first, ``SwappedStack(budget_bytes=)``'s
-rule) and of the first-stage-first order (the stages a call starts with). On an H100 (8 layers D=8192 F=32768, AdamW, a budget for one resident stage) the ranking
-alone gave stage 5, predicted 0.730 s and measured 0.830 s, where stage 7, predicted 0.716 s,
-measured 0.721 s: the model ranked the two right, but stage 7 was not among its candidates
-(``benchmarks/results/budget_sweep/README.md``). The candidate with the lowest predicted
+host/device, the residency sets tried are the prefixes of stage orders (``L + 1`` sets each). In
+training: the last stage first (the stages the backward needs first, ``SwappedStack(budget_bytes=)``'s
+rule) and the first stage first (those a call starts with). In a forward: stages ranked by the
+bytes a call would not move if that stage were resident, per byte it holds (ties: the later stage
+first). Training once searched that byte ranking too, and it chose stages in the middle that the
+runtime ran slower than the model predicts and slower than the ends: on an H100, AdamW, 8 layers
+D=8192 F=32768, stage 5 resident measured 0.830 s (predicted 0.730 s) where stage 7 measured
+0.721 s (predicted 0.716 s); 12 layers D=6144 F=24576, stages 7-9 measured 0.583 s (predicted
+0.476 s) where 9-11 measured 0.543 s (predicted 0.481 s) (``benchmarks/results/budget_sweep/README.md``).
+The candidate with the lowest predicted
 step whose predicted peak fits the budget wins; ties (within ``1e-9`` relative) go to the simpler
 candidate: without offload (its cost beyond the copies, if any, is not modelled), moments on the
 host, the smaller ``k``, then the smaller peak. A budget no candidate fits
@@ -307,13 +309,12 @@ def _ranking(costs: list, k: int, training: bool, moments_on_host: bool) -> list
 
 
 def _orders(costs: list, k: int, training: bool, moments_on_host: bool) -> list[list[int]]:
-    """The stage orders whose prefixes are tried as residency sets: :func:`_ranking`, and in
-    training also the last stage first (the stages the backward needs first) and the first stage
-    first (those the next call starts with; module docstring)."""
-    orders = [_ranking(costs, k, training, moments_on_host)]
+    """The stage orders whose prefixes are tried as residency sets: in training the last stage
+    first (the stages the backward needs first) and the first stage first (those the next call
+    starts with); in a forward :func:`_ranking` (module docstring)."""
     if training:
-        orders += [list(reversed(range(len(costs)))), list(range(len(costs)))]
-    return orders
+        return [list(reversed(range(len(costs)))), list(range(len(costs)))]
+    return [_ranking(costs, k, training, moments_on_host)]
 
 
 def _prefixes(orders: list[list[int]]):
