@@ -19,7 +19,9 @@ def test_tiny_run_and_render(tmp_path):
     assert sweep["rows"]["ondev"]["resident"] == [True] * 4
     b = sweep["budgets"]
     assert b["window"] <= b["25"] <= b["50"] <= b["100"]
-    assert sweep["auto"]["auto_100"]["resident"] == [True] * 4          # everything fits: all resident
+    # everything fits: the pick is predicted no slower than every stage resident (on CPU the
+    # measured link can make streaming as fast, so the pick need not be all-resident)
+    assert sweep["auto"]["auto_100"]["pred_step_s"] <= sweep["rows"]["ondev"]["pred_step_s"] * (1 + 1e-9)
     a = budget_sweep.analyze(sweep)
     assert a["budgets"]["auto_100"]["best_hand"] is not None and "actoff" in a
     # forward rows (their own budgets and auto row), half resident against the phase bound
@@ -90,13 +92,14 @@ def test_analysis_of_a_hand_made_raw():
     assert "overhead 1.00 %" in text
 
 
-def test_committed_gpu_table_rerenders():
-    """The committed H100 sweep (benchmarks/results/budget_sweep/) re-renders to its committed table."""
+@pytest.mark.parametrize("run", [".", "shape3", "first_run"])
+def test_committed_gpu_table_rerenders(run):
+    """The committed H100 sweeps (benchmarks/results/budget_sweep/) re-render to their committed tables."""
     import subprocess
     import sys
     from pathlib import Path
-    res = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "budget_sweep"
-    out = subprocess.run([sys.executable, str(res.parents[1] / "budget_sweep.py"), "--render",
-                          str(res / "budget_sweep.json")], capture_output=True, text=True, timeout=120)
+    res = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "budget_sweep" / run
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "benchmarks" / "budget_sweep.py"),
+                          "--render", str(res / "budget_sweep.json")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout == (res / "budget_sweep.md").read_text()
