@@ -294,7 +294,7 @@ def measure_shape(D, F, L, T, reps, k=2, window=1):
     gc.collect()
     # ---- more torch-written rows through the entry point ----
     # the torch stages' own compute: every stage resident in device memory (budget above the model)
-    st = SwappedStack(layers, budget_bytes=10 ** 15, prefetch_depth=k, devices=jax.devices()[:1],
+    st = SwappedStack(layers, budget_bytes=10 ** 15, autotune=False, prefetch_depth=k, devices=jax.devices()[:1],
                       accumulate_grads=False)
     assert all(st.runtime.resident)
     rows["torch_ondev_fwd"] = timed(torch_fwd, tsync)

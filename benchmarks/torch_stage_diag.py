@@ -109,7 +109,7 @@ def main(argv=None):
             return StreamingRuntime(stage_jax, wj, prefetch_depth=k, track_residency=False,
                                     resident=[resident] * L), x_dev
         mods = [(Linear if name == "torch" else Transposed)(w) for w in wt]
-        kw = dict(budget_bytes=10 ** 15, prefetch_depth=k) if resident else dict(policy=pol)
+        kw = dict(budget_bytes=10 ** 15, autotune=False, prefetch_depth=k) if resident else dict(policy=pol)
         st = SwappedStack(mods, devices=jax.devices()[:1], **kw)
         return st.runtime, (x_dev, {})
 

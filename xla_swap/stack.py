@@ -256,10 +256,19 @@ class SwappedStack:
       policy: an :class:`xla_swap.planning.OffloadPolicy` (default ``DEFAULT_POLICY``):
         ``params`` host/device, ``grads``, ``optimizer_state``, ``remat``, ``prefetch_depth``.
         Not together with ``budget_bytes``.
-      budget_bytes: instead of ``policy``: device memory (bytes) for weights and optimizer
-        state. Stages are kept resident from the last one backwards while they fit beside
-        the streaming window of ``prefetch_depth + 1`` stages (the last stages are the first
-        the backward needs); the rest are streamed.
+      budget_bytes: instead of ``policy``: device memory (bytes) for the stack. With
+        ``autotune=True`` (the default) it bounds everything the stack holds on the device
+        (weights, optimizer state, activations, temporaries): the first ``forward`` or
+        ``train_step`` measures the link and each layer on the device (a few calls: seconds)
+        and switches to the schedule predicted fastest for the budget and that call's input
+        shape (:meth:`autotune`; ``schedule`` then holds the choice). Until then every stage
+        streams. With ``autotune=False`` it bounds weights and optimizer state only: stages
+        are kept resident from the last one backwards while they fit beside the streaming
+        window of ``prefetch_depth + 1`` stages (the last stages are the first the backward
+        needs), at construction, and the rest are streamed.
+      autotune: with ``budget_bytes``, choose the schedule from a measurement at the first
+        call (default ``True``; see ``budget_bytes``). Without ``budget_bytes`` it does
+        nothing (call :meth:`autotune` to choose for a budget).
       optimizer: ``None`` (``train_step`` fills ``.grad``), an ``xla_swap.planning.AdamW``, or
         a ``torch.optim.AdamW`` (its hyperparameters are read; its own state is not used).
       loss_fn: default ``loss_fn(output, *targets) -> scalar`` torch function for
@@ -296,7 +305,8 @@ class SwappedStack:
     Raises:
       TypeError: a layer / ``first`` / ``last`` is not an ``nn.Module``; ``policy``,
         ``optimizer``, ``loss_fn``, ``devices`` or ``shard`` has the wrong type.
-      ValueError: ``layers`` is empty; both ``policy`` and ``budget_bytes``; a bad budget;
+      ValueError: ``layers`` is empty; both ``policy`` and ``budget_bytes``; a bad budget (below
+        the streaming window of weights and optimizer state);
         a parameter shared by two stages (tied weights are not supported); a torch
         optimizer with options AdamW here does not implement; ``shard`` is unknown.
       ImportError: torchax is not installed.
@@ -308,7 +318,7 @@ class SwappedStack:
                  devices: Sequence[jax.Device] | None = None, shard: str | Callable = "fsdp",
                  prefetch_depth: int | None = None, max_signatures: int = 8, accumulate_grads: bool = True,
                  offload_activations: bool = False, data_parallel: bool | None = None,
-                 transpose_linear: bool = True):
+                 transpose_linear: bool = True, autotune: bool = True):
         # ---- validation (no state changes) ----
         if isinstance(layers, torch.nn.Module) and not isinstance(layers, (torch.nn.ModuleList, torch.nn.Sequential)):
             raise TypeError("layers must be a sequence of nn.Modules (e.g. model.model.layers), got one module")
@@ -334,6 +344,8 @@ class SwappedStack:
             raise TypeError(f"accumulate_grads must be a bool, got {type(accumulate_grads).__name__}")
         if not isinstance(transpose_linear, bool):
             raise TypeError(f"transpose_linear must be a bool, got {type(transpose_linear).__name__}")
+        if not isinstance(autotune, bool):
+            raise TypeError(f"autotune must be a bool, got {type(autotune).__name__}")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -437,8 +449,10 @@ class SwappedStack:
 
         resident = None
         k = policy.prefetch_depth
-        if budget_bytes is not None:
+        if budget_bytes is not None:   # raises below the streaming window, before anything is built
             resident = self._resident_for_budget(stage_params, trainable, optimizer, budget_bytes, k)
+            if autotune:   # stream everything until the first call chooses (the least device memory)
+                resident = [False] * len(stage_params)
         if data_parallel is None:
             data_parallel = shard == "fsdp"
         #: whether activations are split over the devices on their leading dimension.
@@ -467,6 +481,9 @@ class SwappedStack:
         #: (per stage, ``{name: jax.Array}`` in ``pinned_host``; the names in ``transposed`` as ``[in, out]``).
         self.last_grads: list | None = None
         self._jax_losses: dict = {}
+        #: the schedule chosen by :meth:`autotune` (a ``ScheduleChoice``: ``.explain()``), or ``None``.
+        self.schedule = None
+        self._autotune_budget: int | None = budget_bytes if autotune else None
 
     @staticmethod
     def _resident_for_budget(stage_params, trainable, optimizer, budget, k) -> list[bool]:
@@ -504,6 +521,7 @@ class SwappedStack:
         Raises: TypeError: an input is not a torch.Tensor; ValueError: a stage fails to trace
         (the message names it).
         """
+        self._maybe_autotune(tuple(inputs), training=False)
         x = self._carry_in(inputs)
         out_dev = next((t.device for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"), None)
         return self._out(self.runtime.forward(x), out_dev)
@@ -533,6 +551,7 @@ class SwappedStack:
             loss_fn = self.loss_fn
         if loss_fn is None or not callable(loss_fn) or isinstance(loss_fn, torch.Tensor):
             raise TypeError("train_step needs a loss_fn (here or in the constructor): (output, *targets) -> scalar")
+        self._maybe_autotune(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), training=True)
         x = self._carry_in(inputs if isinstance(inputs, (tuple, list)) else (inputs,))
         t = () if targets is None or (isinstance(targets, tuple) and not targets) else \
             _inputs_to_jax(targets if isinstance(targets, (tuple, list)) else (targets,), "targets")
@@ -571,6 +590,10 @@ class SwappedStack:
         """Choose prefetch depth, resident stages, activation offload and where the optimizer state
         lives from a short measurement on the device, and run the stack with that choice from now on.
 
+        A stack built with ``budget_bytes`` (and ``autotune=True``, the default) calls it at its
+        first ``forward`` / ``train_step`` with that call's inputs; call it again for another
+        input shape or budget. The choice is also kept as ``self.schedule``.
+
         ``xla_swap.executors.calibrate.autotune`` measures the link and each distinct stage's
         forward and backward (a few calls), ``xla_swap.planning.chooser.choose_schedule`` picks
         the fastest predicted configuration whose predicted peak fits, cached per stage
@@ -597,7 +620,24 @@ class SwappedStack:
         from xla_swap.executors.calibrate import autotune
         x = self._carry_in(inputs if isinstance(inputs, (tuple, list)) else (inputs,))
         self.runtime, choice = autotune(self.runtime, x, budget_bytes, training=training, reps=reps, **choose_kwargs)
+        self.schedule = choice
         return choice
+
+    def _maybe_autotune(self, inputs: tuple, training: bool) -> None:
+        """At the first call of a stack built with ``budget_bytes`` and ``autotune=True``: :meth:`autotune`."""
+        if self._autotune_budget is None or self.schedule is not None:
+            return
+        from xla_swap.planning import InfeasibleBudgetError
+        try:
+            self.autotune(inputs, budget_bytes=self._autotune_budget, training=training)
+        except InfeasibleBudgetError as e:
+            raise ValueError(
+                f"budget_bytes={self._autotune_budget} holds no schedule for inputs of these shapes "
+                f"({', '.join(str(tuple(t.shape)) for t in inputs if isinstance(t, torch.Tensor))}): the smallest "
+                f"predicted needs {e.min_budget_bytes} bytes of device memory (weights, optimizer state, activations "
+                f"and temporaries). Give a larger budget_bytes or smaller inputs, call stack.autotune(inputs, "
+                f"budget_bytes=...) with a larger one, or build with autotune=False (the budget then bounds weights "
+                f"and optimizer state only)") from e
 
     # ------------------------------------------------------------------ weights
     def state_dicts(self) -> list[dict[str, torch.Tensor]]:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from xla_swap.executors.calibrate import calibrate
-from xla_swap.planning import InfeasibleBudgetError
-from xla_swap.planning.chooser import ChoiceCache, evaluate_choice
+from xla_swap.planning import AdamW, InfeasibleBudgetError
+from xla_swap.planning.chooser import ChoiceCache, choose_schedule, evaluate_choice
 from xla_swap.stack import SwappedStack
 
 D, F, L, T = 16, 32, 6, 8
@@ -70,3 +70,66 @@ def test_autotune_partial_residency_equals_torch_adamw(monkeypatch):
     worst = max(float((p - q).norm() / q.norm()) for p, q in zip(layers.parameters(), ref.parameters()))
     assert worst <= 1e-4, worst
     assert "measured step: not yet" in choice.explain()
+
+
+def test_budget_bytes_chooses_the_schedule_at_the_first_call(monkeypatch):
+    """``SwappedStack(budget_bytes=B)`` (``autotune=True``, the default): everything streams until
+    the first ``train_step``, which calibrates and switches to the chooser's schedule for ``B``;
+    training then equals torch AdamW. A budget no schedule fits is refused at the first call,
+    naming ``budget_bytes``, with the stack unchanged and usable; ``autotune=False`` keeps the
+    construction-time rule."""
+    import xla_swap.executors.calibrate as cal_mod
+    monkeypatch.setattr(cal_mod, "CHOICES", ChoiceCache())
+    torch.manual_seed(1)
+    ref = torch.nn.ModuleList(FFN() for _ in range(L))
+    layers = copy.deepcopy(ref)
+    x = torch.randn(T, D)
+    probe = SwappedStack(list(copy.deepcopy(ref)), optimizer=torch.optim.AdamW(ref.parameters(), lr=1e-2),
+                         loss_fn=loss, devices=jax.devices()[:1])
+    c = calibrate(probe.runtime, probe._carry_in((x,)), reps=1)
+    lo = evaluate_choice(list(c.costs), c.link, prefetch_depth=2).device_bytes
+    hi = evaluate_choice(list(c.costs), c.link, prefetch_depth=2, resident=[True] * L).device_bytes
+    budget = (lo + hi) // 2
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    stack = SwappedStack(list(layers), optimizer=torch.optim.AdamW(layers.parameters(), lr=1e-2), loss_fn=loss,
+                         devices=jax.devices()[:1], budget_bytes=budget)
+    assert stack.schedule is None and stack.runtime.resident == (False,) * L      # streams until the first call
+    for step in range(3):
+        got = stack.train_step(x)
+        if step == 0:
+            assert stack.schedule is not None and stack.schedule.budget_bytes == budget
+            assert stack.schedule.device_bytes <= budget and stack.runtime.resident == stack.schedule.resident
+            assert stack.schedule.same_config(dict(prefetch_depth=stack.runtime.prefetch_depth,
+                                                   resident=list(stack.runtime.resident),
+                                                   offload_activations=stack.runtime.offload_activations,
+                                                   optimizer_state_on_host=stack.runtime.optimizer_state_on_host))
+            chosen = stack.runtime
+        assert stack.runtime is chosen                                             # chosen once
+        h = x
+        for m in ref:
+            h = m(h)
+        want = loss(h)
+        opt_ref.zero_grad()
+        want.backward()
+        opt_ref.step()
+        assert abs(float(got) - float(want.detach())) <= 1e-5 * abs(float(want.detach()))
+    stack.sync_modules()
+    worst = max(float((p - q).norm() / q.norm()) for p, q in zip(layers.parameters(), ref.parameters()))
+    assert worst <= 1e-4, worst
+    # a budget above the constructor's check (2 stages of weights + moments at prefetch_depth=1)
+    # but below the smallest predicted peak of the chooser's whole search space
+    with pytest.raises(InfeasibleBudgetError) as e:
+        choose_schedule(list(c.costs), c.link, 1)
+    smallest = e.value.min_budget_bytes
+    tight = SwappedStack(list(copy.deepcopy(ref)), optimizer=AdamW(lr=1e-2), loss_fn=loss, prefetch_depth=1,
+                         devices=jax.devices()[:1], budget_bytes=smallest - 1)
+    before = tight.runtime
+    with pytest.raises(ValueError, match=r"budget_bytes=\d+ holds no schedule"):
+        tight.train_step(x)
+    assert tight.runtime is before and tight.schedule is None
+    tight.autotune(x, budget_bytes=hi, reps=1)                                     # the way out the message names
+    assert float(tight.train_step(x)) > 0
+    rule = SwappedStack(list(copy.deepcopy(ref)), optimizer=AdamW(lr=1e-2), loss_fn=loss,
+                        devices=jax.devices()[:1], budget_bytes=10 ** 12, autotune=False)
+    rule.train_step(x)
+    assert rule.schedule is None and rule.runtime.resident == (True,) * L

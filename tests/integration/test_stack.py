@@ -124,7 +124,7 @@ def test_budget_keeps_last_stages_resident():
     # window: 3 largest stages (k=2) of weights + moments; then room for the last stage only
     per = [3 * s for s in sizes]
     budget = sum(sorted(per, reverse=True)[:3]) + per[-1]
-    stack = SwappedStack(layers, first=first, last=last, budget_bytes=budget, optimizer=opt, loss_fn=ce)
+    stack = SwappedStack(layers, first=first, last=last, budget_bytes=budget, optimizer=opt, loss_fn=ce, autotune=False)
     assert stack.runtime.resident == (False,) * 5 + (True,)
     x, y = next(batches(1))
     before = ce(model(x).logits, y)
