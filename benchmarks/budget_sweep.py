@@ -247,7 +247,7 @@ def _run_mode(stack, x, training: bool, sweep: bool, reps: int, window: int, res
     cuda = torch.cuda.is_available()
     rt0 = stack.runtime
     cal = calibrate(rt0, stack._carry_in((x,)), reps=reps)
-    costs, link = list(cal.costs), cal.link
+    costs, link = cal.costs_for(training), cal.link
     budgets = budgets_for(costs, link, training)
     spec = rows_for(costs, budgets, sweep, training)
     limit = res["bytes_limit"]

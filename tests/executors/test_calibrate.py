@@ -172,3 +172,16 @@ def test_bad_arguments_leave_the_runtime_usable(params, x):
         autotune(rt, np.zeros((4, 16), np.float32), 1 << 30, calibration=cal)
     check_close(rt.forward(x), jax.jit(lambda s, h: jax.lax.scan(lambda c, p: (layer(p, c), None), h, s)[0])(
         stacked(params), x), rtol=1e-5)
+
+
+def test_costs_for_a_forward_take_the_forward_temporaries(params, x):
+    rt = StreamingRuntime(layer, params, prefetch_depth=2)
+    cal = calibrate(rt, x, reps=1)
+    assert len(cal.forward_temp_bytes) == 8 and all(isinstance(t, int) and t > 0 for t in cal.forward_temp_bytes)
+    assert cal.costs_for(True) == list(cal.costs)
+    fwd = cal.costs_for(False)
+    for c, f, t in zip(cal.costs, fwd, cal.forward_temp_bytes):
+        assert f.working_bytes == (c.working_bytes if t is None else t)
+        assert (f.param_bytes, f.forward_s, f.carry_bytes) == (c.param_bytes, c.forward_s, c.carry_bytes)
+    with pytest.raises(TypeError, match="training"):
+        cal.costs_for("no")

@@ -65,6 +65,9 @@ class Calibration:
       link_samples: ``{"h2d" | "d2h" | "both": [GB/s, ...]}``.
       key: the :func:`runtime_signature` of the runtime and input measured.
       wall_s: seconds the calibration took (compilation included).
+      forward_temp_bytes: per stage, the compiled forward's temporaries in bytes (``None`` where
+        the backend reports none): what a stage holds beyond its weights, input and output while
+        it runs a forward (:meth:`costs_for` uses it for a forward).
     """
 
     link: Link
@@ -76,6 +79,24 @@ class Calibration:
     link_samples: dict
     key: Hashable
     wall_s: float
+    forward_temp_bytes: tuple = ()
+
+    def costs_for(self, training: bool) -> list:
+        """The per-stage costs to choose a schedule with (a list of ``LayerCost``).
+
+        Training: ``costs`` (``working_bytes`` from the backward). A forward: each stage's
+        ``working_bytes`` is its compiled forward's temporaries where measured: the backward's
+        figure is not what a forward holds (an H100 sweep measured forward peaks 1.07-1.47x the
+        prediction made from it; ``benchmarks/results/budget_sweep/README.md``).
+
+        Raises: TypeError: ``training`` is not a bool.
+        """
+        if not isinstance(training, bool):
+            raise TypeError(f"training must be a bool, got {type(training).__name__}")
+        if training or not self.forward_temp_bytes:
+            return list(self.costs)
+        return [c if t is None else dataclasses.replace(c, working_bytes=int(t))
+                for c, t in zip(self.costs, self.forward_temp_bytes)]
 
 
 def peak_bytes_in_use(device: jax.Device | None = None) -> int | None:
@@ -188,6 +209,7 @@ def calibrate(runtime: StreamingRuntime, h, *, reps: int = 3) -> Calibration:
         gkey = (rt._fn_ids[i], _aval_key(rt._param_avals[i]), _aval_key(sig.chain[i]), rt.resident[i])
         groups.setdefault(gkey, []).append(i)
     fwd_s, bwd_s, costs = [0.0] * rt.num_stages, [0.0] * rt.num_stages, [None] * rt.num_stages
+    fwd_temp: list = [None] * rt.num_stages
     for members in groups.values():
         i = members[0]
         base = rt.layer_cost(h, i, measure_reps=reps)     # bytes and the forward's time
@@ -196,13 +218,22 @@ def calibrate(runtime: StreamingRuntime, h, *, reps: int = 3) -> Calibration:
         factor = max(t_b - (t_f if remat else 0.0), 0.0) / t_f
         working = max(temp - (base.intermediate_bytes if remat else 0), 0) if temp is not None else base.working_bytes
         cost = dataclasses.replace(base, forward_s=t_f, backward_factor=factor, working_bytes=working)
+        f_temp = _temp_bytes(rt._exe(sig, "forward", i, False))
         for j in members:
-            fwd_s[j], bwd_s[j] = t_f, t_b
+            fwd_s[j], bwd_s[j], fwd_temp[j] = t_f, t_b, f_temp
             costs[j] = dataclasses.replace(cost, param_bytes=rt.stage_nbytes[j],
                                            optimizer_bytes=rt.optimizer_state_nbytes[j])
     return Calibration(link=link, costs=tuple(costs), forward_s=tuple(fwd_s), backward_s=tuple(bwd_s),
                        groups=tuple(tuple(m) for m in groups.values()), remat=remat, link_samples=samples,
-                       key=key, wall_s=time.perf_counter() - t0)
+                       key=key, wall_s=time.perf_counter() - t0, forward_temp_bytes=tuple(fwd_temp))
+
+
+def _temp_bytes(exe) -> int | None:
+    """A compiled executable's temporaries in bytes, ``None`` where the backend reports none."""
+    try:
+        return int(exe.memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 - not every backend reports it
+        return None
 
 
 def _time_backward(rt: StreamingRuntime, sig, i: int, reps: int) -> tuple[float, int | None]:
@@ -224,11 +255,7 @@ def _time_backward(rt: StreamingRuntime, sig, i: int, reps: int) -> tuple[float,
         hyper = jax.device_put(np.asarray(rt.optimizer.hyper(1), np.float32), rt.activation_sharding)
         args += (state, hyper)
     t = _median_time(lambda: exe(*args), reps)
-    try:
-        temp = int(exe.memory_analysis().temp_size_in_bytes)
-    except Exception:  # noqa: BLE001 - not every backend reports it
-        temp = None
-    return t, temp
+    return t, _temp_bytes(exe)
 
 
 def reconfigure(runtime: StreamingRuntime, choice: ScheduleChoice) -> StreamingRuntime:
@@ -315,7 +342,7 @@ def autotune(runtime: StreamingRuntime, h, budget_bytes: int, *, training: bool 
     choice = cache.get(key)
     if choice is None:
         cal = calibration or calibrate(runtime, h, reps=reps)
-        choice = choose_schedule(list(cal.costs), cal.link, int(budget_bytes), training=training, remat=cal.remat,
+        choice = choose_schedule(cal.costs_for(training), cal.link, int(budget_bytes), training=training, remat=cal.remat,
                                  **choose_kwargs)
         cache.put(key, choice)
     current = {"prefetch_depth": runtime.prefetch_depth, "resident": list(runtime.resident),
