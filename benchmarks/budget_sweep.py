@@ -62,6 +62,13 @@ fixed here before any run of it): transfer-bound in both passes (5.7 ms of weigh
 forward per stage), stream_k2 ~0.5 s, ondev ~0.3 s. Not built: chunking and the in-graph runtime
 choice (``InGraphRuntime`` has no training step).
 
+Expected, third run (written before it; forward choices now from ``Calibration.costs_for(False)``,
+the forward executables' temporaries, and ``default_50``: ``SwappedStack(budget_bytes=)`` as a
+user builds it, which chooses at its first ``train_step``): forward peaks within ~10 % of the
+prediction (they were 1.07-1.47x); ``default_50`` picks ``auto_50``'s configuration and steps
+within 2 % of it; its first call ~20-30 s at the default shape (calibration ~15 s, the switch's
+host copies of 24 GiB ~5 s, one step); everything else as in the second run.
+
     PYTHONPATH=. python3 benchmarks/budget_sweep.py --out-dir /tmp/sweep           # GPU, ~5 min
     PYTHONPATH=. python3 benchmarks/budget_sweep.py --shapes 32,64,4,8 --reps 1 --in-process  # CPU
     PYTHONPATH=. python3 benchmarks/budget_sweep.py --render /tmp/sweep/budget_sweep.json
@@ -228,8 +235,38 @@ def measure_shape(D, F, L, T, reps=3, window=2, sweep=True) -> dict:
         return (o.float() ** 2).mean()
     stack = SwappedStack(layers, optimizer=AdamW(lr=1e-5), loss_fn=tloss, devices=[dev], accumulate_grads=False)
     _run_mode(stack, x, True, sweep, reps, window, res, t_start)
+    if sweep:   # the user's one call: SwappedStack(budget_bytes=) chooses at its first train_step
+        stack = None
+        gc.collect()
+        res["default_50"] = _default_call(layers, x, tloss, int(res["budgets"]["50"]), reps, window)
     res["wall_s"] = time.perf_counter() - t_start
     return res
+
+
+def _default_call(layers, x, tloss, budget: int, reps: int, window: int) -> dict:
+    """``SwappedStack(layers, optimizer=AdamW, budget_bytes=budget)`` as a user builds it: seconds to
+    build, of the first ``train_step`` (calibration, choice, the switch and the step), the steady
+    step, and the schedule it chose (its own calibration: it may differ from ``auto_50``'s)."""
+    import jax
+    from torch_stack import _timeit
+
+    from xla_swap.planning import AdamW
+    from xla_swap.stack import SwappedStack
+    t0 = time.perf_counter()
+    st = SwappedStack(layers, optimizer=AdamW(lr=1e-5), loss_fn=tloss, devices=[jax.devices()[0]],
+                      accumulate_grads=False, budget_bytes=budget)
+    t1 = time.perf_counter()
+    st.train_step(x)
+    jax.block_until_ready((st.runtime.host_params, st.runtime.optimizer_state))
+    t2 = time.perf_counter()
+
+    def step():
+        st.train_step(x)
+        return st.runtime.host_params, st.runtime.optimizer_state
+    times = _timeit(step, reps, jax.block_until_ready, window)
+    return {"budget_bytes": budget, "build_s": t1 - t0, "first_call_s": t2 - t1, "step_s": times,
+            "config": st.schedule.runtime_kwargs(), "describe": st.schedule.describe(),
+            "pred_step_s": st.schedule.step_s}
 
 
 def _run_mode(stack, x, training: bool, sweep: bool, reps: int, window: int, res: dict, t_start: float) -> None:
@@ -381,11 +418,26 @@ def analyze(raw: dict) -> dict:
                 act["peak_cut_bytes"] = off["peak_bytes"] - on["peak_bytes"]
                 act["cut_per_offloaded_byte"] = act["peak_cut_bytes"] / on["offloaded_bytes"]
             out[key] = act
+    d = raw.get("default_50")
+    if d and d.get("step_s"):
+        a50 = raw["auto"].get("auto_50", {})
+        same = a50 and _same(d["config"], a50)
+        m50 = out["budgets"].get("auto_50", {}).get("step_s")
+        out["default_50"] = {"step_s": statistics.median(d["step_s"]), "first_call_s": d["first_call_s"],
+                             "build_s": d["build_s"], "describe": d["describe"], "same_as_auto_50": bool(same),
+                             "over_auto_50": statistics.median(d["step_s"]) / m50 if m50 else None}
     if med("half_k2") and raw.get("phase_bound_s"):
         out["half"] = {"step_s": med("half_k2"), "phase_bound_s": raw["phase_bound_s"],
                        "over_phase_bound": med("half_k2") / raw["phase_bound_s"], "stream_k2_s": med("stream_k2"),
                        "over_stream_k2": med("half_k2") / med("stream_k2") if med("stream_k2") else None}
     return out
+
+
+def _same(config: dict, auto: dict) -> bool:
+    """Whether runtime kwargs ``config`` run the configuration of an auto row's JSON."""
+    from xla_swap.planning.chooser import _config_key
+    keys = ("prefetch_depth", "resident", "offload_activations", "optimizer_state_on_host")
+    return _config_key(config) == _config_key({k: auto[k] for k in keys})
 
 
 def _gib(b):
@@ -422,6 +474,11 @@ def render(results: list) -> str:
                              f"{100 * act['overhead']:.2f} % (predicted {100 * act['pred_overhead']:.2f} %), offloaded "
                              f"{_gib(act.get('offloaded_bytes'))} GiB, peak cut {_gib(act.get('peak_cut_bytes'))} GiB "
                              f"({_x(act.get('cut_per_offloaded_byte'))} per offloaded byte)")
+        if "default_50" in a:
+            d = a["default_50"]
+            lines.append(f"\nSwappedStack(budget_bytes=<50 %>) as built by a user: chose {d['describe']} "
+                         f"({'the same as' if d['same_as_auto_50'] else 'not'} auto_50), step {d['step_s']:.4f} s "
+                         f"({_x(d['over_auto_50'])}x auto_50), first call {d['first_call_s']:.1f} s, build {d['build_s']:.1f} s")
         if "half" in a:
             h = a["half"]
             lines.append(f"\nhalf the stages resident (half_k2): {h['step_s']:.4f} s = {h['over_phase_bound']:.3f}x "

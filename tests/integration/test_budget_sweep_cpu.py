@@ -37,6 +37,10 @@ def test_tiny_run_and_render(tmp_path):
     assert "actoff_ondev" in a
     assert a["budgets"]["auto_50"]["floor_s"] >= a["rows"]["ondev"]["step_s"]
     assert "actoff" in budget_sweep.analyze(other)          # every shape measures activation offload
+    # the user's one call on the sweep shape: built with budget_bytes, chose at its first train_step
+    d = sweep["default_50"]
+    assert d["first_call_s"] > 0 and len(d["step_s"]) == 1 and "default_50" in a and "default_50" not in other
+    assert a["default_50"]["same_as_auto_50"] == budget_sweep._same(d["config"], sweep["auto"]["auto_50"])
     assert (tmp_path / "budget_sweep.png").stat().st_size > 1000
     md = (tmp_path / "budget_sweep.md").read_text()
     (tmp_path / "budget_sweep.png").unlink()
