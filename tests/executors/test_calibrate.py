@@ -185,3 +185,21 @@ def test_costs_for_a_forward_take_the_forward_temporaries(params, x):
         assert (f.param_bytes, f.forward_s, f.carry_bytes) == (c.param_bytes, c.forward_s, c.carry_bytes)
     with pytest.raises(TypeError, match="training"):
         cal.costs_for("no")
+
+
+def test_link_warm_up_stops_when_the_rate_stops_rising(monkeypatch):
+    import xla_swap.executors.calibrate as cal_mod
+    rates = iter([10.0, 20.0, 40.0, 41.0, 5.0])             # GB/s of successive copies: a ramp, then flat
+    clock = {"t": 0.0}
+
+    def move():
+        clock["t"] += 1e9 / (next(rates) * 1e9)               # one GB at that rate
+        return None
+    monkeypatch.setattr(cal_mod.time, "perf_counter", lambda: clock["t"])
+    assert cal_mod._warm_up(move, 10 ** 9) == 4                  # 41 is within 5 % of 40: warm
+    flat = iter([50.0] * 30)
+    rates = flat
+    assert cal_mod._warm_up(lambda: clock.__setitem__("t", clock["t"] + 1 / next(rates)), 10 ** 9) == 2
+    rising = (10.0 * 1.1 ** i for i in range(100))
+    assert cal_mod._warm_up(lambda: clock.__setitem__("t", clock["t"] + 1 / next(rising)), 10 ** 9) == \
+        cal_mod.LINK_WARMUP_MAX
