@@ -40,7 +40,7 @@ from .streaming import StreamingRuntime
 #: Fewest timed copies per direction of :func:`calibrate`'s link measurement (medians). With 3, one
 #: H100 process read 37-69 GB/s both ways where the other processes of the same run read 76-82
 #: (a stall of one copy moves a median of 3), and its predictions were 23-28 % slow
-#: (``benchmarks/results/budget_sweep/README.md``).
+#: (``benchmarks/results/budget_sweep/first_run/``).
 LINK_REPS = 7
 
 __all__ = ["Calibration", "calibrate", "measure_link", "peak_bytes_in_use", "runtime_signature", "reconfigure",
@@ -87,7 +87,7 @@ class Calibration:
         Training: ``costs`` (``working_bytes`` from the backward). A forward: each stage's
         ``working_bytes`` is its compiled forward's temporaries where measured: the backward's
         figure is not what a forward holds (an H100 sweep measured forward peaks 1.07-1.47x the
-        prediction made from it; ``benchmarks/results/budget_sweep/README.md``).
+        prediction made from it, and 1.01-1.12x with the forward's; ``benchmarks/results/budget_sweep/README.md``).
 
         Raises: TypeError: ``training`` is not a bool.
         """
@@ -190,7 +190,7 @@ def _warm_up(move, nbytes: int) -> int:
     at least 2), at most :data:`LINK_WARMUP_MAX`; returns how many ran. The first copies of a
     process can run far below the link: on an H100 the first calibration of a process read h2d
     18-41 GB/s over its 7 samples, still rising, where the next one read 52-53 GB/s
-    (``benchmarks/results/budget_sweep/README.md``)."""
+    (``benchmarks/results/budget_sweep/third_run/README.md``)."""
     best = 0.0
     for n in range(1, LINK_WARMUP_MAX + 1):
         t = time.perf_counter()

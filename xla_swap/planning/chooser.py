@@ -42,7 +42,8 @@ first). Training once searched that byte ranking too, and it chose stages in the
 runtime ran slower than the model predicts and slower than the ends: on an H100, AdamW, 8 layers
 D=8192 F=32768, stage 5 resident measured 0.830 s (predicted 0.730 s) where stage 7 measured
 0.721 s (predicted 0.716 s); 12 layers D=6144 F=24576, stages 7-9 measured 0.583 s (predicted
-0.476 s) where 9-11 measured 0.543 s (predicted 0.481 s) (``benchmarks/results/budget_sweep/README.md``).
+0.476 s) where 9-11 measured 0.543 s (predicted 0.481 s)
+(``benchmarks/results/budget_sweep/second_run/README.md``).
 The candidate with the lowest predicted
 step whose predicted peak fits the budget wins; ties (within ``1e-9`` relative) go to the simpler
 candidate: without offload (its cost beyond the copies, if any, is not modelled), moments on the
@@ -336,7 +337,7 @@ def choose_schedule(costs: Sequence[LayerCost], link: Link, budget_bytes: int, *
     fits. On an H100 the runtime ran k = 1 1.29x-1.80x slower than this model predicts (AdamW with
     streamed moments), while its k >= 2 rows were within 0-6 % at the default shape, so a k = 1
     pick that the model ranks first lost 13-18 % to a k = 2 row of the same budget
-    (``benchmarks/results/budget_sweep/README.md``).
+    (``benchmarks/results/budget_sweep/first_run/README.md``; every later run: 1.31-1.54x).
 
     Args:
       costs, link, training, remat: as for :func:`evaluate_choice`.
