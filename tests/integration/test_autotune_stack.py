@@ -32,6 +32,24 @@ def loss(o):
     return (o ** 2).mean()
 
 
+def _torch_step(ref, opt_ref, x) -> float:
+    """One plain torch AdamW step of the reference layers; its loss."""
+    h = x
+    for m in ref:
+        h = m(h)
+    want = loss(h)
+    opt_ref.zero_grad()
+    want.backward()
+    opt_ref.step()
+    return float(want.detach())
+
+
+def _assert_weights_close(stack, layers, ref) -> None:
+    stack.sync_modules()
+    worst = max(float((p - q).norm() / q.norm()) for p, q in zip(layers.parameters(), ref.parameters()))
+    assert worst <= 1e-4, worst
+
+
 def test_autotune_partial_residency_equals_torch_adamw(monkeypatch):
     import xla_swap.executors.calibrate as cal_mod
     monkeypatch.setattr(cal_mod, "CHOICES", ChoiceCache())
@@ -58,17 +76,9 @@ def test_autotune_partial_residency_equals_torch_adamw(monkeypatch):
         assert kind == ("device" if r else "pinned_host")
     for _ in range(3):
         got = stack.train_step(x)
-        h = x
-        for m in ref:
-            h = m(h)
-        want = loss(h)
-        opt_ref.zero_grad()
-        want.backward()
-        opt_ref.step()
-        assert abs(float(got) - float(want.detach())) <= 1e-5 * abs(float(want.detach()))
-    stack.sync_modules()
-    worst = max(float((p - q).norm() / q.norm()) for p, q in zip(layers.parameters(), ref.parameters()))
-    assert worst <= 1e-4, worst
+        want = _torch_step(ref, opt_ref, x)
+        assert abs(float(got) - want) <= 1e-5 * abs(want)
+    _assert_weights_close(stack, layers, ref)
     assert "measured step: not yet" in choice.explain()
 
 
@@ -105,17 +115,9 @@ def test_budget_bytes_chooses_the_schedule_at_the_first_call(monkeypatch):
                                                    optimizer_state_on_host=stack.runtime.optimizer_state_on_host))
             chosen = stack.runtime
         assert stack.runtime is chosen                                             # chosen once
-        h = x
-        for m in ref:
-            h = m(h)
-        want = loss(h)
-        opt_ref.zero_grad()
-        want.backward()
-        opt_ref.step()
-        assert abs(float(got) - float(want.detach())) <= 1e-5 * abs(float(want.detach()))
-    stack.sync_modules()
-    worst = max(float((p - q).norm() / q.norm()) for p, q in zip(layers.parameters(), ref.parameters()))
-    assert worst <= 1e-4, worst
+        want = _torch_step(ref, opt_ref, x)
+        assert abs(float(got) - want) <= 1e-5 * abs(want)
+    _assert_weights_close(stack, layers, ref)
     # a budget above the constructor's check (2 stages of weights + moments at prefetch_depth=1)
     # but below the smallest predicted peak of the chooser's whole search space
     with pytest.raises(InfeasibleBudgetError) as e:
