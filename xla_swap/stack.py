@@ -261,8 +261,9 @@ class SwappedStack:
         (weights, optimizer state, activations, temporaries): the first ``forward`` or
         ``train_step`` measures the link and each layer on the device (a few calls: seconds)
         and switches to the schedule predicted fastest for the budget and that call's input
-        shape (:meth:`autotune`; ``schedule`` then holds the choice). Until then every stage
-        streams. With ``autotune=False`` it bounds weights and optimizer state only: stages
+        shape (:meth:`autotune`; ``schedule`` then holds the choice), for a training step when
+        there is an ``optimizer``, else for that call's mode. Until then every stage streams.
+        With several devices the bytes are counted unsharded (the planner's logical bytes). With ``autotune=False`` it bounds weights and optimizer state only: stages
         are kept resident from the last one backwards while they fit beside the streaming
         window of ``prefetch_depth + 1`` stages (the last stages are the first the backward
         needs), at construction, and the rest are streamed.
@@ -624,12 +625,14 @@ class SwappedStack:
         return choice
 
     def _maybe_autotune(self, inputs: tuple, training: bool) -> None:
-        """At the first call of a stack built with ``budget_bytes`` and ``autotune=True``: :meth:`autotune`."""
+        """At the first call of a stack built with ``budget_bytes`` and ``autotune=True``: :meth:`autotune`,
+        for training whenever the stack has an optimizer (its device memory then holds the resident
+        stages' optimizer state, which a forward's choice does not count), else for that call's mode."""
         if self._autotune_budget is None or self.schedule is not None:
             return
         from xla_swap.planning import InfeasibleBudgetError
         try:
-            self.autotune(inputs, budget_bytes=self._autotune_budget, training=training)
+            self.autotune(inputs, budget_bytes=self._autotune_budget, training=training or self.optimizer is not None)
         except InfeasibleBudgetError as e:
             raise ValueError(
                 f"budget_bytes={self._autotune_budget} holds no schedule for inputs of these shapes "

@@ -131,6 +131,11 @@ def test_budget_bytes_chooses_the_schedule_at_the_first_call(monkeypatch):
     assert tight.runtime is before and tight.schedule is None
     tight.autotune(x, budget_bytes=hi, reps=1)                                     # the way out the message names
     assert float(tight.train_step(x)) > 0
+    # with an optimizer the choice is for training even when the first call is a forward
+    fwd_first = SwappedStack(list(copy.deepcopy(ref)), optimizer=AdamW(lr=1e-2), loss_fn=loss,
+                             devices=jax.devices()[:1], budget_bytes=budget)
+    fwd_first(x)
+    assert fwd_first.schedule.training is True
     rule = SwappedStack(list(copy.deepcopy(ref)), optimizer=AdamW(lr=1e-2), loss_fn=loss,
                         devices=jax.devices()[:1], budget_bytes=10 ** 12, autotune=False)
     rule.train_step(x)
