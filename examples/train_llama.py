@@ -8,9 +8,12 @@ Runs on whatever jax sees (4 virtual CPU devices here by default, weights FSDP-s
 them; one GPU on a GPU machine).
 
     python examples/train_llama.py --steps 40 --layers 4 --dim 128 --out out/
+    python examples/train_llama.py --budget-mib 64 ...   # a device-memory budget: the first step
+                                                          # measures and picks what stays on the device
 
 Writes ``train_llama_loss.png`` and ``.json`` into ``--out`` and exits non-zero unless the loss
-went down and the weights and moments were in ``pinned_host``.
+went down and the weights and moments were where the schedule puts them (``pinned_host``; with
+``--budget-mib``, device memory for the stages the first step chose to keep resident).
 """
 from __future__ import annotations
 
@@ -39,6 +42,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--budget-mib", type=int, default=None,
+                    help="device-memory budget (MiB): SwappedStack(budget_bytes=) chooses the schedule at the first step")
     ap.add_argument("--out", default="out", help="folder for the loss PNG and JSON (not tracked)")
     args = ap.parse_args(argv)
 
@@ -60,7 +65,8 @@ def main(argv=None) -> int:
 
     # --- the xla_swap part: one object, torch in and out ---
     first, layers, last = causal_lm_stages(model)
-    stack = SwappedStack(layers, first=first, last=last, loss_fn=loss_fn,
+    budget = None if args.budget_mib is None else args.budget_mib << 20
+    stack = SwappedStack(layers, first=first, last=last, loss_fn=loss_fn, budget_bytes=budget,
                          optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr))
     losses = []
     for b in (bar := tqdm(batches, desc="train_llama", unit="step", file=sys.stdout)):
@@ -69,13 +75,19 @@ def main(argv=None) -> int:
     stack.sync_modules()  # the trained weights back into `model`
 
     rt = stack.runtime
-    kinds = {a.sharding.memory_kind for t in rt.host_params + rt.optimizer_state for a in jax.tree_util.tree_leaves(t)}
+    if stack.schedule is not None:
+        print(stack.schedule.explain().split("\n\n")[0])
+    want = ["device" if r else "pinned_host" for r in rt.resident]
+    kinds_ok = all({a.sharding.memory_kind for a in jax.tree_util.tree_leaves((p, s))} == {w}
+                   for p, s, w in zip(rt.host_params, rt.optimizer_state, want))
     with torch.no_grad():  # the synced torch model gives the same loss as the stack
         x, y = batches[-1][:, :-1], batches[-1][:, 1:]
         torch_loss, stack_loss = float(loss_fn(model(x).logits, y)), float(loss_fn(stack(x), y))
     checks = {
         "loss went down": losses[-1] < losses[0],
-        "weights and AdamW moments in pinned_host": kinds == {"pinned_host"},
+        "weights and AdamW moments in pinned_host (resident stages: device memory)": kinds_ok,
+        "the schedule fits the budget (predicted)": budget is None or (
+            stack.schedule is not None and stack.schedule.device_bytes <= budget),
         "synced torch model agrees with the stack (rel 1e-4)": abs(torch_loss - stack_loss) <= 1e-4 * abs(torch_loss),
     }
 
@@ -86,10 +98,12 @@ def main(argv=None) -> int:
                                  out / "train_llama_loss.png")
     (out / "train_llama_loss.json").write_text(json.dumps(
         {"args": vars(args), "policy": str(stack.policy), "devices": len(jax.devices()), "losses": losses,
+         "schedule": None if stack.schedule is None else stack.schedule.describe(),
          "weight_bytes": rt.weight_nbytes, "optimizer_state_bytes": sum(rt.optimizer_state_nbytes),
          "command": " ".join(sys.argv)}, indent=1))
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; {rt.weight_nbytes} bytes of weights and "
-          f"{sum(rt.optimizer_state_nbytes)} of AdamW state in pinned_host; saved {out / 'train_llama_loss.png'}")
+          f"{sum(rt.optimizer_state_nbytes)} of AdamW state, {sum(rt.resident)} of {rt.num_stages} stages resident "
+          f"in device memory, the rest in pinned_host; saved {out / 'train_llama_loss.png'}")
     for name, ok in checks.items():
         print(f"[{'PASS' if ok else 'FAIL'}] {name}")
     return 0 if all(checks.values()) else 1

@@ -1,4 +1,5 @@
 """The README's policy example runs as written."""
+import json
 import os
 import subprocess
 import sys
@@ -24,3 +25,18 @@ def test_train_llama_example_runs(tmp_path):
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "[FAIL]" not in r.stdout and (tmp_path / "train_llama_loss.png").exists()
+
+
+def test_train_llama_example_with_a_budget(tmp_path):
+    """``--budget-mib``: SwappedStack(budget_bytes=) chooses at the first step (on 4 CPU devices,
+    FSDP); the example's checks (loss down, each stage's weights and moments where the schedule
+    puts them, the predicted peak within the budget, torch agrees) pass."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "train_llama.py"), "--steps", "4", "--layers", "2",
+                        "--dim", "32", "--seq", "16", "--batch", "2", "--budget-mib", "40", "--out", str(tmp_path)],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "[FAIL]" not in r.stdout and "schedule: k=" in r.stdout
+    saved = json.loads((tmp_path / "train_llama_loss.json").read_text())
+    assert saved["schedule"].startswith("k=") and saved["args"]["budget_mib"] == 40
