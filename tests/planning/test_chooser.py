@@ -133,13 +133,11 @@ def test_bad_arguments_are_named(kwargs, exc, match):
 
 
 def test_one_resident_stage_at_either_end_is_searched():
-    """With a budget for one resident stage beside the k=2 window, the pick is at least as fast (by
-    the model) as the last stage or the first stage resident (both ends' prefixes are searched, not
-    only the byte ranking's), and no slower than the ranking's own single stage."""
-    from xla_swap.planning.chooser import _ranking
+    """With a budget for one resident stage beside the k=2 window, the training pick is at least as
+    fast (by the model) as the last stage or the first stage resident: both ends' prefixes are
+    searched (a middle stage, which ran slower on an H100, is not a candidate)."""
     one = evaluate_choice(COSTS, LINK, prefetch_depth=2, resident=[False] * 7 + [True]).device_bytes
     c = choose_schedule(COSTS, LINK, one, allow_offload=False, allow_device_optimizer_state=False)
-    first = _ranking(COSTS, 2, True, True)[0]
-    ends = [evaluate_choice(COSTS, LINK, prefetch_depth=2, resident=[j == i for j in range(8)]) for i in (0, 7, first)]
-    assert c.num_resident == 1 and c.step_s <= min(s.step_s for s in ends) * (1 + 1e-9)
-    assert min(e.step_s for e in ends[:2]) < ends[2].step_s        # here an end beats the ranking's pick
+    ends = [evaluate_choice(COSTS, LINK, prefetch_depth=2, resident=[j == i for j in range(8)]) for i in (0, 7)]
+    assert c.num_resident == 1 and c.resident in ((True,) + (False,) * 7, (False,) * 7 + (True,))
+    assert c.step_s <= min(s.step_s for s in ends) * (1 + 1e-9)

@@ -294,28 +294,21 @@ def _evaluate(costs, link, k, resident, offload, moments_on_host, training, rema
                     extra_device_bytes=extra)
 
 
-def _ranking(costs: list, k: int, training: bool, moments_on_host: bool) -> list[int]:
-    """Stages in the order the chooser makes them resident: bytes a call would not move, per byte held."""
-    L = len(costs)
-    gain = []
-    for i, c in enumerate(costs):
-        held = c.param_bytes + c.optimizer_bytes
-        if training:   # steady state: forward in unless kept from the last step, backward in unless kept at the turn
-            moved = c.param_bytes * ((i >= min(k + 1, L) or i == k) + (i < L - min(k, L)))
-            moved += c.param_bytes + (2 * c.optimizer_bytes if moments_on_host else 0)   # out; moments in + out
-        else:
-            moved = c.param_bytes
-        gain.append((moved / held if held else 0.0, i))
+def _ranking(costs: list) -> list[int]:
+    """A forward's stages in the order the chooser makes them resident: the weight bytes a call
+    would not move, per byte held (ties: the later stage first)."""
+    gain = [(c.param_bytes / (c.param_bytes + c.optimizer_bytes) if c.param_bytes + c.optimizer_bytes else 0.0, i)
+            for i, c in enumerate(costs)]
     return [i for _, i in sorted(gain, key=lambda t: (-t[0], -t[1]))]
 
 
-def _orders(costs: list, k: int, training: bool, moments_on_host: bool) -> list[list[int]]:
+def _orders(costs: list, training: bool) -> list[list[int]]:
     """The stage orders whose prefixes are tried as residency sets: in training the last stage
     first (the stages the backward needs first) and the first stage first (those the next call
     starts with); in a forward :func:`_ranking` (module docstring)."""
     if training:
         return [list(reversed(range(len(costs)))), list(range(len(costs)))]
-    return [_ranking(costs, k, training, moments_on_host)]
+    return [_ranking(costs)]
 
 
 def _prefixes(orders: list[list[int]]):
@@ -375,7 +368,7 @@ def choose_schedule(costs: Sequence[LayerCost], link: Link, budget_bytes: int, *
         for offload in ((False, True) if (training and allow_offload) else (False,)):
             for on_host in ((True, False) if (has_state and allow_device_optimizer_state) else (True,)):
                 seen = set()
-                for resident in _prefixes(_orders(costs, k, training, on_host)):
+                for resident in _prefixes(_orders(costs, training)):
                     if resident in seen:
                         continue
                     seen.add(resident)
