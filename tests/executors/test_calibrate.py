@@ -203,3 +203,13 @@ def test_link_warm_up_stops_when_the_rate_stops_rising(monkeypatch):
     rising = (10.0 * 1.1 ** i for i in range(100))
     assert cal_mod._warm_up(lambda: clock.__setitem__("t", clock["t"] + 1 / next(rising)), 10 ** 9) == \
         cal_mod.LINK_WARMUP_MAX
+
+
+def test_timing_inputs_are_not_zeros():
+    """Stages are timed on N(0, 1) floating inputs (zeros can time faster on a GPU); integer leaves stay 0."""
+    from xla_swap.executors._stages import _probe
+    f = _probe(jax.ShapeDtypeStruct((64, 32), jax.numpy.bfloat16))
+    assert f.dtype == jax.numpy.bfloat16 and f.shape == (64, 32) and 0.8 < float(np.std(f.astype(np.float32))) < 1.2
+    i = _probe(jax.ShapeDtypeStruct((4,), np.int32))
+    assert i.dtype == np.int32 and not i.any()
+    assert (_probe(jax.ShapeDtypeStruct((8,), np.float32), 1) != _probe(jax.ShapeDtypeStruct((8,), np.float32), 0)).any()

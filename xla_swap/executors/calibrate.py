@@ -34,7 +34,7 @@ import numpy as np
 from xla_swap.planning.chooser import CHOICES, ChoiceCache, ScheduleChoice, choose_schedule
 from xla_swap.planning.planner import GB, LayerCost, Link
 
-from ._stages import DEVICE_KIND, HOST_KIND, _aval_key, _split_diff
+from ._stages import DEVICE_KIND, HOST_KIND, _aval_key, _probe, _split_diff
 from .streaming import StreamingRuntime
 
 #: Fewest timed copies per direction of :func:`calibrate`'s link measurement (medians). With 3, one
@@ -265,9 +265,9 @@ def _time_backward(rt: StreamingRuntime, sig, i: int, reps: int) -> tuple[float,
     exe = rt._exe(sig, "backward-saved" if save else "backward", i, False)
     p = jax.device_put(rt.host_params[i], rt._dev_sh[i], may_alias=False)
     hin, hout = sig.chain[i], sig.chain[i + 1]
-    x = jax.device_put(jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), hin), rt._act(hin))
+    x = jax.device_put(jax.tree_util.tree_map(_probe, hin), rt._act(hin))
     gout = _split_diff(hout)[0]
-    g = jax.device_put([np.zeros(a.shape, a.dtype) for a in gout], rt._act(gout))
+    g = jax.device_put([_probe(a, 1) for a in gout], rt._act(gout))
     args: tuple = (p, x)
     if save:
         args += (rt._exe(sig, "forward-save", i, False)(p, x)[1],)

@@ -45,7 +45,7 @@ from . import optim as _optim
 from .report import MemoryReport, compiled_report, stats_dict
 from .trace import StageEvent, TraceRecorder
 from ._stages import (DEVICE_KIND, HOST_KIND, _aval_key, _as_aval, _check_memory_kinds, _describe,  # noqa: F401
-                      _index_by_identity, _is_diff, _leaf_name, _merge_diff, _split_diff, _stage_fns, _tree_aval,
+                      _index_by_identity, _is_diff, _leaf_name, _merge_diff, _probe, _split_diff, _stage_fns, _tree_aval,
                       tree_nbytes)
 
 __all__ = ["StreamingRuntime", "StageEvent", "TraceRecorder", "tree_nbytes"]
@@ -950,7 +950,7 @@ class StreamingRuntime:
         kw = {}
         if measure_reps:
             p = jax.device_put(self.host_params[stage], self._dev_sh[stage])
-            x = jax.device_put(jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), hin), self._act(hin))
+            x = jax.device_put(jax.tree_util.tree_map(_probe, hin), self._act(hin))
             jax.block_until_ready(fwd(p, x))
             ts = []
             for _ in range(measure_reps):
