@@ -74,7 +74,11 @@ predictions were 0.67-0.93x.) Fourth run, with the link warmed up until its rate
 streamed forward predictions within ~10 %. (Measured: 0.97-1.13.) Fifth run, with the
 calibration timing stages on N(0, 1) inputs instead of zeros (a GPU's matmul units draw less power
 on zeros): if the 4-15 % gap between the on-device step and the calibrated compute came from that,
-the ondev rows land within ~5 % of the prediction; if not, they stay 1.04-1.15x.
+the ondev rows land within ~5 % of the prediction; if not, they stay 1.04-1.15x. (Measured:
+1.025 and 1.038. But default_50's own calibration picked stage 0 resident, first-stage-first,
+which ran 1.071x auto_50's stage 7.) Sixth run, the training chooser searching the last-stage-first
+order only: default_50 picks auto_50's configuration at every shape and runs within ~2 % of it;
+the rest as in the fifth run.
 
     PYTHONPATH=. python3 benchmarks/budget_sweep.py --out-dir /tmp/sweep           # GPU, ~5 min
     PYTHONPATH=. python3 benchmarks/budget_sweep.py --shapes 32,64,4,8 --reps 1 --in-process  # CPU

@@ -34,16 +34,17 @@ moments of streamed stages (``optimizer_state_on_host=False``) and, with offload
 carry. The step time and floor are the planner's (steady state of the cyclic schedule).
 
 How it searches (:func:`choose_schedule`): for every ``k``, offload on/off and moments
-host/device, the residency sets tried are the prefixes of stage orders (``L + 1`` sets each). In
+host/device, the residency sets tried are the prefixes of a stage order (``L + 1`` sets). In
 training: the last stage first (the stages the backward needs first, ``SwappedStack(budget_bytes=)``'s
-rule) and the first stage first (those a call starts with). In a forward: stages ranked by the
-bytes a call would not move if that stage were resident, per byte it holds (ties: the later stage
-first). Training once searched that byte ranking too, and it chose stages in the middle that the
-runtime ran slower than the model predicts and slower than the ends: on an H100, AdamW, 8 layers
-D=8192 F=32768, stage 5 resident measured 0.830 s (predicted 0.730 s) where stage 7 measured
-0.721 s (predicted 0.716 s); 12 layers D=6144 F=24576, stages 7-9 measured 0.583 s (predicted
-0.476 s) where 9-11 measured 0.543 s (predicted 0.481 s)
-(``benchmarks/results/budget_sweep/second_run/README.md``).
+rule). In a forward: stages ranked by the bytes a call would not move if that stage were
+resident, per byte it holds (ties: the later stage first). Training once searched that byte
+ranking, and then the first-stage-first order too; both chose stages the runtime ran slower than
+the model predicts and slower than the last stages (H100, AdamW). 8 layers D=8192 F=32768: stage
+5 resident measured 0.830 s (predicted 0.730 s) where stage 7 measured 0.721 s in the same run;
+in another run stage 0 measured 0.721 s, which the model rated about level with stage 7, and
+stage 7 measured 0.673 s. 12 layers D=6144 F=24576: stages 7-9 measured 0.583 s where 9-11
+measured 0.543 s (``benchmarks/results/budget_sweep/second_run/README.md``, ``fifth_run/``). The likely cause, a resident stage inside the prefetch window, is in
+``benchmarks/results/budget_sweep/README.md``.
 The candidate with the lowest predicted
 step whose predicted peak fits the budget wins; ties (within ``1e-9`` relative) go to the simpler
 candidate: without offload (its cost beyond the copies, if any, is not modelled), moments on the
@@ -304,10 +305,9 @@ def _ranking(costs: list) -> list[int]:
 
 def _orders(costs: list, training: bool) -> list[list[int]]:
     """The stage orders whose prefixes are tried as residency sets: in training the last stage
-    first (the stages the backward needs first) and the first stage first (those the next call
-    starts with); in a forward :func:`_ranking` (module docstring)."""
+    first (the stages the backward needs first); in a forward :func:`_ranking` (module docstring)."""
     if training:
-        return [list(reversed(range(len(costs)))), list(range(len(costs)))]
+        return [list(reversed(range(len(costs))))]
     return [_ranking(costs)]
 
 
