@@ -96,7 +96,8 @@ def test_analysis_of_a_hand_made_raw():
     assert "overhead 1.00 %" in text
 
 
-@pytest.mark.parametrize("run", [".", "shapes34", "third_run", "second_run", "second_run/shape3", "first_run"])
+@pytest.mark.parametrize("run", [".", "shapes34", "fifth_run", "fourth_run", "fourth_run/shapes34", "third_run", "second_run",
+                                 "second_run/shape3", "first_run"])
 def test_committed_gpu_table_rerenders(run):
     """The committed H100 sweeps (benchmarks/results/budget_sweep/) re-render to their committed tables."""
     import subprocess
