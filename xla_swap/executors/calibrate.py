@@ -87,7 +87,7 @@ class Calibration:
         Training: ``costs`` (``working_bytes`` from the backward). A forward: each stage's
         ``working_bytes`` is its compiled forward's temporaries where measured: the backward's
         figure is not what a forward holds (an H100 sweep measured forward peaks 1.07-1.47x the
-        prediction made from it, and 1.01-1.12x with the forward's; ``benchmarks/results/budget_sweep/README.md``).
+        prediction made from it, and 1.01-1.15x with the forward's; ``benchmarks/results/budget_sweep/README.md``).
 
         Raises: TypeError: ``training`` is not a bool.
         """
