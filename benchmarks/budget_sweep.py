@@ -41,13 +41,14 @@ row against the best hand row of its mode that fits that budget (its measured pe
 predicted one where the peak was not measured) and against the budget's floor (:func:`floor_for`:
 ``max(on-device step of the mode, measured; the fewest-bytes transfer time of any configuration
 that fits)``); ``auto_100`` against ``ondev``; activation offload (``actoff_k2`` against
-``stream_k2``): overhead, and peak cut per offloaded byte; ``half_k2`` against today's phase bound
+``stream_k2``, and ``ondev_actoff`` against ``ondev``, where the link is free): overhead, and peak
+cut per offloaded byte; ``default_50`` against ``auto_50``; ``half_k2`` against today's phase bound
 (:func:`phase_bound`). ``--render FILE`` re-renders a saved ``budget_sweep.json`` (table, and with
 ``--out-dir`` ``budget_sweep.png``: step time and peak against budget, measured and predicted).
 
-Expected on one H100, run of 2026-11-24 (written before it; link ~50 GB/s each way pinned, ~80
+Expected on one H100, second run, 2026-11-24 (written before it; link ~50 GB/s each way pinned, ~80
 both ways; default shape 8 layers D=8192 F=32768 bf16, 8192 tokens, W = 8 GiB, bf16 moments 16
-GiB): the training rows as in the first run (``results/budget_sweep/README.md``: stream_k2 ~0.81
+GiB): the training rows as in the first run (``results/budget_sweep/first_run/README.md``: stream_k2 ~0.81
 s, lastfirst_50 ~0.76 s, ondev ~0.36 s); now with peaks at every shape (the calibration's
 high-water mark is ~2 stages' weights + state, below every training row's), measured within
 ~10 % of the prediction for the streamed rows; auto_window = stream_k2 or actoff_k2 (k = 2);
