@@ -198,10 +198,10 @@ ACTOFF_PAIRS = (("actoff_k2", "stream_k2"), ("ondev_actoff", "ondev"))
 
 
 def _order(configs: dict) -> list:
-    """Row names in ascending predicted peak, each offloaded row of :data:`ACTOFF_PAIRS` moved right
+    """Row names of ``configs`` (``{row: ScheduleChoice}``) in ascending predicted peak, each offloaded row of :data:`ACTOFF_PAIRS` moved right
     before its pair (its peak is the lower one when offload works: both then rise above the
     high-water mark)."""
-    order = sorted(configs, key=lambda n: (configs[n][0].device_bytes, n))
+    order = sorted(configs, key=lambda n: (configs[n].device_bytes, n))
     for on, off in ACTOFF_PAIRS:
         if on in order and off in order and order.index(on) > order.index(off):
             order.remove(on)
@@ -316,27 +316,27 @@ def _run_mode(stack, x, training: bool, sweep: bool, reps: int, window: int, res
     configs = {}
     for name, kw in spec["hand"].items():
         ch = evaluate_choice(costs, link, training=training, **kw)
-        same = [h for h in configs if configs[h][0].same_config(ch)]
+        same = [h for h in configs if configs[h].same_config(ch)]
         if same:
             res["aliases"][name] = same[0]
         else:
-            configs[name] = (ch, training)
+            configs[name] = ch
     hands = list(configs)
     compute = sum(cal.forward_s) + (sum(cal.backward_s) if training else 0.0)
     for name, b in spec["auto"].items():
         choice = choose_schedule(costs, link, int(b), training=training, remat=cal.remat)
-        same = [h for h in hands if configs[h][0].same_config(choice)]
+        same = [h for h in hands if configs[h].same_config(choice)]
         res["auto"][name] = {"budget_bytes": b, "training": training, "same_as": same[0] if same else None,
                              **_choice_json(choice), "describe": choice.describe(),
                              "budget_transfer_floor_s": floor_for(costs, link, b, 0.0, training, cal.remat),
                              "calibrated_compute_s": compute}
         if not same:
-            configs[name] = (choice, training)
+            configs[name] = choice
     cache = ChoiceCache()
     gc.collect()
     no_compute = [dataclasses.replace(c, forward_s=0.0) for c in costs]
     for name in _order(configs):
-        ch, _ = configs[name]
+        ch = configs[name]
         row = {**_choice_json(ch), "training": training, "pred_transfer_floor_s": evaluate_choice(
             no_compute, link, training=training, **ch.runtime_kwargs()).floor_s}
         if limit and ch.device_bytes > 0.95 * limit:

@@ -303,22 +303,19 @@ def _ranking(costs: list) -> list[int]:
     return [i for _, i in sorted(gain, key=lambda t: (-t[0], -t[1]))]
 
 
-def _orders(costs: list, training: bool) -> list[list[int]]:
-    """The stage orders whose prefixes are tried as residency sets: in training the last stage
+def _order(costs: list, training: bool) -> list[int]:
+    """The stage order whose prefixes are tried as residency sets: in training the last stage
     first (the stages the backward needs first); in a forward :func:`_ranking` (module docstring)."""
-    if training:
-        return [list(reversed(range(len(costs))))]
-    return [_ranking(costs)]
+    return list(reversed(range(len(costs)))) if training else _ranking(costs)
 
 
-def _prefixes(orders: list[list[int]]):
-    """Every prefix of every order as a residency tuple (``L + 1`` per order, the empty set first)."""
-    for order in orders:
-        resident = [False] * len(order)
+def _prefixes(order: list[int]):
+    """Every prefix of ``order`` as a residency tuple (``L + 1`` of them, the empty set first)."""
+    resident = [False] * len(order)
+    yield tuple(resident)
+    for i in order:
+        resident[i] = True
         yield tuple(resident)
-        for i in order:
-            resident[i] = True
-            yield tuple(resident)
 
 
 def choose_schedule(costs: Sequence[LayerCost], link: Link, budget_bytes: int, *, training: bool = True,
@@ -367,11 +364,7 @@ def choose_schedule(costs: Sequence[LayerCost], link: Link, budget_bytes: int, *
             break
         for offload in ((False, True) if (training and allow_offload) else (False,)):
             for on_host in ((True, False) if (has_state and allow_device_optimizer_state) else (True,)):
-                seen = set()
-                for resident in _prefixes(_orders(costs, training)):
-                    if resident in seen:
-                        continue
-                    seen.add(resident)
+                for resident in _prefixes(_order(costs, training)):
                     s = _evaluate(costs, link, k, resident, offload, on_host, training, remat)
                     n += 1
                     if smallest is None or s.device_bytes < smallest.device_bytes:
