@@ -35,6 +35,7 @@ The module imports torch, torchax, jax and numpy; not torch_xla.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Callable, Sequence
 
@@ -60,11 +61,34 @@ _SHARD_RULES = ("fsdp", "replicate")
 
 
 def _torchax():
-    try:
-        import torchax
-    except ImportError as e:  # pragma: no cover - torchax ships with torch_xla; on other machines pip install it
-        raise ImportError("xla_swap.stack needs torchax (it ships with torch_xla; or `pip install torchax`)") from e
-    return torchax
+    """torchax, imported without registering its ``jax`` PrivateUse1 backend with torch (see
+    ``xla_swap._compat.torchax``): torch's CUDA autograd and FSDP2 keep working in the process."""
+    from xla_swap._compat.torchax import import_torchax
+    return import_torchax()
+
+
+#: torch's fp32 matmul setting -> ``jax.default_matmul_precision``: ``"ieee"`` (torch's default,
+#: ``allow_tf32 = False``) runs fp32 contractions in full fp32, ``"tf32"`` at TensorFloat-32.
+_JAX_PRECISION = {"ieee": "highest", "tf32": "tensorfloat32"}
+
+
+def torch_matmul_precision() -> str:
+    """jax's name for the fp32 matmul precision torch uses now on CUDA: ``"highest"`` or ``"tensorfloat32"``.
+
+    Reads ``torch.backends.cuda.matmul.fp32_precision`` (torch >= 2.9; ``"none"`` defers to
+    ``torch.backends.fp32_precision``, whose ``"none"`` is IEEE fp32), else
+    ``torch.backends.cuda.matmul.allow_tf32``. ``torch.set_float32_matmul_precision("high")`` and
+    ``"medium"`` both mean TF32 there (torch's cuBLAS path); ``"highest"`` means fp32. Contractions
+    of bf16 / fp16 operands are unaffected in both libraries. XLA's CPU backend computes fp32
+    contractions in fp32 either way.
+    """
+    m = torch.backends.cuda.matmul
+    p = getattr(m, "fp32_precision", None)
+    if p is None:
+        return "tensorfloat32" if m.allow_tf32 else "highest"
+    if p == "none":
+        p = getattr(torch.backends, "fp32_precision", "none")
+    return _JAX_PRECISION.get(p, "highest")
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -485,6 +509,19 @@ class SwappedStack:
         #: the schedule chosen by :meth:`autotune` (a ``ScheduleChoice``: ``.explain()``), or ``None``.
         self.schedule = None
         self._autotune_budget: int | None = budget_bytes if autotune else None
+        #: jax's fp32 matmul precision the executables were traced with: torch's setting
+        #: (:func:`torch_matmul_precision`), read again at every call.
+        self.matmul_precision: str = torch_matmul_precision()
+
+    @contextlib.contextmanager
+    def _torch_precision(self):
+        """Trace and run under torch's fp32 matmul setting; a changed setting compiles again."""
+        p = torch_matmul_precision()
+        if p != self.matmul_precision:
+            self.runtime.clear_executables()
+            self.matmul_precision = p
+        with jax.default_matmul_precision(p):
+            yield
 
     @staticmethod
     def _resident_for_budget(stage_params, trainable, optimizer, budget, k) -> list[bool]:
@@ -522,10 +559,12 @@ class SwappedStack:
         Raises: TypeError: an input is not a torch.Tensor; ValueError: a stage fails to trace
         (the message names it).
         """
-        self._maybe_autotune(tuple(inputs), training=False)
-        x = self._carry_in(inputs)
-        out_dev = next((t.device for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"), None)
-        return self._out(self.runtime.forward(x), out_dev)
+        with self._torch_precision():
+            self._maybe_autotune(tuple(inputs), training=False)
+            x = self._carry_in(inputs)
+            out_dev = next((t.device for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"),
+                           None)
+            return self._out(self.runtime.forward(x), out_dev)
 
     __call__ = forward
 
@@ -552,6 +591,10 @@ class SwappedStack:
             loss_fn = self.loss_fn
         if loss_fn is None or not callable(loss_fn) or isinstance(loss_fn, torch.Tensor):
             raise TypeError("train_step needs a loss_fn (here or in the constructor): (output, *targets) -> scalar")
+        with self._torch_precision():
+            return self._train_step(inputs, targets, loss_fn, lr)
+
+    def _train_step(self, inputs, targets, loss_fn, lr) -> torch.Tensor:
         self._maybe_autotune(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), training=True)
         x = self._carry_in(inputs if isinstance(inputs, (tuple, list)) else (inputs,))
         t = () if targets is None or (isinstance(targets, tuple) and not targets) else \
@@ -620,7 +663,9 @@ class SwappedStack:
         """
         from xla_swap.executors.calibrate import autotune
         x = self._carry_in(inputs if isinstance(inputs, (tuple, list)) else (inputs,))
-        self.runtime, choice = autotune(self.runtime, x, budget_bytes, training=training, reps=reps, **choose_kwargs)
+        with self._torch_precision():
+            self.runtime, choice = autotune(self.runtime, x, budget_bytes, training=training, reps=reps,
+                                            **choose_kwargs)
         self.schedule = choice
         return choice
 

@@ -544,6 +544,18 @@ class StreamingRuntime:
         """Number of input signatures whose executables are cached (at most ``max_signatures``)."""
         return len(self._sigs)
 
+    def clear_executables(self) -> None:
+        """Drop every compiled executable and traced loss function; the next call traces and compiles again.
+
+        For a change of a setting read at trace time (``jax.default_matmul_precision``, say)
+        that the executables' cache keys do not hold. Weights, optimizer state and the
+        weights prefetched for the next call are kept.
+        """
+        self._sigs.clear()
+        self._last_sig = None
+        self._loss_jits.clear()
+        self._loss_shapes.clear()
+
     @property
     def prefetched_stages(self) -> list[int]:
         """Stages whose weights are held in device memory for the next call (``prefetch_next_call``), sorted."""
@@ -655,6 +667,14 @@ class StreamingRuntime:
                             "alias_bytes": get("alias_size_in_bytes"),
                             "temp_bytes": get("temp_size_in_bytes")})
         return out
+
+    def executable_hlo(self) -> list[tuple[str, str]]:
+        """``(kind, HLO text)`` of every executable cached now (``kind`` as in :meth:`executable_memory`).
+
+        The optimized HLO module (``Compiled.as_text()``), for checks of what was compiled:
+        the precision of the contractions, the memory kinds, the collectives.
+        """
+        return [(key[1], exe.as_text()) for sig in self._sigs.values() for key, exe in sig.compiled.items()]
 
     def stage_input_nbytes(self) -> list[int]:
         """Bytes of each stage's input activation (the carry), for the last call's input signature.

@@ -1,0 +1,101 @@
+"""torchax, imported without changing torch for the rest of the process.
+
+``import torchax`` (0.0.6 inside torch_xla 2.9, 0.0.13 on PyPI) runs two process-wide
+registrations at import time:
+
+* ``torch.utils.rename_privateuse1_backend("jax")``: torch then reports a PrivateUse1
+  accelerator (``c10::is_privateuse1_backend_registered``, which ``at::getAccelerator``
+  prefers over CUDA). torch's autograd engine and FSDP2 ask that accelerator for its device
+  guard and hooks, which torchax never registers: after it, a plain CUDA ``backward()`` raises
+  ``PyTorch is not linked with support for jax devices`` and FSDP2's ``fully_shard`` raises
+  ``Please register PrivateUse1HooksInterface``. The rename cannot be undone (torch allows it
+  once per process).
+* ``torch._register_device_module("jax", ...)``: a ``torch.jax`` attribute, the device module
+  ``torch.autocast`` looks up by the backend's name.
+
+xla_swap needs neither: its stage functions run under ``torchax.default_env()``, and torchax's
+environment treats ``privateuseone`` as its own device name beside ``jax``. :func:`import_torchax`
+imports torchax with the rename skipped and its device module registered under the
+unrenamed name (``torch.privateuseone``, which changes no accelerator), and its tensors then report their device as
+``privateuseone:0`` (the same device before the rename) instead of ``jax:0``. Verified on torchax 0.0.6 (torch 2.9) and 0.0.13 (torch 2.11).
+
+If torchax was imported before (by torch_xla, or by the user), the registrations have already
+happened and :func:`torch_accelerator_taken` says so.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+
+_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _without_device_registration():
+    """Inside the block (torchax's import): ``torch.utils.rename_privateuse1_backend`` is a no-op and
+    ``torch._register_device_module`` registers under ``privateuseone``."""
+    import torch
+    import torch.utils
+
+    saved_rename = torch.utils.rename_privateuse1_backend
+    saved_register = torch._register_device_module
+    torch.utils.rename_privateuse1_backend = lambda name: None
+    # torch.autocast(device_type=t.device.type), which Hugging Face's rotary embeddings run,
+    # looks up the device module by the backend's name: register torchax's under the unrenamed one.
+    torch._register_device_module = lambda name, module: (
+        None if hasattr(torch, "privateuseone") else saved_register("privateuseone", module))
+    try:
+        yield
+    finally:
+        torch.utils.rename_privateuse1_backend = saved_rename
+        torch._register_device_module = saved_register
+
+
+def import_torchax():
+    """``torchax``, imported without registering the ``jax`` PrivateUse1 backend with torch.
+
+    Returns: the ``torchax`` module.
+
+    Raises:
+      ImportError: torchax is not installed (it ships with torch_xla; ``pip install torchax``).
+    """
+    mod = sys.modules.get("torchax")
+    if mod is not None:
+        return mod
+    with _LOCK:
+        mod = sys.modules.get("torchax")
+        if mod is not None:
+            return mod
+        try:
+            import importlib.util
+            found = importlib.util.find_spec("torchax") is not None
+        except ValueError:  # pragma: no cover - a broken half-imported module
+            found = False
+        if not found:
+            raise ImportError("xla_swap.stack needs torchax (it ships with torch_xla; or `pip install torchax`)")
+        with _without_device_registration():
+            import torchax
+            import torchax.tensor
+        _report_privateuse1_device(torchax.tensor.Tensor)
+        return torchax
+
+
+def _report_privateuse1_device(tensor_cls) -> None:
+    """torchax tensors report ``torch.device("jax:0")``, a name that exists only after the rename;
+    without it they report the same device by its unrenamed name, ``privateuseone:0`` (which
+    torchax's dispatch already returns for ``prim.device`` and its environment accepts)."""
+    import torch
+    if torch._C._get_privateuse1_backend_name() == "privateuseone":
+        tensor_cls.device = property(lambda self: torch.device("privateuseone", 0))
+
+
+def torch_accelerator_taken() -> str | None:
+    """The PrivateUse1 backend name if one is registered with torch in this process, else ``None``.
+
+    A registered PrivateUse1 backend is the accelerator torch's autograd engine and FSDP2 use;
+    ``"jax"`` means torchax was imported before :func:`import_torchax` could isolate it.
+    """
+    import torch
+    name = torch._C._get_privateuse1_backend_name()
+    return None if name == "privateuseone" else name
