@@ -267,6 +267,14 @@ def _split_carry(out, stage: str):
     return out, {}
 
 
+def _check_calibration_arg(calibration) -> None:
+    """``calibration`` must be ``None``, a ``Calibration`` or a callable; raises TypeError naming it."""
+    from xla_swap.executors.calibrate import Calibration
+    if calibration is not None and not isinstance(calibration, Calibration) and not callable(calibration):
+        raise TypeError(f"calibration must be a Calibration, a callable (runtime, h) -> Calibration or None, "
+                        f"got {type(calibration).__name__}")
+
+
 class SwappedStack:
     """A stack of torch layers whose weights, gradients and optimizer state live in host memory.
 
@@ -294,6 +302,12 @@ class SwappedStack:
       autotune: with ``budget_bytes``, choose the schedule from a measurement at the first
         call (default ``True``; see ``budget_bytes``). Without ``budget_bytes`` it does
         nothing (call :meth:`autotune` to choose for a budget).
+      calibration: what :meth:`autotune` (the first call's choice included) chooses from instead of
+        measuring: a callable ``(runtime, h) -> xla_swap.executors.calibrate.Calibration`` called
+        with the stack's runtime and the call's input as the runtime sees it, e.g.
+        ``functools.partial(xla_swap.executors.calibrate.calibration_from_figures, link=...,
+        forward_s=..., backward_s=...)`` (figures measured elsewhere, or a test's: no clock read),
+        or a ``Calibration`` of this stack's stages and input signature. Default ``None``: measure.
       optimizer: ``None`` (``train_step`` fills ``.grad``), an ``xla_swap.planning.AdamW``, or
         a ``torch.optim.AdamW`` (its hyperparameters are read; its own state is not used).
       loss_fn: default ``loss_fn(output, *targets) -> scalar`` torch function for
@@ -329,7 +343,7 @@ class SwappedStack:
 
     Raises:
       TypeError: a layer / ``first`` / ``last`` is not an ``nn.Module``; ``policy``,
-        ``optimizer``, ``loss_fn``, ``devices`` or ``shard`` has the wrong type.
+        ``optimizer``, ``loss_fn``, ``devices``, ``shard`` or ``calibration`` has the wrong type.
       ValueError: ``layers`` is empty; both ``policy`` and ``budget_bytes``; a bad budget (below
         the streaming window of weights and optimizer state);
         a parameter shared by two stages (tied weights are not supported); a torch
@@ -343,7 +357,7 @@ class SwappedStack:
                  devices: Sequence[jax.Device] | None = None, shard: str | Callable = "fsdp",
                  prefetch_depth: int | None = None, max_signatures: int = 8, accumulate_grads: bool = True,
                  offload_activations: bool = False, data_parallel: bool | None = None,
-                 transpose_linear: bool = True, autotune: bool = True):
+                 transpose_linear: bool = True, autotune: bool = True, calibration=None):
         # ---- validation (no state changes) ----
         if isinstance(layers, torch.nn.Module) and not isinstance(layers, (torch.nn.ModuleList, torch.nn.Sequential)):
             raise TypeError("layers must be a sequence of nn.Modules (e.g. model.model.layers), got one module")
@@ -371,6 +385,7 @@ class SwappedStack:
             raise TypeError(f"transpose_linear must be a bool, got {type(transpose_linear).__name__}")
         if not isinstance(autotune, bool):
             raise TypeError(f"autotune must be a bool, got {type(autotune).__name__}")
+        _check_calibration_arg(calibration)
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -509,6 +524,8 @@ class SwappedStack:
         #: the schedule chosen by :meth:`autotune` (a ``ScheduleChoice``: ``.explain()``), or ``None``.
         self.schedule = None
         self._autotune_budget: int | None = budget_bytes if autotune else None
+        #: what :meth:`autotune` chooses from when given no ``calibration`` (``None``: it measures).
+        self.calibration = calibration
         #: jax's fp32 matmul precision the executables were traced with: torch's setting
         #: (:func:`torch_matmul_precision`), read again at every call.
         self.matmul_precision: str = torch_matmul_precision()
@@ -630,7 +647,8 @@ class SwappedStack:
                 else:
                     params[n].grad.add_(gt)
 
-    def autotune(self, inputs, *, budget_bytes: int, training: bool = True, reps: int = 3, **choose_kwargs):
+    def autotune(self, inputs, *, budget_bytes: int, training: bool = True, reps: int = 3, calibration=None,
+                 **choose_kwargs):
         """Choose prefetch depth, resident stages, activation offload and where the optimizer state
         lives from a short measurement on the device, and run the stack with that choice from now on.
 
@@ -653,6 +671,10 @@ class SwappedStack:
             ``budget_bytes`` (weights and optimizer state).
           training: choose for ``train_step`` (default) or ``forward``.
           reps: timed calls per measured figure.
+          calibration: a ``Calibration`` or a callable ``(runtime, h) -> Calibration`` to choose
+            from instead of measuring (see the constructor's ``calibration``; default: the
+            constructor's, else measure). With one, nothing is measured and the cached choices
+            are not read.
           **choose_kwargs: ``max_prefetch_depth``, ``allow_offload``, ``allow_device_optimizer_state``.
 
         Returns: the ``xla_swap.planning.chooser.ScheduleChoice`` (``.explain()``; ``.observe(step_s,
@@ -662,10 +684,12 @@ class SwappedStack:
           ``ValueError`` / ``TypeError`` for bad arguments; the stack is unchanged then.
         """
         from xla_swap.executors.calibrate import autotune
+        _check_calibration_arg(calibration)
         x = self._carry_in(inputs if isinstance(inputs, (tuple, list)) else (inputs,))
+        cal = self.calibration if calibration is None else calibration
         with self._torch_precision():
             self.runtime, choice = autotune(self.runtime, x, budget_bytes, training=training, reps=reps,
-                                            **choose_kwargs)
+                                            calibration=cal, **choose_kwargs)
         self.schedule = choice
         return choice
 

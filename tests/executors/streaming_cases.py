@@ -75,3 +75,20 @@ def chunk_stages(params, chunks):
             fns.append(closing if c == chunks - 1 else partial)
             stage_params.append({"a": prm["a"][:, c * fc:(c + 1) * fc], "b": prm["b"][c * fc:(c + 1) * fc]})
     return fns, stage_params
+
+
+def forbid_clock(monkeypatch) -> None:
+    """Make every read of the clock, and the calibration's measuring entry points, raise for the
+    rest of the test: a choice made after this comes from injected figures alone."""
+    import time
+
+    import xla_swap.executors.calibrate as cal_mod
+    from xla_swap.executors import StreamingRuntime
+
+    def refuse(*a, **k):
+        raise AssertionError("a chooser test read the clock / measured")
+
+    monkeypatch.setattr(time, "perf_counter", refuse)
+    for name in ("calibrate", "measure_link", "_median_time", "_warm_up"):
+        monkeypatch.setattr(cal_mod, name, refuse)
+    monkeypatch.setattr(StreamingRuntime, "layer_cost", refuse)

@@ -6,18 +6,19 @@ transferred: counted in a ``TraceRecorder``'s events); a training step with the 
 (residency, offload, moments on the device) equals the monolithic device-resident jax reference
 in values and gradients, and with AdamW equals the same steps with every stage resident.
 """
+import dataclasses
 import math
 
 import jax
 import numpy as np
 import pytest
 
-from streaming_cases import check_close, layer, loss_fn, mono_loss, stacked
+from streaming_cases import check_close, forbid_clock, layer, loss_fn, mono_loss, stacked
 from xla_swap.executors import StreamingRuntime, TraceRecorder
-from xla_swap.executors.calibrate import (Calibration, autotune, calibrate, measure_link, peak_bytes_in_use,
-                                          reconfigure, runtime_signature)
-from xla_swap.planning import AdamW, InfeasibleBudgetError
-from xla_swap.planning.chooser import ChoiceCache, evaluate_choice
+from xla_swap.executors.calibrate import (Calibration, autotune, calibrate, calibration_from_figures, measure_link,
+                                          peak_bytes_in_use, reconfigure, runtime_signature)
+from xla_swap.planning import AdamW, InfeasibleBudgetError, Link
+from xla_swap.planning.chooser import ChoiceCache, choose_schedule, evaluate_choice
 
 
 def test_calibration_figures_positive_finite(params, x):
@@ -47,9 +48,16 @@ def _h2d_per_stage(rec: TraceRecorder, n: int) -> list:
     return counts
 
 
-def test_chosen_residency_is_applied_and_never_transferred(params, x):
+#: Figures injected into the chooser tests: a link slow enough that streaming a stage's weights
+#: (4096 bytes) takes longer than its compute, so every resident stage shortens the predicted step.
+SLOW_LINK = Link(h2d_gbps=1e-3, d2h_gbps=1e-3, both_gbps=1.5e-3)
+FWD_S, BWD_S = 1e-3, 2.5e-3
+
+
+def test_chosen_residency_is_applied_and_never_transferred(params, x, monkeypatch):
     rt = StreamingRuntime(layer, params, prefetch_depth=2)
-    cal = calibrate(rt, x, reps=1)
+    cal = calibration_from_figures(rt, x, link=SLOW_LINK, forward_s=FWD_S, backward_s=BWD_S)
+    forbid_clock(monkeypatch)                                               # the choice reads no clock
     costs = list(cal.costs)
     stream = evaluate_choice(costs, cal.link, prefetch_depth=1)
     full = evaluate_choice(costs, cal.link, prefetch_depth=1, resident=[True] * 8)
@@ -57,10 +65,13 @@ def test_chosen_residency_is_applied_and_never_transferred(params, x):
     # halfway between "only the window" and "everything": some stages resident, some streamed
     budget = (stream.device_bytes + full.device_bytes) // 2
     rt2, choice = autotune(rt, x, budget, cache=cache, calibration=cal)
-    assert 0 < choice.num_resident < 8 and choice.device_bytes <= budget
+    want = choose_schedule(cal.costs_for(True), SLOW_LINK, budget, remat=cal.remat)
+    assert choice.runtime_kwargs() == want.runtime_kwargs() and choice.step_s == want.step_s
+    assert 0 < choice.num_resident < 8 and choice.device_bytes <= budget    # transfer-bound: residency pays
     assert rt2 is not rt and rt2.resident == choice.resident and rt2.prefetch_depth == choice.prefetch_depth
-    assert autotune(rt2, x, budget, cache=cache)[1] is choice               # cached: no second calibration
+    assert autotune(rt2, x, budget, cache=cache)[1] is choice               # cached: no calibration at all
     assert autotune(rt2, x, budget, cache=cache)[0] is rt2                  # already runs it
+    monkeypatch.undo()                                                      # the steps below trace (clock allowed)
     rec = TraceRecorder()
     for _ in range(2):                                                      # a cold step, then the steady state
         out = rt2.train_step(x, loss_fn, trace=rec)
@@ -79,6 +90,71 @@ def test_chosen_residency_is_applied_and_never_transferred(params, x):
     assert _h2d_per_stage(rec, 8) == [0] * 8
 
 
+def test_choices_follow_the_injected_figures_and_read_no_clock(params, x, monkeypatch):
+    """With the clock and every measuring entry point made to raise, autotune still chooses, from the
+    injected figures alone: a slow link keeps stages resident, a link far faster than the compute
+    streams with nothing resident (the same budget); each choice is choose_schedule's for its figures,
+    a given calibration is never answered from the cache, and a callable calibration is called."""
+    rt = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=AdamW(lr=1e-3))
+    slow = calibration_from_figures(rt, x, link=SLOW_LINK, forward_s=FWD_S, backward_s=BWD_S)
+    fast_link = Link(h2d_gbps=1e6, d2h_gbps=1e6, both_gbps=2e6)
+    fast = calibration_from_figures(rt, x, link=fast_link, forward_s=[FWD_S] * 8, backward_s=BWD_S)
+    forbid_clock(monkeypatch)
+    with pytest.raises(AssertionError, match="read the clock"):             # the guard is live
+        calibrate(rt, x)
+    stream = evaluate_choice(list(slow.costs), SLOW_LINK, prefetch_depth=2)
+    full = evaluate_choice(list(slow.costs), SLOW_LINK, prefetch_depth=2, resident=[True] * 8)
+    budget = (stream.device_bytes + full.device_bytes) // 2
+    cache = ChoiceCache()
+    _, c_slow = autotune(rt, x, budget, cache=cache, calibration=slow)
+    _, c_fast = autotune(rt, x, budget, cache=cache, calibration=fast)      # same key: not read from the cache
+    for got, cal in ((c_slow, slow), (c_fast, fast)):
+        want = choose_schedule(cal.costs_for(True), cal.link, budget, remat=cal.remat)
+        assert got.runtime_kwargs() == want.runtime_kwargs() and got.step_s == want.step_s
+    assert c_slow.num_resident > 0                     # every resident stage saves a slow copy
+    assert c_fast.step_s == pytest.approx(c_fast.floor_s)    # compute-bound: streaming costs nothing
+    calls = []
+
+    def figures(runtime, h):
+        calls.append(runtime)
+        return slow
+    _, c_call = autotune(rt, x, budget, cache=cache, calibration=figures)
+    assert calls == [rt] and c_call.runtime_kwargs() == c_slow.runtime_kwargs()
+    with pytest.raises(TypeError, match="calibration returned a str"):
+        autotune(rt, x, budget, cache=cache, calibration=lambda runtime, h: "figures")
+    with pytest.raises(TypeError, match="calibration must be"):
+        autotune(rt, x, budget, cache=cache, calibration=3)
+
+
+def test_calibration_from_figures_has_the_runtimes_bytes(params, x):
+    """The injected calibration carries the given times and the bytes calibrate() reads; bad figures
+    are refused naming the argument, before anything is compiled."""
+    rt = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=AdamW(lr=1e-3))
+    measured = calibrate(rt, x, reps=1)
+    fwd = [1e-3 * (i + 1) for i in range(8)]
+    cal = calibration_from_figures(rt, x, link=SLOW_LINK, forward_s=fwd, backward_s=[3 * f for f in fwd])
+    assert cal.key == measured.key and cal.groups == measured.groups and cal.remat and cal.wall_s == 0.0
+    assert cal.forward_s == tuple(fwd) and cal.backward_s == tuple(3 * f for f in fwd) and cal.link == SLOW_LINK
+    assert cal.forward_temp_bytes == measured.forward_temp_bytes
+    for c, m, f in zip(cal.costs, measured.costs, fwd):
+        assert dataclasses.replace(c, forward_s=1.0, backward_factor=0.0) == \
+            dataclasses.replace(m, forward_s=1.0, backward_factor=0.0)     # every byte field equal
+        assert c.forward_s == f and c.backward_factor == pytest.approx(2.0)  # (3f - f recomputed) / f
+    for kwargs, err, match in [
+            (dict(link=(1, 1, 1)), TypeError, "link"),
+            (dict(forward_s=0.0), ValueError, r"forward_s\[0\]"),
+            (dict(forward_s=float("nan")), ValueError, r"forward_s\[0\]"),
+            (dict(forward_s="1"), TypeError, "forward_s"),
+            (dict(backward_s=[1.0] * 3), ValueError, "backward_s has 3 entries"),
+            (dict(backward_s=[1.0] * 7 + [True]), TypeError, r"backward_s\[7\]"),
+            (dict(forward_s=1.0, backward_s=0.5), ValueError, "below forward_s")]:
+        args = {**dict(link=SLOW_LINK, forward_s=FWD_S, backward_s=BWD_S), **kwargs}
+        with pytest.raises(err, match=match):
+            calibration_from_figures(rt, x, **args)
+    with pytest.raises(TypeError, match="runtime"):
+        calibration_from_figures("rt", x, link=SLOW_LINK, forward_s=FWD_S, backward_s=BWD_S)
+
+
 @pytest.mark.parametrize("resident, offload, moments_on_host", [
     ([False] * 8, True, True), ([False, True] * 4, True, False), ([False] * 5 + [True] * 3, False, True)])
 def test_schedule_equals_reference(params, x, resident, offload, moments_on_host):
@@ -86,7 +162,7 @@ def test_schedule_equals_reference(params, x, resident, offload, moments_on_host
     same steps with every stage resident, and without an optimizer the gradients equal jax.grad."""
     opt = AdamW(lr=1e-2, weight_decay=0.1)
     base = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt)
-    cal = calibrate(base, x, reps=1)
+    cal = calibration_from_figures(base, x, link=SLOW_LINK, forward_s=FWD_S, backward_s=BWD_S)
     choice = evaluate_choice(list(cal.costs), cal.link, prefetch_depth=2, resident=resident,
                              offload_activations=offload, optimizer_state_on_host=moments_on_host)
     rt = reconfigure(base, choice)
@@ -118,8 +194,8 @@ def test_reconfigure_carries_optimizer_state(params, x):
     b = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt)
     a.train_step(x, loss_fn)
     b.train_step(x, loss_fn)
-    choice = evaluate_choice(list(calibrate(a, x, reps=1).costs), calibrate(a, x, reps=1).link, prefetch_depth=1,
-                             resident=[True] + [False] * 7)
+    cal = calibration_from_figures(a, x, link=SLOW_LINK, forward_s=FWD_S, backward_s=BWD_S)
+    choice = evaluate_choice(list(cal.costs), cal.link, prefetch_depth=1, resident=[True] + [False] * 7)
     before = [[tuple(np.asarray(t) for t in pair) for pair in st] for st in a.optimizer_state]
     a2 = reconfigure(a, choice)
     assert a2.step == 1
@@ -163,11 +239,11 @@ def test_bad_arguments_leave_the_runtime_usable(params, x):
         calibrate(rt, x, reps=0)
     with pytest.raises(ValueError, match="budget_bytes"):
         autotune(rt, x, -1)
+    cal = calibration_from_figures(rt, x, link=SLOW_LINK, forward_s=FWD_S, backward_s=BWD_S)
     with pytest.raises(InfeasibleBudgetError):
-        autotune(rt, x, 1024, cache=ChoiceCache())
+        autotune(rt, x, 1024, cache=ChoiceCache(), calibration=cal)
     with pytest.raises(TypeError, match="choice"):
         reconfigure(rt, {"prefetch_depth": 1})
-    cal = calibrate(rt, x, reps=1)
     with pytest.raises(ValueError, match="calibration"):
         autotune(rt, np.zeros((4, 16), np.float32), 1 << 30, calibration=cal)
     check_close(rt.forward(x), jax.jit(lambda s, h: jax.lax.scan(lambda c, p: (layer(p, c), None), h, s)[0])(

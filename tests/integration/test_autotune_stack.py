@@ -3,19 +3,32 @@
 A stack of torch FFN layers with AdamW: after ``autotune`` under a budget between "only the
 streaming window" and "everything", the stack runs the chosen residency (resident stages' weights
 in device memory), and training equals plain torch ``AdamW`` on CPU (values and weights).
+
+Every choice here is made from injected figures (``calibration_from_figures``: the runtime's bytes,
+given times and link) with the clock made to raise, and is checked against ``choose_schedule`` for
+those figures: the verdicts do not depend on the speed of the machine running the tests.
 """
 import copy
+import functools
+
+import time
 
 import jax
 import pytest
 import torch
 
-from xla_swap.executors.calibrate import calibrate
-from xla_swap.planning import AdamW, InfeasibleBudgetError
+from streaming_cases import forbid_clock
+from xla_swap.executors.calibrate import calibration_from_figures
+from xla_swap.planning import AdamW, InfeasibleBudgetError, Link
 from xla_swap.planning.chooser import ChoiceCache, choose_schedule, evaluate_choice
 from xla_swap.stack import SwappedStack
 
 D, F, L, T = 16, 32, 6, 8
+_perf_counter = time.perf_counter
+#: Injected figures: streaming a stage's weights and moments over this link takes longer than its
+#: compute, so every resident stage shortens the predicted step.
+FIGURES = functools.partial(calibration_from_figures, link=Link(h2d_gbps=1e-3, d2h_gbps=1e-3, both_gbps=1.5e-3),
+                            forward_s=1e-3, backward_s=2.5e-3)
 
 
 class FFN(torch.nn.Module):
@@ -50,6 +63,12 @@ def _assert_weights_close(stack, layers, ref) -> None:
     assert worst <= 1e-4, worst
 
 
+def _same_choice(got, cal, budget, training=True):
+    """``got`` is what ``choose_schedule`` picks for ``cal``'s figures and ``budget``."""
+    want = choose_schedule(cal.costs_for(training), cal.link, budget, training=training, remat=cal.remat)
+    assert got.runtime_kwargs() == want.runtime_kwargs() and got.step_s == want.step_s and got.training == training
+
+
 def test_autotune_partial_residency_equals_torch_adamw(monkeypatch):
     import xla_swap.executors.calibrate as cal_mod
     monkeypatch.setattr(cal_mod, "CHOICES", ChoiceCache())
@@ -60,15 +79,18 @@ def test_autotune_partial_residency_equals_torch_adamw(monkeypatch):
     stack = SwappedStack(list(layers), optimizer=torch.optim.AdamW(layers.parameters(), lr=1e-2), loss_fn=loss,
                          devices=jax.devices()[:1])
     x = torch.randn(T, D)
-    c = calibrate(stack.runtime, stack._carry_in((x,)), reps=1)
+    c = FIGURES(stack.runtime, stack._carry_in((x,)))
     lo = evaluate_choice(list(c.costs), c.link, prefetch_depth=1).device_bytes
     hi = evaluate_choice(list(c.costs), c.link, prefetch_depth=1, resident=[True] * L).device_bytes
+    forbid_clock(monkeypatch)
     with pytest.raises(InfeasibleBudgetError):
-        stack.autotune(x, budget_bytes=lo // 2)
+        stack.autotune(x, budget_bytes=lo // 2, calibration=c)
     before = stack.runtime
     assert stack.runtime is before                                         # unchanged by the refusal
-    choice = stack.autotune(x, budget_bytes=(lo + hi) // 2, reps=1)
+    choice = stack.autotune(x, budget_bytes=(lo + hi) // 2, calibration=FIGURES)
+    _same_choice(choice, c, (lo + hi) // 2)
     assert 0 < choice.num_resident < L and choice.device_bytes <= (lo + hi) // 2
+    monkeypatch.setattr(time, "perf_counter", _perf_counter)               # the steps below may read it
     rt = stack.runtime
     assert rt is not before and rt.resident == choice.resident
     for i, r in enumerate(choice.resident):
@@ -84,10 +106,10 @@ def test_autotune_partial_residency_equals_torch_adamw(monkeypatch):
 
 def test_budget_bytes_chooses_the_schedule_at_the_first_call(monkeypatch):
     """``SwappedStack(budget_bytes=B)`` (``autotune=True``, the default): everything streams until
-    the first ``train_step``, which calibrates and switches to the chooser's schedule for ``B``;
-    training then equals torch AdamW. A budget no schedule fits is refused at the first call,
-    naming ``budget_bytes``, with the stack unchanged and usable; ``autotune=False`` keeps the
-    construction-time rule."""
+    the first ``train_step``, which chooses (here from injected figures, ``calibration=``: the clock
+    raises) and switches to the chooser's schedule for ``B``; training then equals torch AdamW. A
+    budget no schedule fits is refused at the first call, naming ``budget_bytes``, with the stack
+    unchanged and usable; ``autotune=False`` keeps the construction-time rule."""
     import xla_swap.executors.calibrate as cal_mod
     monkeypatch.setattr(cal_mod, "CHOICES", ChoiceCache())
     torch.manual_seed(1)
@@ -96,19 +118,23 @@ def test_budget_bytes_chooses_the_schedule_at_the_first_call(monkeypatch):
     x = torch.randn(T, D)
     probe = SwappedStack(list(copy.deepcopy(ref)), optimizer=torch.optim.AdamW(ref.parameters(), lr=1e-2),
                          loss_fn=loss, devices=jax.devices()[:1])
-    c = calibrate(probe.runtime, probe._carry_in((x,)), reps=1)
+    c = FIGURES(probe.runtime, probe._carry_in((x,)))
     lo = evaluate_choice(list(c.costs), c.link, prefetch_depth=2).device_bytes
     hi = evaluate_choice(list(c.costs), c.link, prefetch_depth=2, resident=[True] * L).device_bytes
     budget = (lo + hi) // 2
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     stack = SwappedStack(list(layers), optimizer=torch.optim.AdamW(layers.parameters(), lr=1e-2), loss_fn=loss,
-                         devices=jax.devices()[:1], budget_bytes=budget)
+                         devices=jax.devices()[:1], budget_bytes=budget, calibration=FIGURES)
     assert stack.schedule is None and stack.runtime.resident == (False,) * L      # streams until the first call
     for step in range(3):
+        if step == 0:
+            forbid_clock(monkeypatch)
         got = stack.train_step(x)
         if step == 0:
-            assert stack.schedule is not None and stack.schedule.budget_bytes == budget
-            assert stack.schedule.device_bytes <= budget and stack.runtime.resident == stack.schedule.resident
+            monkeypatch.setattr(time, "perf_counter", _perf_counter)
+            _same_choice(stack.schedule, c, budget)
+            assert 0 < stack.schedule.num_resident < L
+            assert stack.schedule.budget_bytes == budget and stack.runtime.resident == stack.schedule.resident
             assert stack.schedule.same_config(dict(prefetch_depth=stack.runtime.prefetch_depth,
                                                    resident=list(stack.runtime.resident),
                                                    offload_activations=stack.runtime.offload_activations,
@@ -124,19 +150,23 @@ def test_budget_bytes_chooses_the_schedule_at_the_first_call(monkeypatch):
         choose_schedule(list(c.costs), c.link, 1)
     smallest = e.value.min_budget_bytes
     tight = SwappedStack(list(copy.deepcopy(ref)), optimizer=AdamW(lr=1e-2), loss_fn=loss, prefetch_depth=1,
-                         devices=jax.devices()[:1], budget_bytes=smallest - 1)
+                         devices=jax.devices()[:1], budget_bytes=smallest - 1, calibration=FIGURES)
     before = tight.runtime
     with pytest.raises(ValueError, match=r"budget_bytes=\d+ holds no schedule"):
         tight.train_step(x)
     assert tight.runtime is before and tight.schedule is None
-    tight.autotune(x, budget_bytes=hi, reps=1)                                     # the way out the message names
+    tight.autotune(x, budget_bytes=hi)                                             # the way out the message names
+    _same_choice(tight.schedule, c, hi)
     assert float(tight.train_step(x)) > 0
     # with an optimizer the choice is for training even when the first call is a forward
     fwd_first = SwappedStack(list(copy.deepcopy(ref)), optimizer=AdamW(lr=1e-2), loss_fn=loss,
-                             devices=jax.devices()[:1], budget_bytes=budget)
+                             devices=jax.devices()[:1], budget_bytes=budget, calibration=FIGURES)
     fwd_first(x)
     assert fwd_first.schedule.training is True
+    _same_choice(fwd_first.schedule, c, budget)
     rule = SwappedStack(list(copy.deepcopy(ref)), optimizer=AdamW(lr=1e-2), loss_fn=loss,
                         devices=jax.devices()[:1], budget_bytes=10 ** 12, autotune=False)
     rule.train_step(x)
     assert rule.schedule is None and rule.runtime.resident == (True,) * L
+    with pytest.raises(TypeError, match="calibration must be"):
+        SwappedStack(list(copy.deepcopy(ref)), devices=jax.devices()[:1], budget_bytes=budget, calibration="fast")

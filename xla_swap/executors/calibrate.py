@@ -24,9 +24,11 @@ residency), so for training, and for the torch entry point (``SwappedStack``), t
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import statistics
 import time
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable, Sequence
 
 import jax
 import numpy as np
@@ -43,7 +45,7 @@ from .streaming import StreamingRuntime
 #: (``benchmarks/results/budget_sweep/first_run/``).
 LINK_REPS = 7
 
-__all__ = ["Calibration", "calibrate", "measure_link", "peak_bytes_in_use", "runtime_signature", "reconfigure",
+__all__ = ["Calibration", "calibrate", "calibration_from_figures", "measure_link", "peak_bytes_in_use", "runtime_signature", "reconfigure",
            "autotune"]
 
 
@@ -225,6 +227,83 @@ def calibrate(runtime: StreamingRuntime, h, *, reps: int = 3) -> Calibration:
     sig = rt._signature(h)        # raises for a bad input before anything runs
     key = runtime_signature(rt, h)
     link, samples = measure_link(rt, reps=max(reps, LINK_REPS))
+
+    def timed(i: int) -> tuple[float, float]:
+        return rt.layer_cost(h, i, measure_reps=reps).forward_s, _median_time(_backward_call(rt, sig, i), reps)
+
+    return _assemble(rt, sig, key, link, samples, timed, lambda: time.perf_counter() - t0, per_stage=False)
+
+
+def calibration_from_figures(runtime: StreamingRuntime, h, *, link: Link, forward_s, backward_s) -> Calibration:
+    """A :class:`Calibration` of ``runtime`` and input ``h`` with the given times and link instead of measured ones.
+
+    The bytes are the runtime's, as :func:`calibrate` reads them (weights, optimizer state, stage
+    inputs, saved intermediates, the compiled forward's and backward's temporaries: executables are
+    compiled, nothing runs); the times and the link are the figures given. No clock is read, so a
+    choice made from it (``autotune(..., calibration=...)``, ``SwappedStack(calibration=...)``) is
+    the same on every machine: the way to test a choice, or to choose from figures measured elsewhere.
+
+    Args:
+      runtime: the ``StreamingRuntime`` the calibration describes (left unchanged).
+      h: an input of the stack (its signature fixes every stage's shapes), numpy or jax arrays.
+      link: the host <-> device :class:`~xla_swap.planning.Link` (GB/s).
+      forward_s: seconds of one stage's forward with its weights in device memory: one number for
+        every stage, or a sequence of one per stage.
+      backward_s: seconds of one stage's backward as ``train_step`` runs it (the recompute under
+        ``remat=True`` and the fused optimizer update included), as :attr:`Calibration.backward_s`:
+        one number or one per stage; it must be at least ``forward_s`` under ``remat=True``.
+
+    Returns: a :class:`Calibration` (``link_samples`` holds the one given figure per direction,
+      ``wall_s`` is 0.0).
+
+    Raises: TypeError: ``runtime`` is not a ``StreamingRuntime``, ``link`` is not a ``Link``, a time
+      is not a number; ValueError: a time not finite and > 0, a sequence of another length than the
+      number of stages, ``backward_s < forward_s`` under ``remat=True``; the input checks of
+      ``runtime.forward``. All before anything is compiled.
+    """
+    _check_runtime(runtime)
+    if not isinstance(link, Link):
+        raise TypeError(f"link must be an xla_swap.planning.Link, got {type(link).__name__}")
+    n = runtime.num_stages
+    fwd = _per_stage("forward_s", forward_s, n)
+    bwd = _per_stage("backward_s", backward_s, n)
+    remat = runtime.remat is True
+    if remat:
+        for i, (f, b) in enumerate(zip(fwd, bwd)):
+            if b < f:
+                raise ValueError(f"backward_s[{i}]={b!r} is below forward_s[{i}]={f!r}: under remat=True the "
+                                 "backward recomputes the forward, so it takes at least as long")
+    sig = runtime._signature(h)   # raises for a bad input before anything is compiled
+    key = runtime_signature(runtime, h)
+    samples = {"h2d": [link.h2d_gbps], "d2h": [link.d2h_gbps], "both": [link.both_gbps]}
+    return _assemble(runtime, sig, key, link, samples, lambda i: (fwd[i], bwd[i]), lambda: 0.0, per_stage=True)
+
+
+def _per_stage(name: str, v, n: int) -> list[float]:
+    """``v`` (one number, or a sequence of ``n``) as ``n`` finite positive floats; errors name ``name``."""
+    if isinstance(v, (str, bytes)):
+        raise TypeError(f"{name} must be seconds (a number or one per stage), got {v!r}")
+    if isinstance(v, Sequence) or isinstance(v, np.ndarray):
+        vals = list(v)
+        if len(vals) != n:
+            raise ValueError(f"{name} has {len(vals)} entries, the runtime {n} stages")
+    else:
+        vals = [v] * n
+    out = []
+    for i, t in enumerate(vals):
+        if isinstance(t, bool) or not isinstance(t, numbers.Real):
+            raise TypeError(f"{name}[{i}] must be a number of seconds, got {t!r}")
+        if not (math.isfinite(t) and t > 0):
+            raise ValueError(f"{name}[{i}] must be finite and > 0 seconds, got {t!r}")
+        out.append(float(t))
+    return out
+
+
+def _assemble(rt: StreamingRuntime, sig, key, link: Link, samples: dict, times, wall, *,
+              per_stage: bool) -> Calibration:
+    """A :class:`Calibration` from the runtime's bytes and ``times(i) -> (forward_s, backward_s)``:
+    called for every stage (``per_stage``), else once per group of stages sharing executables (its
+    first member's figures for all); ``wall()`` gives ``wall_s`` once everything ran."""
     remat = rt.remat is True
     groups: dict[Any, list[int]] = {}
     for i in range(rt.num_stages):
@@ -234,20 +313,22 @@ def calibrate(runtime: StreamingRuntime, h, *, reps: int = 3) -> Calibration:
     fwd_temp: list = [None] * rt.num_stages
     for members in groups.values():
         i = members[0]
-        base = rt.layer_cost(h, i, measure_reps=reps)     # bytes and the forward's time
-        t_b, temp = _time_backward(rt, sig, i, reps)
-        t_f = max(base.forward_s, 1e-9)
-        factor = max(t_b - (t_f if remat else 0.0), 0.0) / t_f
-        working = max(temp - (base.intermediate_bytes if remat else 0), 0) if temp is not None else base.working_bytes
-        cost = dataclasses.replace(base, forward_s=t_f, backward_factor=factor, working_bytes=working)
+        base = LayerCost(forward_s=1.0, **rt._stage_cost_bytes(sig, i))     # bytes; the time is set below
         f_temp = _temp_bytes(rt._exe(sig, "forward", i, False))
+        temp = _temp_bytes(_backward_exe(rt, sig, i))
+        shared = None if per_stage else times(i)
         for j in members:
+            t_f, t_b = times(j) if per_stage else shared
+            t_f = max(t_f, 1e-9)
+            factor = max(t_b - (t_f if remat else 0.0), 0.0) / t_f
+            working = max(temp - (base.intermediate_bytes if remat else 0), 0) if temp is not None \
+                else base.working_bytes
             fwd_s[j], bwd_s[j], fwd_temp[j] = t_f, t_b, f_temp
-            costs[j] = dataclasses.replace(cost, param_bytes=rt.stage_nbytes[j],
-                                           optimizer_bytes=rt.optimizer_state_nbytes[j])
+            costs[j] = dataclasses.replace(base, forward_s=t_f, backward_factor=factor, working_bytes=working,
+                                           param_bytes=rt.stage_nbytes[j], optimizer_bytes=rt.optimizer_state_nbytes[j])
     return Calibration(link=link, costs=tuple(costs), forward_s=tuple(fwd_s), backward_s=tuple(bwd_s),
                        groups=tuple(tuple(m) for m in groups.values()), remat=remat, link_samples=samples,
-                       key=key, wall_s=time.perf_counter() - t0, forward_temp_bytes=tuple(fwd_temp))
+                       key=key, wall_s=wall(), forward_temp_bytes=tuple(fwd_temp))
 
 
 def _temp_bytes(exe) -> int | None:
@@ -258,11 +339,15 @@ def _temp_bytes(exe) -> int | None:
         return None
 
 
-def _time_backward(rt: StreamingRuntime, sig, i: int, reps: int) -> tuple[float, int | None]:
-    """Median seconds of stage ``i``'s backward as ``train_step`` runs it (weights on the device, no
-    donation), and its compiled temporaries in bytes (``None`` if the backend reports none)."""
+def _backward_exe(rt: StreamingRuntime, sig, i: int):
+    """Stage ``i``'s backward executable as ``train_step`` runs it (saved residuals unless ``remat=True``)."""
+    return rt._exe(sig, "backward" if rt.remat is True else "backward-saved", i, False)
+
+
+def _backward_call(rt: StreamingRuntime, sig, i: int):
+    """A call of stage ``i``'s backward as ``train_step`` runs it (weights on the device, no donation)."""
     save = rt.remat is not True
-    exe = rt._exe(sig, "backward-saved" if save else "backward", i, False)
+    exe = _backward_exe(rt, sig, i)
     p = jax.device_put(rt.host_params[i], rt._dev_sh[i], may_alias=False)
     hin, hout = sig.chain[i], sig.chain[i + 1]
     x = jax.device_put(jax.tree_util.tree_map(_probe, hin), rt._act(hin))
@@ -276,8 +361,7 @@ def _time_backward(rt: StreamingRuntime, sig, i: int, reps: int) -> tuple[float,
         state = jax.device_put(rt.optimizer_state[i], rt._state_dev_sh[i], may_alias=False)
         hyper = jax.device_put(np.asarray(rt.optimizer.hyper(1), np.float32), rt.activation_sharding)
         args += (state, hyper)
-    t = _median_time(lambda: exe(*args), reps)
-    return t, _temp_bytes(exe)
+    return lambda: exe(*args)
 
 
 def reconfigure(runtime: StreamingRuntime, choice: ScheduleChoice) -> StreamingRuntime:
@@ -320,23 +404,29 @@ def reconfigure(runtime: StreamingRuntime, choice: ScheduleChoice) -> StreamingR
 
 
 def autotune(runtime: StreamingRuntime, h, budget_bytes: int, *, training: bool = True, reps: int = 3,
-             cache: ChoiceCache = CHOICES, calibration: Calibration | None = None,
+             cache: ChoiceCache = CHOICES,
+             calibration: "Calibration | Callable[[StreamingRuntime, Any], Calibration] | None" = None,
              **choose_kwargs) -> tuple[StreamingRuntime, ScheduleChoice]:
     """Choose a schedule for ``runtime`` and input ``h`` under ``budget_bytes``, and the runtime that runs it.
 
-    The choice is looked up in ``cache`` under ``(runtime_signature(runtime, h), budget_bytes,
-    training)``; on a miss :func:`calibrate` measures (``reps`` calls per figure) and
-    :func:`~xla_swap.planning.chooser.choose_schedule` chooses, and the choice is cached.
+    Without ``calibration`` the choice is looked up in ``cache`` under
+    ``(runtime_signature(runtime, h), budget_bytes, training)``; on a miss :func:`calibrate`
+    measures (``reps`` calls per figure) and :func:`~xla_swap.planning.chooser.choose_schedule`
+    chooses, and the choice is cached. With ``calibration`` nothing is measured and the cache is
+    not read: the choice is made from that calibration's figures (and cached under the same key).
 
     Args:
       runtime: the ``StreamingRuntime`` to tune (left unchanged).
       h: an input of the stack (numpy or jax arrays).
       budget_bytes: device memory in bytes (int > 0) for everything the runtime holds.
       training: choose for ``train_step`` (default) or for ``forward``.
-      reps: timed calls per figure of the calibration.
+      reps: timed calls per figure of the calibration (unused with ``calibration``).
       cache: the :class:`~xla_swap.planning.chooser.ChoiceCache` (default the process-wide one).
       calibration: a :class:`Calibration` of this runtime and input signature to choose from
-        instead of measuring (e.g. one calibration for several budgets).
+        instead of measuring (e.g. one calibration for several budgets, or
+        :func:`calibration_from_figures`), or a callable ``(runtime, h) -> Calibration`` called
+        instead of :func:`calibrate` (e.g. ``functools.partial(calibration_from_figures,
+        link=..., forward_s=..., backward_s=...)``).
       **choose_kwargs: ``max_prefetch_depth``, ``allow_offload``, ``allow_device_optimizer_state``.
 
     Returns: ``(runtime to use, choice)``: ``runtime`` itself when it already runs the choice, else
@@ -344,8 +434,9 @@ def autotune(runtime: StreamingRuntime, h, budget_bytes: int, *, training: bool 
       ``choice.observe(...)`` recorded them, the measured figures).
 
     Raises: the errors of :func:`calibrate` and of ``choose_schedule`` (``InfeasibleBudgetError``
-      when nothing fits; ``ValueError`` for a bad budget; ``TypeError`` / ``ValueError`` for a
-      ``calibration`` of the wrong type or of another runtime or input signature), before the
+      when nothing fits; ``ValueError`` for a bad budget); ``TypeError`` for a ``calibration`` that
+      is neither a ``Calibration`` nor callable, or a callable that returns no ``Calibration``;
+      ``ValueError`` for a calibration of another runtime or input signature; all before the
       runtime changes.
     """
     _check_runtime(runtime)
@@ -355,15 +446,24 @@ def autotune(runtime: StreamingRuntime, h, budget_bytes: int, *, training: bool 
         raise TypeError(f"training must be a bool, got {type(training).__name__}")
     if not isinstance(cache, ChoiceCache):
         raise TypeError(f"cache must be a ChoiceCache, got {type(cache).__name__}")
-    if calibration is not None and not isinstance(calibration, Calibration):
-        raise TypeError(f"calibration must be a Calibration or None, got {type(calibration).__name__}")
+    if calibration is not None and not isinstance(calibration, Calibration) and not callable(calibration):
+        raise TypeError(f"calibration must be a Calibration, a callable (runtime, h) -> Calibration or None, "
+                        f"got {type(calibration).__name__}")
     sig = runtime_signature(runtime, h)
-    if calibration is not None and calibration.key != sig:
-        raise ValueError("calibration was measured for other stages or another input signature than runtime and h")
+    if isinstance(calibration, Calibration):
+        _check_calibration(calibration, sig)
     key = cache.key(*sig, int(budget_bytes), training)
-    choice = cache.get(key)
+    choice = None if calibration is not None else cache.get(key)
     if choice is None:
-        cal = calibration or calibrate(runtime, h, reps=reps)
+        if calibration is None:
+            cal = calibrate(runtime, h, reps=reps)
+        elif isinstance(calibration, Calibration):
+            cal = calibration
+        else:
+            cal = calibration(runtime, h)
+            if not isinstance(cal, Calibration):
+                raise TypeError(f"calibration returned a {type(cal).__name__}, expected a Calibration")
+            _check_calibration(cal, sig)
         choice = choose_schedule(cal.costs_for(training), cal.link, int(budget_bytes), training=training, remat=cal.remat,
                                  **choose_kwargs)
         cache.put(key, choice)
@@ -374,3 +474,7 @@ def autotune(runtime: StreamingRuntime, h, budget_bytes: int, *, training: bool 
         return runtime, choice
     return reconfigure(runtime, choice), choice
 
+
+def _check_calibration(cal: Calibration, sig) -> None:
+    if cal.key != sig:
+        raise ValueError("calibration was measured for other stages or another input signature than runtime and h")

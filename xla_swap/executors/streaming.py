@@ -958,16 +958,9 @@ class StreamingRuntime:
         if (measure_reps > 0) == (flops_per_s is not None):
             raise ValueError("layer_cost needs exactly one of measure_reps > 0 (time the stage) and flops_per_s")
         sig = self._signature(h)
-        f, pav, hin = self._fns[stage], self._param_avals[stage], sig.chain[stage]
-        box: dict = {}
-        saved = jax.eval_shape(_forward_save_fn(f, False, box), pav, hin)[1]
+        hin = sig.chain[stage]
         fwd = self._exe(sig, "forward", stage, False)
-        bwd = self._exe(sig, "backward", stage, False) if self.optimizer is None else None
-        try:
-            working = int(bwd.memory_analysis().temp_size_in_bytes) if bwd is not None else None
-        except Exception:  # noqa: BLE001 - not every backend reports it
-            working = None
-        kw = {}
+        kw = self._stage_cost_bytes(sig, stage)
         if measure_reps:
             p = jax.device_put(self.host_params[stage], self._dev_sh[stage])
             x = jax.device_put(jax.tree_util.tree_map(_probe, hin), self._act(hin))
@@ -985,11 +978,21 @@ class StreamingRuntime:
             if not flops > 0:
                 raise ValueError("the backend's cost analysis reports no FLOPs for this stage; pass measure_reps")
             kw.update(flops=flops, flops_per_s=flops_per_s)
-        return LayerCost(param_bytes=self.stage_nbytes[stage],
-                         grad_bytes=tree_nbytes(_split_diff(pav)[0]),
-                         optimizer_bytes=self.optimizer_state_nbytes[stage],
-                         carry_bytes=tree_nbytes(hin), intermediate_bytes=tree_nbytes(saved),
-                         working_bytes=working, **kw)
+        return LayerCost(**kw)
+
+    def _stage_cost_bytes(self, sig, stage: int) -> dict:
+        """The byte fields of :meth:`layer_cost` for ``stage`` under input signature ``sig``, from
+        the compiled executables alone (nothing runs, no clock is read)."""
+        f, pav, hin = self._fns[stage], self._param_avals[stage], sig.chain[stage]
+        saved = jax.eval_shape(_forward_save_fn(f, False, {}), pav, hin)[1]
+        bwd = self._exe(sig, "backward", stage, False) if self.optimizer is None else None
+        try:
+            working = int(bwd.memory_analysis().temp_size_in_bytes) if bwd is not None else None
+        except Exception:  # noqa: BLE001 - not every backend reports it
+            working = None
+        return dict(param_bytes=self.stage_nbytes[stage], grad_bytes=tree_nbytes(_split_diff(pav)[0]),
+                    optimizer_bytes=self.optimizer_state_nbytes[stage], carry_bytes=tree_nbytes(hin),
+                    intermediate_bytes=tree_nbytes(saved), working_bytes=working)
 
     def _loss_exe(self, loss_fn, out_aval, loss_args):
         args_aval = tuple(_tree_aval(a, f"loss_args[{j}]") for j, a in enumerate(loss_args))

@@ -53,10 +53,18 @@ def check_bool(value, where: str) -> bool:
     raise TypeError(f"{where}: expected a bool, got {value!r}")
 
 
-def check_callable(fn, where: str) -> Callable:
-    """``fn`` must be callable; raises ``TypeError`` naming ``where``."""
+class ScanArgumentError(TypeError, ValueError):
+    """A bad argument of :func:`~xla_swap.frontend.scan` / :func:`~xla_swap.frontend.scan_layers`
+    for which torch_xla's own ``scan`` raises another exception type than this front end's checks
+    would (``fn`` not callable: torch_xla raises ``ValueError``; a 0-d leaf of ``xs``: its
+    ``len()`` raises ``TypeError``). Both a ``TypeError`` and a ``ValueError``, so code written
+    against torch_xla's ``scan`` / ``scan_layers`` catches it whichever it expects."""
+
+
+def check_callable(fn, where: str, error: type = TypeError) -> Callable:
+    """``fn`` must be callable; raises ``error`` (default ``TypeError``) naming ``where``."""
     if not callable(fn):
-        raise TypeError(f"{where}: expected a callable, got {type(fn).__name__}")
+        raise error(f"{where}: expected a callable, got {type(fn).__name__}")
     return fn
 
 

@@ -25,7 +25,7 @@ import torch.fx as fx
 from torch_xla.experimental import scan as _txs
 
 from xla_swap._compat import torch_xla as _ctx   # every private torch_xla / torch API used here
-from xla_swap.frontend._checks import check_bool, check_callable
+from xla_swap.frontend._checks import ScanArgumentError, check_bool, check_callable
 from xla_swap.frontend.offload import (OFFLOAD_NAME, PLACE_TO_DEVICE, PLACE_TO_HOST, place_to_device,
                                        slice_sharding)
 from xla_swap.planning.policy import ALL_DEVICE, OffloadPolicy
@@ -211,14 +211,15 @@ def _check_scan_args(fn, init, xs, partition_fn, is_fn_pure, policy, *, fn_name:
     Returns ``(policy, flat_xs)``.
     """
     policy = _check_policy(policy)
-    check_callable(fn, fn_name)
+    check_callable(fn, fn_name, ScanArgumentError)   # torch_xla: ValueError
     check_callable(partition_fn, "partition_fn")
     is_fn_pure = check_bool(is_fn_pure, pure_name)
     _leaves(init, "init")
     flat_xs, _ = _leaves(xs, "xs")
     for i, t in enumerate(flat_xs):
         if t is not None and t.dim() == 0:
-            raise ValueError(f"xs: leaf {i} is 0-d; every tensor of xs needs a leading (layer) dimension to scan over")
+            raise ScanArgumentError(f"xs: leaf {i} is 0-d; every tensor of xs needs a leading (layer) dimension "
+                                    f"to scan over")   # torch_xla: len() of a 0-d tensor, TypeError
     lengths = {t.shape[0] for t in flat_xs if t is not None}
     if not flat_xs or not lengths:
         raise ValueError("xs: expected at least one tensor with a leading (layer) dimension")
@@ -261,10 +262,12 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = default_partition, is_
       ``(final_carry, ys)`` exactly as torch_xla's scan.
 
     Raises (all before anything is traced, except the last ValueError):
-      TypeError: ``fn`` or ``partition_fn`` is not callable; ``is_fn_pure`` is not a bool;
+      ScanArgumentError (a ``TypeError`` and a ``ValueError``, as torch_xla raises ``ValueError`` for
+        the first and ``TypeError`` for the second): ``fn`` is not callable; a leaf of ``xs`` is 0-d.
+      TypeError: ``partition_fn`` is not callable; ``is_fn_pure`` is not a bool;
         ``policy`` is not an OffloadPolicy; a leaf of ``init``/``xs`` is not an XLA tensor.
-      ValueError: ``init`` has no tensor; ``xs`` is empty, has a 0-d leaf, a zero-length or disagreeing leading
-        dimension; a custom ``partition_fn`` with a non-all-device policy; a stacked weight
+      ValueError (torch_xla's type where it raises): ``init`` has no tensor; ``xs`` is empty, has
+        a zero-length or disagreeing leading dimension; a custom ``partition_fn`` with a non-all-device policy; a stacked weight
         is sharded along the layer dimension; the policy names an activation no
         ``offload_name`` tagged (raised while tracing).
     """
