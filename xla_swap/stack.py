@@ -48,6 +48,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from xla_swap.executors.streaming import StreamingRuntime, _remat_from_policy
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.planning.policy import OffloadPolicy
+from xla_swap.torch_attention import torchax_env
 
 __all__ = ["SwappedStack", "causal_lm_stages", "DEFAULT_POLICY"]
 
@@ -308,6 +309,10 @@ class SwappedStack:
         ``functools.partial(xla_swap.executors.calibrate.calibration_from_figures, link=...,
         forward_s=..., backward_s=...)`` (figures measured elsewhere, or a test's: no clock read),
         or a ``Calibration`` of this stack's stages and input signature. Default ``None``: measure.
+      fused_attention: on a GPU, run ``torch.nn.functional.scaled_dot_product_attention`` (what
+        Hugging Face's ``sdpa`` attention calls) as cuDNN's fused attention
+        (``xla_swap.torch_attention``; default ``True``). ``False``: XLA's unfused form, which
+        materialises the ``[B, N, T, S]`` scores. Other platforms always run XLA's form.
       optimizer: ``None`` (``train_step`` fills ``.grad``), an ``xla_swap.planning.AdamW``, or
         a ``torch.optim.AdamW`` (its hyperparameters are read; its own state is not used).
       loss_fn: default ``loss_fn(output, *targets) -> scalar`` torch function for
@@ -357,7 +362,8 @@ class SwappedStack:
                  devices: Sequence[jax.Device] | None = None, shard: str | Callable = "fsdp",
                  prefetch_depth: int | None = None, max_signatures: int = 8, accumulate_grads: bool = True,
                  offload_activations: bool = False, data_parallel: bool | None = None,
-                 transpose_linear: bool = True, autotune: bool = True, calibration=None):
+                 transpose_linear: bool = True, autotune: bool = True, calibration=None,
+                 fused_attention: bool = True):
         # ---- validation (no state changes) ----
         if isinstance(layers, torch.nn.Module) and not isinstance(layers, (torch.nn.ModuleList, torch.nn.Sequential)):
             raise TypeError("layers must be a sequence of nn.Modules (e.g. model.model.layers), got one module")
@@ -414,8 +420,11 @@ class SwappedStack:
                     raise ValueError(f"parameter {name}.{pn} is also in {owner[id(p)]}: weights shared between "
                                      "stages (tied embeddings) are not supported; untie them")
                 owner[id(p)] = name
-        tx = _torchax()
-        env = tx.default_env()
+        _torchax()
+        if not isinstance(fused_attention, bool):
+            raise TypeError(f"fused_attention must be a bool, got {fused_attention!r}")
+        # on a GPU: torch's SDPA on cuDNN's fused attention
+        env = torchax_env(devices[0].platform if fused_attention else "xla")
 
         # ---- stage functions: one per distinct layer signature ----
         self.modules: list[torch.nn.Module] = modules
@@ -756,16 +765,20 @@ class SwappedStack:
 class _CausalLMFirst(torch.nn.Module):
     """Token embedding, rotary position embeddings and the causal mask of a Hugging Face decoder."""
 
-    def __init__(self, embed_tokens, rotary_emb):
+    def __init__(self, embed_tokens, rotary_emb, sdpa: bool = False):
         super().__init__()
         self.embed_tokens, self.rotary_emb = embed_tokens, rotary_emb
+        #: the layers attend through torch's SDPA, which is causal by itself when given no mask
+        #: (transformers passes none for an unpadded batch; a fused kernel then skips the mask).
+        self.sdpa = sdpa
 
     def forward(self, input_ids):
         h = self.embed_tokens(input_ids)
         t = input_ids.shape[1]
         pos = torch.arange(t, device=input_ids.device)[None, :]
         cos, sin = self.rotary_emb(h, pos)
-        mask = torch.full((t, t), torch.finfo(h.dtype).min, dtype=h.dtype, device=h.device).triu(1)[None, None]
+        mask = None if self.sdpa else \
+            torch.full((t, t), torch.finfo(h.dtype).min, dtype=h.dtype, device=h.device).triu(1)[None, None]
         return h, {"attention_mask": mask, "position_embeddings": (cos, sin)}
 
 
@@ -803,5 +816,6 @@ def causal_lm_stages(model: torch.nn.Module):
     if model.lm_head.weight is inner.embed_tokens.weight:
         raise ValueError("the model ties lm_head to embed_tokens (tie_word_embeddings=True); untie them for "
                          "SwappedStack")
-    return _CausalLMFirst(inner.embed_tokens, inner.rotary_emb), list(inner.layers), \
+    sdpa = getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa"
+    return _CausalLMFirst(inner.embed_tokens, inner.rotary_emb, sdpa), list(inner.layers), \
         _CausalLMLast(inner.norm, model.lm_head)

@@ -198,7 +198,7 @@ def test_tensor_parallel_shard_rule(num_devices):
 def test_data_parallel_llama_equals_torch(num_devices):
     """FSDP as torch users know it: weights sharded, the batch split over the devices
     (``data_parallel``, on by default for ``shard="fsdp"``): 5 AdamW steps equal torch, and the
-    activations really are batch-sharded (the mask and rotary tables of batch 1 stay replicated)."""
+    activations really are batch-sharded (the rotary tables of batch 1 stay replicated)."""
     ref = make_model(layers=2, seed=11)
     model = copy.deepcopy(ref)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3)
@@ -222,7 +222,8 @@ def test_data_parallel_llama_equals_torch(num_devices):
         assert logits.sharding.spec == jax.sharding.PartitionSpec("d")
         carry = stack.runtime._act(stack.runtime._signature(stack._carry_in((x,))).chain[1])
         assert carry[0].spec == jax.sharding.PartitionSpec("d")                          # h [8, t, D]
-        assert carry[1]["attention_mask"].spec == jax.sharding.PartitionSpec()          # [1, 1, t, t]
+        assert carry[1]["attention_mask"] is None                     # SDPA is causal by itself: no mask
+        assert carry[1]["position_embeddings"][0].spec == jax.sharding.PartitionSpec()  # cos [1, t, hd]
     with torch.no_grad():
         torch.testing.assert_close(stack(x), model(x).logits, rtol=1e-4, atol=1e-5)
     replicated = SwappedStack(layers, first=first, last=last, data_parallel=False)

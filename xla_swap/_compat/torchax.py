@@ -99,3 +99,18 @@ def torch_accelerator_taken() -> str | None:
     import torch
     name = torch._C._get_privateuse1_backend_name()
     return None if name == "privateuseone" else name
+
+
+def override_op(env, op, impl) -> None:
+    """Make ``env`` run ``impl`` (a function of torchax tensors) for the torch callable ``op``.
+
+    Wraps ``Environment.override_op_definition``; torchax 0.0.6's version of it builds its
+    ``ops_registry.Operator`` without the ``is_view_op`` field it requires, so there the entry of
+    ``env._ops`` is written as 0.0.13's method writes it.
+    """
+    try:
+        env.override_op_definition(op, impl)
+    except TypeError:
+        from torchax.ops import ops_registry
+        env._ops[op] = ops_registry.Operator(op, impl, is_jax_function=False, is_user_defined=True,
+                                             needs_env=False, is_view_op=False)

@@ -1,0 +1,77 @@
+"""torch SDPA in the GPU torchax environment (``xla_swap.torch_attention``) against torch eager.
+
+On a machine without a GPU the environment's cuDNN path refuses at trace time (``cuDNN is not
+detected``) and every call takes jax's XLA form: these tests check the torch semantics the
+environment maps (layout, causal, boolean and additive masks, grouped-query K/V, scale), values
+and gradients, which the cuDNN path shares; ``benchmarks/attention_gpu.py`` checks the cuDNN
+path itself against torch on the GPU.
+"""
+import jax
+import numpy as np
+import pytest
+import torch
+
+from xla_swap import torch_attention
+
+F = torch.nn.functional
+
+
+def _jax_fn(env, fn):
+    def f(*arrays):
+        args = env.j2t_iso(arrays)
+        with env:
+            return env.t2j_iso(fn(*args))
+    return f
+
+
+def _causal_additive(t, s, pad=0):
+    """Causal and left-padded (the first ``pad`` keys masked); a padded query row keeps its own key,
+    as transformers' SDPA masks leave no row fully masked."""
+    m = torch.full((t, s), torch.finfo(torch.float32).min).triu(1)
+    m[pad:, :pad] = torch.finfo(torch.float32).min
+    return m[None, None]
+
+
+CASES = {
+    "causal": (4, 4, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+    "additive_mask": (4, 4, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=_causal_additive(8, 8, 2))),
+    "bool_mask": (4, 4, lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool).tril()[None, None])),
+    "gqa_scale": (4, 2, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3,
+                                                                        enable_gqa=True)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gpu_env_sdpa_equals_torch_values_and_grads(case):
+    nq, nkv, fn = CASES[case]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, 8, 16, generator=g) for n in (nq, nkv, nkv))
+    cot = torch.randn(2, nq, 8, 16, generator=g)
+    qt, kt, vt = (t.clone().requires_grad_(True) for t in (q, k, v))
+    ref = fn(qt, kt, vt)
+    ref.backward(cot)
+
+    env = torch_attention.torchax_env("gpu")
+    before = torch_attention.kernel_counts().get("xla", 0)
+    f = _jax_fn(env, fn)
+    args = [jax.numpy.asarray(t.numpy()) for t in (q, k, v)]
+    out, vjp = jax.vjp(f, *args)
+    grads = vjp(jax.numpy.asarray(cot.numpy()))
+    assert torch_attention.kernel_counts()["xla"] > before          # no GPU: the XLA form ran
+    np.testing.assert_allclose(np.asarray(out), ref.detach().numpy(), rtol=1e-5, atol=1e-5)
+    for gj, gt in zip(grads, (qt.grad, kt.grad, vt.grad)):
+        np.testing.assert_allclose(np.asarray(gj), gt.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_gpu_env_refuses_attention_dropout():
+    env = torch_attention.torchax_env("gpu")
+    f = _jax_fn(env, lambda q: F.scaled_dot_product_attention(q, q, q, dropout_p=0.1))
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        jax.eval_shape(f, jax.ShapeDtypeStruct((1, 2, 4, 8), np.float32))
+
+
+def test_other_platforms_keep_torchax_default_env():
+    from xla_swap._compat.torchax import import_torchax
+    assert torch_attention.torchax_env("cpu") is import_torchax().default_env()
+    assert torch_attention.torchax_env("gpu") is not torch_attention.torchax_env("cpu")
