@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from xla_swap.executors._stages import _check_input_dtypes
 from xla_swap.executors.streaming import StreamingRuntime, _remat_from_policy
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.planning.policy import OffloadPolicy
@@ -519,8 +520,12 @@ class SwappedStack:
 
         Each new input shape compiles once (bounded cache, ``max_signatures``).
 
-        Raises: TypeError: an input is not a torch.Tensor; ValueError: a stage fails to trace
-        (the message names it).
+        Raises:
+          TypeError: an input is not a torch.Tensor; an input's dtype jax would narrow
+            (``float64`` with ``jax_enable_x64`` off), or one the layers would compute in another
+            dtype (an ``int32`` or ``float16`` hidden state into ``float32`` layers shared by
+            several stages): the message names ``inputs[i]``, the dtype got and the one expected.
+          ValueError: a stage fails to trace (the message names it).
         """
         self._maybe_autotune(tuple(inputs), training=False)
         x = self._carry_in(inputs)
@@ -545,17 +550,19 @@ class SwappedStack:
         one the gradients are added to the modules' ``.grad`` (CPU tensors).
 
         Raises:
-          TypeError: ``inputs``/``targets`` not tensors; no ``loss_fn``.
+          TypeError: ``inputs``/``targets`` not tensors; no ``loss_fn``; an input's dtype
+            refused as in :meth:`forward`; a ``float64`` target with ``jax_enable_x64`` off.
           ValueError: the loss is not a floating scalar; a stage fails to trace.
         """
         if loss_fn is None:
             loss_fn = self.loss_fn
         if loss_fn is None or not callable(loss_fn) or isinstance(loss_fn, torch.Tensor):
             raise TypeError("train_step needs a loss_fn (here or in the constructor): (output, *targets) -> scalar")
-        self._maybe_autotune(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), training=True)
-        x = self._carry_in(inputs if isinstance(inputs, (tuple, list)) else (inputs,))
         t = () if targets is None or (isinstance(targets, tuple) and not targets) else \
             _inputs_to_jax(targets if isinstance(targets, (tuple, list)) else (targets,), "targets")
+        _check_input_dtypes(t, "targets")
+        self._maybe_autotune(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), training=True)
+        x = self._carry_in(inputs if isinstance(inputs, (tuple, list)) else (inputs,))
         jloss = self._jax_losses.get(loss_fn)
         if jloss is None:
             tfn = _torch_fn(loss_fn, self._env)
@@ -670,7 +677,9 @@ class SwappedStack:
         if not self.has_first and len(inputs) != 1:
             raise TypeError(f"without a `first` stage the layers take one input (h), got {len(inputs)}")
         x = _inputs_to_jax(tuple(inputs), "inputs", self._input_sharding)
-        return x if self.has_first else (x[0], {})
+        x = x if self.has_first else (x[0], {})
+        self.runtime._signature(x, "inputs")   # dtype checks (and the trace, cached) before anything runs
+        return x
 
     def _input_sharding(self, shape: tuple, dtype) -> jax.sharding.Sharding | None:
         """Where the runtime places an input leaf of ``shape`` (``None``: on one device)."""

@@ -59,6 +59,34 @@ def _tree_aval(tree, what: str):
         treedef, [_as_aval(leaf, what + jax.tree_util.keystr(path)) for path, leaf in leaves])
 
 
+def _check_input_dtypes(tree, what: str) -> None:
+    """Refuse leaves of ``tree`` that jax would silently compute in another dtype.
+
+    With ``jax_enable_x64`` off, jax narrows 64-bit arrays to 32 bits: ``float64`` and
+    ``complex128`` lose precision, so they are refused. A 64-bit integer numpy array whose
+    values all fit the 32-bit type is narrowed exactly (token ids) and accepted.
+
+    Raises:
+      TypeError: a leaf of such a dtype (the message names ``what`` and the leaf path, the
+        dtype got and the one jax would use).
+    """
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        dt = np.dtype(x.dtype)
+        canon = np.dtype(jax.dtypes.canonicalize_dtype(dt))
+        if canon == dt:
+            continue
+        name = what + jax.tree_util.keystr(path)
+        if dt.kind in "iu" and isinstance(x, np.ndarray):
+            info = np.iinfo(canon)
+            if x.size == 0 or (int(x.min()) >= info.min and int(x.max()) <= info.max):
+                continue
+            raise TypeError(f"{name}: dtype {dt} holds values outside {canon}, the dtype jax computes it in "
+                            f"(jax_enable_x64 is off); enable x64 (jax.config.update('jax_enable_x64', True)) "
+                            f"to pass them")
+        raise TypeError(f"{name}: got dtype {dt}, which jax would compute as {canon} (jax_enable_x64 is off); "
+                        f"pass {canon}, or enable x64 (jax.config.update('jax_enable_x64', True))")
+
+
 def _aval_key(tree) -> tuple:
     """Hashable (tree structure, leaf shapes and dtypes) of a pytree of avals."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)

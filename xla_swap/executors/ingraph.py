@@ -25,8 +25,8 @@ import jax
 from jax.sharding import SingleDeviceSharding
 
 from .report import MemoryReport, compiled_report, entry_layout, stats_dict
-from ._stages import (DEVICE_KIND, HOST_KIND, _aval_key, _check_memory_kinds, _describe, _stage_fns, _tree_aval,
-                      tree_nbytes)
+from ._stages import (DEVICE_KIND, HOST_KIND, _aval_key, _check_input_dtypes, _check_memory_kinds, _describe,
+                      _stage_fns, _tree_aval, tree_nbytes)
 
 __all__ = ["InGraphRuntime"]
 
@@ -115,11 +115,14 @@ class InGraphRuntime:
             while tracing (e.g. a shape mismatch in a matmul): the message names the stage
             (``stage i: stage_fn[i](stage_params[i], h)``) with the shapes of its ``h`` and
             its parameters.
+          TypeError: a leaf of ``h`` has a dtype jax would narrow (``float64``/``complex128``,
+            or a 64-bit integer array with values beyond 32 bits, with ``jax_enable_x64`` off).
           ValueError: ``h`` differs in structure, shapes or dtypes from the first call's; a
             leaf of ``h`` is a deleted jax array; a stage function raised a ValueError while
             tracing (named as above). Nothing is compiled or cached then.
         """
         aval = _tree_aval(h, "h")
+        _check_input_dtypes(h, "h")
         if self._compiled is not None:
             if _aval_key(aval) != self._in_key:
                 raise ValueError(f"h has {_describe(aval)}, but this runtime was compiled for "

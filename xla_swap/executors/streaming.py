@@ -44,8 +44,8 @@ from xla_swap.planning.prefetch import PrefetchSchedule
 from . import optim as _optim
 from .report import MemoryReport, compiled_report, stats_dict
 from .trace import StageEvent, TraceRecorder
-from ._stages import (DEVICE_KIND, HOST_KIND, _aval_key, _as_aval, _check_memory_kinds, _describe,  # noqa: F401
-                      _index_by_identity, _is_diff, _leaf_name, _merge_diff, _probe, _split_diff, _stage_fns, _tree_aval,
+from ._stages import (DEVICE_KIND, HOST_KIND, _aval_key, _as_aval, _check_input_dtypes,  # noqa: F401
+                      _check_memory_kinds, _describe, _index_by_identity, _is_diff, _leaf_name, _merge_diff, _probe, _split_diff, _stage_fns, _tree_aval,
                       tree_nbytes)
 
 __all__ = ["StreamingRuntime", "StageEvent", "TraceRecorder", "tree_nbytes"]
@@ -692,8 +692,13 @@ class StreamingRuntime:
           the last stage's output. Asynchronous: call ``jax.block_until_ready`` to wait.
 
         Raises:
-          TypeError: a leaf of ``h`` is not an array; a stage returns no array or a
-            non-array leaf; ``trace`` is not a ``TraceRecorder``.
+          TypeError: a leaf of ``h`` is not an array; a leaf's dtype is one jax would narrow
+            (``float64``/``complex128``, or a 64-bit integer array with values beyond 32 bits,
+            with ``jax_enable_x64`` off); a stage whose ``stage_fn`` and parameters the next
+            stage shares returns the carry in other dtypes than it got (e.g. an ``int32`` or
+            ``float16`` ``h`` promoted by ``float32`` weights): the message names the leaf,
+            the dtype got and the one expected; a stage returns no array or a non-array leaf;
+            ``trace`` is not a ``TraceRecorder``.
           ValueError: a leaf of ``h`` is a deleted jax array; a stage function fails to
             trace (message names the stage).
         """
@@ -746,7 +751,9 @@ class StreamingRuntime:
             or dtype differs from the output's; ``loss_fn`` does not return a scalar; the
             input checks of ``forward``; ``lr <= 0``.
           TypeError: ``loss_fn`` not callable; ``loss_args`` not a tuple; no floating
-            parameter or output leaf; ``trace`` is not a ``TraceRecorder``.
+            parameter or output leaf; ``trace`` is not a ``TraceRecorder``; a dtype of ``h``
+            refused as in ``forward``, or a ``cotangent`` / ``loss_args`` leaf that jax would
+            narrow (``float64`` with ``jax_enable_x64`` off).
         """
         if (loss_fn is None) == (cotangent is None):
             raise ValueError("train_step needs exactly one of loss_fn and cotangent")
@@ -770,6 +777,7 @@ class StreamingRuntime:
                             "gradients need a floating output")
         if cotangent is not None:
             c = _tree_aval(cotangent, "cotangent")
+            _check_input_dtypes(cotangent, "cotangent")
             if _aval_key(c) != _aval_key(out_diff) and _aval_key(c) != _aval_key(out_aval):
                 raise ValueError(f"cotangent has {_describe(c)}, but the output has {_describe(out_aval)}")
             loss_exe = None
@@ -779,9 +787,13 @@ class StreamingRuntime:
                          trace=trace)
 
     # ------------------------------------------------------------------ internals
-    def _signature(self, h) -> _Signature:
-        """The cached signature of ``h`` (LRU), or a new one traced stage by stage (no state change on error)."""
-        a = _tree_aval(h, "h")
+    def _signature(self, h, what: str = "h") -> _Signature:
+        """The cached signature of ``h`` (LRU), or a new one traced stage by stage (no state change on error).
+
+        ``what`` names ``h`` in error messages (``SwappedStack`` passes ``"inputs"``).
+        """
+        a = _tree_aval(h, what)
+        _check_input_dtypes(h, what)
         key = _aval_key(a)
         sig = self._sigs.get(key)
         if sig is not None:
@@ -800,12 +812,36 @@ class StreamingRuntime:
                 raise TypeError(f"stage {i}: stage_fn must return an array or a pytree of arrays, "
                                 f"got {jax.tree_util.tree_structure(out)}")
             chain.append(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), out))
+            self._check_carry_dtypes(i, chain[-2], chain[-1], what)
         sig = _Signature(a, chain)
         self._sigs[key] = sig
         while len(self._sigs) > self.max_signatures:
             self._sigs.popitem(last=False)
         self._last_sig = sig
         return sig
+
+    def _check_carry_dtypes(self, i: int, hin, hout, what: str) -> None:
+        """A stage whose ``stage_fn`` and parameters the next stage shares must return the carry in
+        the dtypes it got: otherwise jax promoted the input (an ``int32`` or ``float16`` ``h`` through
+        ``float32`` layers) and the stack computes in another dtype than the one given.
+
+        Raises: TypeError naming ``what`` (the leaf path), the dtype got and the one the stage computes in.
+        """
+        if i + 1 >= len(self._fns) or self._fns[i] is not self._fns[i + 1] or \
+                _aval_key(self._param_avals[i]) != _aval_key(self._param_avals[i + 1]):
+            return
+        lin, tin = jax.tree_util.tree_flatten_with_path(hin)
+        lout, tout = jax.tree_util.tree_flatten(hout)
+        if tin != tout:
+            return
+        for (path, x), y in zip(lin, lout):
+            if np.dtype(x.dtype) != np.dtype(y.dtype):
+                got, comp = np.dtype(x.dtype), np.dtype(y.dtype)
+                src = "" if i == 0 else f" (from stage {i - 1})"
+                raise TypeError(
+                    f"{what}{jax.tree_util.keystr(path)}: stage {i} gets dtype {got}{src} and returns {comp}, and "
+                    f"stage {i + 1} runs the same stage_fn: the stages would compute in {comp}, not in the {got} "
+                    f"given; pass {comp}")
 
     def _spec(self, aval, sharding):
         """``ShapeDtypeStruct`` (pytree) of ``aval`` with ``sharding`` (one, or a pytree like ``aval``) on its leaves."""
@@ -973,6 +1009,8 @@ class StreamingRuntime:
 
     def _loss_exe(self, loss_fn, out_aval, loss_args):
         args_aval = tuple(_tree_aval(a, f"loss_args[{j}]") for j, a in enumerate(loss_args))
+        for j, a in enumerate(loss_args):
+            _check_input_dtypes(a, f"loss_args[{j}]")
         skey = (loss_fn, _aval_key(out_aval), tuple(_aval_key(a) for a in args_aval))
         try:
             known = self._loss_shapes.get(skey)
