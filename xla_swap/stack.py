@@ -306,7 +306,9 @@ class SwappedStack:
 
     Raises:
       TypeError: a layer / ``first`` / ``last`` is not an ``nn.Module``; ``policy``,
-        ``optimizer``, ``loss_fn``, ``devices`` or ``shard`` has the wrong type.
+        ``optimizer``, ``loss_fn``, ``devices`` or ``shard`` has the wrong type; a parameter or
+        buffer is ``float64`` with ``jax_enable_x64`` off (it would run as ``float32``; the
+        message names the stage and the tensor).
       ValueError: ``layers`` is empty; both ``policy`` and ``budget_bytes``; a bad budget (below
         the streaming window of weights and optimizer state);
         a parameter shared by two stages (tied weights are not supported); a torch
@@ -424,6 +426,8 @@ class SwappedStack:
             buffers = {n: _to_numpy(b) for n, b in m.named_buffers()}
             trainable.append(list(params))  # ordered: every process must gather in the same order
             stage_params.append({**buffers, **params})
+        for name, p in zip(names, stage_params):   # float64 weights would run as float32 without x64
+            _check_input_dtypes(p, name)
         self._trainable = trainable
         n_dev = len(devices)
         mesh = Mesh(np.array(devices), ("d",)) if n_dev > 1 else None

@@ -100,9 +100,22 @@ class ParameterPlacement:
         none), an HLO sharding string as torch_xla reports it (``"{devices=[4,1]0,1,2,3}"``,
         ``"{replicated}"``), or a :class:`jax.sharding.Sharding` over exactly the executor's
         devices, in order (its memory kind is replaced by ``memory_kind``).
+
+    Raises:
+      TypeError: ``memory_kind`` is not a str; ``sharding`` is none of the above.
+      ValueError: ``memory_kind`` is not one of ``MEMORY_KINDS``.
     """
     memory_kind: str = DEVICE
     sharding: Any = None
+
+    def __post_init__(self):
+        if not isinstance(self.memory_kind, str):
+            raise TypeError(f"memory_kind: expected one of {MEMORY_KINDS}, got {type(self.memory_kind).__name__}")
+        if self.memory_kind not in MEMORY_KINDS:
+            raise ValueError(f"memory_kind: unknown memory kind {self.memory_kind!r}; expected one of {MEMORY_KINDS}")
+        if self.sharding is not None and not isinstance(self.sharding, (str, jax.sharding.Sharding)):
+            raise TypeError(f"sharding: expected None, an HLO sharding string or a jax Sharding, "
+                            f"got {type(self.sharding).__name__}")
 
 
 @dataclasses.dataclass(frozen=True)

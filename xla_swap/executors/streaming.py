@@ -44,7 +44,7 @@ from xla_swap.planning.prefetch import PrefetchSchedule
 from . import optim as _optim
 from .report import MemoryReport, compiled_report, stats_dict
 from .trace import StageEvent, TraceRecorder
-from ._stages import (DEVICE_KIND, HOST_KIND, _aval_key, _as_aval, _check_input_dtypes,  # noqa: F401
+from ._stages import (DEVICE_KIND, HOST_KIND, _aval_key, _as_aval, _check_carry_dtypes, _check_input_dtypes,  # noqa: F401
                       _check_memory_kinds, _describe, _index_by_identity, _is_diff, _leaf_name, _merge_diff, _probe, _split_diff, _stage_fns, _tree_aval,
                       tree_nbytes)
 
@@ -231,7 +231,8 @@ class StreamingRuntime:
 
     Raises:
       TypeError: ``stage_fn`` (or an element) is not callable; a parameter leaf is not an
-        array; ``device``/``sharding``/``activation_sharding`` has the wrong type;
+        array, or has a dtype jax would narrow (``float64``/``complex128``, or a 64-bit integer
+        array with values beyond 32 bits, with ``jax_enable_x64`` off); ``device``/``sharding``/``activation_sharding`` has the wrong type;
         ``prefetch_depth`` is not an int; a flag is not a bool; ``trace`` is not a
         ``TraceRecorder``; ``remat`` is neither a
         bool nor callable; ``optimizer`` is not an ``AdamW``; ``trainable`` not callable.
@@ -313,6 +314,7 @@ class StreamingRuntime:
             lp, treedef = jax.tree_util.tree_flatten_with_path(p)
             for path, leaf in lp:
                 _as_aval(leaf, f"stage_params[{i}]{_leaf_name(path)}")
+            _check_input_dtypes(p, f"stage_params[{i}]")
             flat.append((lp, treedef))
         if shared:
             lp0, td0 = flat[0]
@@ -812,36 +814,13 @@ class StreamingRuntime:
                 raise TypeError(f"stage {i}: stage_fn must return an array or a pytree of arrays, "
                                 f"got {jax.tree_util.tree_structure(out)}")
             chain.append(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), out))
-            self._check_carry_dtypes(i, chain[-2], chain[-1], what)
+            _check_carry_dtypes(self._fns, self._param_avals, i, chain[-2], chain[-1], what)
         sig = _Signature(a, chain)
         self._sigs[key] = sig
         while len(self._sigs) > self.max_signatures:
             self._sigs.popitem(last=False)
         self._last_sig = sig
         return sig
-
-    def _check_carry_dtypes(self, i: int, hin, hout, what: str) -> None:
-        """A stage whose ``stage_fn`` and parameters the next stage shares must return the carry in
-        the dtypes it got: otherwise jax promoted the input (an ``int32`` or ``float16`` ``h`` through
-        ``float32`` layers) and the stack computes in another dtype than the one given.
-
-        Raises: TypeError naming ``what`` (the leaf path), the dtype got and the one the stage computes in.
-        """
-        if i + 1 >= len(self._fns) or self._fns[i] is not self._fns[i + 1] or \
-                _aval_key(self._param_avals[i]) != _aval_key(self._param_avals[i + 1]):
-            return
-        lin, tin = jax.tree_util.tree_flatten_with_path(hin)
-        lout, tout = jax.tree_util.tree_flatten(hout)
-        if tin != tout:
-            return
-        for (path, x), y in zip(lin, lout):
-            if np.dtype(x.dtype) != np.dtype(y.dtype):
-                got, comp = np.dtype(x.dtype), np.dtype(y.dtype)
-                src = "" if i == 0 else f" (from stage {i - 1})"
-                raise TypeError(
-                    f"{what}{jax.tree_util.keystr(path)}: stage {i} gets dtype {got}{src} and returns {comp}, and "
-                    f"stage {i + 1} runs the same stage_fn: the stages would compute in {comp}, not in the {got} "
-                    f"given; pass {comp}")
 
     def _spec(self, aval, sharding):
         """``ShapeDtypeStruct`` (pytree) of ``aval`` with ``sharding`` (one, or a pytree like ``aval``) on its leaves."""
