@@ -769,6 +769,12 @@ class StreamingRuntime:
             hyper = self.optimizer.hyper(self.step + 1, lr)  # raises ValueError for a bad lr
         elif lr is not None:
             raise ValueError("lr is only used with an optimizer; this runtime has none")
+        if cotangent is not None:   # checked before h's signature is traced and cached
+            _tree_aval(cotangent, "cotangent")
+            _check_input_dtypes(cotangent, "cotangent")
+        for j, a in enumerate(loss_args):
+            _tree_aval(a, f"loss_args[{j}]")
+            _check_input_dtypes(a, f"loss_args[{j}]")
         sig = self._signature(h)
         if not any(_split_diff(a)[0] for a in self._param_avals):
             raise TypeError("train_step: no stage has a floating parameter; nothing to differentiate")
@@ -779,7 +785,6 @@ class StreamingRuntime:
                             "gradients need a floating output")
         if cotangent is not None:
             c = _tree_aval(cotangent, "cotangent")
-            _check_input_dtypes(cotangent, "cotangent")
             if _aval_key(c) != _aval_key(out_diff) and _aval_key(c) != _aval_key(out_aval):
                 raise ValueError(f"cotangent has {_describe(c)}, but the output has {_describe(out_aval)}")
             loss_exe = None
@@ -988,8 +993,6 @@ class StreamingRuntime:
 
     def _loss_exe(self, loss_fn, out_aval, loss_args):
         args_aval = tuple(_tree_aval(a, f"loss_args[{j}]") for j, a in enumerate(loss_args))
-        for j, a in enumerate(loss_args):
-            _check_input_dtypes(a, f"loss_args[{j}]")
         skey = (loss_fn, _aval_key(out_aval), tuple(_aval_key(a) for a in args_aval))
         try:
             known = self._loss_shapes.get(skey)
