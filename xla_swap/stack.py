@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from xla_swap.executors._stages import _check_input_dtypes
 from xla_swap.executors.streaming import StreamingRuntime, _remat_from_policy
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.planning.policy import OffloadPolicy
@@ -348,7 +349,9 @@ class SwappedStack:
 
     Raises:
       TypeError: a layer / ``first`` / ``last`` is not an ``nn.Module``; ``policy``,
-        ``optimizer``, ``loss_fn``, ``devices``, ``shard`` or ``calibration`` has the wrong type.
+        ``optimizer``, ``loss_fn``, ``devices``, ``shard`` or ``calibration`` has the wrong type; a
+        parameter or buffer is ``float64`` with ``jax_enable_x64`` off (it would run as ``float32``;
+        the message names the stage and the tensor).
       ValueError: ``layers`` is empty; both ``policy`` and ``budget_bytes``; a bad budget (below
         the streaming window of weights and optimizer state);
         a parameter shared by two stages (tied weights are not supported); a torch
@@ -471,6 +474,8 @@ class SwappedStack:
             buffers = {n: _to_numpy(b) for n, b in m.named_buffers()}
             trainable.append(list(params))  # ordered: every process must gather in the same order
             stage_params.append({**buffers, **params})
+        for name, p in zip(names, stage_params):   # float64 weights would run as float32 without x64
+            _check_input_dtypes(p, name)
         self._trainable = trainable
         n_dev = len(devices)
         mesh = Mesh(np.array(devices), ("d",)) if n_dev > 1 else None
@@ -582,8 +587,12 @@ class SwappedStack:
 
         Each new input shape compiles once (bounded cache, ``max_signatures``).
 
-        Raises: TypeError: an input is not a torch.Tensor; ValueError: a stage fails to trace
-        (the message names it).
+        Raises:
+          TypeError: an input is not a torch.Tensor; an input's dtype jax would narrow
+            (``float64`` with ``jax_enable_x64`` off), or one the layers would compute in another
+            dtype (an ``int32`` or ``float16`` hidden state into ``float32`` layers shared by
+            several stages): the message names ``inputs[i]``, the dtype got and the one expected.
+          ValueError: a stage fails to trace (the message names it).
         """
         with self._torch_precision():
             self._maybe_autotune(tuple(inputs), training=False)
@@ -610,7 +619,8 @@ class SwappedStack:
         one the gradients are added to the modules' ``.grad`` (CPU tensors).
 
         Raises:
-          TypeError: ``inputs``/``targets`` not tensors; no ``loss_fn``.
+          TypeError: ``inputs``/``targets`` not tensors; no ``loss_fn``; an input's dtype
+            refused as in :meth:`forward`; a ``float64`` target with ``jax_enable_x64`` off.
           ValueError: the loss is not a floating scalar; a stage fails to trace.
         """
         if loss_fn is None:
@@ -621,10 +631,11 @@ class SwappedStack:
             return self._train_step(inputs, targets, loss_fn, lr)
 
     def _train_step(self, inputs, targets, loss_fn, lr) -> torch.Tensor:
-        self._maybe_autotune(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), training=True)
-        x = self._carry_in(inputs if isinstance(inputs, (tuple, list)) else (inputs,))
         t = () if targets is None or (isinstance(targets, tuple) and not targets) else \
             _inputs_to_jax(targets if isinstance(targets, (tuple, list)) else (targets,), "targets")
+        _check_input_dtypes(t, "targets")
+        self._maybe_autotune(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), training=True)
+        x = self._carry_in(inputs if isinstance(inputs, (tuple, list)) else (inputs,))
         jloss = self._jax_losses.get(loss_fn)
         if jloss is None:
             tfn = _torch_fn(loss_fn, self._env)
@@ -748,7 +759,9 @@ class SwappedStack:
         if not self.has_first and len(inputs) != 1:
             raise TypeError(f"without a `first` stage the layers take one input (h), got {len(inputs)}")
         x = _inputs_to_jax(tuple(inputs), "inputs", self._input_sharding)
-        return x if self.has_first else (x[0], {})
+        x = x if self.has_first else (x[0], {})
+        self.runtime._signature(x, "inputs")   # dtype checks (and the trace, cached) before anything runs
+        return x
 
     def _input_sharding(self, shape: tuple, dtype) -> jax.sharding.Sharding | None:
         """Where the runtime places an input leaf of ``shape`` (``None``: on one device)."""

@@ -350,3 +350,32 @@ def test_fuzz_public_entry_points_raise_only_documented_errors(entry, arg):
     # the user's tensors are unchanged and the process is usable
     torch.testing.assert_close(x.cpu(), x0)
     torch.testing.assert_close((x @ x).cpu(), x0 @ x0, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------- issue 21
+@pytest.mark.spmd
+def test_issue21_sharding_strings_with_bad_device_ids_are_named():
+    import torch_xla.runtime as xr
+    n = xr.global_runtime_device_count()
+    x0 = torch.randn(4, 4, generator=torch.Generator().manual_seed(7))
+    x = to_xla(x0)
+    torch_xla.sync()
+    ids = ",".join(map(str, range(n)))
+    cases = [(f"{{devices=[{n},1]{ids[:-1]}{n + 3}}}", f"names device {n + 3}, but the runtime has {n} device"),
+             (f"{{devices=[{n + 1},1]{ids},{n}}}", f"names device {n}, but the runtime has {n} device"),
+             (f"{{devices=[{n + 1},1]<=[{n + 1}]}}", f"names device {n}, but the runtime has {n} device"),
+             (f"{{maximal device={n}}}", f"names device {n}"),
+             ("{devices=[0,1]<=[0]}", "tile dimension of 0")]
+    if n > 1:
+        cases.append((f"{{devices=[{n},1]0,{ids[:-2]}}}", "lists device 0 twice"))
+    for spec, msg in cases:
+        for fn in (place_to_host, place_to_device):
+            with pytest.raises(ValueError, match="sharding: .*" + re.escape(msg)):
+                fn(x, spec)
+        with emit_annotations(True):
+            with pytest.raises(ValueError, match="sharding: .*" + re.escape(msg)):
+                lower_fn(lambda t: place_to_device(place_to_host(t * 2, spec), spec), x)
+    # a permutation of the devices is accepted; x is unchanged and the process usable
+    perm = ",".join(map(str, reversed(range(n))))
+    torch.testing.assert_close(place_to_host(x, f"{{devices=[{n},1]{perm}}}").cpu(), x0)
+    torch.testing.assert_close((x @ x).cpu(), x0 @ x0, rtol=1e-5, atol=1e-5)

@@ -41,7 +41,12 @@ def _as_aval(x, what: str) -> jax.ShapeDtypeStruct:
         raise TypeError(f"{what}: expected an array (numpy or jax), got {type(x).__name__}")
     if isinstance(x, jax.Array) and x.is_deleted():
         raise ValueError(f"{what}: the jax array has been deleted (donated or freed)")
-    return jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(x.dtype))
+    try:
+        dtype = np.dtype(x.dtype)
+    except TypeError:   # e.g. a torch tensor: its dtype is no numpy dtype
+        raise TypeError(f"{what}: expected an array (numpy or jax), got {type(x).__module__}.{type(x).__name__} "
+                        f"of dtype {x.dtype}") from None
+    return jax.ShapeDtypeStruct(tuple(x.shape), dtype)
 
 
 def _tree_aval(tree, what: str):
@@ -57,6 +62,62 @@ def _tree_aval(tree, what: str):
         raise TypeError(f"{what}: expected an array or a pytree of arrays, got {tree!r} (no array leaves)")
     return jax.tree_util.tree_unflatten(
         treedef, [_as_aval(leaf, what + jax.tree_util.keystr(path)) for path, leaf in leaves])
+
+
+def _check_input_dtypes(tree, what: str) -> None:
+    """Refuse leaves of ``tree`` that jax would silently compute in another dtype.
+
+    With ``jax_enable_x64`` off, jax narrows 64-bit arrays to 32 bits: ``float64`` and
+    ``complex128`` lose precision, so they are refused. A 64-bit integer numpy array whose
+    values all fit the 32-bit type is narrowed exactly (token ids) and accepted.
+
+    Raises:
+      TypeError: a leaf of such a dtype (the message names ``what`` and the leaf path, the
+        dtype got and the one jax would use).
+    """
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        dt = np.dtype(x.dtype)
+        canon = np.dtype(jax.dtypes.canonicalize_dtype(dt))
+        if canon == dt:
+            continue
+        name = what + jax.tree_util.keystr(path)
+        if dt.kind in "iu" and isinstance(x, np.ndarray):
+            info = np.iinfo(canon)
+            if x.size == 0 or (int(x.min()) >= info.min and int(x.max()) <= info.max):
+                continue
+            raise TypeError(f"{name}: dtype {dt} holds values outside {canon}, the dtype jax computes it in "
+                            f"(jax_enable_x64 is off); enable x64 (jax.config.update('jax_enable_x64', True)) "
+                            f"to pass them")
+        raise TypeError(f"{name}: got dtype {dt}, which jax would compute as {canon} (jax_enable_x64 is off); "
+                        f"pass {canon}, or enable x64 (jax.config.update('jax_enable_x64', True))")
+
+
+def _check_carry_dtypes(fns: list, param_avals: list, i: int, hin, hout, what: str) -> None:
+    """Stage ``i`` of a stack whose next stage runs the same ``stage_fn`` on parameters of the same
+    signature must return the carry in the dtypes it got: otherwise jax promoted the input (an
+    ``int32`` or ``float16`` ``h`` through ``float32`` layers) and the stack would compute in
+    another dtype than the one given.
+
+    Args: ``fns`` / ``param_avals``: per stage, the function and its parameters (arrays or avals);
+      ``hin`` / ``hout``: stage ``i``'s input and output (pytrees of avals); ``what``: the name of
+      the stack's input in messages.
+
+    Raises: TypeError naming ``what`` (the leaf path), the dtype got and the one the stage computes in.
+    """
+    if i + 1 >= len(fns) or fns[i] is not fns[i + 1] or _aval_key(param_avals[i]) != _aval_key(param_avals[i + 1]):
+        return
+    lin, tin = jax.tree_util.tree_flatten_with_path(hin)
+    lout, tout = jax.tree_util.tree_flatten(hout)
+    if tin != tout:
+        return
+    for (path, x), y in zip(lin, lout):
+        got, comp = np.dtype(x.dtype), np.dtype(y.dtype)
+        if got != comp:
+            src = "" if i == 0 else f" (from stage {i - 1})"
+            raise TypeError(
+                f"{what}{jax.tree_util.keystr(path)}: stage {i} gets dtype {got}{src} and returns {comp}, and "
+                f"stage {i + 1} runs the same stage_fn: the stages would compute in {comp}, not in the {got} "
+                f"given; pass {comp}")
 
 
 def _aval_key(tree) -> tuple:

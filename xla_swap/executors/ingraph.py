@@ -25,8 +25,8 @@ import jax
 from jax.sharding import SingleDeviceSharding
 
 from .report import MemoryReport, compiled_report, entry_layout, stats_dict
-from ._stages import (DEVICE_KIND, HOST_KIND, _aval_key, _check_memory_kinds, _describe, _stage_fns, _tree_aval,
-                      tree_nbytes)
+from ._stages import (DEVICE_KIND, HOST_KIND, _aval_key, _check_carry_dtypes, _check_input_dtypes, _check_memory_kinds,
+                      _describe, _stage_fns, _tree_aval, tree_nbytes)
 
 __all__ = ["InGraphRuntime"]
 
@@ -53,7 +53,9 @@ class InGraphRuntime:
 
     Raises:
       TypeError: ``stage_fn`` (or an element) is not callable; a parameter leaf is not an
-        array; ``device`` is not a ``jax.Device``; ``compiler_options`` is not a dict.
+        array, or has a dtype jax would narrow (``float64``/``complex128``, or a 64-bit integer
+        array with values beyond 32 bits, with ``jax_enable_x64`` off); ``device`` is not a
+        ``jax.Device``; ``compiler_options`` is not a dict.
       ValueError: ``stage_params`` is empty or not a sequence; the number of stage
         functions differs from the number of stages; a parameter leaf is a deleted jax
         array; the device lacks a memory kind.
@@ -68,6 +70,7 @@ class InGraphRuntime:
         fns, shared = _stage_fns(stage_fn, n)
         for i, p in enumerate(stage_params):
             _tree_aval(p, f"stage_params[{i}]")
+            _check_input_dtypes(p, f"stage_params[{i}]")
         if device is not None and not isinstance(device, jax.Device):
             raise TypeError(f"device must be a jax.Device, got {type(device).__name__}")
         if compiler_options is not None and not isinstance(compiler_options, dict):
@@ -90,6 +93,8 @@ class InGraphRuntime:
 
     def _program(self, params, h):
         for i, (f, p) in enumerate(zip(self._fns, params)):
+            if i:
+                _check_carry_dtypes(self._fns, params, i - 1, h_in, h, "h")
             h_in = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), h)
             try:
                 h = f(jax.device_put(p, self._dev), h)
@@ -114,12 +119,16 @@ class InGraphRuntime:
           TypeError: a leaf of ``h`` is not an array; a stage function raised a TypeError
             while tracing (e.g. a shape mismatch in a matmul): the message names the stage
             (``stage i: stage_fn[i](stage_params[i], h)``) with the shapes of its ``h`` and
-            its parameters.
+            its parameters; a leaf of ``h`` has a dtype jax would narrow (``float64``/``complex128``,
+            or a 64-bit integer array with values beyond 32 bits, with ``jax_enable_x64`` off); a
+            stage whose ``stage_fn`` and parameter signature the next stage shares returns the carry
+            in other dtypes than it got (e.g. an ``int32`` ``h`` promoted by ``float32`` weights).
           ValueError: ``h`` differs in structure, shapes or dtypes from the first call's; a
             leaf of ``h`` is a deleted jax array; a stage function raised a ValueError while
             tracing (named as above). Nothing is compiled or cached then.
         """
         aval = _tree_aval(h, "h")
+        _check_input_dtypes(h, "h")
         if self._compiled is not None:
             if _aval_key(aval) != self._in_key:
                 raise ValueError(f"h has {_describe(aval)}, but this runtime was compiled for "

@@ -100,9 +100,22 @@ class ParameterPlacement:
         none), an HLO sharding string as torch_xla reports it (``"{devices=[4,1]0,1,2,3}"``,
         ``"{replicated}"``), or a :class:`jax.sharding.Sharding` over exactly the executor's
         devices, in order (its memory kind is replaced by ``memory_kind``).
+
+    Raises:
+      TypeError: ``memory_kind`` is not a str; ``sharding`` is none of the above.
+      ValueError: ``memory_kind`` is not one of ``MEMORY_KINDS``.
     """
     memory_kind: str = DEVICE
     sharding: Any = None
+
+    def __post_init__(self):
+        if not isinstance(self.memory_kind, str):
+            raise TypeError(f"memory_kind: expected one of {MEMORY_KINDS}, got {type(self.memory_kind).__name__}")
+        if self.memory_kind not in MEMORY_KINDS:
+            raise ValueError(f"memory_kind: unknown memory kind {self.memory_kind!r}; expected one of {MEMORY_KINDS}")
+        if self.sharding is not None and not isinstance(self.sharding, (str, jax.sharding.Sharding)):
+            raise TypeError(f"sharding: expected None, an HLO sharding string or a jax Sharding, "
+                            f"got {type(self.sharding).__name__}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,15 +290,30 @@ def _tensor_meta(t, what: str):
 # shardings
 # ---------------------------------------------------------------------------------------
 def _parse_hlo_sharding(s: str, where: str):
-    """A jaxlib ``HloSharding`` from an HLO sharding string; ValueError naming ``where`` when invalid."""
+    """A jaxlib ``HloSharding`` from an HLO sharding string; ValueError naming ``where`` when invalid.
+
+    A tiled sharding over n devices must name each of the device ids ``0..n-1`` once (XLA's
+    verifier refuses anything else at compile time).
+    """
     try:
-        return _cj.parse_hlo_sharding(s)
+        hs = _cj.parse_hlo_sharding(s)
     except _cj.MissingUpstreamAPI:
         raise
     except Exception as e:
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         detail = next((ln for ln in lines if "error:" in ln), lines[0] if lines else type(e).__name__)
         raise ValueError(f"{where}: invalid HLO sharding string {s!r}: {detail}") from e
+    layout = _cj.hlo_sharding_layout(hs)
+    if layout.kind == "tiled":
+        ids, n = layout.device_ids, layout.num_devices
+        twice = sorted({d for d in ids if ids.count(d) > 1}) if len(set(ids)) != len(ids) else []
+        if twice:
+            raise ValueError(f"{where}: HLO sharding {s!r} lists device {twice[0]} twice; each device holds one tile")
+        bad = [d for d in ids if not 0 <= d < n]
+        if bad:
+            raise ValueError(f"{where}: HLO sharding {s!r} names device {bad[0]}, but its {n} tiles run on "
+                             f"devices 0..{n - 1}")
+    return hs
 
 
 def _devices_needed(hs) -> int:
@@ -834,7 +862,8 @@ class PjrtExecutor:
       ValueError: ``module`` cannot be read; the module calls host callbacks; a placement
         (or result memory kind) names an index that does not exist (the message names the
         index and the count); an unknown memory kind (or one the devices lack); an invalid
-        sharding string, one whose rank does not match, or one that splits a dimension
+        sharding string, one whose rank does not match, one that lists a device twice or
+        names a device outside its tiles' ``0..n-1``, or one that splits a dimension
         unevenly; a jax Sharding over other devices; a device count the module cannot use
         (shardings over K devices but ``len(devices) != K``, or K larger than
         ``len(jax.devices())``); duplicate devices or devices of several platforms.
@@ -1146,9 +1175,13 @@ class PjrtExecutor:
 
         Raises:
           ValueError: ``len(arrays) != num_parameters``; a wrong shape; a deleted jax.Array.
-          TypeError: a wrong dtype.
+          TypeError: ``arrays`` is not a list or tuple (``None``, one array, a mapping); a
+            wrong dtype.
           HostMemoryError: as in :meth:`put`, for the total of the host placements.
         """
+        if isinstance(arrays, (str, bytes, Mapping)) or not isinstance(arrays, Sequence):
+            raise TypeError(f"arrays: expected a list or tuple with one array per parameter "
+                            f"({self.num_parameters}), got {type(arrays).__name__}")
         arrays = list(arrays)
         if len(arrays) != self.num_parameters:
             raise ValueError(f"put_all: expected {self.num_parameters} arrays (one per parameter), got {len(arrays)}")

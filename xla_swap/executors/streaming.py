@@ -44,8 +44,8 @@ from xla_swap.planning.prefetch import PrefetchSchedule
 from . import optim as _optim
 from .report import MemoryReport, compiled_report, stats_dict
 from .trace import StageEvent, TraceRecorder
-from ._stages import (DEVICE_KIND, HOST_KIND, _aval_key, _as_aval, _check_memory_kinds, _describe,  # noqa: F401
-                      _index_by_identity, _is_diff, _leaf_name, _merge_diff, _probe, _split_diff, _stage_fns, _tree_aval,
+from ._stages import (DEVICE_KIND, HOST_KIND, _aval_key, _as_aval, _check_carry_dtypes, _check_input_dtypes,  # noqa: F401
+                      _check_memory_kinds, _describe, _index_by_identity, _is_diff, _leaf_name, _merge_diff, _probe, _split_diff, _stage_fns, _tree_aval,
                       tree_nbytes)
 
 __all__ = ["StreamingRuntime", "StageEvent", "TraceRecorder", "tree_nbytes"]
@@ -231,7 +231,8 @@ class StreamingRuntime:
 
     Raises:
       TypeError: ``stage_fn`` (or an element) is not callable; a parameter leaf is not an
-        array; ``device``/``sharding``/``activation_sharding`` has the wrong type;
+        array, or has a dtype jax would narrow (``float64``/``complex128``, or a 64-bit integer
+        array with values beyond 32 bits, with ``jax_enable_x64`` off); ``device``/``sharding``/``activation_sharding`` has the wrong type;
         ``prefetch_depth`` is not an int; a flag is not a bool; ``trace`` is not a
         ``TraceRecorder``; ``remat`` is neither a
         bool nor callable; ``optimizer`` is not an ``AdamW``; ``trainable`` not callable.
@@ -313,6 +314,7 @@ class StreamingRuntime:
             lp, treedef = jax.tree_util.tree_flatten_with_path(p)
             for path, leaf in lp:
                 _as_aval(leaf, f"stage_params[{i}]{_leaf_name(path)}")
+            _check_input_dtypes(p, f"stage_params[{i}]")
             flat.append((lp, treedef))
         if shared:
             lp0, td0 = flat[0]
@@ -712,8 +714,13 @@ class StreamingRuntime:
           the last stage's output. Asynchronous: call ``jax.block_until_ready`` to wait.
 
         Raises:
-          TypeError: a leaf of ``h`` is not an array; a stage returns no array or a
-            non-array leaf; ``trace`` is not a ``TraceRecorder``.
+          TypeError: a leaf of ``h`` is not an array; a leaf's dtype is one jax would narrow
+            (``float64``/``complex128``, or a 64-bit integer array with values beyond 32 bits,
+            with ``jax_enable_x64`` off); a stage whose ``stage_fn`` and parameters the next
+            stage shares returns the carry in other dtypes than it got (e.g. an ``int32`` or
+            ``float16`` ``h`` promoted by ``float32`` weights): the message names the leaf,
+            the dtype got and the one expected; a stage returns no array or a non-array leaf;
+            ``trace`` is not a ``TraceRecorder``.
           ValueError: a leaf of ``h`` is a deleted jax array; a stage function fails to
             trace (message names the stage).
         """
@@ -766,7 +773,9 @@ class StreamingRuntime:
             or dtype differs from the output's; ``loss_fn`` does not return a scalar; the
             input checks of ``forward``; ``lr <= 0``.
           TypeError: ``loss_fn`` not callable; ``loss_args`` not a tuple; no floating
-            parameter or output leaf; ``trace`` is not a ``TraceRecorder``.
+            parameter or output leaf; ``trace`` is not a ``TraceRecorder``; a dtype of ``h``
+            refused as in ``forward``, or a ``cotangent`` / ``loss_args`` leaf that jax would
+            narrow (``float64`` with ``jax_enable_x64`` off).
         """
         if (loss_fn is None) == (cotangent is None):
             raise ValueError("train_step needs exactly one of loss_fn and cotangent")
@@ -780,6 +789,12 @@ class StreamingRuntime:
             hyper = self.optimizer.hyper(self.step + 1, lr)  # raises ValueError for a bad lr
         elif lr is not None:
             raise ValueError("lr is only used with an optimizer; this runtime has none")
+        if cotangent is not None:   # checked before h's signature is traced and cached
+            _tree_aval(cotangent, "cotangent")
+            _check_input_dtypes(cotangent, "cotangent")
+        for j, a in enumerate(loss_args):
+            _tree_aval(a, f"loss_args[{j}]")
+            _check_input_dtypes(a, f"loss_args[{j}]")
         sig = self._signature(h)
         if not any(_split_diff(a)[0] for a in self._param_avals):
             raise TypeError("train_step: no stage has a floating parameter; nothing to differentiate")
@@ -799,9 +814,13 @@ class StreamingRuntime:
                          trace=trace)
 
     # ------------------------------------------------------------------ internals
-    def _signature(self, h) -> _Signature:
-        """The cached signature of ``h`` (LRU), or a new one traced stage by stage (no state change on error)."""
-        a = _tree_aval(h, "h")
+    def _signature(self, h, what: str = "h") -> _Signature:
+        """The cached signature of ``h`` (LRU), or a new one traced stage by stage (no state change on error).
+
+        ``what`` names ``h`` in error messages (``SwappedStack`` passes ``"inputs"``).
+        """
+        a = _tree_aval(h, what)
+        _check_input_dtypes(h, what)
         key = _aval_key(a)
         sig = self._sigs.get(key)
         if sig is not None:
@@ -820,6 +839,7 @@ class StreamingRuntime:
                 raise TypeError(f"stage {i}: stage_fn must return an array or a pytree of arrays, "
                                 f"got {jax.tree_util.tree_structure(out)}")
             chain.append(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), out))
+            _check_carry_dtypes(self._fns, self._param_avals, i, chain[-2], chain[-1], what)
         sig = _Signature(a, chain)
         self._sigs[key] = sig
         while len(self._sigs) > self.max_signatures:

@@ -101,15 +101,18 @@ _SHARDING_RE = re.compile(
     r"(?P<rep> last_tile_dim_replicate)?(?: last_tile_dims=\{[a-z_, ]+\})?)\}")
 
 
-def check_sharding(sharding, where: str, ndim: int | None = None) -> str:
+def check_sharding(sharding, where: str, ndim: int | None = None, num_devices: int | None = None) -> str:
     """``sharding`` must be ``""`` or an HLO OpSharding string such as ``'{devices=[4,1]0,1,2,3}'``.
 
     With ``ndim``, a tiled sharding must have one tile dimension per tensor dimension (plus one
-    for ``last_tile_dim_replicate``) and list as many devices as the tiles multiply to.
+    for ``last_tile_dim_replicate``) and list as many devices as the tiles multiply to. A tiled
+    sharding's device ids (listed, or ``0..n-1`` in the iota form) must be distinct; with
+    ``num_devices``, every device id (a ``maximal`` one too) must be below it.
 
     Raises:
       TypeError: not a ``str``.
-      ValueError: not a parseable OpSharding, or inconsistent with ``ndim``.
+      ValueError: not a parseable OpSharding; a tile dimension of 0; inconsistent with ``ndim``; a device id listed
+        twice, or one that is not below ``num_devices``.
     """
     if not isinstance(sharding, str):
         raise TypeError(f"{where}: expected an OpSharding string, got {type(sharding).__name__}")
@@ -122,6 +125,8 @@ def check_sharding(sharding, where: str, ndim: int | None = None) -> str:
     if m.group("tile") is not None:
         tile = [int(d) for d in m.group("tile").split(",")]
         extra = 1 if m.group("rep") else 0
+        if 0 in tile:
+            raise ValueError(f"{where}: {sharding!r} has a tile dimension of 0; each must be >= 1")
         if ndim is not None and len(tile) != ndim + extra:
             raise ValueError(f"{where}: {sharding!r} tiles {len(tile) - extra} dimensions, the tensor has {ndim}")
         if m.group("ids") is not None:
@@ -131,4 +136,27 @@ def check_sharding(sharding, where: str, ndim: int | None = None) -> str:
             if len(m.group("ids").split(",")) != n:
                 raise ValueError(f"{where}: {sharding!r} lists {len(m.group('ids').split(','))} devices for "
                                  f"{n} tiles")
+    ids = _device_ids(m)
+    if isinstance(ids, list) and len(set(ids)) != len(ids):
+        twice = next(d for i, d in enumerate(ids) if d in ids[:i])
+        raise ValueError(f"{where}: {sharding!r} lists device {twice} twice; each device holds one tile")
+    top = max(ids, default=-1) if isinstance(ids, list) else ids[-1] if len(ids) else -1
+    if num_devices is not None and top >= num_devices:
+        raise ValueError(f"{where}: {sharding!r} names device {top}, but the runtime has {num_devices} "
+                         f"device(s) (ids 0..{num_devices - 1})")
     return sharding
+
+
+def _device_ids(m: re.Match):
+    """The device ids a matched sharding names: listed, ``0..n-1`` for the iota form, or the maximal one."""
+    text = m.group(0)
+    if text.startswith("{maximal device="):
+        return [int(text[len("{maximal device="):-1])]
+    if m.group("ids") is not None:
+        return [int(d) for d in m.group("ids").split(",")]
+    if m.group("tile") is not None:   # iota form: devices 0..n-1, each once
+        n = 1
+        for d in m.group("tile").split(","):
+            n *= int(d)
+        return range(n)
+    return []

@@ -171,7 +171,7 @@ def _check_annotated(x, sharding, where: str = "x") -> None:
     if x.dtype not in _MLIR_DTYPES:
         raise TypeError(f"{where}: dtype {x.dtype} is not supported by the offload annotations "
                         f"(supported: {', '.join(map(str, _MLIR_DTYPES))})")
-    check_sharding(sharding, "sharding", x.dim())
+    check_sharding(sharding, "sharding", x.dim(), xr.global_runtime_device_count())
 
 
 @torch.library.custom_op("xla_swap::place_to_host", mutates_args=())
@@ -204,7 +204,8 @@ def place_to_host(x: torch.Tensor, sharding: str = "") -> torch.Tensor:
     Raises:
       TypeError: ``x`` is not a tensor on an XLA device, or its dtype is not supported;
         ``sharding`` is not a str.
-      ValueError: ``sharding`` is not an OpSharding string, or its tiling does not fit ``x``.
+      ValueError: ``sharding`` is not an OpSharding string, its tiling does not fit ``x``, it
+        lists a device twice or names a device id not below the runtime's device count.
     """
     _check_annotated(x, sharding)
     return torch.ops.xla_swap.place_to_host(x, sharding)

@@ -367,6 +367,13 @@ def _as_float(owner: str, field: str, value, *, positive: bool) -> float:
     return value
 
 
+def _amount(owner: str, field: str, value) -> float:
+    """``value`` as a finite number >= 0 (an int or float in range passes as it is: the planner's hot path)."""
+    if type(value) in (int, float) and 0 <= value <= MAX_BYTES:
+        return value
+    return _as_float(owner, field, value, positive=False)
+
+
 def _from_dict(cls, data: Mapping):
     if not isinstance(data, Mapping):
         raise TypeError(f"{cls.__name__}.from_dict expects a mapping, got {type(data).__name__}")
@@ -433,7 +440,12 @@ class Link:
 
     def transfer_s(self, in_bytes: float, out_bytes: float) -> float:
         """Seconds to move ``in_bytes`` host->device and ``out_bytes`` device->host together:
-        ``max(in/h2d, out/d2h, (in+out)/both)`` (0 when nothing moves)."""
+        ``max(in/h2d, out/d2h, (in+out)/both)`` (0 when nothing moves).
+
+        Raises: TypeError / ValueError: a byte count is not a finite real number >= 0 (named).
+        """
+        in_bytes = _amount("Link.transfer_s", "in_bytes", in_bytes)
+        out_bytes = _amount("Link.transfer_s", "out_bytes", out_bytes)
         t = max(in_bytes / (self.h2d_gbps * GB), out_bytes / (self.d2h_gbps * GB))
         if in_bytes and out_bytes:
             t = max(t, (in_bytes + out_bytes) / (self.both_gbps * GB))
@@ -441,7 +453,11 @@ class Link:
 
     def host_update_s(self, touched_bytes: float) -> float:
         """Seconds for a CPU optimizer update that reads plus writes ``touched_bytes`` bytes of host
-        memory: ``touched_bytes / host_memory_gbps`` (the update is memory-bound)."""
+        memory: ``touched_bytes / host_memory_gbps`` (the update is memory-bound).
+
+        Raises: TypeError / ValueError: ``touched_bytes`` is not a finite real number >= 0.
+        """
+        touched_bytes = _amount("Link.host_update_s", "touched_bytes", touched_bytes)
         return touched_bytes / (self.host_memory_gbps * GB)
 
 
