@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from xla_swap.planning.optimizer import AdamW
+from xla_swap.planning.optimizer import HYPER_WIDTH, AdamW
 from xla_swap.planning.policy import OffloadPolicy
 from xla_swap.planning.prefetch import PrefetchSchedule
 
@@ -177,11 +177,15 @@ class StreamingRuntime:
       grads_to_host: ``True`` (default) sends each stage's parameter gradients to
         ``pinned_host`` as soon as its backward produced them; ``False`` returns them in
         device memory (they then add up on the device). Unused with ``optimizer``.
-      optimizer: an ``xla_swap.planning.AdamW``: ``train_step`` then applies the update
+      optimizer: an ``xla_swap.planning.AdamW``, or a sequence of them (one per parameter group,
+        equal ``state_dtype``; ``group_of`` assigns the leaves): ``train_step`` then applies the update
         per stage on the device right after the stage's backward (weights and moments
         prefetched with the weights, the update fused into the backward executable) and
         sends the new weights and moments back; ``host_params`` and ``optimizer_state``
-        hold them. Gradients do not leave the device.
+        hold them. Gradients do not leave the device. ``param_groups`` holds the groups'
+        configurations; every one of their hyperparameters (lr, weight decay, betas, eps) is a
+        traced input of the update, read at each ``train_step``: assign new configurations (a
+        schedule) between steps without a recompile.
       optimizer_state_on_host: where the moments live between steps: ``pinned_host``
         (default, streamed with the weights) or device memory.
       optimizer_state: with ``optimizer``, the initial moments instead of zeros: per stage a
@@ -189,6 +193,8 @@ class StreamingRuntime:
         (numpy or jax arrays, any memory; e.g. another runtime's). They are copied into place
         (never aliased or donated); no zero state is allocated first, so carrying a state over
         (``xla_swap.executors.calibrate.reconfigure``) does not hold it twice in device memory.
+      group_of: with ``optimizer``: ``(stage_index, leaf_path) -> int``, the parameter group
+        (index into ``param_groups``) of each trainable leaf (default: every leaf in group 0).
       trainable: ``(stage_index, leaf_path) -> bool``: which floating leaves the optimizer
         updates (default: all). Non-trainable floating leaves (e.g. a rotary frequency
         buffer) still get gradients in ``train_step`` without an optimizer.
@@ -234,7 +240,8 @@ class StreamingRuntime:
         array; ``device``/``sharding``/``activation_sharding`` has the wrong type;
         ``prefetch_depth`` is not an int; a flag is not a bool; ``trace`` is not a
         ``TraceRecorder``; ``remat`` is neither a
-        bool nor callable; ``optimizer`` is not an ``AdamW``; ``trainable`` not callable.
+        bool nor callable; ``optimizer`` is not an ``AdamW`` (or a sequence of them);
+        ``trainable`` or ``group_of`` not callable.
       ValueError: ``prefetch_depth < 1``; ``stage_params`` is empty or not a sequence;
         the number of stage functions differs from the number of stages; with one shared
         ``stage_fn``, a stage's params differ from stage 0's in structure, shape or dtype
@@ -243,7 +250,9 @@ class StreamingRuntime:
         needed but missing; ``resident`` has the wrong length; ``max_signatures < 1``;
         ``batch_axis`` is not an axis of ``activation_sharding``'s mesh; ``optimizer_state``
         given without ``optimizer``, or not one list of ``(m, v)`` pairs per stage of the
-        trainable leaves' shapes and the optimizer's state dtype (the message names the stage).
+        trainable leaves' shapes and the optimizer's state dtype (the message names the stage);
+        ``group_of`` returns no valid group index (the message names the stage and leaf);
+        parameter groups with different ``state_dtype``.
     """
 
     def __init__(
@@ -263,10 +272,11 @@ class StreamingRuntime:
         remat: bool | Callable = True,
         resident: Sequence[bool] | None = None,
         grads_to_host: bool = True,
-        optimizer: AdamW | None = None,
+        optimizer: AdamW | Sequence[AdamW] | None = None,
         optimizer_state_on_host: bool = True,
         optimizer_state: Sequence | None = None,
         trainable: Callable | None = None,
+        group_of: Callable | None = None,
         max_signatures: int = DEFAULT_MAX_SIGNATURES,
         offload_activations: bool = False,
         prefetch_next_call: bool = True,
@@ -288,7 +298,10 @@ class StreamingRuntime:
             raise TypeError(f"remat must be a bool or a jax.checkpoint_policies policy (a function), "
                             f"got {remat!r}")
         _check_trace(trace)
-        _optim.check_optimizer(optimizer)
+        groups = _optim.check_optimizer(optimizer)
+        optimizer = groups[0] if groups else None
+        if group_of is not None and not callable(group_of):
+            raise TypeError(f"group_of must be a callable (stage_index, leaf_path) -> int, got {type(group_of).__name__}")
         if trainable is not None and not callable(trainable):
             raise TypeError(f"trainable must be a callable (stage_index, leaf_path) -> bool, "
                             f"got {type(trainable).__name__}")
@@ -373,9 +386,9 @@ class StreamingRuntime:
                                  f"that axis, got {activation_sharding}")
             batch_sh = NamedSharding(act.mesh, PartitionSpec(batch_axis), memory_kind=DEVICE_KIND)
 
-        host_sh, dev_sh, train_mask = [], [], []
+        host_sh, dev_sh, train_mask, group_idx = [], [], [], []
         for i, (lp, treedef) in enumerate(flat):
-            hs_, ds_, tm_ = [], [], []
+            hs_, ds_, tm_, gi_ = [], [], [], []
             for path, leaf in lp:
                 s = leaf_sharding(i, path, leaf)
                 if not isinstance(s, Sharding):
@@ -389,9 +402,16 @@ class StreamingRuntime:
                 hs_.append(s.with_memory_kind(DEVICE_KIND if resident[i] else HOST_KIND))
                 ds_.append(s.with_memory_kind(DEVICE_KIND))
                 tm_.append(_is_diff(leaf) and (trainable is None or bool(trainable(i, path))))
+                if tm_[-1] and groups is not None:
+                    gi = 0 if group_of is None else group_of(i, path)
+                    if isinstance(gi, bool) or not isinstance(gi, (int, np.integer)) or not 0 <= gi < len(groups):
+                        raise ValueError(f"group_of({i}, {_leaf_name(path)}) returned {gi!r}, not a group index in "
+                                         f"[0, {len(groups)})")
+                    gi_.append(int(gi))
             host_sh.append(jax.tree_util.tree_unflatten(treedef, hs_))
             dev_sh.append(jax.tree_util.tree_unflatten(treedef, ds_))
             train_mask.append(tm_)
+            group_idx.append(tuple(gi_))
 
         # ---- state ----
         self.num_stages: int = n
@@ -403,7 +423,13 @@ class StreamingRuntime:
         self.remat = remat
         self.resident: tuple[bool, ...] = tuple(resident)
         self.grads_to_host = grads_to_host
+        #: the configuration of parameter group 0 (its ``state_dtype`` is every group's), or ``None``.
         self.optimizer: AdamW | None = optimizer
+        #: one ``AdamW`` per parameter group, read at every ``train_step`` (assign new ones between
+        #: steps: a schedule); ``None`` without an optimizer.
+        self.param_groups: list[AdamW] | None = groups
+        #: per stage, the parameter group of each trainable leaf (in leaf order).
+        self.group_idx: list[tuple[int, ...]] = group_idx
         self.optimizer_state_on_host = optimizer_state_on_host
         self.max_signatures = int(max_signatures)
         self.offload_activations = offload_activations
@@ -471,6 +497,7 @@ class StreamingRuntime:
                                 for st, sh in zip(states, self._state_host_sh)]
         #: number of optimizer steps applied so far.
         self.step: int = 0
+        self._groups0 = list(groups) if groups else []
         #: bytes of each stage's weights (logical sizes), and their sum.
         self.stage_nbytes: list[int] = [tree_nbytes(p) for p in self.host_params]
         self.weight_nbytes: int = sum(self.stage_nbytes)
@@ -728,8 +755,8 @@ class StreamingRuntime:
           cotangent: instead of ``loss_fn``: the cotangent of the output (same structure,
             shapes and dtypes as the output's floating leaves), numpy or jax arrays.
           loss_args: extra arguments (e.g. targets) passed to ``loss_fn``.
-          lr: with ``optimizer``: this step's learning rate (default ``optimizer.lr``), for
-            schedules; changing it does not recompile.
+          lr: with ``optimizer``: this step's learning rate for every parameter group (default:
+            each group's ``param_groups[g].lr``); changing it does not recompile.
           trace: a ``TraceRecorder`` for this call (instead of the constructor's ``trace``).
 
         Returns:
@@ -744,7 +771,8 @@ class StreamingRuntime:
         Raises:
           ValueError: not exactly one of ``loss_fn`` / ``cotangent``; the cotangent's shape
             or dtype differs from the output's; ``loss_fn`` does not return a scalar; the
-            input checks of ``forward``; ``lr <= 0``.
+            input checks of ``forward``; ``lr < 0``; ``param_groups`` was replaced by a list of
+            another length or state dtype.
           TypeError: ``loss_fn`` not callable; ``loss_args`` not a tuple; no floating
             parameter or output leaf; ``trace`` is not a ``TraceRecorder``.
         """
@@ -757,7 +785,7 @@ class StreamingRuntime:
         _check_trace(trace)
         hyper = None
         if self.optimizer is not None:
-            hyper = self.optimizer.hyper(self.step + 1, lr)  # raises ValueError for a bad lr
+            hyper = _optim.hyper_rows(self._checked_groups(), self.step + 1, lr)  # ValueError for a bad lr
         elif lr is not None:
             raise ValueError("lr is only used with an optimizer; this runtime has none")
         sig = self._signature(h)
@@ -779,6 +807,15 @@ class StreamingRuntime:
                          trace=trace)
 
     # ------------------------------------------------------------------ internals
+    def _checked_groups(self) -> list[AdamW]:
+        """``param_groups``, checked against what the executables were built for (count, state dtype)."""
+        groups = self.param_groups
+        if not isinstance(groups, (list, tuple)) or len(groups) != len(self._groups0) or \
+                not all(isinstance(g, AdamW) and g.state_dtype == self.optimizer.state_dtype for g in groups):
+            raise ValueError(f"param_groups must stay a list of {len(self._groups0)} xla_swap.planning.AdamW with "
+                             f"state_dtype={self.optimizer.state_dtype!r}, got {groups!r}")
+        return list(groups)
+
     def _signature(self, h) -> _Signature:
         """The cached signature of ``h`` (LRU), or a new one traced stage by stage (no state change on error)."""
         a = _tree_aval(h, "h")
@@ -837,7 +874,7 @@ class StreamingRuntime:
         pkey = (jax.tree_util.tree_structure(self._param_avals[i]),
                 tuple((a.shape, str(a.dtype), s) for a, s in zip(jax.tree_util.tree_leaves(self._param_avals[i]),
                                                                    jax.tree_util.tree_leaves(self._dev_sh[i]))),
-                tuple(self._train_mask[i]))
+                tuple(self._train_mask[i]), self.group_idx[i])
         hin, hout = sig.chain[i], sig.chain[i + 1]
         base = (self._fn_ids[i], pkey, _aval_key(hin), _aval_key(hout))
         key = (base[0], key_stage[0]) + base[1:]
@@ -874,11 +911,12 @@ class StreamingRuntime:
                     donate_argnums = ((0, g_arg) if same else (0,)) if donate else ()
                     out_sh = (gin_sh, self._diff_dev_sh[i])
                 else:
-                    fn = _with_update(core, opt, self._train_mask[i])
+                    fn = _with_update(core, self._train_mask[i], self.group_idx[i])
                     st_spec = jax.tree_util.tree_map(
                         lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                         self.optimizer_state[i], self._state_dev_sh[i])
-                    specs = specs + (st_spec, jax.ShapeDtypeStruct((3,), np.float32, sharding=act))
+                    specs = specs + (st_spec, jax.ShapeDtypeStruct((len(self._groups0), HYPER_WIDTH), np.float32,
+                                                                   sharding=act))
                     donate_argnums = (((0, g_arg) if same else (0,)) + (len(specs) - 2,)) if donate else ()
                     out_sh = (gin_sh, self._dev_sh[i], self._state_dev_sh[i])
                 exe = jax.jit(fn, out_shardings=out_sh, donate_argnums=donate_argnums).lower(*specs).compile()
@@ -1306,9 +1344,9 @@ def _saved_vjp(treedef, sources):
     return core
 
 
-def _with_update(core, opt: AdamW, train_mask: list):
-    """Wrap a vjp ``core`` so that it also applies ``opt`` to the trainable leaves: ``(..., state, hyper) ->
-    (gx, new_params, new_state)``."""
+def _with_update(core, train_mask: list, groups: tuple):
+    """Wrap a vjp ``core`` so that it also applies AdamW to the trainable leaves: ``(..., state, hyper) ->
+    (gx, new_params, new_state)`` (``groups``: each trainable leaf's row of ``hyper``)."""
     def fn(*args):
         *core_args, state, hyper = args
         gx, gp = core(*core_args)
@@ -1317,8 +1355,8 @@ def _with_update(core, opt: AdamW, train_mask: list):
         diff_idx = [j for j, a in enumerate(leaves) if _is_diff(a)]
         grad_of = dict(zip(diff_idx, gp))
         sel = [j for j, m in enumerate(train_mask) if m]
-        new_sel, new_state = _optim.apply_update(opt, [leaves[j] for j in sel], [grad_of[j] for j in sel],
-                                                 state, hyper)
+        new_sel, new_state = _optim.apply_update([leaves[j] for j in sel], [grad_of[j] for j in sel],
+                                                 state, hyper, list(groups))
         new_leaves = list(leaves)
         for j, v in zip(sel, new_sel):
             new_leaves[j] = v
