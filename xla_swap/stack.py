@@ -314,6 +314,19 @@ class SwappedStack:
         ``.grad`` (default; a host copy of every gradient per step). ``False`` leaves them in
         ``pinned_host`` as ``last_grads`` (one pytree of jax arrays per stage) instead.
 
+      max_grad_norm: with an optimizer: clip the gradients at every update to this global 2-norm
+        (over every trainable parameter of every stage, ``torch.nn.utils.clip_grad_norm_``'s
+        semantics: scale by ``min(1, max_grad_norm / (norm + 1e-6))``). Default ``None``.
+      skip_nonfinite: with an optimizer: skip an update whose gradient norm is inf or nan
+        (weights, moments and step unchanged, the gradients dropped), as torch's ``GradScaler``
+        skips ``optimizer.step()``. Default ``False``.
+        With either, the update needs every stage's gradients first, so it is no longer fused
+        into the backward: the backward sends each layer's gradients to ``pinned_host`` and an
+        update pass streams weights, gradients and moments in and the new weights and moments
+        out. Per update that moves, beyond the fused step, the gradients out and in (2 x the
+        trainable weight bytes) and the weights in once more (less the ``prefetch_depth + 1``
+        layers the backward leaves on the device), and waits once for the norm.
+
     Raises:
       TypeError: a layer / ``first`` / ``last`` is not an ``nn.Module``; ``policy``,
         ``optimizer``, ``loss_fn``, ``devices`` or ``shard`` has the wrong type.
@@ -323,7 +336,8 @@ class SwappedStack:
         optimizer with options AdamW here does not implement (``amsgrad``, ``maximize``,
         ``Adam``'s L2 ``weight_decay``; the message names the group), a stage parameter with
         ``requires_grad`` in none of its groups, or a group's parameter in no stage (the
-        message names it); ``shard`` is unknown. TypeError: a torch optimizer other than
+        message names it); ``shard`` is unknown; ``max_grad_norm`` not a finite number > 0;
+        ``max_grad_norm`` or ``skip_nonfinite`` without an optimizer. TypeError: a torch optimizer other than
         ``AdamW`` / ``Adam`` (e.g. SGD).
       ImportError: torchax is not installed.
     """
@@ -334,7 +348,8 @@ class SwappedStack:
                  devices: Sequence[jax.Device] | None = None, shard: str | Callable = "fsdp",
                  prefetch_depth: int | None = None, max_signatures: int = 8, accumulate_grads: bool = True,
                  offload_activations: bool = False, data_parallel: bool | None = None,
-                 transpose_linear: bool = True, autotune: bool = True):
+                 transpose_linear: bool = True, autotune: bool = True, max_grad_norm: float | None = None,
+                 skip_nonfinite: bool = False):
         # ---- validation (no state changes) ----
         if isinstance(layers, torch.nn.Module) and not isinstance(layers, (torch.nn.ModuleList, torch.nn.Sequential)):
             raise TypeError("layers must be a sequence of nn.Modules (e.g. model.model.layers), got one module")
@@ -364,6 +379,14 @@ class SwappedStack:
             raise TypeError(f"autotune must be a bool, got {type(autotune).__name__}")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if not isinstance(skip_nonfinite, bool):
+            raise TypeError(f"skip_nonfinite must be a bool, got {type(skip_nonfinite).__name__}")
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+                                          or not np.isfinite(max_grad_norm) or max_grad_norm <= 0):
+            raise ValueError(f"max_grad_norm must be a finite number > 0 or None, got {max_grad_norm!r}")
+        if optimizer is None and (max_grad_norm is not None or skip_nonfinite):
+            raise ValueError("max_grad_norm and skip_nonfinite need an optimizer; without one train_step fills .grad "
+                             "(clip it with torch.nn.utils.clip_grad_norm_)")
         torch_optimizer = None
         if isinstance(optimizer, torch.optim.Optimizer):
             torch_optimizer, optimizer = optimizer, AdamW.groups_from_torch(optimizer)
@@ -508,6 +531,10 @@ class SwappedStack:
             if torch_optimizer is not None else None
         self.loss_fn = loss_fn
         self.accumulate_grads = accumulate_grads
+        #: the global gradient-norm clip applied at each update (``None``: none).
+        self.max_grad_norm: float | None = None if max_grad_norm is None else float(max_grad_norm)
+        #: whether an update whose gradient norm is not finite is skipped.
+        self.skip_nonfinite: bool = skip_nonfinite
         #: without an optimizer and with ``accumulate_grads=False``: the last step's gradients
         #: (per stage, ``{name: jax.Array}`` in ``pinned_host``; the names in ``transposed`` as ``[in, out]``).
         self.last_grads: list | None = None
@@ -595,9 +622,17 @@ class SwappedStack:
     __call__ = forward
 
     # ------------------------------------------------------------------ training
-    def train_step(self, inputs, targets=(), *, loss_fn: Callable | None = None, lr: float | None = None
-                   ) -> torch.Tensor:
+    def train_step(self, inputs, targets=(), *, loss_fn: Callable | None = None, lr: float | None = None,
+                   accumulate: bool = False) -> torch.Tensor:
         """One training step: forward, ``loss_fn(output, *targets)``, backward, optimizer step.
+
+        With ``accumulate=True`` (and an optimizer) it is one micro-batch: its gradients are added
+        to the accumulated ones and nothing is updated; the next call with ``accumulate=False``
+        adds its own and updates with the sum, as torch's ``loss.backward()`` per micro-batch and
+        one ``optimizer.step()`` do (``.grad`` sums: divide the loss by the number of
+        micro-batches, as torch's loop does, for their mean). An update clips and skips as the
+        constructor's ``max_grad_norm`` / ``skip_nonfinite`` say (``last_grad_norm``,
+        ``last_step_skipped``).
 
         Args:
           inputs: a torch tensor or a tuple of them (the arguments of ``first``).
@@ -606,7 +641,8 @@ class SwappedStack:
           lr: this step's learning rate for every parameter group, overriding the optimizer's for
             this step only (a torch optimizer's ``param_groups`` are not changed). Default: each
             group's own ``lr`` (with a torch optimizer, read now: a ``torch.optim.lr_scheduler``
-            stepping it is followed).
+            stepping it is followed). Unused by an ``accumulate=True`` call (no update).
+          accumulate: see above (a bool; needs an optimizer).
 
         Returns: the loss, a 0-d float32 CPU torch tensor. With an optimizer the weights are
         updated (in host memory: ``sync_modules()`` copies them into the modules); without
@@ -616,12 +652,18 @@ class SwappedStack:
           TypeError: ``inputs``/``targets`` not tensors; no ``loss_fn``.
           ValueError: the loss is not a floating scalar; a stage fails to trace; ``lr < 0``; the
             torch optimizer's groups hold other parameters than at construction, or an option
-            the update does not implement (``AdamW.groups_from_torch``).
+            the update does not implement (``AdamW.groups_from_torch``); ``accumulate=True``
+            without an optimizer (``.grad`` accumulates already). TypeError: ``accumulate`` not a bool.
         """
         if loss_fn is None:
             loss_fn = self.loss_fn
         if loss_fn is None or not callable(loss_fn) or isinstance(loss_fn, torch.Tensor):
             raise TypeError("train_step needs a loss_fn (here or in the constructor): (output, *targets) -> scalar")
+        if not isinstance(accumulate, bool):
+            raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
+        if accumulate and self.optimizer is None:
+            raise ValueError("accumulate=True needs an optimizer; without one train_step adds the gradients to "
+                             ".grad already (accumulate_grads)")
         self._maybe_autotune(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), training=True)
         x = self._carry_in(inputs if isinstance(inputs, (tuple, list)) else (inputs,))
         t = () if targets is None or (isinstance(targets, tuple) and not targets) else \
@@ -640,7 +682,9 @@ class SwappedStack:
                 self._jax_losses.pop(next(iter(self._jax_losses)))
             self._jax_losses[loss_fn] = jloss
         step = self.runtime.step
-        loss, _, grads = self.runtime.train_step(x, jloss, loss_args=tuple(t), lr=lr)
+        clip = dict(accumulate=accumulate, max_grad_norm=self.max_grad_norm, skip_nonfinite=self.skip_nonfinite) \
+            if self.optimizer is not None else {}
+        loss, _, grads = self.runtime.train_step(x, jloss, loss_args=tuple(t), lr=lr, **clip)
         if self.torch_optimizer is not None and self.runtime.step > step:
             self._torch_step()
         if grads is not None:
@@ -649,6 +693,18 @@ class SwappedStack:
             else:
                 self.last_grads = grads
         return _to_torch(loss).float()
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global 2-norm of the gradients of the last update (over every trainable parameter of
+        every stage, before clipping: ``clip_grad_norm_``'s return value; a float, possibly inf or
+        nan), or ``None`` when neither ``max_grad_norm`` nor ``skip_nonfinite`` is set."""
+        return self.runtime.last_grad_norm
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last update was skipped for a non-finite gradient (``skip_nonfinite``)."""
+        return self.runtime.last_step_skipped
 
     def _torch_step(self) -> None:
         """Call the torch optimizer's ``step()`` after an update, when none of its parameters has a

@@ -19,6 +19,12 @@ from xla_swap.stack import SwappedStack, causal_lm_stages
 V = 96
 TOL = 1e-5
 
+# The first AdamW steps move each element by lr * g / (|g| + eps), about lr * sign(g): an element whose
+# gradient cancels to ~0 across positions or micro-batches flips with fp32 rounding (torch fp32 and
+# torch fp64 differ by up to 8.6e-5 at eps=1e-8, lr=1e-3 with 2 micro-batches). eps=1e-6 makes such
+# elements' steps linear in g, so the comparison measures the implementation, not that noise.
+ADAM = dict(lr=1e-3, weight_decay=0.05, eps=1e-6)
+
 
 def make_model(layers=3, seed=0):
     cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
@@ -163,3 +169,120 @@ def test_unsupported_torch_optimizers_are_refused():
     assert stack.runtime.step == 0
     stack.train_step(x, y)
     assert stack.runtime.step == 1
+
+
+def torch_update(model, opt, max_norm=None, skip_nonfinite=False):
+    """torch's update after the backward(s): clip_grad_norm_, skip on a non-finite norm, step, zero_grad."""
+    norm = None
+    if max_norm is not None or skip_nonfinite:
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm is not None else math.inf))
+    skipped = skip_nonfinite and not math.isfinite(norm)
+    if not skipped:
+        opt.step()
+    opt.zero_grad()
+    return norm, skipped
+
+
+def test_accumulation_over_4_micro_batches_equals_torch():
+    """4 micro-batches per update (loss / 4, torch's loop), 2 updates with a scheduler: the weights
+    equal torch's; no update and no step between micro-batches."""
+    n = 4
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    opt_ref = torch.optim.AdamW(hf_groups(ref, 0.1), lr=3e-3, eps=1e-6)  # eps: see ADAM
+    sched_ref = warmup_cosine(opt_ref, warmup=1, total=4)
+    opt = torch.optim.AdamW(hf_groups(model, 0.1), lr=3e-3, eps=1e-6)
+    sched = warmup_cosine(opt, warmup=1, total=4)
+    first, layers, last = causal_lm_stages(model)
+    stack = SwappedStack(layers, first=first, last=last, optimizer=opt, devices=jax.devices()[:1],
+                         loss_fn=lambda logits, y: ce(logits, y) / n)
+    data = batches(3 * n, seed=3)
+    for i, (x, y) in enumerate(data):
+        acc = (i + 1) % n != 0
+        before = stack.runtime.host_params[2]
+        loss = stack.train_step(x, y, accumulate=acc)
+        ref_loss = ce(ref(x).logits, y) / n
+        ref_loss.backward()
+        assert abs(float(loss) - float(ref_loss)) <= TOL * abs(float(ref_loss))
+        if acc:
+            assert stack.runtime.micro_batches == i % n + 1 and stack.runtime.host_params[2] is before
+        else:
+            torch_update(ref, opt_ref)
+            sched_ref.step()
+            sched.step()
+            assert stack.runtime.micro_batches == 0 and stack.runtime.grad_acc is None
+    assert stack.runtime.step == 3
+    stack.sync_modules()
+    assert worst_rel(model, ref) <= TOL
+
+
+@pytest.mark.parametrize("max_norm,micro", [(0.5, 1), (0.5, 2), (1e3, 1)])
+def test_global_norm_clipping_equals_torch(max_norm, micro):
+    """``max_grad_norm`` = ``clip_grad_norm_`` over every parameter of every stage, at a threshold
+    that triggers (0.5: the norms are 2-5) and one that does not, alone and with accumulation."""
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    opt_ref = torch.optim.AdamW(ref.parameters(), **ADAM)
+    opt = torch.optim.AdamW(model.parameters(), **ADAM)
+    stack = stack_of(model, opt, max_grad_norm=max_norm)
+    data = batches(3 * micro, seed=5)
+    norms = []
+    for i, (x, y) in enumerate(data):
+        update = (i + 1) % micro == 0
+        stack.train_step(x, y, accumulate=not update)
+        ce(ref(x).logits, y).backward()
+        if update:
+            norm, _ = torch_update(ref, opt_ref, max_norm)
+            norms.append(norm)
+            assert abs(stack.last_grad_norm - norm) <= 1e-5 * norm and not stack.last_step_skipped
+    assert all(n > max_norm for n in norms) if max_norm < 1 else all(n < max_norm for n in norms)
+    assert stack.runtime.step == 3
+    stack.sync_modules()
+    assert worst_rel(model, ref) <= TOL
+
+
+@pytest.mark.parametrize("max_norm", [None, 1.0])
+def test_nonfinite_gradient_skips_the_step(max_norm):
+    """An inf loss scale at the second step makes every gradient non-finite: that update is skipped
+    (weights, moments and step unchanged), as torch's GradScaler skips ``optimizer.step()``."""
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    opt_ref = torch.optim.AdamW(ref.parameters(), **ADAM)
+    opt = torch.optim.AdamW(model.parameters(), **ADAM)
+    first, layers, last = causal_lm_stages(model)
+
+    def scaled_ce(logits, y, scale):
+        return ce(logits, y) * scale
+    stack = SwappedStack(layers, first=first, last=last, optimizer=opt, devices=jax.devices()[:1],
+                         loss_fn=scaled_ce, max_grad_norm=max_norm, skip_nonfinite=True)
+    for i, (x, y) in enumerate(batches(4, seed=7)):
+        scale = torch.tensor(math.inf if i == 1 else 1.0)
+        state = stack.runtime.optimizer_state[1]
+        stack.train_step(x, (y, scale))
+        scaled_ce(ref(x).logits, y, scale).backward()
+        norm, skipped = torch_update(ref, opt_ref, max_norm, skip_nonfinite=True)
+        assert stack.last_step_skipped == skipped == (i == 1)
+        assert (stack.runtime.optimizer_state[1] is state) == skipped
+        assert math.isfinite(stack.last_grad_norm) != skipped
+    assert stack.runtime.step == 3
+    stack.sync_modules()
+    assert worst_rel(model, ref) <= TOL
+
+
+def test_bad_training_arguments_are_named():
+    model = make_model(layers=1)
+    first, layers, last = causal_lm_stages(model)
+    kw = dict(first=first, last=last, loss_fn=ce, devices=jax.devices()[:1])
+    with pytest.raises(ValueError, match="max_grad_norm must be a finite number > 0"):
+        SwappedStack(layers, optimizer=torch.optim.AdamW(model.parameters()), max_grad_norm=0.0, **kw)
+    with pytest.raises(ValueError, match="need an optimizer"):
+        SwappedStack(layers, skip_nonfinite=True, **kw)
+    x, y = batches(1)[0]
+    plain = SwappedStack(layers, **kw)
+    with pytest.raises(ValueError, match="accumulate=True needs an optimizer"):
+        plain.train_step(x, y, accumulate=True)
+    stack = SwappedStack(layers, optimizer=torch.optim.AdamW(model.parameters()), **kw)
+    with pytest.raises(TypeError, match="accumulate must be a bool"):
+        stack.train_step(x, y, accumulate="yes")
+    stack.train_step(x, y, accumulate=True)  # still usable
+    assert stack.runtime.micro_batches == 1 and stack.runtime.step == 0
