@@ -294,7 +294,8 @@ def reconfigure(runtime: StreamingRuntime, choice: ScheduleChoice) -> StreamingR
     built the zeros first peaked at 41.25 GiB for a 24-GiB configuration).
 
     Raises: TypeError: ``runtime`` not a ``StreamingRuntime`` or ``choice`` not a
-      ``ScheduleChoice``; ValueError: ``choice.resident`` has another number of stages.
+      ``ScheduleChoice``; ValueError: ``choice.resident`` has another number of stages; the runtime
+      holds accumulated gradients (``grad_acc``: update first).
     """
     _check_runtime(runtime)
     if not isinstance(choice, ScheduleChoice):
@@ -302,6 +303,9 @@ def reconfigure(runtime: StreamingRuntime, choice: ScheduleChoice) -> StreamingR
     rt = runtime
     if len(choice.resident) != rt.num_stages:
         raise ValueError(f"choice.resident has {len(choice.resident)} stages, the runtime {rt.num_stages}")
+    if rt.grad_acc is not None:
+        raise ValueError(f"the runtime holds the gradients of {rt.micro_batches} accumulated micro-batches; "
+                         "reconfigure after the update (train_step with accumulate=False)")
     path_sh = [{jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_flatten_with_path(d)[0]}
                for d in rt._dev_sh]
     path_train = [{jax.tree_util.keystr(p): m for (p, _), m in
