@@ -20,7 +20,8 @@ Design (``docs/design.md``):
   weights live in their own ``pinned_host`` buffers and are streamed to the device
   ``prefetch_depth`` stages ahead, in the forward and again in the backward.
 * **Optimizer.** With an optimizer (an :class:`xla_swap.planning.AdamW`, or a
-  ``torch.optim.AdamW`` whose hyperparameters are read), each stage is updated on the device
+  ``torch.optim.AdamW`` whose param groups are read at every step: schedulers and per-group
+  weight decay work), each stage is updated on the device
   right after its backward: its moments come from ``pinned_host`` with its weights, and the
   new weights and moments go back. Gradients never leave the device; AdamW state never
   lives on it beyond the prefetch window. The update is ``torch.optim.AdamW``'s.
@@ -315,7 +316,17 @@ class SwappedStack:
         (``xla_swap.torch_attention``; default ``True``). ``False``: XLA's unfused form, which
         materialises the ``[B, N, T, S]`` scores. Other platforms always run XLA's form.
       optimizer: ``None`` (``train_step`` fills ``.grad``), an ``xla_swap.planning.AdamW``, or
-        a ``torch.optim.AdamW`` (its hyperparameters are read; its own state is not used).
+        a ``torch.optim.AdamW`` (or ``Adam``) over the stages' parameters: the lr, weight decay,
+        betas and eps of each of its ``param_groups`` are read at every ``train_step`` and applied
+        to that group's parameters as traced inputs of the per-layer update, so a
+        ``torch.optim.lr_scheduler`` stepping it works unchanged (and never recompiles) and groups
+        with other weight decay (none on norms and biases, as the Hugging Face Trainer builds
+        them) are honoured. Its own state is not used: the moments live in
+        ``runtime.optimizer_state`` and the step count in ``runtime.step``, so
+        ``optimizer.state_dict()`` holds the groups but no moments. After each update its
+        ``step()`` is called while none of its parameters has a ``.grad`` (a no-op on them that
+        runs its step hooks and keeps a scheduler from warning that it stepped first).
+        Parameters with ``requires_grad=False`` are not updated, as in torch.
       loss_fn: default ``loss_fn(output, *targets) -> scalar`` torch function for
         ``train_step`` (e.g. ``torch.nn.functional.cross_entropy``).
       devices: the ``jax`` devices to run on (default: ``jax.devices()``, all local devices).
@@ -347,6 +358,19 @@ class SwappedStack:
         ``.grad`` (default; a host copy of every gradient per step). ``False`` leaves them in
         ``pinned_host`` as ``last_grads`` (one pytree of jax arrays per stage) instead.
 
+      max_grad_norm: with an optimizer: clip the gradients at every update to this global 2-norm
+        (over every trainable parameter of every stage, ``torch.nn.utils.clip_grad_norm_``'s
+        semantics: scale by ``min(1, max_grad_norm / (norm + 1e-6))``). Default ``None``.
+      skip_nonfinite: with an optimizer: skip an update whose gradient norm is inf or nan
+        (weights, moments and step unchanged, the gradients dropped), as torch's ``GradScaler``
+        skips ``optimizer.step()``. Default ``False``.
+        With either, the update needs every stage's gradients first, so it is no longer fused
+        into the backward: the backward sends each layer's gradients to ``pinned_host`` and an
+        update pass streams weights, gradients and moments in and the new weights and moments
+        out. Per update that moves, beyond the fused step, the gradients out and in (2 x the
+        trainable weight bytes) and the weights in once more (less the ``prefetch_depth + 1``
+        layers the backward leaves on the device), and waits once for the norm.
+
     Raises:
       TypeError: a layer / ``first`` / ``last`` is not an ``nn.Module``; ``policy``,
         ``optimizer``, ``loss_fn``, ``devices``, ``shard`` or ``calibration`` has the wrong type; a
@@ -355,7 +379,12 @@ class SwappedStack:
       ValueError: ``layers`` is empty; both ``policy`` and ``budget_bytes``; a bad budget (below
         the streaming window of weights and optimizer state);
         a parameter shared by two stages (tied weights are not supported); a torch
-        optimizer with options AdamW here does not implement; ``shard`` is unknown.
+        optimizer with options AdamW here does not implement (``amsgrad``, ``maximize``,
+        ``Adam``'s L2 ``weight_decay``; the message names the group), a stage parameter with
+        ``requires_grad`` in none of its groups, or a group's parameter in no stage (the
+        message names it); ``shard`` is unknown; ``max_grad_norm`` not a finite number > 0;
+        ``max_grad_norm`` or ``skip_nonfinite`` without an optimizer. TypeError: a torch optimizer other than
+        ``AdamW`` / ``Adam`` (e.g. SGD).
       ImportError: torchax is not installed.
     """
 
@@ -366,7 +395,8 @@ class SwappedStack:
                  prefetch_depth: int | None = None, max_signatures: int = 8, accumulate_grads: bool = True,
                  offload_activations: bool = False, data_parallel: bool | None = None,
                  transpose_linear: bool = True, autotune: bool = True, calibration=None,
-                 fused_attention: bool = True):
+                 fused_attention: bool = True, max_grad_norm: float | None = None,
+                 skip_nonfinite: bool = False):
         # ---- validation (no state changes) ----
         if isinstance(layers, torch.nn.Module) and not isinstance(layers, (torch.nn.ModuleList, torch.nn.Sequential)):
             raise TypeError("layers must be a sequence of nn.Modules (e.g. model.model.layers), got one module")
@@ -397,8 +427,17 @@ class SwappedStack:
         _check_calibration_arg(calibration)
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if not isinstance(skip_nonfinite, bool):
+            raise TypeError(f"skip_nonfinite must be a bool, got {type(skip_nonfinite).__name__}")
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+                                          or not np.isfinite(max_grad_norm) or max_grad_norm <= 0):
+            raise ValueError(f"max_grad_norm must be a finite number > 0 or None, got {max_grad_norm!r}")
+        if optimizer is None and (max_grad_norm is not None or skip_nonfinite):
+            raise ValueError("max_grad_norm and skip_nonfinite need an optimizer; without one train_step fills .grad "
+                             "(clip it with torch.nn.utils.clip_grad_norm_)")
+        torch_optimizer = None
         if isinstance(optimizer, torch.optim.Optimizer):
-            optimizer = AdamW.from_torch(optimizer)
+            torch_optimizer, optimizer = optimizer, AdamW.groups_from_torch(optimizer)
         elif optimizer is not None and not isinstance(optimizer, AdamW):
             raise TypeError("optimizer must be None, an xla_swap.planning.AdamW or a torch.optim.AdamW, "
                             f"got {type(optimizer).__name__}")
@@ -423,6 +462,9 @@ class SwappedStack:
                     raise ValueError(f"parameter {name}.{pn} is also in {owner[id(p)]}: weights shared between "
                                      "stages (tied embeddings) are not supported; untie them")
                 owner[id(p)] = name
+        group_of: dict[int, int] = {}  # id(parameter) -> index of its torch param_group
+        if torch_optimizer is not None:
+            group_of = self._torch_groups(torch_optimizer, names, modules, owner)
         _torchax()
         if not isinstance(fused_attention, bool):
             raise TypeError(f"fused_attention must be a bool, got {fused_attention!r}")
@@ -468,11 +510,14 @@ class SwappedStack:
             fns.append(last_stage)
 
         # ---- weights: torch -> host numpy (never through the device) ----
-        stage_params, trainable = [], []
+        stage_params, trainable, updated, groups = [], [], [], []
         for m, tr_m in zip(modules, self.transposed):
             params = {n: _to_numpy(p.t() if n in tr_m else p) for n, p in m.named_parameters()}
             buffers = {n: _to_numpy(b) for n, b in m.named_buffers()}
             trainable.append(list(params))  # ordered: every process must gather in the same order
+            # the optimizer updates what torch's would: parameters with requires_grad (frozen ones get no .grad)
+            updated.append({n for n, p in m.named_parameters() if p.requires_grad})
+            groups.append({n: group_of.get(id(p), 0) for n, p in m.named_parameters()})
             stage_params.append({**buffers, **params})
         for name, p in zip(names, stage_params):   # float64 weights would run as float32 without x64
             _check_input_dtypes(p, name)
@@ -504,7 +549,9 @@ class SwappedStack:
         resident = None
         k = policy.prefetch_depth
         if budget_bytes is not None:   # raises below the streaming window, before anything is built
-            resident = self._resident_for_budget(stage_params, trainable, optimizer, budget_bytes, k)
+            resident = self._resident_for_budget(stage_params, updated,
+                                                 optimizer[0] if isinstance(optimizer, list) else optimizer,
+                                                 budget_bytes, k)
             if autotune:   # stream everything until the first call chooses (the least device memory)
                 resident = [False] * len(stage_params)
         if data_parallel is None:
@@ -514,7 +561,8 @@ class SwappedStack:
         kwargs = dict(sharding=sharding, activation_sharding=NamedSharding(mesh, PartitionSpec()),
                       batch_axis="d" if self.data_parallel else None) \
             if sharding is not None else dict(device=devices[0])
-        common = dict(optimizer=optimizer, trainable=lambda i, path: path[0].key in trainable[i],
+        common = dict(optimizer=optimizer, trainable=lambda i, path: path[0].key in updated[i],
+                      group_of=lambda i, path: groups[i][path[0].key],
                       track_residency=False, max_signatures=max_signatures,
                       offload_activations=offload_activations, **kwargs)
         if resident is None:
@@ -528,9 +576,18 @@ class SwappedStack:
         self.runtime: StreamingRuntime = rt
         #: the policy in force (``budget_bytes`` given: ``params`` reads "host", see ``runtime.resident``).
         self.policy: OffloadPolicy = policy
-        self.optimizer: AdamW | None = optimizer
+        #: the optimizer's configuration (group 0's with a torch optimizer), or ``None``.
+        self.optimizer: AdamW | None = rt.optimizer
+        #: the torch optimizer given, whose ``param_groups`` are read at every ``train_step``, or ``None``.
+        self.torch_optimizer = torch_optimizer
+        self._group_ids = [tuple(id(p) for p in g["params"]) for g in torch_optimizer.param_groups] \
+            if torch_optimizer is not None else None
         self.loss_fn = loss_fn
         self.accumulate_grads = accumulate_grads
+        #: the global gradient-norm clip applied at each update (``None``: none).
+        self.max_grad_norm: float | None = None if max_grad_norm is None else float(max_grad_norm)
+        #: whether an update whose gradient norm is not finite is skipped.
+        self.skip_nonfinite: bool = skip_nonfinite
         #: without an optimizer and with ``accumulate_grads=False``: the last step's gradients
         #: (per stage, ``{name: jax.Array}`` in ``pinned_host``; the names in ``transposed`` as ``[in, out]``).
         self.last_grads: list | None = None
@@ -553,6 +610,41 @@ class SwappedStack:
             self.matmul_precision = p
         with jax.default_matmul_precision(p):
             yield
+
+    @staticmethod
+    def _torch_groups(opt, names, modules, owner) -> dict[int, int]:
+        """``{id(parameter): param_group index}`` of a torch optimizer over the stack's parameters.
+
+        Raises: ValueError naming the parameter: a stage parameter with ``requires_grad`` in no
+        group (torch would not train it, the stack would), or a group's parameter in no stage
+        (the stack would never update it).
+        """
+        group_of = {}
+        for gi, g in enumerate(opt.param_groups):
+            for p in g["params"]:
+                if id(p) not in owner:
+                    raise ValueError(f"optimizer.param_groups[{gi}] holds a parameter of shape {tuple(p.shape)} that "
+                                     "is in no stage of the stack (it would never be updated); give the optimizer "
+                                     "the stages' parameters only")
+                group_of[id(p)] = gi
+        for name, m in zip(names, modules):
+            for pn, p in m.named_parameters():
+                if p.requires_grad and id(p) not in group_of:
+                    raise ValueError(f"parameter {name}.{pn} requires grad but is in no param_group of the optimizer "
+                                     "(torch would not update it); add it to a group or set requires_grad=False")
+        return group_of
+
+    def _read_torch_groups(self) -> list[AdamW]:
+        """The torch optimizer's groups now (a scheduler may have changed them): one ``AdamW`` each.
+
+        Raises: ValueError: the groups' parameters changed since construction; the errors of
+        ``AdamW.groups_from_torch`` (e.g. ``amsgrad`` switched on).
+        """
+        opt = self.torch_optimizer
+        if [tuple(id(p) for p in g["params"]) for g in opt.param_groups] != self._group_ids:
+            raise ValueError("optimizer.param_groups hold other parameters than when the SwappedStack was built "
+                             "(add_param_group, or parameters moved between groups); build a new SwappedStack")
+        return AdamW.groups_from_torch(opt, self.optimizer.state_dtype)
 
     @staticmethod
     def _resident_for_budget(stage_params, trainable, optimizer, budget, k) -> list[bool]:
@@ -604,36 +696,59 @@ class SwappedStack:
     __call__ = forward
 
     # ------------------------------------------------------------------ training
-    def train_step(self, inputs, targets=(), *, loss_fn: Callable | None = None, lr: float | None = None
-                   ) -> torch.Tensor:
+    def train_step(self, inputs, targets=(), *, loss_fn: Callable | None = None, lr: float | None = None,
+                   accumulate: bool = False) -> torch.Tensor:
         """One training step: forward, ``loss_fn(output, *targets)``, backward, optimizer step.
+
+        With ``accumulate=True`` (and an optimizer) it is one micro-batch: its gradients are added
+        to the accumulated ones and nothing is updated; the next call with ``accumulate=False``
+        adds its own and updates with the sum, as torch's ``loss.backward()`` per micro-batch and
+        one ``optimizer.step()`` do (``.grad`` sums: divide the loss by the number of
+        micro-batches, as torch's loop does, for their mean). An update clips and skips as the
+        constructor's ``max_grad_norm`` / ``skip_nonfinite`` say (``last_grad_norm``,
+        ``last_step_skipped``).
 
         Args:
           inputs: a torch tensor or a tuple of them (the arguments of ``first``).
           targets: a torch tensor or a tuple of them, passed to the loss after the output.
           loss_fn: a torch function ``(output, *targets) -> scalar`` (default: the constructor's).
-          lr: this step's learning rate (a schedule), default the optimizer's.
+          lr: this step's learning rate for every parameter group, overriding the optimizer's for
+            this step only (a torch optimizer's ``param_groups`` are not changed). Default: each
+            group's own ``lr`` (with a torch optimizer, read now: a ``torch.optim.lr_scheduler``
+            stepping it is followed). Unused by an ``accumulate=True`` call (no update).
+          accumulate: see above (a bool; needs an optimizer).
 
         Returns: the loss, a 0-d float32 CPU torch tensor. With an optimizer the weights are
         updated (in host memory: ``sync_modules()`` copies them into the modules); without
         one the gradients are added to the modules' ``.grad`` (CPU tensors).
 
-        Raises:
+        Raises (before any state changes):
           TypeError: ``inputs``/``targets`` not tensors; no ``loss_fn``; an input's dtype
-            refused as in :meth:`forward`; a ``float64`` target with ``jax_enable_x64`` off.
-          ValueError: the loss is not a floating scalar; a stage fails to trace.
+            refused as in :meth:`forward`; a ``float64`` target with ``jax_enable_x64`` off;
+            ``accumulate`` not a bool.
+          ValueError: the loss is not a floating scalar; a stage fails to trace; ``lr < 0``; the
+            torch optimizer's groups hold other parameters than at construction, or an option
+            the update does not implement (``AdamW.groups_from_torch``); ``accumulate=True``
+            without an optimizer (``.grad`` accumulates already).
         """
         if loss_fn is None:
             loss_fn = self.loss_fn
         if loss_fn is None or not callable(loss_fn) or isinstance(loss_fn, torch.Tensor):
             raise TypeError("train_step needs a loss_fn (here or in the constructor): (output, *targets) -> scalar")
+        if not isinstance(accumulate, bool):
+            raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
+        if accumulate and self.optimizer is None:
+            raise ValueError("accumulate=True needs an optimizer; without one train_step adds the gradients to "
+                             ".grad already (accumulate_grads)")
         with self._torch_precision():
-            return self._train_step(inputs, targets, loss_fn, lr)
+            return self._train_step(inputs, targets, loss_fn, lr, accumulate)
 
-    def _train_step(self, inputs, targets, loss_fn, lr) -> torch.Tensor:
+    def _train_step(self, inputs, targets, loss_fn, lr, accumulate) -> torch.Tensor:
         t = () if targets is None or (isinstance(targets, tuple) and not targets) else \
             _inputs_to_jax(targets if isinstance(targets, (tuple, list)) else (targets,), "targets")
         _check_input_dtypes(t, "targets")
+        if self.torch_optimizer is not None:
+            self.runtime.param_groups = self._read_torch_groups()
         self._maybe_autotune(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), training=True)
         x = self._carry_in(inputs if isinstance(inputs, (tuple, list)) else (inputs,))
         jloss = self._jax_losses.get(loss_fn)
@@ -647,13 +762,39 @@ class SwappedStack:
             if len(self._jax_losses) >= 8:
                 self._jax_losses.pop(next(iter(self._jax_losses)))
             self._jax_losses[loss_fn] = jloss
-        loss, _, grads = self.runtime.train_step(x, jloss, loss_args=tuple(t), lr=lr)
+        step = self.runtime.step
+        clip = dict(accumulate=accumulate, max_grad_norm=self.max_grad_norm, skip_nonfinite=self.skip_nonfinite) \
+            if self.optimizer is not None else {}
+        loss, _, grads = self.runtime.train_step(x, jloss, loss_args=tuple(t), lr=lr, **clip)
+        if self.torch_optimizer is not None and self.runtime.step > step:
+            self._torch_step()
         if grads is not None:
             if self.accumulate_grads:
                 self._accumulate_grads(grads)
             else:
                 self.last_grads = grads
         return _to_torch(loss).float()
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global 2-norm of the gradients of the last update (over every trainable parameter of
+        every stage, before clipping: ``clip_grad_norm_``'s return value; a float, possibly inf or
+        nan), or ``None`` when neither ``max_grad_norm`` nor ``skip_nonfinite`` is set."""
+        return self.runtime.last_grad_norm
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last update was skipped for a non-finite gradient (``skip_nonfinite``)."""
+        return self.runtime.last_step_skipped
+
+    def _torch_step(self) -> None:
+        """Call the torch optimizer's ``step()`` after an update, when none of its parameters has a
+        ``.grad``: a no-op on its parameters and state that runs its step hooks and tells a
+        ``torch.optim.lr_scheduler`` the optimizer stepped (else it warns that the scheduler
+        stepped first)."""
+        opt = self.torch_optimizer
+        if all(p.grad is None for g in opt.param_groups for p in g["params"]):
+            opt.step()
 
     def _accumulate_grads(self, grads) -> None:
         for i, (m, g, names) in enumerate(zip(self.modules, grads, self._trainable)):

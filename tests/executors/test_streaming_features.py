@@ -173,8 +173,8 @@ def test_bad_optimizer_arguments():
     params = make_params(2)
     with pytest.raises(TypeError, match="optimizer must be"):
         StreamingRuntime(layer, params, optimizer="adamw")
-    with pytest.raises(ValueError, match="AdamW lr must be > 0"):
-        AdamW(lr=0.0)
+    with pytest.raises(ValueError, match="AdamW lr must be >= 0"):
+        AdamW(lr=-1e-3)
     with pytest.raises(ValueError, match=r"betas\[1\]"):
         AdamW(betas=(0.9, 1.0))
     with pytest.raises(ValueError, match="resident must be"):

@@ -116,7 +116,8 @@ def test_budget_bytes_chooses_the_schedule_at_the_first_call(monkeypatch):
     ref = torch.nn.ModuleList(FFN() for _ in range(L))
     layers = copy.deepcopy(ref)
     x = torch.randn(T, D)
-    probe = SwappedStack(list(copy.deepcopy(ref)), optimizer=torch.optim.AdamW(ref.parameters(), lr=1e-2),
+    probe_layers = copy.deepcopy(ref)
+    probe = SwappedStack(list(probe_layers), optimizer=torch.optim.AdamW(probe_layers.parameters(), lr=1e-2),
                          loss_fn=loss, devices=jax.devices()[:1])
     c = FIGURES(probe.runtime, probe._carry_in((x,)))
     lo = evaluate_choice(list(c.costs), c.link, prefetch_depth=2).device_bytes

@@ -37,6 +37,7 @@ from xla_swap.planning.chooser import CHOICES, ChoiceCache, ScheduleChoice, choo
 from xla_swap.planning.planner import GB, LayerCost, Link
 
 from ._stages import DEVICE_KIND, HOST_KIND, _aval_key, _probe, _split_diff
+from . import optim as _optim
 from .streaming import StreamingRuntime
 
 #: Fewest timed copies per direction of :func:`calibrate`'s link measurement (medians). With 3, one
@@ -359,7 +360,7 @@ def _backward_call(rt: StreamingRuntime, sig, i: int):
     args += (g,)
     if rt.optimizer is not None:
         state = jax.device_put(rt.optimizer_state[i], rt._state_dev_sh[i], may_alias=False)
-        hyper = jax.device_put(np.asarray(rt.optimizer.hyper(1), np.float32), rt.activation_sharding)
+        hyper = jax.device_put(_optim.hyper_rows(rt.param_groups, 1), rt.activation_sharding)
         args += (state, hyper)
     return lambda: exe(*args)
 
@@ -377,7 +378,8 @@ def reconfigure(runtime: StreamingRuntime, choice: ScheduleChoice) -> StreamingR
     built the zeros first peaked at 41.25 GiB for a 24-GiB configuration).
 
     Raises: TypeError: ``runtime`` not a ``StreamingRuntime`` or ``choice`` not a
-      ``ScheduleChoice``; ValueError: ``choice.resident`` has another number of stages.
+      ``ScheduleChoice``; ValueError: ``choice.resident`` has another number of stages; the runtime
+      holds accumulated gradients (``grad_acc``: update first).
     """
     _check_runtime(runtime)
     if not isinstance(choice, ScheduleChoice):
@@ -385,18 +387,25 @@ def reconfigure(runtime: StreamingRuntime, choice: ScheduleChoice) -> StreamingR
     rt = runtime
     if len(choice.resident) != rt.num_stages:
         raise ValueError(f"choice.resident has {len(choice.resident)} stages, the runtime {rt.num_stages}")
+    if rt.grad_acc is not None:
+        raise ValueError(f"the runtime holds the gradients of {rt.micro_batches} accumulated micro-batches; "
+                         "reconfigure after the update (train_step with accumulate=False)")
     path_sh = [{jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_flatten_with_path(d)[0]}
                for d in rt._dev_sh]
     path_train = [{jax.tree_util.keystr(p): m for (p, _), m in
                    zip(jax.tree_util.tree_flatten_with_path(a)[0], mask)}
                   for a, mask in zip(rt._param_avals, rt._train_mask)]
+    path_group = [dict(zip([jax.tree_util.keystr(p) for (p, _), m in zip(jax.tree_util.tree_flatten_with_path(a)[0], mask)
+                            if m], groups))
+                  for a, mask, groups in zip(rt._param_avals, rt._train_mask, rt.group_idx)]
     new = StreamingRuntime(
         list(rt._fns), list(rt.host_params),
         sharding=lambda i, path, leaf: path_sh[i][jax.tree_util.keystr(path)].with_memory_kind(DEVICE_KIND),
         activation_sharding=rt.activation_sharding, batch_axis=rt.batch_axis, donate=rt.donate,
         throttle=rt.throttle, track_residency=rt.track_residency, trace=rt.trace, remat=rt.remat,
-        grads_to_host=rt.grads_to_host, optimizer=rt.optimizer,
-        trainable=lambda i, path: path_train[i][jax.tree_util.keystr(path)], max_signatures=rt.max_signatures,
+        grads_to_host=rt.grads_to_host, optimizer=rt.param_groups,
+        trainable=lambda i, path: path_train[i][jax.tree_util.keystr(path)],
+        group_of=lambda i, path: path_group[i][jax.tree_util.keystr(path)], max_signatures=rt.max_signatures,
         prefetch_next_call=rt.prefetch_next_call,
         optimizer_state=rt.optimizer_state if rt.optimizer is not None else None, **choice.runtime_kwargs())
     new.step = rt.step

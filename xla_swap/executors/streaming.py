@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from xla_swap.planning.optimizer import AdamW
+from xla_swap.planning.optimizer import HYPER_WIDTH, AdamW
 from xla_swap.planning.policy import OffloadPolicy
 from xla_swap.planning.prefetch import PrefetchSchedule
 
@@ -177,11 +177,15 @@ class StreamingRuntime:
       grads_to_host: ``True`` (default) sends each stage's parameter gradients to
         ``pinned_host`` as soon as its backward produced them; ``False`` returns them in
         device memory (they then add up on the device). Unused with ``optimizer``.
-      optimizer: an ``xla_swap.planning.AdamW``: ``train_step`` then applies the update
+      optimizer: an ``xla_swap.planning.AdamW``, or a sequence of them (one per parameter group,
+        equal ``state_dtype``; ``group_of`` assigns the leaves): ``train_step`` then applies the update
         per stage on the device right after the stage's backward (weights and moments
         prefetched with the weights, the update fused into the backward executable) and
         sends the new weights and moments back; ``host_params`` and ``optimizer_state``
-        hold them. Gradients do not leave the device.
+        hold them. Gradients do not leave the device. ``param_groups`` holds the groups'
+        configurations; every one of their hyperparameters (lr, weight decay, betas, eps) is a
+        traced input of the update, read at each ``train_step``: assign new configurations (a
+        schedule) between steps without a recompile.
       optimizer_state_on_host: where the moments live between steps: ``pinned_host``
         (default, streamed with the weights) or device memory.
       optimizer_state: with ``optimizer``, the initial moments instead of zeros: per stage a
@@ -189,6 +193,8 @@ class StreamingRuntime:
         (numpy or jax arrays, any memory; e.g. another runtime's). They are copied into place
         (never aliased or donated); no zero state is allocated first, so carrying a state over
         (``xla_swap.executors.calibrate.reconfigure``) does not hold it twice in device memory.
+      group_of: with ``optimizer``: ``(stage_index, leaf_path) -> int``, the parameter group
+        (index into ``param_groups``) of each trainable leaf (default: every leaf in group 0).
       trainable: ``(stage_index, leaf_path) -> bool``: which floating leaves the optimizer
         updates (default: all). Non-trainable floating leaves (e.g. a rotary frequency
         buffer) still get gradients in ``train_step`` without an optimizer.
@@ -235,7 +241,8 @@ class StreamingRuntime:
         array with values beyond 32 bits, with ``jax_enable_x64`` off); ``device``/``sharding``/``activation_sharding`` has the wrong type;
         ``prefetch_depth`` is not an int; a flag is not a bool; ``trace`` is not a
         ``TraceRecorder``; ``remat`` is neither a
-        bool nor callable; ``optimizer`` is not an ``AdamW``; ``trainable`` not callable.
+        bool nor callable; ``optimizer`` is not an ``AdamW`` (or a sequence of them);
+        ``trainable`` or ``group_of`` not callable.
       ValueError: ``prefetch_depth < 1``; ``stage_params`` is empty or not a sequence;
         the number of stage functions differs from the number of stages; with one shared
         ``stage_fn``, a stage's params differ from stage 0's in structure, shape or dtype
@@ -244,7 +251,9 @@ class StreamingRuntime:
         needed but missing; ``resident`` has the wrong length; ``max_signatures < 1``;
         ``batch_axis`` is not an axis of ``activation_sharding``'s mesh; ``optimizer_state``
         given without ``optimizer``, or not one list of ``(m, v)`` pairs per stage of the
-        trainable leaves' shapes and the optimizer's state dtype (the message names the stage).
+        trainable leaves' shapes and the optimizer's state dtype (the message names the stage);
+        ``group_of`` returns no valid group index (the message names the stage and leaf);
+        parameter groups with different ``state_dtype``.
     """
 
     def __init__(
@@ -264,10 +273,11 @@ class StreamingRuntime:
         remat: bool | Callable = True,
         resident: Sequence[bool] | None = None,
         grads_to_host: bool = True,
-        optimizer: AdamW | None = None,
+        optimizer: AdamW | Sequence[AdamW] | None = None,
         optimizer_state_on_host: bool = True,
         optimizer_state: Sequence | None = None,
         trainable: Callable | None = None,
+        group_of: Callable | None = None,
         max_signatures: int = DEFAULT_MAX_SIGNATURES,
         offload_activations: bool = False,
         prefetch_next_call: bool = True,
@@ -289,7 +299,10 @@ class StreamingRuntime:
             raise TypeError(f"remat must be a bool or a jax.checkpoint_policies policy (a function), "
                             f"got {remat!r}")
         _check_trace(trace)
-        _optim.check_optimizer(optimizer)
+        groups = _optim.check_optimizer(optimizer)
+        optimizer = groups[0] if groups else None
+        if group_of is not None and not callable(group_of):
+            raise TypeError(f"group_of must be a callable (stage_index, leaf_path) -> int, got {type(group_of).__name__}")
         if trainable is not None and not callable(trainable):
             raise TypeError(f"trainable must be a callable (stage_index, leaf_path) -> bool, "
                             f"got {type(trainable).__name__}")
@@ -375,9 +388,9 @@ class StreamingRuntime:
                                  f"that axis, got {activation_sharding}")
             batch_sh = NamedSharding(act.mesh, PartitionSpec(batch_axis), memory_kind=DEVICE_KIND)
 
-        host_sh, dev_sh, train_mask = [], [], []
+        host_sh, dev_sh, train_mask, group_idx = [], [], [], []
         for i, (lp, treedef) in enumerate(flat):
-            hs_, ds_, tm_ = [], [], []
+            hs_, ds_, tm_, gi_ = [], [], [], []
             for path, leaf in lp:
                 s = leaf_sharding(i, path, leaf)
                 if not isinstance(s, Sharding):
@@ -391,9 +404,16 @@ class StreamingRuntime:
                 hs_.append(s.with_memory_kind(DEVICE_KIND if resident[i] else HOST_KIND))
                 ds_.append(s.with_memory_kind(DEVICE_KIND))
                 tm_.append(_is_diff(leaf) and (trainable is None or bool(trainable(i, path))))
+                if tm_[-1] and groups is not None:
+                    gi = 0 if group_of is None else group_of(i, path)
+                    if isinstance(gi, bool) or not isinstance(gi, (int, np.integer)) or not 0 <= gi < len(groups):
+                        raise ValueError(f"group_of({i}, {_leaf_name(path)}) returned {gi!r}, not a group index in "
+                                         f"[0, {len(groups)})")
+                    gi_.append(int(gi))
             host_sh.append(jax.tree_util.tree_unflatten(treedef, hs_))
             dev_sh.append(jax.tree_util.tree_unflatten(treedef, ds_))
             train_mask.append(tm_)
+            group_idx.append(tuple(gi_))
 
         # ---- state ----
         self.num_stages: int = n
@@ -405,7 +425,13 @@ class StreamingRuntime:
         self.remat = remat
         self.resident: tuple[bool, ...] = tuple(resident)
         self.grads_to_host = grads_to_host
+        #: the configuration of parameter group 0 (its ``state_dtype`` is every group's), or ``None``.
         self.optimizer: AdamW | None = optimizer
+        #: one ``AdamW`` per parameter group, read at every ``train_step`` (assign new ones between
+        #: steps: a schedule); ``None`` without an optimizer.
+        self.param_groups: list[AdamW] | None = groups
+        #: per stage, the parameter group of each trainable leaf (in leaf order).
+        self.group_idx: list[tuple[int, ...]] = group_idx
         self.optimizer_state_on_host = optimizer_state_on_host
         self.max_signatures = int(max_signatures)
         self.offload_activations = offload_activations
@@ -445,6 +471,7 @@ class StreamingRuntime:
         #: in ``pinned_host`` (or device memory); empty lists without an optimizer.
         self.optimizer_state: list = []
         self._state_dev_sh, self._state_host_sh = [], []
+        self._acc_dev_sh, self._acc_host_sh = [], []
         if optimizer_state is not None and (optimizer is None or isinstance(optimizer_state, (str, bytes))
                                             or not isinstance(optimizer_state, Sequence)
                                             or len(optimizer_state) != n):
@@ -461,6 +488,9 @@ class StreamingRuntime:
             sel = [j for j, m in enumerate(train_mask[i]) if m] if optimizer is not None else []
             on_host = optimizer_state_on_host and not resident[i]
             self._state_dev_sh.append([(ds[j], ds[j]) for j in sel])
+            self._acc_dev_sh.append([ds[j] for j in sel])
+            self._acc_host_sh.append([ds[j].with_memory_kind(HOST_KIND if grads_to_host and not resident[i]
+                                                             else DEVICE_KIND) for j in sel])
             self._state_host_sh.append([(ds[j].with_memory_kind(HOST_KIND if on_host else DEVICE_KIND),) * 2
                                         for j in sel])
             if optimizer is not None:
@@ -473,6 +503,20 @@ class StreamingRuntime:
                                 for st, sh in zip(states, self._state_host_sh)]
         #: number of optimizer steps applied so far.
         self.step: int = 0
+        self._groups0 = list(groups) if groups else []
+        #: with ``optimizer``: the gradients summed over the micro-batches since the last update
+        #: (``train_step(accumulate=True)``): per stage a list, one array per trainable leaf, in
+        #: ``pinned_host`` (``grads_to_host``, streamed stages) or device memory; ``None`` when empty.
+        self.grad_acc: list | None = None
+        #: micro-batches summed in ``grad_acc``.
+        self.micro_batches: int = 0
+        #: the global gradient norm of the last update that computed one (``max_grad_norm`` or
+        #: ``skip_nonfinite``; a float, possibly inf/nan), else ``None``.
+        self.last_grad_norm: float | None = None
+        #: whether the last update was skipped for a non-finite gradient (``skip_nonfinite``).
+        self.last_step_skipped: bool = False
+        self._update_exes: dict = {}
+        self._sumsq: list | None = None  # per stage, the last accumulating backward's sum of squares
         #: bytes of each stage's weights (logical sizes), and their sum.
         self.stage_nbytes: list[int] = [tree_nbytes(p) for p in self.host_params]
         self.weight_nbytes: int = sum(self.stage_nbytes)
@@ -557,6 +601,7 @@ class StreamingRuntime:
         self._last_sig = None
         self._loss_jits.clear()
         self._loss_shapes.clear()
+        self._update_exes.clear()
 
     @property
     def prefetched_stages(self) -> list[int]:
@@ -730,7 +775,8 @@ class StreamingRuntime:
     __call__ = forward
 
     def train_step(self, h, loss_fn: Callable | None = None, *, cotangent=None, loss_args: tuple = (),
-                   lr: float | None = None, trace: TraceRecorder | None = None):
+                   lr: float | None = None, trace: TraceRecorder | None = None, accumulate: bool = False,
+                   max_grad_norm: float | None = None, skip_nonfinite: bool = False):
         """Forward and backward pass; each stage's parameter gradients go to ``pinned_host``
         (or, with ``optimizer``, each stage is updated right after its backward).
 
@@ -755,9 +801,26 @@ class StreamingRuntime:
           cotangent: instead of ``loss_fn``: the cotangent of the output (same structure,
             shapes and dtypes as the output's floating leaves), numpy or jax arrays.
           loss_args: extra arguments (e.g. targets) passed to ``loss_fn``.
-          lr: with ``optimizer``: this step's learning rate (default ``optimizer.lr``), for
-            schedules; changing it does not recompile.
+          lr: with ``optimizer``: this step's learning rate for every parameter group (default:
+            each group's ``param_groups[g].lr``); changing it does not recompile.
           trace: a ``TraceRecorder`` for this call (instead of the constructor's ``trace``).
+          accumulate: with ``optimizer``: add this micro-batch's gradients to ``grad_acc`` and do
+            not update (``lr`` is then unused). The next call with ``accumulate=False`` adds its
+            own and updates with the sum (torch's ``.grad`` accumulation: divide the loss by the
+            number of micro-batches for their mean). Per micro-batch this moves the weights in
+            (forward and backward, as any step) and the accumulators in (all but the first) and
+            out, never the moments; the moments move once per update.
+          max_grad_norm: with ``optimizer``, at an update: scale the (summed) gradients by
+            ``min(1, max_grad_norm / (norm + 1e-6))``, ``norm`` their 2-norm over every trainable
+            leaf of every stage (``torch.nn.utils.clip_grad_norm_``).
+          skip_nonfinite: with ``optimizer``, at an update: when that norm is not finite, skip the
+            update (weights, moments and ``step`` unchanged; the accumulated gradients dropped), as
+            torch's ``GradScaler`` skips ``optimizer.step()``; ``last_step_skipped`` says so.
+            With either of the two the update needs every gradient first, so it is not fused
+            into the backward: the backward sends each stage's gradients to ``grad_acc`` and a
+            third pass streams weights, gradients and moments in and weights and moments out
+            (beyond the fused step: the gradients out and in, one more pass of the weights in,
+            and one host sync for the norm, ``last_grad_norm``).
 
         Returns:
           ``(loss_or_output, input_cotangent, grads)``: the scalar loss (``loss_fn`` given)
@@ -771,7 +834,9 @@ class StreamingRuntime:
         Raises:
           ValueError: not exactly one of ``loss_fn`` / ``cotangent``; the cotangent's shape
             or dtype differs from the output's; ``loss_fn`` does not return a scalar; the
-            input checks of ``forward``; ``lr <= 0``.
+            input checks of ``forward``; ``lr < 0``; ``param_groups`` was replaced by a list of
+            another length or state dtype; ``accumulate``, ``max_grad_norm`` or
+            ``skip_nonfinite`` without an optimizer; ``max_grad_norm`` not a finite number > 0.
           TypeError: ``loss_fn`` not callable; ``loss_args`` not a tuple; no floating
             parameter or output leaf; ``trace`` is not a ``TraceRecorder``; a dtype of ``h``
             refused as in ``forward``, or a ``cotangent`` / ``loss_args`` leaf that jax would
@@ -784,11 +849,21 @@ class StreamingRuntime:
         if not isinstance(loss_args, tuple):
             raise TypeError(f"loss_args must be a tuple, got {type(loss_args).__name__}")
         _check_trace(trace)
+        for flag_name, flag in (("accumulate", accumulate), ("skip_nonfinite", skip_nonfinite)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{flag_name} must be a bool, got {type(flag).__name__}")
+        if max_grad_norm is not None:
+            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float, np.floating, np.integer)) \
+                    or not np.isfinite(max_grad_norm) or max_grad_norm <= 0:
+                raise ValueError(f"max_grad_norm must be a finite number > 0 or None, got {max_grad_norm!r}")
         hyper = None
         if self.optimizer is not None:
-            hyper = self.optimizer.hyper(self.step + 1, lr)  # raises ValueError for a bad lr
+            hyper = _optim.hyper_rows(self._checked_groups(), self.step + 1, lr)  # ValueError for a bad lr
         elif lr is not None:
             raise ValueError("lr is only used with an optimizer; this runtime has none")
+        elif accumulate or max_grad_norm is not None or skip_nonfinite:
+            raise ValueError("accumulate, max_grad_norm and skip_nonfinite need an optimizer; without one the "
+                             "gradients are returned (add or clip them yourself)")
         if cotangent is not None:   # checked before h's signature is traced and cached
             _tree_aval(cotangent, "cotangent")
             _check_input_dtypes(cotangent, "cotangent")
@@ -810,10 +885,45 @@ class StreamingRuntime:
             loss_exe = None
         else:
             loss_exe = self._loss_exe(loss_fn, out_aval, loss_args)
-        return self._run(h, train=True, loss_exe=loss_exe, cotangent=cotangent, loss_args=loss_args, hyper=hyper,
-                         trace=trace)
+        if self.optimizer is None:
+            mode = None
+        elif accumulate or max_grad_norm is not None or skip_nonfinite:
+            mode = "accum"
+        else:
+            mode = "update"
+        two_pass = mode == "accum" and not accumulate
+        if two_pass:  # compile the update pass before anything moves
+            self._update_exe_list()
+        out = self._run(h, train=True, loss_exe=loss_exe, cotangent=cotangent, loss_args=loss_args,
+                        hyper=hyper if mode == "update" else None, trace=trace, mode=mode)
+        if mode == "update":
+            self.last_grad_norm, self.last_step_skipped = None, False
+        if two_pass:
+            sumsq = jax.device_get(self._sumsq)
+            self._sumsq = None
+            norm = float(np.sqrt(np.sum(np.asarray(sumsq, np.float64))))
+            self.last_grad_norm = norm
+            self.last_step_skipped = bool(skip_nonfinite and not np.isfinite(norm))
+            if self.last_step_skipped:
+                self.grad_acc, self.micro_batches = None, 0
+            else:
+                coef = np.float32(1.0)
+                if max_grad_norm is not None:  # clip_grad_norm_'s float32 arithmetic
+                    coef = np.minimum(np.float32(max_grad_norm) / (np.float32(norm) + np.float32(1e-6)),
+                                      np.float32(1.0))
+                self._update_pass(hyper, coef, None)  # not traced: a recorder covers one pass pair
+        return out
 
     # ------------------------------------------------------------------ internals
+    def _checked_groups(self) -> list[AdamW]:
+        """``param_groups``, checked against what the executables were built for (count, state dtype)."""
+        groups = self.param_groups
+        if not isinstance(groups, (list, tuple)) or len(groups) != len(self._groups0) or \
+                not all(isinstance(g, AdamW) and g.state_dtype == self.optimizer.state_dtype for g in groups):
+            raise ValueError(f"param_groups must stay a list of {len(self._groups0)} xla_swap.planning.AdamW with "
+                             f"state_dtype={self.optimizer.state_dtype!r}, got {groups!r}")
+        return list(groups)
+
     def _signature(self, h, what: str = "h") -> _Signature:
         """The cached signature of ``h`` (LRU), or a new one traced stage by stage (no state change on error).
 
@@ -868,7 +978,14 @@ class StreamingRuntime:
             return sh.with_memory_kind(HOST_KIND)
         return jax.tree_util.tree_map(lambda s: s.with_memory_kind(HOST_KIND), sh)
 
-    def _exe(self, sig: _Signature, kind: str, i: int, donate: bool):
+    def _exe(self, sig: _Signature, kind: str, i: int, donate: bool, mode: str | None = None, acc: bool = False):
+        """Stage ``i``'s executable of ``kind`` (``forward``, ``forward-save``, ``backward``,
+        ``backward-saved``); for a backward, ``mode`` is ``None`` (gradients out), ``"update"``
+        (the optimizer fused in) or ``"accum"`` (gradients summed into the accumulator, and their
+        sum of squares), and ``acc`` whether it takes the accumulated gradients."""
+        if mode is None and self.optimizer is not None and kind.startswith("backward"):
+            mode = "update"
+        kind = kind + ("-accum" if mode == "accum" else "") + ("+acc" if acc else "")
         key_stage = (kind + ("-donate" if donate else ""), i)
         exe = sig.stage_exe.get(key_stage)
         if exe is not None:
@@ -877,7 +994,7 @@ class StreamingRuntime:
         pkey = (jax.tree_util.tree_structure(self._param_avals[i]),
                 tuple((a.shape, str(a.dtype), s) for a, s in zip(jax.tree_util.tree_leaves(self._param_avals[i]),
                                                                    jax.tree_util.tree_leaves(self._dev_sh[i]))),
-                tuple(self._train_mask[i]))
+                tuple(self._train_mask[i]), self.group_idx[i])
         hin, hout = sig.chain[i], sig.chain[i + 1]
         base = (self._fn_ids[i], pkey, _aval_key(hin), _aval_key(hout))
         key = (base[0], key_stage[0]) + base[1:]
@@ -897,7 +1014,7 @@ class StreamingRuntime:
             elif kind == "forward-save":
                 exe = self._compile_forward_save(sig, f, base, pspec, hspec, self._act(hout))
             else:
-                saved = kind == "backward-saved"
+                saved = kind.startswith("backward-saved")
                 if saved:
                     fwd_save = self._exe(sig, "forward-save", i, False)
                     core = _saved_vjp(*sig.saved_layout[base])
@@ -914,13 +1031,27 @@ class StreamingRuntime:
                     donate_argnums = ((0, g_arg) if same else (0,)) if donate else ()
                     out_sh = (gin_sh, self._diff_dev_sh[i])
                 else:
-                    fn = _with_update(core, opt, self._train_mask[i])
-                    st_spec = jax.tree_util.tree_map(
-                        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                        self.optimizer_state[i], self._state_dev_sh[i])
-                    specs = specs + (st_spec, jax.ShapeDtypeStruct((3,), np.float32, sharding=act))
-                    donate_argnums = (((0, g_arg) if same else (0,)) + (len(specs) - 2,)) if donate else ()
-                    out_sh = (gin_sh, self._dev_sh[i], self._state_dev_sh[i])
+                    base_donate = ((0, g_arg) if same else (0,))
+                    if acc:
+                        sel = [j for j, m in enumerate(self._train_mask[i]) if m]
+                        leaves = jax.tree_util.tree_leaves(self._param_avals[i])
+                        specs = specs + ([jax.ShapeDtypeStruct(leaves[j].shape, leaves[j].dtype, sharding=sh)
+                                          for j, sh in zip(sel, self._acc_dev_sh[i])],)
+                        if mode == "accum":  # the sum reuses the accumulator's buffer (not the weights')
+                            base_donate = tuple(a for a in base_donate if a != 0) + (len(specs) - 1,)
+                    if mode == "accum":
+                        fn = _with_accum(core, self._train_mask[i], acc)
+                        out_sh = (gin_sh, self._acc_dev_sh[i], act)
+                    else:
+                        fn = _with_update(core, self._train_mask[i], self.group_idx[i], acc)
+                        st_spec = jax.tree_util.tree_map(
+                            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                            self.optimizer_state[i], self._state_dev_sh[i])
+                        specs = specs + (st_spec, jax.ShapeDtypeStruct((len(self._groups0), HYPER_WIDTH), np.float32,
+                                                                       sharding=act))
+                        base_donate += (len(specs) - 2,)
+                        out_sh = (gin_sh, self._dev_sh[i], self._state_dev_sh[i])
+                    donate_argnums = base_donate if donate else ()
                 exe = jax.jit(fn, out_shardings=out_sh, donate_argnums=donate_argnums).lower(*specs).compile()
             sig.compiled[key] = exe
         sig.stage_exe[key_stage] = exe
@@ -1072,7 +1203,8 @@ class StreamingRuntime:
         if r > self.max_resident_stages:
             self.max_resident_stages = r
 
-    def _run(self, h, *, train: bool, loss_exe=None, cotangent=None, loss_args=(), hyper=None, trace=None):
+    def _run(self, h, *, train: bool, loss_exe=None, cotangent=None, loss_args=(), hyper=None, trace=None,
+             mode=None):
         sig = self._signature(h)
         n, k = self.num_stages, self.prefetch_depth
         recorder = trace if trace is not None else self.trace
@@ -1085,8 +1217,10 @@ class StreamingRuntime:
             # a resident stage's weights are not donated unless the optimizer replaces them; without
             # an optimizer, neither are the first k+1 stages' with prefetch_next_call (kept for the next call)
             keep_w = [self.resident[i] or (self.prefetch_next_call and i <= k) for i in range(n)]
+            has_acc = mode is not None and self.grad_acc is not None
             bwd = [self._exe(sig, "backward-saved" if save else "backward", i,
-                             donate and (self.optimizer is not None or not keep_w[i])) for i in range(n)]
+                             donate and (mode == "update" or not keep_w[i]), mode=mode, acc=has_acc)
+                   for i in range(n)]
         if save:
             self.residual_nbytes = [tree_nbytes(e.out_info[1]) for e in fwd]
         elif train:
@@ -1099,15 +1233,84 @@ class StreamingRuntime:
         if recorder is not None:
             recorder.start()
         try:
-            return self._stream(sig, h, fwd, bwd, recorder, n, k, train, loss_exe, cotangent, loss_args, hyper_arr)
+            return self._stream(sig, h, fwd, bwd, recorder, n, k, train, loss_exe, cotangent, loss_args, hyper_arr,
+                                mode if train else None)
         finally:
             if recorder is not None:
                 recorder.stop()
 
-    def _fetch(self, q: dict, j: int, pass_name: str, recorder, qs: dict | None = None) -> None:
-        """Start moving stage j's weights (and, into ``qs``, its optimizer state) to the device."""
+    def _update_exe_list(self) -> list:
+        """The update pass's executables, one per stage (compiled on first use, shared by stages of
+        equal parameter signature): ``(p, acc, state, hyper, coef) -> (new_p, new_state)``."""
+        exes = []
+        donate = self.donate
+        for i in range(self.num_stages):
+            key = (jax.tree_util.tree_structure(self._param_avals[i]),
+                   tuple((a.shape, str(a.dtype), sh) for a, sh in zip(jax.tree_util.tree_leaves(self._param_avals[i]),
+                                                                      jax.tree_util.tree_leaves(self._dev_sh[i]))),
+                   tuple(self._train_mask[i]), self.group_idx[i], donate)
+            exe = self._update_exes.get(key)
+            if exe is None:
+                act = self.activation_sharding
+                pspec = jax.tree_util.tree_map(self._spec, self._param_avals[i], self._dev_sh[i])
+                sel = [j for j, m in enumerate(self._train_mask[i]) if m]
+                leaves = jax.tree_util.tree_leaves(self._param_avals[i])
+                aspec = [jax.ShapeDtypeStruct(leaves[j].shape, leaves[j].dtype, sharding=sh)
+                         for j, sh in zip(sel, self._acc_dev_sh[i])]
+                st_spec = jax.tree_util.tree_map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                                                 self.optimizer_state[i], self._state_dev_sh[i])
+                hspec = jax.ShapeDtypeStruct((len(self._groups0), HYPER_WIDTH), np.float32, sharding=act)
+                cspec = jax.ShapeDtypeStruct((), np.float32, sharding=act)
+                exe = jax.jit(_update_only(self._train_mask[i], self.group_idx[i]),
+                              out_shardings=(self._dev_sh[i], self._state_dev_sh[i]),
+                              donate_argnums=(0, 2) if donate else ()).lower(
+                                  pspec, aspec, st_spec, hspec, cspec).compile()
+                self._update_exes[key] = exe
+            exes.append(exe)
+        return exes
+
+    def _update_pass(self, hyper, coef, recorder) -> None:
+        """Apply the optimizer to every stage from ``grad_acc`` (scaled by ``coef``), streaming weights,
+        accumulated gradients and moments in ``prefetch_depth`` stages ahead, weights and moments out.
+
+        Stages 0..k come from the weights the backward left in device memory (``prefetch_next_call``).
+        """
+        exes = self._update_exe_list()
+        n, k = self.num_stages, self.prefetch_depth
+        act = self.activation_sharding
+        hyper_arr = jax.device_put(np.asarray(hyper, np.float32), act)
+        coef_arr = jax.device_put(np.asarray(coef, np.float32), act)
+        q, qs, qa = {}, {}, {}
+        for j in range(min(k, n)):
+            self._fetch(q, j, "update", recorder, qs, qa)
+        prev = None
+        for i in range(n):
+            ev = StageEvent("update", i, "compute", recorder.now()) if recorder is not None else None
+            new_p, new_s = exes[i](q.pop(i), qa.pop(i), qs.pop(i), hyper_arr, coef_arr)
+            if recorder is not None:
+                recorder.add(ev, new_p)
+            self._track((new_p, new_s), i)
+            self.host_params[i] = jax.device_put(new_p, self._host_sh[i])
+            self.optimizer_state[i] = jax.device_put(new_s, self._state_host_sh[i])
+            moved = (self.host_params[i], self.optimizer_state[i])
+            del new_p, new_s
+            if self.throttle and prev is not None:
+                jax.block_until_ready(prev)  # stage i-1's results are on the host
+            if i + k < n:
+                self._fetch(q, i + k, "update", recorder, qs, qa)
+            prev = moved
+        self._carry = {}  # what the backward left is consumed (donated)
+        self.grad_acc, self.micro_batches = None, 0
+        self.step += 1
+
+    def _fetch(self, q: dict, j: int, pass_name: str, recorder, qs: dict | None = None,
+               qa: dict | None = None) -> None:
+        """Start moving stage j's weights (and, into ``qs``, its optimizer state; into ``qa``, its
+        accumulated gradients) to the device."""
         if qs is not None and self.optimizer is not None and j not in qs:
             qs[j] = jax.device_put(self.optimizer_state[j], self._state_dev_sh[j])
+        if qa is not None and j not in qa:
+            qa[j] = jax.device_put(self.grad_acc[j], self._acc_dev_sh[j])
         if j in q:
             return
         if self.resident[j]:
@@ -1124,10 +1327,10 @@ class StreamingRuntime:
         if recorder is not None:
             recorder.add(ev, p)
 
-    def _stream(self, sig, h, fwd, bwd, recorder, n, k, train, loss_exe, cotangent, loss_args, hyper):
+    def _stream(self, sig, h, fwd, bwd, recorder, n, k, train, loss_exe, cotangent, loss_args, hyper, mode):
         throttle = self.throttle
         save = train and self.remat is not True
-        opt = self.optimizer if train else None
+        opt = self.optimizer if mode == "update" else None
         offload = train and self.offload_activations
         res_dev = [list(e.output_shardings[1]) for e in fwd] if (offload and save) else None
         offloaded = [False] * n
@@ -1202,8 +1405,11 @@ class StreamingRuntime:
             g = jax.device_put(cd, self._act(_split_diff(sig.chain[-1])[0]), may_alias=False)
             first = out
         del out
-        host_grads: list | None = [None] * n if opt is None else None
-        qs: dict[int, Any] = {}
+        host_grads: list | None = [None] * n if mode is None else None
+        qs: dict[int, Any] | None = {} if mode == "update" else None
+        qa: dict[int, Any] | None = {} if mode is not None and self.grad_acc is not None else None
+        new_acc: list = [None] * n
+        sumsq: list = [None] * n
         prev_host = None
         def fetch_acts(j):
             if offloaded[j]:
@@ -1213,7 +1419,7 @@ class StreamingRuntime:
                 offloaded[j] = False
 
         for j in range(n - 1, max(-1, n - 1 - k), -1):
-            self._fetch(q, j, "backward", recorder, qs)
+            self._fetch(q, j, "backward", recorder, qs, qa)
             fetch_acts(j)
         for i in range(n - 1, -1, -1):
             p = q.pop(i)
@@ -1225,25 +1431,35 @@ class StreamingRuntime:
                 args += (saved[i],)
                 saved[i] = None
             args += (g,)
-            if opt is not None:
+            if qa is not None:
+                args += (qa.pop(i),)
+            if mode == "update":
                 args += (qs.pop(i), hyper)
             res = bwd[i](*args)
             del args, xi
-            if opt is None:
+            if mode is None:
                 g, dp = res
+            elif mode == "accum":
+                g, acc_i, sumsq[i] = res
             else:
                 g, new_p, new_s = res
             del res
             if recorder is not None:
                 recorder.add(ev, g)
             ev = StageEvent("backward", i, "d2h", recorder.now()) if recorder is not None else None
-            if opt is None:
+            if mode != "update":
                 if nxt is not None and i <= k and not self.resident[i]:  # stages 0..k: kept for the next call
                     nxt[i] = (self.host_params[i], p)  # not donated (keep_w): the next call's forward starts with it
-                self._track(dp, i)
-                hg = jax.device_put(dp, self._diff_grad_sh[i])
-                host_grads[i] = _merge_diff(hg, None, _split_diff(self._param_avals[i])[2])
-                moved = hg
+                if mode is None:
+                    self._track(dp, i)
+                    hg = jax.device_put(dp, self._diff_grad_sh[i])
+                    host_grads[i] = _merge_diff(hg, None, _split_diff(self._param_avals[i])[2])
+                    moved = hg
+                else:
+                    dp = acc_i
+                    self._track(dp, i)
+                    new_acc[i] = moved = jax.device_put(acc_i, self._acc_host_sh[i])
+                    del acc_i
             else:
                 dp = (new_p, new_s)  # the device-side results, alive until this stage is recorded
                 self._track(dp, i)
@@ -1258,13 +1474,17 @@ class StreamingRuntime:
             if throttle and prev_host is not None:
                 jax.block_until_ready(prev_host)  # stage i+1's results are on the host
             if i - k >= 0:
-                self._fetch(q, i - k, "backward", recorder, qs)
+                self._fetch(q, i - k, "backward", recorder, qs, qa)
                 fetch_acts(i - k)
             self._record("backward", i)
             del p, dp
             prev_host = moved
-        if opt is not None:
+        if mode == "update":
             self.step += 1
+            self.grad_acc, self.micro_batches = None, 0
+        elif mode == "accum":
+            self.grad_acc, self.micro_batches = new_acc, self.micro_batches + 1
+            self._sumsq = sumsq
         if nxt is not None:
             self._carry = nxt
         gx = _merge_diff(g, None, _split_diff(sig.in_aval)[2])
@@ -1349,19 +1569,53 @@ def _saved_vjp(treedef, sources):
     return core
 
 
-def _with_update(core, opt: AdamW, train_mask: list):
-    """Wrap a vjp ``core`` so that it also applies ``opt`` to the trainable leaves: ``(..., state, hyper) ->
-    (gx, new_params, new_state)``."""
+def _trainable_grads(p, gp, train_mask: list, acc) -> list:
+    """The gradients of the trainable leaves of ``p`` (from ``gp``, over the floating leaves), plus ``acc``."""
+    leaves = jax.tree_util.tree_leaves(p)
+    grad_of = dict(zip([j for j, a in enumerate(leaves) if _is_diff(a)], gp))
+    grads = [grad_of[j] for j, m in enumerate(train_mask) if m]
+    if acc is not None:
+        grads = [a + g for a, g in zip(acc, grads)]
+    return grads
+
+
+def _with_accum(core, train_mask: list, has_acc: bool):
+    """Wrap a vjp ``core``: ``(..., [acc]) -> (gx, acc + grads of the trainable leaves, their sum of squares)``."""
+    def fn(*args):
+        core_args, acc = (args[:-1], args[-1]) if has_acc else (args, None)
+        gx, gp = core(*core_args)
+        grads = _trainable_grads(core_args[0], gp, train_mask, acc)
+        return gx, grads, _optim.sum_squares(grads)
+    return fn
+
+
+def _update_only(train_mask: list, groups: tuple):
+    """``(p, grads, state, hyper, coef) -> (new_p, new_state)``: AdamW on the trainable leaves with ``grads * coef``."""
+    def fn(p, grads, state, hyper, coef):
+        leaves, treedef = jax.tree_util.tree_flatten(p)
+        sel = [j for j, m in enumerate(train_mask) if m]
+        new_sel, new_state = _optim.apply_update([leaves[j] for j in sel], grads, state, hyper, list(groups),
+                                                 scale=coef)
+        new_leaves = list(leaves)
+        for j, v in zip(sel, new_sel):
+            new_leaves[j] = v
+        return jax.tree_util.tree_unflatten(treedef, new_leaves), new_state
+    return fn
+
+
+def _with_update(core, train_mask: list, groups: tuple, has_acc: bool = False):
+    """Wrap a vjp ``core`` so that it also applies AdamW to the trainable leaves: ``(..., [acc], state, hyper) ->
+    (gx, new_params, new_state)`` (``groups``: each trainable leaf's row of ``hyper``; ``acc``: gradients
+    accumulated by earlier micro-batches, added first)."""
     def fn(*args):
         *core_args, state, hyper = args
+        acc = core_args.pop() if has_acc else None
         gx, gp = core(*core_args)
         p = core_args[0]
         leaves, treedef = jax.tree_util.tree_flatten(p)
-        diff_idx = [j for j, a in enumerate(leaves) if _is_diff(a)]
-        grad_of = dict(zip(diff_idx, gp))
         sel = [j for j, m in enumerate(train_mask) if m]
-        new_sel, new_state = _optim.apply_update(opt, [leaves[j] for j in sel], [grad_of[j] for j in sel],
-                                                 state, hyper)
+        new_sel, new_state = _optim.apply_update([leaves[j] for j in sel], _trainable_grads(p, gp, train_mask, acc),
+                                                 state, hyper, list(groups))
         new_leaves = list(leaves)
         for j, v in zip(sel, new_sel):
             new_leaves[j] = v

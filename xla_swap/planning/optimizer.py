@@ -11,7 +11,10 @@ import dataclasses
 import math
 from numbers import Real
 
-__all__ = ["AdamW"]
+__all__ = ["AdamW", "HYPER_WIDTH"]
+
+#: Columns of one parameter group's row of step scalars (``AdamW.hyper``).
+HYPER_WIDTH = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +33,8 @@ class AdamW:
     ``state_dtype``.
 
     Args:
-      lr: learning rate (> 0, finite).
+      lr: learning rate (>= 0, finite; 0 is a warm-up schedule's first value: the moments and
+        the step still advance, the weights do not move).
       betas: ``(beta1, beta2)``, each in [0, 1).
       eps: added to the denominator (> 0).
       weight_decay: decoupled weight decay (>= 0).
@@ -51,8 +55,8 @@ class AdamW:
     def __post_init__(self):
         for name in ("lr", "eps", "weight_decay"):
             object.__setattr__(self, name, _finite(f"AdamW {name}", getattr(self, name)))
-        if self.lr <= 0:
-            raise ValueError(f"AdamW lr must be > 0, got {self.lr}")
+        if self.lr < 0:
+            raise ValueError(f"AdamW lr must be >= 0, got {self.lr}")
         if self.eps <= 0:
             raise ValueError(f"AdamW eps must be > 0, got {self.eps}")
         if self.weight_decay < 0:
@@ -81,52 +85,90 @@ class AdamW:
         item = param_itemsize if self.state_dtype is None else _ITEMSIZE.get(self.state_dtype, 4)
         return int(self.num_moments * n * item)
 
-    def hyper(self, step: int, lr: float | None = None) -> tuple[float, float, float]:
-        """The step's scalars, computed in float64 as torch does: ``(1 - lr*wd, lr/(1-b1^t), sqrt(1-b2^t))``.
+    def hyper(self, step: int, lr: float | None = None) -> tuple[float, ...]:
+        """The step's scalars, computed in float64 as torch does.
+
+        Returns: a tuple of ``HYPER_WIDTH`` floats ``(1 - lr*wd, lr/(1-b1^t), sqrt(1-b2^t), b1, 1-b1,
+        b2, 1-b2, eps)``: every hyperparameter the update reads, so that the runtimes pass them as
+        one traced row per parameter group (schedules of any of them never recompile).
 
         Args:
           step: the 1-based step number t (int >= 1).
           lr: the learning rate of this step (default ``self.lr``), e.g. from a schedule.
 
-        Raises: ValueError: ``step < 1`` or ``lr <= 0``.
+        Raises: ValueError: ``step < 1`` or ``lr < 0``; TypeError: ``lr`` is not a real number.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 1:
             raise ValueError(f"step must be an int >= 1, got {step!r}")
         lr = self.lr if lr is None else _finite("lr", lr)
-        if not lr > 0:
-            raise ValueError(f"lr must be > 0, got {lr!r}")
+        if not lr >= 0:
+            raise ValueError(f"lr must be >= 0, got {lr!r}")
         b1, b2 = self.betas
-        return 1.0 - lr * self.weight_decay, lr / (1.0 - b1 ** step), math.sqrt(1.0 - b2 ** step)
+        return (1.0 - lr * self.weight_decay, lr / (1.0 - b1 ** step), math.sqrt(1.0 - b2 ** step),
+                b1, 1.0 - b1, b2, 1.0 - b2, self.eps)
 
     @classmethod
     def from_torch(cls, optimizer) -> "AdamW":
-        """The configuration of a ``torch.optim.AdamW`` (or ``Adam``) instance, from its first param group.
+        """The configuration of a ``torch.optim.AdamW`` (or ``Adam``) instance with one configuration.
+
+        Raises: the errors of :meth:`groups_from_torch`, and ValueError when the param groups
+        differ in a hyperparameter (use :meth:`groups_from_torch` for one configuration per group).
+        """
+        groups = cls.groups_from_torch(optimizer)
+        for i, g in enumerate(groups[1:], 1):
+            if g != groups[0]:
+                raise ValueError(f"optimizer.param_groups[{i}] has other hyperparameters than group 0; "
+                                 "AdamW.from_torch reads one configuration (groups_from_torch reads one per group)")
+        return groups[0]
+
+    @classmethod
+    def groups_from_torch(cls, optimizer, state_dtype: str | None = None) -> list["AdamW"]:
+        """One configuration per ``param_group`` of a ``torch.optim.AdamW`` (or ``Adam``), read now.
+
+        Reads ``lr`` (a float or a 0-d tensor), ``betas``, ``eps`` and ``weight_decay`` of every
+        group, so a ``torch.optim.lr_scheduler`` that changed them since is seen. Duck-typed (no
+        torch import): the optimizer's class must be named ``AdamW`` or ``Adam``.
+
+        Args:
+          optimizer: the torch optimizer.
+          state_dtype: the ``state_dtype`` of every returned configuration.
+
+        Returns: a list of ``AdamW``, ``len(optimizer.param_groups)`` long, in group order.
 
         Raises:
-          TypeError: ``optimizer`` is not a torch AdamW/Adam.
-          ValueError: options this update does not implement are on (``amsgrad``,
-            ``maximize``, several param groups with different hyperparameters, ``Adam`` with
-            weight decay, which is L2 rather than decoupled).
+          TypeError: ``optimizer`` is not a torch AdamW/Adam (the message names its class).
+          ValueError: a group has an option this update does not implement (``amsgrad=True``,
+            ``maximize=True``, ``Adam`` with ``weight_decay`` and without
+            ``decoupled_weight_decay``: L2 regularisation, not AdamW), or a hyperparameter out
+            of range; the message names the group and the option.
         """
         name = type(optimizer).__name__
         groups = getattr(optimizer, "param_groups", None)
         if name not in ("AdamW", "Adam") or not groups:
             raise TypeError(f"optimizer must be a torch.optim.AdamW (or an xla_swap AdamW), got {name}")
-        keys = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
-        g0 = {k: groups[0].get(k) for k in keys}
-        for i, g in enumerate(groups[1:], 1):
-            if any(g.get(k) != g0[k] for k in keys):
-                raise ValueError(f"optimizer.param_groups[{i}] has other hyperparameters than group 0; "
-                                 "one configuration for all parameters is supported")
-        if g0["amsgrad"] or g0["maximize"]:
-            raise ValueError("optimizer: amsgrad=True and maximize=True are not supported")
-        wd = float(g0["weight_decay"] or 0.0)
-        if name == "Adam" and wd:
-            raise ValueError("optimizer: torch.optim.Adam with weight_decay is L2 regularisation, not AdamW's "
-                             "decoupled decay; use torch.optim.AdamW")
-        lr = g0["lr"]
-        lr = float(lr.item() if hasattr(lr, "item") else lr)
-        return cls(lr=lr, betas=tuple(float(b) for b in g0["betas"]), eps=float(g0["eps"]), weight_decay=wd)
+        out = []
+        for i, g in enumerate(groups):
+            for opt_name in ("amsgrad", "maximize"):
+                if g.get(opt_name):
+                    raise ValueError(f"optimizer.param_groups[{i}]: {opt_name}=True is not supported")
+            wd = g.get("weight_decay") or 0.0
+            if name == "Adam" and wd and not g.get("decoupled_weight_decay", False):
+                raise ValueError(f"optimizer.param_groups[{i}]: torch.optim.Adam with weight_decay is L2 "
+                                 "regularisation, not AdamW's decoupled decay; use torch.optim.AdamW")
+            vals = {k: g.get(k) for k in ("lr", "betas", "eps")}
+            vals = {k: (tuple(_item(b) for b in v) if k == "betas" and isinstance(v, (tuple, list)) else _item(v))
+                    for k, v in vals.items()}
+            try:
+                out.append(cls(lr=vals["lr"], betas=vals["betas"], eps=vals["eps"], weight_decay=_item(wd),
+                               state_dtype=state_dtype))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"optimizer.param_groups[{i}]: {e}") from None
+        return out
+
+
+def _item(v):
+    """A 0-d tensor's (or numpy scalar's) Python number; anything else unchanged."""
+    return v.item() if hasattr(v, "item") and getattr(v, "shape", None) in ((), []) else v
 
 
 def _finite(name: str, v) -> float:
