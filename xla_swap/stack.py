@@ -30,6 +30,11 @@ Design (``docs/design.md``):
   (attention mask, rotary ``position_embeddings``); each layer is called
   ``layer(h, **layer_kwargs)`` (a tuple result's first element is the new ``h``); ``last(h)``
   gives the output. Integer tensors (token ids) are constants: they get no gradient.
+  Layers that get different keyword values (a sliding-window and a full mask) are told apart
+  by ``first.layer_keys`` (one hashable key per layer) and ``first.select_layer_kwargs(key,
+  layer_kwargs) -> kwargs``: layer ``i`` is then called with
+  ``select_layer_kwargs(layer_keys[i], layer_kwargs)``, and only layers of one key share a
+  compiled function (``xla_swap.hf.CausalLMFirst`` does this).
 
 The module imports torch, torchax, jax and numpy; not torch_xla.
 """
@@ -46,6 +51,7 @@ import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xla_swap.executors.streaming import StreamingRuntime, _remat_from_policy
+from xla_swap.hf import causal_lm_stages  # noqa: F401  (re-exported: the entry point's splitter)
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.planning.policy import OffloadPolicy
 
@@ -65,6 +71,57 @@ def _torchax():
     ``xla_swap._compat.torchax``): torch's CUDA autograd and FSDP2 keep working in the process."""
     from xla_swap._compat.torchax import import_torchax
     return import_torchax()
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """``torch.nn.functional.scaled_dot_product_attention`` with torch's result where a query row has no
+    key left (every key masked: a padding query of a left-padded batch): zeros, and no gradient
+    through that row. torchax 0.0.6's version gives NaN there, which the next layer spreads to every
+    row. Otherwise torch's reference math (``softmax(q k^T * scale + mask) v``), as torchax computes it.
+
+    Raises: ValueError: ``dropout_p > 0`` (random: not reproducible against torch).
+    """
+    if dropout_p:
+        raise ValueError("scaled_dot_product_attention with dropout_p > 0 cannot equal torch's (random); "
+                         "set the model's attention dropout to 0 or call model.eval()")
+    L, S = query.shape[-2], key.shape[-2]
+    keep = torch.ones(L, S, dtype=torch.bool).tril() if is_causal else None
+    bias = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            keep = attn_mask if keep is None else keep & attn_mask
+        else:
+            bias = attn_mask
+            finite = attn_mask > float("-inf")
+            keep = finite if keep is None else keep & finite
+    dead = None
+    if keep is not None:
+        dead = ~keep.any(-1, keepdim=True)
+        keep = keep | dead
+    if enable_gqa:
+        key = key.repeat_interleave(query.shape[-3] // key.shape[-3], -3)
+        value = value.repeat_interleave(query.shape[-3] // value.shape[-3], -3)
+    scale = 1 / float(query.shape[-1]) ** 0.5 if scale is None else scale
+    w = query @ key.transpose(-2, -1) * scale
+    if bias is not None:
+        w = w + bias.masked_fill(dead, 0.0) if dead is not None else w + bias
+    if keep is not None:
+        w = w.masked_fill(~keep, float("-inf"))
+    out = torch.softmax(w, dim=-1) @ value
+    return out if dead is None else out.masked_fill(dead, 0.0)
+
+
+def _follow_torch_sdpa(env) -> None:
+    """Make ``env`` (torchax's environment) run :func:`_sdpa` for ``scaled_dot_product_attention`` (once)."""
+    if id(env) in _SDPA_ENVS:
+        return
+    from xla_swap._compat.torchax import override_op
+    for op in (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention):
+        override_op(env, op, _sdpa)
+    _SDPA_ENVS.add(id(env))
+
+
+_SDPA_ENVS: set = set()
 
 
 #: torch's fp32 matmul setting -> ``jax.default_matmul_precision``: ``"ieee"`` (torch's default,
@@ -226,15 +283,41 @@ def _linear_weights(mod: torch.nn.Module) -> frozenset[str]:
     return frozenset(names & own)
 
 
-def _module_fn(mod: torch.nn.Module, env, transposed: frozenset = frozenset()):
+def _embedding_padding_rows(mod: torch.nn.Module) -> dict[str, int]:
+    """``{weight name: padding_idx}`` of every ``nn.Embedding`` in ``mod`` with a ``padding_idx``.
+
+    Raises: ValueError naming the module for ``max_norm`` (the forward rewrites the weight),
+    ``scale_grad_by_freq`` or ``sparse`` (gradients torchax does not compute like torch).
+    """
+    rows = {}
+    for prefix, sub in mod.named_modules():
+        if not isinstance(sub, torch.nn.Embedding):
+            continue
+        for attr in ("max_norm", "scale_grad_by_freq", "sparse"):
+            if getattr(sub, attr, None):
+                raise ValueError(f"{prefix or type(mod).__name__} ({type(sub).__name__}) uses {attr}: not supported")
+        if sub.padding_idx is not None:
+            rows[f"{prefix}.weight" if prefix else "weight"] = int(sub.padding_idx) % sub.num_embeddings
+    return rows
+
+
+def _module_fn(mod: torch.nn.Module, env, transposed: frozenset = frozenset(), padding_rows: dict | None = None):
     """``f(states, args, kwargs) -> outputs``: ``mod.forward`` as a JAX function of its weights (torchax).
 
     The weights named in ``transposed`` arrive in the host layout ``[in, out]`` and are handed
     to the module as their transpose (``[out, in]``, ``nn.Linear``'s); XLA folds the
     transpose into the matmul (its ``TransposeFolding`` pass), which then contracts like
-    ``h @ w``.
+    ``h @ w``. ``padding_rows`` (``{name: row}``, an ``nn.Embedding``'s ``padding_idx``): that row
+    of the weight gets no gradient from this module, as torch's embedding backward gives
+    (torchax's does not exclude it); values are unchanged.
     """
     def f(states, args, kwargs=None):
+        if padding_rows:
+            states = dict(states)
+            for n, row in padding_rows.items():
+                v = states[n]
+                is_pad = (jnp.arange(v.shape[0]) == row)[:, None]
+                states[n] = jnp.where(is_pad, jax.lax.stop_gradient(v), v)
         if transposed:
             states = {n: (jnp.swapaxes(v, 0, 1) if n in transposed else v) for n, v in states.items()}
         states, args, kwargs = env.j2t_iso((states, args, kwargs or {}))
@@ -256,6 +339,20 @@ def _torch_fn(fn: Callable, env):
 
 def _signature(mod: torch.nn.Module) -> tuple:
     return (type(mod), tuple((n, tuple(t.shape), t.dtype) for n, t in mod.state_dict(keep_vars=True).items()))
+
+
+def _layer_selection(first, n_layers: int):
+    """``(keys, select)``: per layer, the key of its keyword arguments, and ``first.select_layer_kwargs`` (or
+    ``None``: every layer gets the whole carry dict). TypeError unless ``first.layer_keys`` has one
+    hashable key per layer."""
+    select = getattr(first, "select_layer_kwargs", None)
+    if select is None:
+        return [None] * n_layers, None
+    keys = list(getattr(first, "layer_keys", ()))
+    if len(keys) != n_layers or not callable(select):
+        raise TypeError(f"first.select_layer_kwargs needs first.layer_keys with one key per layer ({n_layers}), "
+                        f"got {len(keys)}")
+    return keys, select
 
 
 def _split_carry(out, stage: str):
@@ -416,6 +513,7 @@ class SwappedStack:
                 owner[id(p)] = name
         tx = _torchax()
         env = tx.default_env()
+        _follow_torch_sdpa(env)
 
         # ---- stage functions: one per distinct layer signature ----
         self.modules: list[torch.nn.Module] = modules
@@ -429,27 +527,28 @@ class SwappedStack:
         tr = iter(self.transposed)
         fns = []
         if first is not None:
-            ffn = _module_fn(first, env, next(tr))
+            ffn = _module_fn(first, env, next(tr), _embedding_padding_rows(first))
 
             def first_stage(w, inputs, ffn=ffn):
                 return _split_carry(ffn(w, tuple(inputs)), "first")
             fns.append(first_stage)
         shared: dict = {}
+        keys, select = _layer_selection(first, len(layers))
         for i, m in enumerate(layers):
-            sig, tr_i = _signature(m), next(tr)
+            sig, tr_i = (_signature(m), keys[i]), next(tr)
             if sig not in shared:
-                lfn = _module_fn(m, env, tr_i)
+                lfn = _module_fn(m, env, tr_i, _embedding_padding_rows(m))
 
-                def layer_stage(w, carry, lfn=lfn):
+                def layer_stage(w, carry, lfn=lfn, key=keys[i]):
                     h, kw = carry
-                    out = lfn(w, (h,), kw)
+                    out = lfn(w, (h,), kw if select is None else select(key, kw))
                     if isinstance(out, (tuple, list)):
                         out = out[0]
                     return out, kw
                 shared[sig] = layer_stage
             fns.append(shared[sig])
         if last is not None:
-            lastfn = _module_fn(last, env, next(tr))
+            lastfn = _module_fn(last, env, next(tr), _embedding_padding_rows(last))
 
             def last_stage(w, carry, lastfn=lastfn):
                 return lastfn(w, (carry[0],))
@@ -751,57 +850,3 @@ class SwappedStack:
         if isinstance(y, tuple) and len(y) == 2 and isinstance(y[1], dict):
             y = y[0]
         return jax.tree_util.tree_map(lambda a: _out_to_torch(a, device), y)
-
-
-class _CausalLMFirst(torch.nn.Module):
-    """Token embedding, rotary position embeddings and the causal mask of a Hugging Face decoder."""
-
-    def __init__(self, embed_tokens, rotary_emb):
-        super().__init__()
-        self.embed_tokens, self.rotary_emb = embed_tokens, rotary_emb
-
-    def forward(self, input_ids):
-        h = self.embed_tokens(input_ids)
-        t = input_ids.shape[1]
-        pos = torch.arange(t, device=input_ids.device)[None, :]
-        cos, sin = self.rotary_emb(h, pos)
-        mask = torch.full((t, t), torch.finfo(h.dtype).min, dtype=h.dtype, device=h.device).triu(1)[None, None]
-        return h, {"attention_mask": mask, "position_embeddings": (cos, sin)}
-
-
-class _CausalLMLast(torch.nn.Module):
-    """Final norm and LM head of a Hugging Face decoder."""
-
-    def __init__(self, norm, lm_head):
-        super().__init__()
-        self.norm, self.lm_head = norm, lm_head
-
-    def forward(self, h):
-        return self.lm_head(self.norm(h))
-
-
-def causal_lm_stages(model: torch.nn.Module):
-    """Split a Hugging Face Llama-style causal LM into ``(first, layers, last)`` for ``SwappedStack``.
-
-    ``first`` embeds the tokens and computes the rotary position embeddings and a causal
-    additive mask (every layer gets ``attention_mask`` and ``position_embeddings``);
-    ``layers`` is ``model.model.layers`` (unmodified); ``last`` is the final norm and the LM head.
-    The modules share the model's parameters (no copy).
-
-    Args:
-      model: e.g. ``transformers.LlamaForCausalLM`` (needs ``model.model.embed_tokens``,
-        ``.rotary_emb``, ``.layers``, ``.norm`` and ``model.lm_head``). Inputs are unpadded
-        ``input_ids`` of shape ``[batch, seq]``.
-
-    Raises: TypeError: the model lacks one of those attributes.
-    """
-    inner = getattr(model, "model", None)
-    need = ("embed_tokens", "rotary_emb", "layers", "norm")
-    if inner is None or not all(hasattr(inner, a) for a in need) or not hasattr(model, "lm_head"):
-        raise TypeError("model must be a Llama-style causal LM with model.model.embed_tokens, .rotary_emb, .layers, "
-                        f".norm and model.lm_head, got {type(model).__name__}")
-    if model.lm_head.weight is inner.embed_tokens.weight:
-        raise ValueError("the model ties lm_head to embed_tokens (tie_word_embeddings=True); untie them for "
-                         "SwappedStack")
-    return _CausalLMFirst(inner.embed_tokens, inner.rotary_emb), list(inner.layers), \
-        _CausalLMLast(inner.norm, model.lm_head)
