@@ -118,6 +118,8 @@ class CausalLMFirst(torch.nn.Module):
         real = getattr(base, layer_attr)
         self._signatures = [inspect.signature(m.forward) for m in real]
         self._accepts = set(inspect.signature(base.forward).parameters)
+        head = model.get_output_embeddings()
+        self._vocab = int(head.weight.shape[0]) if isinstance(getattr(head, "weight", None), torch.Tensor) else 2
         #: per layer, its group (an int): layers of one group get the same keyword values.
         self.layer_keys: list[int] = []
         #: per group, the constant (non-tensor) keyword arguments the model passes those layers.
@@ -183,6 +185,11 @@ class CausalLMFirst(torch.nn.Module):
                                      f"{idx} of one group (found at construction): stages cannot express it")
                 carry[f"{name}@{g}"] = v
         return h, carry
+
+    def example_inputs(self) -> tuple:
+        """A small input, ``(input_ids [2, 8], attention_mask [2, 8])`` with the first row left-padded:
+        ``SwappedStack`` traces every stage on it at construction (a model that does not trace is refused there)."""
+        return _probe_inputs(self._vocab)
 
     def select_layer_kwargs(self, key: int, kwargs: dict) -> dict:
         """The keyword arguments of a layer of group ``key`` from the carry dict ``kwargs`` (see the class)."""
@@ -327,11 +334,7 @@ def _refuse_unsupported(name: str, prefix: str, layers_attr: str, layers) -> Non
 def _probe(model, base, layers_attr: str, first: CausalLMFirst, last: CausalLMLast) -> None:
     """Group the layers by the keyword values the model gives them, and check the ends against the model's forward."""
     name = type(model).__name__
-    vocab = model.get_output_embeddings().weight.shape[0] if hasattr(model.get_output_embeddings(), "weight") else 2
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, max(int(vocab), 1), (2, _PROBE_T), generator=g)
-    mask = torch.ones(2, _PROBE_T, dtype=torch.long)
-    mask[0, :2] = 0
+    ids, mask = _probe_inputs(first._vocab)
     with torch.no_grad():
         record, _ = first._run(ids, mask, None, stop=False)
         keys: dict[tuple, int] = {}
@@ -356,6 +359,14 @@ def _probe(model, base, layers_attr: str, first: CausalLMFirst, last: CausalLMLa
     if got.shape != ref.shape or not torch.equal(got[mask.bool()], ref[mask.bool()]):
         raise ValueError(f"{name}: the stages' logits differ from the model's own forward on a probe input (the "
                          "base model's forward does something after its layers that the stages do not reproduce)")
+
+
+def _probe_inputs(vocab: int) -> tuple:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, max(int(vocab), 1), (2, _PROBE_T), generator=g)
+    mask = torch.ones(2, _PROBE_T, dtype=torch.long)
+    mask[0, :2] = 0
+    return ids, mask
 
 
 class _Identity(torch.nn.Module):

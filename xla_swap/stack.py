@@ -355,6 +355,10 @@ def _layer_selection(first, n_layers: int):
     return keys, select
 
 
+#: prefix of the carry keys that hold a weight shared by ``first`` and ``last`` (``SwappedStack.tied``).
+_TIED = "xla_swap.tied:"
+
+
 def _split_carry(out, stage: str):
     if isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[1], dict):
         return out[0], dict(out[1])
@@ -505,12 +509,20 @@ class SwappedStack:
         owner: dict[int, str] = {}
         names = (["first"] if first is not None else []) + [f"layers[{i}]" for i in range(len(layers))] + \
             (["last"] if last is not None else [])
+        first_names: dict[int, str] = {}
+        #: ``{name in last: name in first}``: parameters ``first`` and ``last`` share (tied embeddings).
+        tied: dict[str, str] = {}
         for name, m in zip(names, modules):
             for pn, p in m.named_parameters():
                 if id(p) in owner and owner[id(p)] != name:
+                    if owner[id(p)] == "first" and name == "last" and m is last:
+                        tied[pn] = first_names[id(p)]
+                        continue
                     raise ValueError(f"parameter {name}.{pn} is also in {owner[id(p)]}: weights shared between "
-                                     "stages (tied embeddings) are not supported; untie them")
+                                     "stages are supported between first and last only (tied embeddings)")
                 owner[id(p)] = name
+                if name == "first":
+                    first_names[id(p)] = pn
         tx = _torchax()
         env = tx.default_env()
         _follow_torch_sdpa(env)
@@ -524,13 +536,24 @@ class SwappedStack:
         #: and the device (``transpose_linear``).
         self.transposed: list[frozenset[str]] = [_linear_weights(m) if transpose_linear else frozenset()
                                                  for m in modules]
+        if tied:
+            self.transposed[-1] = self.transposed[-1] - set(tied)
+        #: ``{name in last: name in first}``: the weights ``first`` and ``last`` share (tied embeddings):
+        #: held once, in the first stage (one gradient, the sum of both uses; one optimizer state), and
+        #: carried to the last stage on the device as part of the carry.
+        self.tied: dict[str, str] = dict(tied)
         tr = iter(self.transposed)
         fns = []
         if first is not None:
             ffn = _module_fn(first, env, next(tr), _embedding_padding_rows(first))
 
+            tr_first = self.transposed[0]
+
             def first_stage(w, inputs, ffn=ffn):
-                return _split_carry(ffn(w, tuple(inputs)), "first")
+                h, kw = _split_carry(ffn(w, tuple(inputs)), "first")
+                for nl, nf in tied.items():  # in torch's layout
+                    kw[_TIED + nl] = jnp.swapaxes(w[nf], 0, 1) if nf in tr_first else w[nf]
+                return h, kw
             fns.append(first_stage)
         shared: dict = {}
         keys, select = _layer_selection(first, len(layers))
@@ -541,7 +564,8 @@ class SwappedStack:
 
                 def layer_stage(w, carry, lfn=lfn, key=keys[i]):
                     h, kw = carry
-                    out = lfn(w, (h,), kw if select is None else select(key, kw))
+                    own = {n: v for n, v in kw.items() if not n.startswith(_TIED)} if tied else kw
+                    out = lfn(w, (h,), own if select is None else select(key, own))
                     if isinstance(out, (tuple, list)):
                         out = out[0]
                     return out, kw
@@ -551,13 +575,16 @@ class SwappedStack:
             lastfn = _module_fn(last, env, next(tr), _embedding_padding_rows(last))
 
             def last_stage(w, carry, lastfn=lastfn):
+                if tied:
+                    w = {**w, **{nl: carry[1][_TIED + nl] for nl in tied}}
                 return lastfn(w, (carry[0],))
             fns.append(last_stage)
 
         # ---- weights: torch -> host numpy (never through the device) ----
         stage_params, trainable = [], []
         for m, tr_m in zip(modules, self.transposed):
-            params = {n: _to_numpy(p.t() if n in tr_m else p) for n, p in m.named_parameters()}
+            params = {n: _to_numpy(p.t() if n in tr_m else p) for n, p in m.named_parameters()
+                      if not (m is last and n in tied)}
             buffers = {n: _to_numpy(b) for n, b in m.named_buffers()}
             trainable.append(list(params))  # ordered: every process must gather in the same order
             stage_params.append({**buffers, **params})
@@ -628,6 +655,23 @@ class SwappedStack:
         #: jax's fp32 matmul precision the executables were traced with: torch's setting
         #: (:func:`torch_matmul_precision`), read again at every call.
         self.matmul_precision: str = torch_matmul_precision()
+        example = getattr(first, "example_inputs", None)
+        if callable(example):  # refuse at construction what does not trace (e.g. an op torchax lacks)
+            self._check_trace(example())
+
+    def _check_trace(self, inputs: tuple) -> None:
+        """Trace the forward of every stage (shapes only, nothing compiled or run) on ``inputs``.
+
+        Raises: ValueError naming the stage and its module when a stage fails to trace.
+        """
+        try:
+            with self._torch_precision():
+                self.runtime.output_aval(self._carry_in(tuple(inputs)))
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            i = int(msg.split(":")[0].split()[1]) if msg.startswith("stage ") else None
+            where = f"{self.stage_names[i]} ({type(self.modules[i]).__name__})" if i is not None else "a stage"
+            raise ValueError(f"{where} does not trace with torchax on an example input: {msg}") from e
 
     @contextlib.contextmanager
     def _torch_precision(self):
