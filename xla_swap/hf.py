@@ -151,6 +151,11 @@ class CausalLMFirst(torch.nn.Module):
         return record, out
 
     def forward(self, input_ids, attention_mask=None, position_ids=None):
+        if attention_mask is None and position_ids is None:
+            # the model's own result for no mask (an all-ones mask is the same to it); without one, a traced
+            # forward takes transformers' packed-sequence path (position ids read per token), which torchax
+            # cannot trace. With position_ids and no mask that path stays (packing is then the user's).
+            attention_mask = torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
         record, _ = self._run(input_ids, attention_mask, position_ids, stop=True)
         h = record[0][0]
         groups: dict[int, list[int]] = {}

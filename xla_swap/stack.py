@@ -321,10 +321,24 @@ def _module_fn(mod: torch.nn.Module, env, transposed: frozenset = frozenset(), p
         if transposed:
             states = {n: (jnp.swapaxes(v, 0, 1) if n in transposed else v) for n, v in states.items()}
         states, args, kwargs = env.j2t_iso((states, args, kwargs or {}))
-        with env:
+        with env, _no_scalar_unwrap(env):
             res = torch.func.functional_call(mod, states, args, kwargs, tie_weights=False)
             return env.t2j_iso(res)
     return f
+
+
+@contextlib.contextmanager
+def _no_scalar_unwrap(env):
+    """Turn off torchax's ``allow_mixed_math_with_scalar_tensor`` for the block: with it, torchax 0.0.6 takes
+    ``.item()`` of any one-element *view* of its own tensors used as an index (``mask[batch_idx, kv_idx]``
+    in ``transformers.masking_utils`` at batch 1), which fails while tracing."""
+    cfg = env.config
+    old = cfg.allow_mixed_math_with_scalar_tensor
+    cfg.allow_mixed_math_with_scalar_tensor = False
+    try:
+        yield
+    finally:
+        cfg.allow_mixed_math_with_scalar_tensor = old
 
 
 def _torch_fn(fn: Callable, env):
