@@ -461,7 +461,9 @@ class SwappedStack:
         ``optimizer``, ``loss_fn``, ``devices``, ``shard`` or ``calibration`` has the wrong type.
       ValueError: ``layers`` is empty; both ``policy`` and ``budget_bytes``; a bad budget (below
         the streaming window of weights and optimizer state);
-        a parameter shared by two stages (tied weights are not supported); a torch
+        a parameter shared by two stages other than ``first`` and ``last`` (tied embeddings: held once
+        by ``first``, carried to ``last``; ``tied``); a stage that fails to trace on
+        ``first.example_inputs()`` (when ``first`` has it: the message names the stage's module); a torch
         optimizer with options AdamW here does not implement; ``shard`` is unknown.
       ImportError: torchax is not installed.
     """

@@ -162,3 +162,22 @@ def test_layers_get_their_own_mask():
     h, kw = first(x, mask)
     a, b = (first.select_layer_kwargs(k, kw)["attention_mask"] for k in (0, 1))
     assert a.shape == b.shape and not torch.equal(a, b)
+
+
+def test_sdpa_fully_masked_rows_equal_torch():
+    """torchax runs xla_swap's sdpa (``_compat.torchax.override_op``): a query row with every key masked
+    (a pad query of a left-padded batch) gives torch's zeros, not NaN, and finite gradients."""
+    from xla_swap.stack import _sdpa, _torchax, _follow_torch_sdpa
+    env = _torchax().default_env()
+    _follow_torch_sdpa(env)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))
+    keep = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
+    keep[..., 0, :] = False
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    torch.testing.assert_close(_sdpa(q, k, v, attn_mask=keep), want, rtol=1e-6, atol=1e-6)
+    f = jax.jit(lambda a, b, c, m: env.t2j_iso(torch.nn.functional.scaled_dot_product_attention(
+        *env.j2t_iso((a, b, c)), attn_mask=env.j2t_iso(m))))
+    with env:
+        got = f(*(x.numpy() for x in (q, k, v, keep)))
+    torch.testing.assert_close(torch.from_numpy(jax.numpy.asarray(got).__array__()), want, rtol=1e-5, atol=1e-6)
