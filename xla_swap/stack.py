@@ -31,6 +31,11 @@ Design (``docs/design.md``):
   (attention mask, rotary ``position_embeddings``); each layer is called
   ``layer(h, **layer_kwargs)`` (a tuple result's first element is the new ``h``); ``last(h)``
   gives the output. Integer tensors (token ids) are constants: they get no gradient.
+  Layers that get different keyword values (a sliding-window and a full mask) are told apart
+  by ``first.layer_keys`` (one hashable key per layer) and ``first.select_layer_kwargs(key,
+  layer_kwargs) -> kwargs``: layer ``i`` is then called with
+  ``select_layer_kwargs(layer_keys[i], layer_kwargs)``, and only layers of one key share a
+  compiled function (``xla_swap.hf.CausalLMFirst`` does this).
 
 The module imports torch, torchax, jax and numpy; not torch_xla.
 """
@@ -48,6 +53,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xla_swap.executors._stages import _check_input_dtypes
 from xla_swap.executors.streaming import StreamingRuntime, _remat_from_policy
+from xla_swap.hf import causal_lm_stages  # noqa: F401  (re-exported: the entry point's splitter)
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.planning.policy import OffloadPolicy
 from xla_swap.torch_attention import torchax_env
@@ -229,22 +235,62 @@ def _linear_weights(mod: torch.nn.Module) -> frozenset[str]:
     return frozenset(names & own)
 
 
-def _module_fn(mod: torch.nn.Module, env, transposed: frozenset = frozenset()):
+def _embedding_padding_rows(mod: torch.nn.Module) -> dict[str, int]:
+    """``{weight name: padding_idx}`` of every ``nn.Embedding`` in ``mod`` with a ``padding_idx``.
+
+    Raises: ValueError naming the module for ``max_norm`` (the forward rewrites the weight),
+    ``scale_grad_by_freq`` or ``sparse`` (gradients torchax does not compute like torch).
+    """
+    rows = {}
+    for prefix, sub in mod.named_modules():
+        if not isinstance(sub, torch.nn.Embedding):
+            continue
+        for attr in ("max_norm", "scale_grad_by_freq", "sparse"):
+            if getattr(sub, attr, None):
+                raise ValueError(f"{prefix or type(mod).__name__} ({type(sub).__name__}) uses {attr}: not supported")
+        if sub.padding_idx is not None:
+            rows[f"{prefix}.weight" if prefix else "weight"] = int(sub.padding_idx) % sub.num_embeddings
+    return rows
+
+
+def _module_fn(mod: torch.nn.Module, env, transposed: frozenset = frozenset(), padding_rows: dict | None = None):
     """``f(states, args, kwargs) -> outputs``: ``mod.forward`` as a JAX function of its weights (torchax).
 
     The weights named in ``transposed`` arrive in the host layout ``[in, out]`` and are handed
     to the module as their transpose (``[out, in]``, ``nn.Linear``'s); XLA folds the
     transpose into the matmul (its ``TransposeFolding`` pass), which then contracts like
-    ``h @ w``.
+    ``h @ w``. ``padding_rows`` (``{name: row}``, an ``nn.Embedding``'s ``padding_idx``): that row
+    of the weight gets no gradient from this module, as torch's embedding backward gives
+    (torchax's does not exclude it); values are unchanged.
     """
     def f(states, args, kwargs=None):
+        if padding_rows:
+            states = dict(states)
+            for n, row in padding_rows.items():
+                v = states[n]
+                is_pad = (jnp.arange(v.shape[0]) == row)[:, None]
+                states[n] = jnp.where(is_pad, jax.lax.stop_gradient(v), v)
         if transposed:
             states = {n: (jnp.swapaxes(v, 0, 1) if n in transposed else v) for n, v in states.items()}
         states, args, kwargs = env.j2t_iso((states, args, kwargs or {}))
-        with env:
+        with env, _no_scalar_unwrap(env):
             res = torch.func.functional_call(mod, states, args, kwargs, tie_weights=False)
             return env.t2j_iso(res)
     return f
+
+
+@contextlib.contextmanager
+def _no_scalar_unwrap(env):
+    """Turn off torchax's ``allow_mixed_math_with_scalar_tensor`` for the block: with it, torchax 0.0.6 takes
+    ``.item()`` of any one-element *view* of its own tensors used as an index (``mask[batch_idx, kv_idx]``
+    in ``transformers.masking_utils`` at batch 1), which fails while tracing."""
+    cfg = env.config
+    old = cfg.allow_mixed_math_with_scalar_tensor
+    cfg.allow_mixed_math_with_scalar_tensor = False
+    try:
+        yield
+    finally:
+        cfg.allow_mixed_math_with_scalar_tensor = old
 
 
 def _torch_fn(fn: Callable, env):
@@ -259,6 +305,24 @@ def _torch_fn(fn: Callable, env):
 
 def _signature(mod: torch.nn.Module) -> tuple:
     return (type(mod), tuple((n, tuple(t.shape), t.dtype) for n, t in mod.state_dict(keep_vars=True).items()))
+
+
+def _layer_selection(first, n_layers: int):
+    """``(keys, select)``: per layer, the key of its keyword arguments, and ``first.select_layer_kwargs`` (or
+    ``None``: every layer gets the whole carry dict). TypeError unless ``first.layer_keys`` has one
+    hashable key per layer."""
+    select = getattr(first, "select_layer_kwargs", None)
+    if select is None:
+        return [None] * n_layers, None
+    keys = list(getattr(first, "layer_keys", ()))
+    if len(keys) != n_layers or not callable(select):
+        raise TypeError(f"first.select_layer_kwargs needs first.layer_keys with one key per layer ({n_layers}), "
+                        f"got {len(keys)}")
+    return keys, select
+
+
+#: prefix of the carry keys that hold a weight shared by ``first`` and ``last`` (``SwappedStack.tied``).
+_TIED = "xla_swap.tied:"
 
 
 def _split_carry(out, stage: str):
@@ -378,7 +442,9 @@ class SwappedStack:
         the message names the stage and the tensor).
       ValueError: ``layers`` is empty; both ``policy`` and ``budget_bytes``; a bad budget (below
         the streaming window of weights and optimizer state);
-        a parameter shared by two stages (tied weights are not supported); a torch
+        a parameter shared by two stages other than ``first`` and ``last`` (tied embeddings: held once
+        by ``first``, carried to ``last``; ``tied``); a stage that fails to trace on
+        ``first.example_inputs()`` (when ``first`` has it: the message names the stage's module); a torch
         optimizer with options AdamW here does not implement (``amsgrad``, ``maximize``,
         ``Adam``'s L2 ``weight_decay``; the message names the group), a stage parameter with
         ``requires_grad`` in none of its groups, or a group's parameter in no stage (the
@@ -456,12 +522,20 @@ class SwappedStack:
         owner: dict[int, str] = {}
         names = (["first"] if first is not None else []) + [f"layers[{i}]" for i in range(len(layers))] + \
             (["last"] if last is not None else [])
+        first_names: dict[int, str] = {}
+        #: ``{name in last: name in first}``: parameters ``first`` and ``last`` share (tied embeddings).
+        tied: dict[str, str] = {}
         for name, m in zip(names, modules):
             for pn, p in m.named_parameters():
                 if id(p) in owner and owner[id(p)] != name:
+                    if owner[id(p)] == "first" and name == "last" and m is last:
+                        tied[pn] = first_names[id(p)]
+                        continue
                     raise ValueError(f"parameter {name}.{pn} is also in {owner[id(p)]}: weights shared between "
-                                     "stages (tied embeddings) are not supported; untie them")
+                                     "stages are supported between first and last only (tied embeddings)")
                 owner[id(p)] = name
+                if name == "first":
+                    first_names[id(p)] = pn
         group_of: dict[int, int] = {}  # id(parameter) -> index of its torch param_group
         if torch_optimizer is not None:
             group_of = self._torch_groups(torch_optimizer, names, modules, owner)
@@ -480,39 +554,55 @@ class SwappedStack:
         #: and the device (``transpose_linear``).
         self.transposed: list[frozenset[str]] = [_linear_weights(m) if transpose_linear else frozenset()
                                                  for m in modules]
+        if tied:
+            self.transposed[-1] = self.transposed[-1] - set(tied)
+        #: ``{name in last: name in first}``: the weights ``first`` and ``last`` share (tied embeddings):
+        #: held once, in the first stage (one gradient, the sum of both uses; one optimizer state), and
+        #: carried to the last stage on the device as part of the carry.
+        self.tied: dict[str, str] = dict(tied)
         tr = iter(self.transposed)
         fns = []
         if first is not None:
-            ffn = _module_fn(first, env, next(tr))
+            ffn = _module_fn(first, env, next(tr), _embedding_padding_rows(first))
+
+            tr_first = self.transposed[0]
 
             def first_stage(w, inputs, ffn=ffn):
-                return _split_carry(ffn(w, tuple(inputs)), "first")
+                h, kw = _split_carry(ffn(w, tuple(inputs)), "first")
+                for nl, nf in tied.items():  # in torch's layout
+                    kw[_TIED + nl] = jnp.swapaxes(w[nf], 0, 1) if nf in tr_first else w[nf]
+                return h, kw
             fns.append(first_stage)
         shared: dict = {}
+        keys, select = _layer_selection(first, len(layers))
         for i, m in enumerate(layers):
-            sig, tr_i = _signature(m), next(tr)
+            sig, tr_i = (_signature(m), keys[i]), next(tr)
             if sig not in shared:
-                lfn = _module_fn(m, env, tr_i)
+                lfn = _module_fn(m, env, tr_i, _embedding_padding_rows(m))
 
-                def layer_stage(w, carry, lfn=lfn):
+                def layer_stage(w, carry, lfn=lfn, key=keys[i]):
                     h, kw = carry
-                    out = lfn(w, (h,), kw)
+                    own = {n: v for n, v in kw.items() if not n.startswith(_TIED)} if tied else kw
+                    out = lfn(w, (h,), own if select is None else select(key, own))
                     if isinstance(out, (tuple, list)):
                         out = out[0]
                     return out, kw
                 shared[sig] = layer_stage
             fns.append(shared[sig])
         if last is not None:
-            lastfn = _module_fn(last, env, next(tr))
+            lastfn = _module_fn(last, env, next(tr), _embedding_padding_rows(last))
 
             def last_stage(w, carry, lastfn=lastfn):
+                if tied:
+                    w = {**w, **{nl: carry[1][_TIED + nl] for nl in tied}}
                 return lastfn(w, (carry[0],))
             fns.append(last_stage)
 
         # ---- weights: torch -> host numpy (never through the device) ----
         stage_params, trainable, updated, groups = [], [], [], []
         for m, tr_m in zip(modules, self.transposed):
-            params = {n: _to_numpy(p.t() if n in tr_m else p) for n, p in m.named_parameters()}
+            params = {n: _to_numpy(p.t() if n in tr_m else p) for n, p in m.named_parameters()
+                      if not (m is last and n in tied)}
             buffers = {n: _to_numpy(b) for n, b in m.named_buffers()}
             trainable.append(list(params))  # ordered: every process must gather in the same order
             # the optimizer updates what torch's would: parameters with requires_grad (frozen ones get no .grad)
@@ -600,6 +690,23 @@ class SwappedStack:
         #: jax's fp32 matmul precision the executables were traced with: torch's setting
         #: (:func:`torch_matmul_precision`), read again at every call.
         self.matmul_precision: str = torch_matmul_precision()
+        example = getattr(first, "example_inputs", None)
+        if callable(example):  # refuse at construction what does not trace (e.g. an op torchax lacks)
+            self._check_trace(example())
+
+    def _check_trace(self, inputs: tuple) -> None:
+        """Trace the forward of every stage (shapes only, nothing compiled or run) on ``inputs``.
+
+        Raises: ValueError naming the stage and its module when a stage fails to trace.
+        """
+        try:
+            with self._torch_precision():
+                self.runtime.output_aval(self._carry_in(tuple(inputs)))
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            i = int(msg.split(":")[0].split()[1]) if msg.startswith("stage ") else None
+            where = f"{self.stage_names[i]} ({type(self.modules[i]).__name__})" if i is not None else "a stage"
+            raise ValueError(f"{where} does not trace with torchax on an example input: {msg}") from e
 
     @contextlib.contextmanager
     def _torch_precision(self):
@@ -914,62 +1021,3 @@ class SwappedStack:
         if isinstance(y, tuple) and len(y) == 2 and isinstance(y[1], dict):
             y = y[0]
         return jax.tree_util.tree_map(lambda a: _out_to_torch(a, device), y)
-
-
-class _CausalLMFirst(torch.nn.Module):
-    """Token embedding, rotary position embeddings and the causal mask of a Hugging Face decoder."""
-
-    def __init__(self, embed_tokens, rotary_emb, sdpa: bool = False):
-        super().__init__()
-        self.embed_tokens, self.rotary_emb = embed_tokens, rotary_emb
-        #: the layers attend through torch's SDPA, which is causal by itself when given no mask
-        #: (transformers passes none for an unpadded batch; a fused kernel then skips the mask).
-        self.sdpa = sdpa
-
-    def forward(self, input_ids):
-        h = self.embed_tokens(input_ids)
-        t = input_ids.shape[1]
-        pos = torch.arange(t, device=input_ids.device)[None, :]
-        cos, sin = self.rotary_emb(h, pos)
-        mask = None if self.sdpa else \
-            torch.full((t, t), torch.finfo(h.dtype).min, dtype=h.dtype, device=h.device).triu(1)[None, None]
-        return h, {"attention_mask": mask, "position_embeddings": (cos, sin)}
-
-
-class _CausalLMLast(torch.nn.Module):
-    """Final norm and LM head of a Hugging Face decoder."""
-
-    def __init__(self, norm, lm_head):
-        super().__init__()
-        self.norm, self.lm_head = norm, lm_head
-
-    def forward(self, h):
-        return self.lm_head(self.norm(h))
-
-
-def causal_lm_stages(model: torch.nn.Module):
-    """Split a Hugging Face Llama-style causal LM into ``(first, layers, last)`` for ``SwappedStack``.
-
-    ``first`` embeds the tokens and computes the rotary position embeddings and a causal
-    additive mask (every layer gets ``attention_mask`` and ``position_embeddings``);
-    ``layers`` is ``model.model.layers`` (unmodified); ``last`` is the final norm and the LM head.
-    The modules share the model's parameters (no copy).
-
-    Args:
-      model: e.g. ``transformers.LlamaForCausalLM`` (needs ``model.model.embed_tokens``,
-        ``.rotary_emb``, ``.layers``, ``.norm`` and ``model.lm_head``). Inputs are unpadded
-        ``input_ids`` of shape ``[batch, seq]``.
-
-    Raises: TypeError: the model lacks one of those attributes.
-    """
-    inner = getattr(model, "model", None)
-    need = ("embed_tokens", "rotary_emb", "layers", "norm")
-    if inner is None or not all(hasattr(inner, a) for a in need) or not hasattr(model, "lm_head"):
-        raise TypeError("model must be a Llama-style causal LM with model.model.embed_tokens, .rotary_emb, .layers, "
-                        f".norm and model.lm_head, got {type(model).__name__}")
-    if model.lm_head.weight is inner.embed_tokens.weight:
-        raise ValueError("the model ties lm_head to embed_tokens (tie_word_embeddings=True); untie them for "
-                         "SwappedStack")
-    sdpa = getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa"
-    return _CausalLMFirst(inner.embed_tokens, inner.rotary_emb, sdpa), list(inner.layers), \
-        _CausalLMLast(inner.norm, model.lm_head)

@@ -1,22 +1,26 @@
-"""torch's ``scaled_dot_product_attention`` as a fused attention kernel on the GPU.
+"""torch's ``scaled_dot_product_attention`` inside the stages: torch's result, fused on the GPU.
 
 torchax lowers ``torch.nn.functional.scaled_dot_product_attention`` (what Hugging Face's
-``sdpa`` attention calls) to XLA's unfused form: it materialises the ``[B, N, T, S]`` scores, and
-an H100 spent 3.70 / 10.5 ms (forward / forward+backward) where torch's fused kernel spent
-0.52 / 2.33 ms (B=2, 32 query and 8 K/V heads, S=4096, bf16, causal;
-``benchmarks/results/attention_gpu/``). :func:`torchax_env` returns a torchax environment for one platform: on
-``gpu`` its SDPA is ``jax.nn.dot_product_attention(implementation="cudnn")`` (cuDNN's fused
-flash attention, forward and backward), with torch's semantics:
+``sdpa`` attention calls) to XLA's unfused form, which materialises the ``[B, N, T, S]``
+scores: an H100 spent 3.70 / 10.5 ms (forward / forward+backward) where torch's fused kernel
+spent 0.52 / 2.33 ms (B=2, 32 query and 8 K/V heads, S=4096, bf16, causal;
+``benchmarks/results/attention_gpu/``). torchax 0.0.6 also returns NaN for a query row whose
+keys are all masked (a padding query of a left-padded batch), which the next layer spreads to
+every row; torch returns zeros there.
 
-* layout: torch's ``[B, N, T, H]`` in and out (jax's ``[B, T, N, H]`` inside);
-* ``is_causal``, a boolean ``attn_mask`` (``True`` attends) or an additive floating one,
-  broadcastable to ``[B, N, T, S]``; grouped-query K/V (fewer heads, ``enable_gqa``);
-* ``scale`` (default ``1/sqrt(H)``).
+:func:`torchax_env` returns the torchax environment the stages of one platform run in, with
+SDPA replaced:
 
-Where cuDNN cannot take the case (fp32 operands, ``dropout_p > 0``, a head dimension or mask
-cuDNN refuses at trace time), the call runs jax's XLA form (``implementation="xla"``, the same
-math unfused). On every other platform the environment is torchax's own, unchanged.
-:func:`kernel_counts` says how many calls took each path while tracing.
+* everywhere: :func:`sdpa_reference`, torch's math (``softmax(q k^T * scale + mask) v``) with
+  torch's zeros for fully masked rows;
+* on ``"gpu"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (cuDNN's fused flash
+  attention, forward and backward) for bf16 / fp16 operands, with torch's layout
+  (``[B, N, T, H]``), ``is_causal``, boolean or additive ``attn_mask`` broadcastable to
+  ``[B, N, T, S]``, grouped-query K/V and ``scale``; fully masked rows give zeros as in torch.
+  fp32 operands, and any case cuDNN refuses at trace time, run :func:`sdpa_reference`.
+
+``dropout_p > 0`` is refused (random: it cannot equal torch's). :func:`kernel_counts` says how
+many calls took each path while tracing.
 """
 from __future__ import annotations
 
@@ -26,15 +30,60 @@ import functools
 import jax
 import jax.numpy as jnp
 
-__all__ = ["torchax_env", "kernel_counts"]
+__all__ = ["torchax_env", "kernel_counts", "sdpa_reference"]
 
-#: calls traced per implementation ("cudnn", "xla"), over the process.
+#: SDPA calls traced per implementation ("cudnn", "reference"), over the process.
 _COUNTS: collections.Counter = collections.Counter()
 
 
 def kernel_counts() -> dict:
-    """``{"cudnn": n, "xla": m}``: SDPA calls traced by the GPU environments so far (for checks)."""
+    """``{"cudnn": n, "reference": m}``: SDPA calls traced by the environments so far (for checks)."""
     return dict(_COUNTS)
+
+
+def _refuse_dropout(dropout_p) -> None:
+    if dropout_p:
+        raise ValueError("scaled_dot_product_attention with dropout_p > 0 cannot equal torch's (random); "
+                         "set the model's attention dropout to 0 or call model.eval()")
+
+
+def sdpa_reference(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False):
+    """``torch.nn.functional.scaled_dot_product_attention`` in torch ops (run by torchax as XLA's form).
+
+    Torch's reference math, and torch's result where a query row has no key left (every key
+    masked): zeros, and no gradient through that row.
+
+    Raises: ValueError: ``dropout_p > 0``.
+    """
+    import torch
+    _refuse_dropout(dropout_p)
+    _COUNTS["reference"] += 1
+    L, S = query.shape[-2], key.shape[-2]
+    keep = torch.ones(L, S, dtype=torch.bool).tril() if is_causal else None
+    bias = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            keep = attn_mask if keep is None else keep & attn_mask
+        else:
+            bias = attn_mask
+            finite = attn_mask > float("-inf")
+            keep = finite if keep is None else keep & finite
+    dead = None
+    if keep is not None:
+        dead = ~keep.any(-1, keepdim=True)
+        keep = keep | dead
+    if enable_gqa:
+        key = key.repeat_interleave(query.shape[-3] // key.shape[-3], -3)
+        value = value.repeat_interleave(query.shape[-3] // value.shape[-3], -3)
+    scale = 1 / float(query.shape[-1]) ** 0.5 if scale is None else scale
+    w = query @ key.transpose(-2, -1) * scale
+    if bias is not None:
+        w = w + bias.masked_fill(dead, 0.0) if dead is not None else w + bias
+    if keep is not None:
+        w = w.masked_fill(~keep, float("-inf"))
+    out = torch.softmax(w, dim=-1) @ value
+    return out if dead is None else out.masked_fill(dead, 0.0)
 
 
 def _to_jax(env, t):
@@ -43,47 +92,50 @@ def _to_jax(env, t):
     return env.t2j_iso(t) if isinstance(t, torchax.tensor.Tensor) else env.t2j_copy(t)
 
 
-def _sdpa(env, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    q, k, v = (jnp.swapaxes(_to_jax(env, t), 1, 2) for t in (query, key, value))   # [B, T, N, H]
-    mask = bias = None
-    if attn_mask is not None:
-        m = _to_jax(env, attn_mask)
-        if m.dtype == jnp.bool_:
-            mask = m
-        else:
-            bias = m.astype(q.dtype)
-    if dropout_p:
-        raise NotImplementedError("scaled_dot_product_attention: dropout_p > 0 is not supported by xla_swap "
-                                  "(train with attention dropout 0, or call model.eval())")
-    kw = dict(bias=bias, mask=mask, scale=scale, is_causal=bool(is_causal))
-    out, impl = None, "xla"
+def _sdpa_cudnn(env, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False):
+    _refuse_dropout(dropout_p)
+    q, k, v = (_to_jax(env, t) for t in (query, key, value))
     if q.dtype in (jnp.bfloat16, jnp.float16):
+        mask = bias = dead = None
+        if attn_mask is not None:
+            m = _to_jax(env, attn_mask)
+            keep = m if m.dtype == jnp.bool_ else m > -jnp.inf
+            if is_causal:
+                keep = keep & jnp.tril(jnp.ones(keep.shape[-2:], jnp.bool_))
+            dead = ~keep.any(-1, keepdims=True)             # rows with no key: zeros, as in torch
+            if m.dtype == jnp.bool_:
+                mask = keep | dead
+            else:
+                bias = jnp.where(dead, 0, m).astype(q.dtype)
         try:
-            out = jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **kw)
-            impl = "cudnn"
+            out = jax.nn.dot_product_attention(
+                *(jnp.swapaxes(t, 1, 2) for t in (q, k, v)), bias=bias, mask=mask, scale=scale,
+                is_causal=bool(is_causal) and attn_mask is None, implementation="cudnn")
         except (ValueError, NotImplementedError, TypeError, RuntimeError):
             out = None
-    if out is None:
-        out = jax.nn.dot_product_attention(q, k, v, implementation="xla", **kw)
-    _COUNTS[impl] += 1
-    return env.j2t_iso(jnp.swapaxes(out, 1, 2))
+        if out is not None:
+            out = jnp.swapaxes(out, 1, 2)                   # [B, N, T, H], torch's layout
+            if dead is not None:
+                out = jnp.where(dead, 0, out)
+            _COUNTS["cudnn"] += 1
+            return env.j2t_iso(out)
+    return sdpa_reference(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 @functools.lru_cache(maxsize=None)
 def torchax_env(platform: str):
-    """The torchax environment stages run in on ``platform`` (``"gpu"``, ``"cpu"``, ...).
+    """The torchax environment the stages run in on ``platform`` (``"gpu"``, ``"cpu"``, ...).
 
-    One per platform, for the process. ``"gpu"`` gets its own environment with SDPA on cuDNN
-    (module docstring); every other platform gets ``torchax.default_env()``.
+    One per platform for the process, each its own ``torchax.tensor.Environment`` (torchax's
+    default environment is left as it is), with SDPA as the module docstring says.
     """
     from xla_swap._compat.torchax import import_torchax, override_op
-    tx = import_torchax()
-    if platform != "gpu":
-        return tx.default_env()
+    import_torchax()
     import torch
     import torchax.tensor
     env = torchax.tensor.Environment()
-    impl = functools.partial(_sdpa, env)
-    override_op(env, torch.nn.functional.scaled_dot_product_attention, impl)
-    override_op(env, torch.ops.aten.scaled_dot_product_attention, impl)
+    impl = functools.partial(_sdpa_cudnn, env) if platform == "gpu" else sdpa_reference
+    for op in (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention):
+        override_op(env, op, impl)
     return env

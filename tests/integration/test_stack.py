@@ -152,8 +152,9 @@ def test_bad_arguments_are_named():
     emb = torch.nn.Embedding(V, 32)
     head = torch.nn.Linear(32, V, bias=False)
     head.weight = emb.weight
-    with pytest.raises(ValueError, match="shared between stages"):
-        SwappedStack(layers, first=emb, last=head)
+    assert SwappedStack(layers, first=emb, last=head).tied == {"weight": "weight"}   # tied embeddings: one weight
+    with pytest.raises(ValueError, match="shared between stages are supported between first and last only"):
+        SwappedStack([layers[0], layers[0]], first=emb, last=head)
     stack = SwappedStack(layers, first=first, last=last)
     with pytest.raises(TypeError, match="needs a loss_fn"):
         stack.train_step(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
@@ -222,7 +223,7 @@ def test_data_parallel_llama_equals_torch(num_devices):
         assert logits.sharding.spec == jax.sharding.PartitionSpec("d")
         carry = stack.runtime._act(stack.runtime._signature(stack._carry_in((x,))).chain[1])
         assert carry[0].spec == jax.sharding.PartitionSpec("d")                          # h [8, t, D]
-        assert carry[1]["attention_mask"] is None                     # SDPA is causal by itself: no mask
+        assert carry[1]["attention_mask"] is None      # unpadded, SDPA: the model's own (is_causal, no mask)
         assert carry[1]["position_embeddings"][0].spec == jax.sharding.PartitionSpec()  # cos [1, t, hd]
     with torch.no_grad():
         torch.testing.assert_close(stack(x), model(x).logits, rtol=1e-4, atol=1e-5)

@@ -1,10 +1,10 @@
 """torch SDPA in the GPU torchax environment (``xla_swap.torch_attention``) against torch eager.
 
 On a machine without a GPU the environment's cuDNN path refuses at trace time (``cuDNN is not
-detected``) and every call takes jax's XLA form: these tests check the torch semantics the
-environment maps (layout, causal, boolean and additive masks, grouped-query K/V, scale), values
-and gradients, which the cuDNN path shares; ``benchmarks/attention_gpu.py`` checks the cuDNN
-path itself against torch on the GPU.
+detected``) and every call takes the reference (torch's math, run by XLA): these tests check the
+torch semantics the environment maps (layout, causal, boolean and additive masks, grouped-query
+K/V, scale, fully masked rows), values and gradients; ``benchmarks/attention_gpu.py`` checks the
+cuDNN path itself against torch on the GPU.
 """
 import jax
 import numpy as np
@@ -24,19 +24,22 @@ def _jax_fn(env, fn):
     return f
 
 
-def _causal_additive(t, s, pad=0):
+def _causal_additive(t, s, pad=0, device=None):
     """Causal and left-padded (the first ``pad`` keys masked); a padded query row keeps its own key,
     as transformers' SDPA masks leave no row fully masked."""
-    m = torch.full((t, s), torch.finfo(torch.float32).min).triu(1)
+    m = torch.full((t, s), torch.finfo(torch.float32).min, device=device).triu(1)
     m[pad:, :pad] = torch.finfo(torch.float32).min
     return m[None, None]
 
 
 CASES = {
     "causal": (4, 4, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
-    "additive_mask": (4, 4, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=_causal_additive(8, 8, 2))),
+    "additive_mask": (4, 4, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=_causal_additive(8, 8, 2, q.device))),
     "bool_mask": (4, 4, lambda q, k, v: F.scaled_dot_product_attention(
-        q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool).tril()[None, None])),
+        q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool, device=q.device).tril()[None, None])),
+    "fully_masked_rows": (4, 4, lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=(torch.arange(8, device=q.device)[None, :] >= 3)
+        & torch.ones(8, 8, dtype=torch.bool, device=q.device).tril())),
     "gqa_scale": (4, 2, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3,
                                                                         enable_gqa=True)),
 }
@@ -53,12 +56,12 @@ def test_gpu_env_sdpa_equals_torch_values_and_grads(case):
     ref.backward(cot)
 
     env = torch_attention.torchax_env("gpu")
-    before = torch_attention.kernel_counts().get("xla", 0)
+    before = torch_attention.kernel_counts().get("reference", 0)
     f = _jax_fn(env, fn)
     args = [jax.numpy.asarray(t.numpy()) for t in (q, k, v)]
     out, vjp = jax.vjp(f, *args)
     grads = vjp(jax.numpy.asarray(cot.numpy()))
-    assert torch_attention.kernel_counts()["xla"] > before          # no GPU: the XLA form ran
+    assert torch_attention.kernel_counts()["reference"] > before    # no GPU: the reference ran
     np.testing.assert_allclose(np.asarray(out), ref.detach().numpy(), rtol=1e-5, atol=1e-5)
     for gj, gt in zip(grads, (qt.grad, kt.grad, vt.grad)):
         np.testing.assert_allclose(np.asarray(gj), gt.numpy(), rtol=1e-4, atol=1e-5)
@@ -67,11 +70,13 @@ def test_gpu_env_sdpa_equals_torch_values_and_grads(case):
 def test_gpu_env_refuses_attention_dropout():
     env = torch_attention.torchax_env("gpu")
     f = _jax_fn(env, lambda q: F.scaled_dot_product_attention(q, q, q, dropout_p=0.1))
-    with pytest.raises(NotImplementedError, match="dropout_p"):
+    with pytest.raises(ValueError, match="dropout_p"):
         jax.eval_shape(f, jax.ShapeDtypeStruct((1, 2, 4, 8), np.float32))
 
 
-def test_other_platforms_keep_torchax_default_env():
+def test_one_environment_per_platform_and_torchax_default_untouched():
     from xla_swap._compat.torchax import import_torchax
-    assert torch_attention.torchax_env("cpu") is import_torchax().default_env()
-    assert torch_attention.torchax_env("gpu") is not torch_attention.torchax_env("cpu")
+    default = import_torchax().default_env()
+    envs = {p: torch_attention.torchax_env(p) for p in ("cpu", "gpu")}
+    assert envs["cpu"] is torch_attention.torchax_env("cpu") and envs["cpu"] is not envs["gpu"]
+    assert default not in envs.values()

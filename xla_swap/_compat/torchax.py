@@ -102,15 +102,26 @@ def torch_accelerator_taken() -> str | None:
 
 
 def override_op(env, op, impl) -> None:
-    """Make ``env`` run ``impl`` (a function of torchax tensors) for the torch callable ``op``.
+    """Make torchax's environment ``env`` run the torch function ``impl`` (torch tensors in and out,
+    no ``env`` argument) for the torch op or function ``op``.
 
-    Wraps ``Environment.override_op_definition``; torchax 0.0.6's version of it builds its
-    ``ops_registry.Operator`` without the ``is_view_op`` field it requires, so there the entry of
-    ``env._ops`` is written as 0.0.13's method writes it.
+    Wraps ``torchax.tensor.Environment.override_op_definition``; in torchax 0.0.6 that method
+    builds an ``ops_registry.Operator`` without its ``is_view_op`` field and raises
+    ``TypeError``, so the operator is then put into the environment's private ``_ops`` table
+    itself, as that method does. Verified on torchax 0.0.6 (torch 2.9).
+
+    Raises: MissingUpstreamAPI: neither way exists in the installed torchax.
     """
     try:
         env.override_op_definition(op, impl)
+        return
     except TypeError:
+        pass
+    from xla_swap._compat import MissingUpstreamAPI
+    try:
         from torchax.ops import ops_registry
-        env._ops[op] = ops_registry.Operator(op, impl, is_jax_function=False, is_user_defined=True,
-                                             needs_env=False, is_view_op=False)
+        table = env._ops
+    except (ImportError, AttributeError) as e:  # pragma: no cover - another torchax
+        raise MissingUpstreamAPI("torchax Environment._ops / torchax.ops.ops_registry.Operator") from e
+    table[op] = ops_registry.Operator(op, impl, is_jax_function=False, is_user_defined=True, needs_env=False,
+                                      is_view_op=False)

@@ -1,0 +1,182 @@
+"""Every causal-LM family of the installed ``transformers`` through ``causal_lm_stages``: exact or refused.
+
+Each family builds from a small random-init config (2 layers, hidden 32, vocab 96, fp32, CPU)
+and either
+
+* matches torch eager on the same weights and data: logits at the non-pad positions of a
+  padded batch (with its ``attention_mask``) within rel 1e-5, and three AdamW steps of
+  ``stack.train_step((ids, attention_mask), labels)`` (labels -100 at the pads, ignored by
+  ``cross_entropy``) within rel 1e-5 (loss) and 1e-4 (weights); or
+* is refused at construction (``causal_lm_stages`` or ``SwappedStack``) with an error naming
+  the module and the feature.
+
+Configs exercise what used to go silently wrong: sliding windows shorter than the sequence,
+alternating local/global layers (Gemma-2/3, Qwen2's ``max_window_layers``), logit scaling and
+softcapping (Cohere, Granite, Gemma-2), tied embeddings (Gemma, GPT-2, and Llama tied), left and
+right padding. Weights: an entry whose torch gradient is zero by the maths (a key bias, which
+shifts every score of a query by the same amount) holds only AdamW's amplified rounding noise in
+both runs, so it is compared within the whole model's rel 1e-4 instead of its parameter's.
+
+One device (the family sweep checks the model's code, not the sharding: ``test_stack.py`` runs
+the stack on 1, 4 and 8 devices).
+"""
+import copy
+
+import jax
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from xla_swap.stack import SwappedStack, causal_lm_stages  # noqa: E402
+
+V, T = 96, 12
+BASE = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+#: family -> (config overrides, padding side). Sliding windows of 4 < T.
+EXACT = {
+    "llama": ({}, "left"),
+    "llama-tied": ({"tie_word_embeddings": True}, "right"),
+    "mistral": ({"sliding_window": 4}, "left"),
+    "qwen2": ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}, "left"),
+    "qwen3": ({}, "right"),
+    "phi3": ({}, "left"),
+    "olmo2": ({}, "left"),
+    "starcoder2": ({"sliding_window": 4}, "left"),
+    "granite": ({"logits_scaling": 4.0, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+                 "attention_multiplier": 0.3}, "left"),
+    "cohere": ({"logit_scale": 0.25}, "left"),
+    "gemma": ({"tie_word_embeddings": True}, "left"),
+    "gemma2": ({"tie_word_embeddings": True, "sliding_window": 4, "final_logit_softcapping": 2.0}, "left"),
+    "gemma3_text": ({"sliding_window": 4, "sliding_window_pattern": 2, "final_logit_softcapping": 2.0}, "left"),
+    "gpt2": ({"tie_word_embeddings": True}, "left"),
+    "gpt_neox": ({}, "left"),
+    "phi": ({}, "right"),
+    "olmo": ({}, "left"),
+    "stablelm": ({}, "left"),
+    "cohere2": ({"sliding_window": 4, "sliding_window_pattern": 2}, "left"),
+    "helium": ({}, "left"),
+    "nemotron": ({}, "left"),
+    "persimmon": ({}, "left"),
+    "vaultgemma": ({"sliding_window": 4}, "left"),
+}
+
+#: family -> (config overrides, a piece of the error naming the module and the feature).
+REFUSED = {
+    "mixtral": ({}, "MixtralSparseMoeBlock) is a mixture-of-experts block"),
+    "qwen2_moe": ({}, "Qwen2MoeSparseMoeBlock) is a mixture-of-experts block"),
+    "qwen3_moe": ({}, "Qwen3MoeSparseMoeBlock) is a mixture-of-experts block"),
+    "codegen": ({}, "layers[0] (CodeGenBlock) does not trace with torchax"),
+    "gptj": ({}, "layers[0] (GPTJBlock) does not trace with torchax"),
+    "bloom": ({}, "BloomModel.forward changes the hidden state between decoder layers"),
+    "opt": ({}, "OPTForCausalLM: no decoder layer list"),
+}
+
+
+def make(family, overrides):
+    name = family.removesuffix("-tied")
+    cfg = transformers.AutoConfig.for_model(name, **{**BASE, **overrides})
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+
+
+def ce(logits, labels):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def data(side):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, V, (2, T + 1), generator=g)
+    x, y = ids[:, :-1].clone(), ids[:, 1:].clone()
+    mask = torch.ones_like(x)
+    pads = slice(0, 4) if side == "left" else slice(T - 4, T)
+    mask[0, pads], x[0, pads], y[0, pads] = 0, 0, -100
+    return x, mask, y
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.05)
+
+
+@pytest.mark.parametrize("family", sorted(EXACT))
+def test_family_matches_torch(family):
+    overrides, side = EXACT[family]
+    ref = make(family, overrides)
+    model = copy.deepcopy(ref)
+    first, layers, last = causal_lm_stages(model)
+    stack = SwappedStack(layers, first=first, last=last, loss_fn=ce, optimizer=adamw(model.parameters()),
+                         devices=jax.devices()[:1])
+    x, mask, y = data(side)
+    keep = mask.bool()
+    with torch.no_grad():
+        want = ref(x, attention_mask=mask).logits
+    got = stack(x, mask)
+    assert rel(got[keep], want[keep]) <= 1e-5
+    opt = adamw(ref.parameters())
+    quiet = None
+    for _ in range(3):
+        loss = stack.train_step((x, mask), y)
+        ref_loss = ce(ref(x, attention_mask=mask).logits, y)
+        opt.zero_grad()
+        ref_loss.backward()
+        if quiet is None:   # entries whose gradient is zero by the maths (rounding noise only)
+            top = max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
+            quiet = {n: (p.grad.abs() <= 1e-6 * top) if p.grad is not None else torch.ones_like(p, dtype=torch.bool)
+                     for n, p in ref.named_parameters()}
+        opt.step()
+        assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    stack.sync_modules()
+    pairs = [(n, p.detach(), q.detach()) for (n, p), q in zip(model.named_parameters(), ref.parameters())]
+    assert len(pairs) == len(list(ref.parameters()))
+    for n, p, q in pairs:
+        if not quiet[n].all():
+            assert rel(p[~quiet[n]], q[~quiet[n]]) <= 1e-4, n
+    assert rel(torch.cat([p.flatten() for _, p, _ in pairs]), torch.cat([q.flatten() for _, _, q in pairs])) <= 1e-4
+    if overrides.get("tie_word_embeddings"):   # one weight: held once, by the first stage
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        assert stack.tied and all(n not in stack.runtime.host_params[-1] for n in stack.tied)
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_family_refused_at_construction(family):
+    overrides, message = REFUSED[family]
+    model = make(family, overrides)
+    with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")):
+        first, layers, last = causal_lm_stages(model)
+        SwappedStack(layers, first=first, last=last, devices=jax.devices()[:1])
+
+
+def test_layers_get_their_own_mask():
+    """Gemma-2's alternating layers: two groups, each with its own mask (sliding or full) in the carry."""
+    model = make("gemma2", {"sliding_window": 4})
+    first, layers, last = causal_lm_stages(model)
+    assert first.layer_keys == [0, 1]
+    x, mask, _ = data("left")
+    h, kw = first(x, mask)
+    a, b = (first.select_layer_kwargs(k, kw)["attention_mask"] for k in (0, 1))
+    assert a.shape == b.shape and not torch.equal(a, b)
+
+
+def test_sdpa_fully_masked_rows_equal_torch():
+    """The stages' environment runs ``xla_swap.torch_attention``'s SDPA: a query row with every key masked
+    (a pad query of a left-padded batch) gives torch's zeros, not NaN, and finite gradients."""
+    from xla_swap.torch_attention import sdpa_reference, torchax_env
+    env = torchax_env("cpu")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))
+    keep = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
+    keep[..., 0, :] = False
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    torch.testing.assert_close(sdpa_reference(q, k, v, attn_mask=keep), want, rtol=1e-6, atol=1e-6)
+    f = jax.jit(lambda a, b, c, m: env.t2j_iso(torch.nn.functional.scaled_dot_product_attention(
+        *env.j2t_iso((a, b, c)), attn_mask=env.j2t_iso(m))))
+    with env:
+        got = f(*(x.numpy() for x in (q, k, v, keep)))
+    torch.testing.assert_close(torch.from_numpy(jax.numpy.asarray(got).__array__()), want, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,403 @@
+"""Hugging Face causal LMs as ``(first, layers, last)`` stages for ``SwappedStack``, built from the model's own code.
+
+The ends of the model run the model's own forward methods, with the decoder layers replaced:
+
+* ``first`` runs the base model's ``forward`` (``model.model``, ``model.transformer``, ...)
+  with every decoder layer replaced by a *capture* that records the arguments the model
+  passes it and returns the hidden state unchanged; the last capture stops the forward. So
+  the embedding (with its own scaling), position ids, rotary or other position embeddings
+  and every layer's own mask (full or sliding window, by the model's ``layer_types`` /
+  ``sliding_window``, from ``transformers.masking_utils`` as the model calls it) are the
+  model's. The carry holds each distinct keyword value once; layers that the model gives
+  different values (e.g. Gemma-2's sliding and full masks, Gemma-3's per-layer-type rotary)
+  form *groups*, and each layer stage picks its group's values (``first.layer_keys`` and
+  ``first.select_layer_kwargs``, read by ``SwappedStack``).
+* ``last`` applies the base model's final norm, then runs the causal LM's own ``forward``
+  with the base model replaced by a stub that returns the normed hidden state: the head and
+  every logit transform of that forward (Cohere's ``logit_scale``, Gemma-2/3's
+  ``final_logit_softcapping``, Granite's ``logits_scaling``, ...) are the model's.
+
+At construction a probe (a few tokens, eager torch on the CPU, the layers replaced by the
+identity) checks that ``last(first(ids))`` equals the model's own logits with the same
+identity layers, and that the model's forward passes the hidden state unchanged from layer
+to layer: a model these stages cannot express is refused with an error naming it.
+
+The module imports torch; ``transformers`` only where a model is given.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+__all__ = ["causal_lm_stages", "CausalLMFirst", "CausalLMLast"]
+
+#: attribute names of the base model's final norm, in the layouts of the installed ``transformers``.
+_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "final_norm", "norm_f")
+#: attribute names of the decoder layer list.
+_LAYER_NAMES = ("layers", "h", "blocks", "layer", "decoder_layers")
+#: small probe: batch 2, the first row left-padded (so no mask is skipped as "all ones").
+_PROBE_T = 8
+
+
+class _Stop(Exception):
+    """Raised by the last capture: the first stage needs nothing after the layers' inputs."""
+
+
+class _Capture(torch.nn.Module):
+    """Stands in for one decoder layer: records its arguments, returns the hidden state."""
+
+    def __init__(self, index: int, signature: inspect.Signature, record: list, stop: bool):
+        super().__init__()
+        self.index, self.signature, self.stop = index, signature, stop
+        object.__setattr__(self, "record", record)
+
+    def forward(self, *args, **kwargs):
+        bound = self.signature.bind(*args, **kwargs).arguments
+        extra = bound.pop(next(n for n, p in self.signature.parameters.items()
+                               if p.kind == p.VAR_KEYWORD), {}) if any(
+            p.kind == p.VAR_KEYWORD for p in self.signature.parameters.values()) else {}
+        bound.update(extra)
+        h = bound.pop(next(iter(self.signature.parameters)))
+        self.record.append((h, bound))
+        if self.stop:
+            raise _Stop
+        return h
+
+
+def _is_tensor_tree(v) -> bool:
+    if isinstance(v, torch.Tensor):
+        return True
+    if isinstance(v, (tuple, list)) and v:
+        return all(_is_tensor_tree(x) for x in v)
+    return False
+
+
+def _is_const(v) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+class _Swapped:
+    """Context manager: ``setattr(obj, name, value)`` for its duration."""
+
+    def __init__(self, *triples):
+        self.triples, self.old = triples, []
+
+    def __enter__(self):
+        for obj, name, value in self.triples:
+            self.old.append((obj, name, getattr(obj, name)))
+            setattr(obj, name, value)
+
+    def __exit__(self, *exc):
+        for obj, name, value in reversed(self.old):
+            setattr(obj, name, value)
+        self.old = []
+
+
+class _one_sequence_per_row:
+    """Context manager: ``transformers.masking_utils.find_packed_sequence_indices`` returns ``None`` (no
+    packed sequences), its eager result for position ids ``0..T-1`` in every row."""
+
+    def __enter__(self):
+        import transformers.masking_utils as mu
+        self.saved = getattr(mu, "find_packed_sequence_indices", None)
+        if self.saved is not None:
+            mu.find_packed_sequence_indices = lambda position_ids: None
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            import transformers.masking_utils as mu
+            mu.find_packed_sequence_indices = self.saved
+
+
+class CausalLMFirst(torch.nn.Module):
+    """The first stage: the base model's forward up to its first decoder layer (the model's own code).
+
+    ``forward(input_ids, attention_mask=None, position_ids=None)`` with ``input_ids`` int
+    ``[batch, seq]``, ``attention_mask`` int/bool ``[batch, seq]`` (1 = token, 0 = padding,
+    left or right) and ``position_ids`` int ``[batch or 1, seq]`` (default: the model's own)
+    returns ``(h, kwargs)``: ``h`` the embedded input ``[batch, seq, hidden]`` (the model's
+    dtype) and ``kwargs`` a dict of the distinct keyword values the model passes its layers
+    (masks, position embeddings, position ids), a key ``name@g`` holding the value of group
+    ``g``'s layers only. Its parameters are the base model's outside the layers and the final norm.
+    """
+
+    def __init__(self, model, base, layer_attr: str, norm_attr: str | None):
+        super().__init__()
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "_model", model)
+        self._layer_attr = layer_attr
+        for name, child in base.named_children():
+            if name not in (layer_attr, norm_attr):
+                self.add_module(name, child)
+        real = getattr(base, layer_attr)
+        self._signatures = [inspect.signature(m.forward) for m in real]
+        self._accepts = set(inspect.signature(base.forward).parameters)
+        head = model.get_output_embeddings()
+        self._vocab = int(head.weight.shape[0]) if isinstance(getattr(head, "weight", None), torch.Tensor) else 2
+        #: per layer, its group (an int): layers of one group get the same keyword values.
+        self.layer_keys: list[int] = []
+        #: per group, the constant (non-tensor) keyword arguments the model passes those layers.
+        self.constants: dict[int, dict[str, Any]] = {}
+
+    def _run(self, input_ids, attention_mask, position_ids, stop: bool):
+        record: list = []
+        n = len(self._signatures)
+        caps = torch.nn.ModuleList([_Capture(i, s, record, stop and i == n - 1) for i, s in enumerate(self._signatures)])
+        kw = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if position_ids is not None:
+            if "position_ids" not in self._accepts:
+                raise TypeError(f"{type(self._base).__name__}.forward takes no position_ids")
+            kw["position_ids"] = position_ids
+        if "use_cache" in self._accepts:
+            kw["use_cache"] = False
+        out = None
+        with _Swapped((self._base, self._layer_attr, caps)):
+            try:
+                out = self._base(**kw)
+            except _Stop:
+                pass
+        if len(record) != n:
+            raise ValueError(f"{type(self._base).__name__}.forward called {len(record)} of its {n} decoder layers")
+        for i in range(1, n):
+            if record[i][0] is not record[i - 1][0]:
+                raise ValueError(f"{type(self._base).__name__}.forward changes the hidden state between decoder layers "
+                                 f"{i - 1} and {i} (outside the layers): not expressible as a stack of layer stages")
+        return record, out
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        if attention_mask is None and position_ids is None:
+            # No mask and the model's own positions: one sequence per row, which transformers finds by
+            # reading the position ids (find_packed_sequence_indices) in eager torch but cannot while
+            # traced. Told so, it builds what it builds in eager torch: no mask where SDPA's is_causal
+            # does the same (full-attention layers), the window mask where one is needed.
+            with _one_sequence_per_row():
+                record, _ = self._run(input_ids, None, None, stop=True)
+        else:
+            record, _ = self._run(input_ids, attention_mask, position_ids, stop=True)
+        h = record[0][0]
+        groups: dict[int, list[int]] = {}
+        for i, g in enumerate(self.layer_keys):
+            groups.setdefault(g, []).append(i)
+        carry: dict[str, Any] = {}
+        names = list(record[0][1])
+        for i, (_, kw) in enumerate(record):
+            if list(kw) != names:
+                raise ValueError(f"{type(self._base).__name__}.forward passes decoder layer {i} the keyword arguments "
+                                 f"{list(kw)}, layer 0 {names}")
+        for name in names:
+            values = [kw[name] for _, kw in record]
+            if all(_is_const(v) for v in values) and not all(v is None for v in values):
+                for g, idx in groups.items():
+                    for i in idx:
+                        if values[i] != self.constants[g].get(name, values[i]) or name not in self.constants[g]:
+                            raise ValueError(f"decoder layer {i} gets {name}={values[i]!r} here, "
+                                             f"{self.constants[g].get(name)!r} when the stages were built")
+                continue
+            for i, v in enumerate(values):
+                if not (v is None or _is_tensor_tree(v)):
+                    raise ValueError(f"{type(self._base).__name__}.forward passes decoder layer {i} {name}= a "
+                                     f"{type(v).__name__}: only tensors, tuples of tensors and constants are supported")
+            if all(v is values[0] for v in values):
+                carry[name] = values[0]
+                continue
+            for g, idx in groups.items():
+                v = values[idx[0]]
+                if not all(values[i] is v for i in idx):
+                    raise ValueError(f"{type(self._base).__name__}.forward passes different {name} to decoder layers "
+                                     f"{idx} of one group (found at construction): stages cannot express it")
+                carry[f"{name}@{g}"] = v
+        return h, carry
+
+    def example_inputs(self) -> tuple:
+        """A small input, ``(input_ids [2, 8], attention_mask [2, 8])`` with the first row left-padded:
+        ``SwappedStack`` traces every stage on it at construction (a model that does not trace is refused there)."""
+        return _probe_inputs(self._vocab)
+
+    def select_layer_kwargs(self, key: int, kwargs: dict) -> dict:
+        """The keyword arguments of a layer of group ``key`` from the carry dict ``kwargs`` (see the class)."""
+        out = dict(self.constants.get(key, {}))
+        for name, v in kwargs.items():
+            base, _, g = name.partition("@")
+            if not g:
+                out[base] = v
+            elif g == str(key):
+                out[base] = v
+        return out
+
+
+class CausalLMLast(torch.nn.Module):
+    """The last stage: the base model's final norm, then the causal LM's own forward after its base model.
+
+    ``forward(h)`` with ``h`` ``[batch, seq, hidden]`` returns the logits ``[batch, seq, vocab]``
+    as the model's ``forward`` computes them from its base model's output (head, logit
+    scaling, softcapping). Its parameters are the final norm's and the output embedding's.
+    """
+
+    def __init__(self, model, base, norm_attr: str | None):
+        super().__init__()
+        object.__setattr__(self, "_model", model)
+        self._prefix = model.base_model_prefix
+        self._norm_attr = norm_attr
+        if norm_attr is not None:
+            self.add_module("norm", getattr(base, norm_attr))
+        self.add_module("lm_head", model.get_output_embeddings())
+        self._stub = _BaseOutput(base)
+
+    def forward(self, h):
+        from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions as Output
+        if self._norm_attr is not None:
+            h = self.norm(h)
+        self._stub.output = Output(last_hidden_state=h)
+        try:
+            with _Swapped((self._model, self._prefix, self._stub)):
+                out = self._model(use_cache=False) if _accepts(self._model, "use_cache") else self._model()
+        finally:
+            self._stub.output = None
+        return out.logits if hasattr(out, "logits") else out[0]
+
+
+def _accepts(mod, name: str) -> bool:
+    return name in inspect.signature(mod.forward).parameters
+
+
+class _BaseOutput(torch.nn.Module):
+    """Stands in for the base model inside the causal LM's forward: returns the given output."""
+
+    def __init__(self, base):
+        super().__init__()
+        object.__setattr__(self, "config", getattr(base, "config", None))
+        self.output = None
+
+    def forward(self, *args, **kwargs):
+        if self.output is None:
+            raise RuntimeError("the base-model stub was called outside CausalLMLast.forward")
+        return self.output
+
+
+def _find(obj, names, pred):
+    for n in names:
+        v = getattr(obj, n, None)
+        if v is not None and pred(v):
+            return n
+    return None
+
+
+def causal_lm_stages(model: torch.nn.Module, layers_attr: str | None = None, norm_attr: str | None = None):
+    """Split a Hugging Face causal LM into ``(first, layers, last)`` for ``SwappedStack``, from the model's own code.
+
+    ``first`` (:class:`CausalLMFirst`) runs the base model's forward up to the first decoder
+    layer: embedding (with its own scaling), position ids, position embeddings and the mask
+    each layer gets (full or sliding window, left or right padding, by the model's config
+    and ``transformers.masking_utils`` as its forward calls them); it takes
+    ``(input_ids, attention_mask=None, position_ids=None)``. ``layers`` are the model's decoder
+    layers, unmodified, each called with the keyword arguments the model passes it.
+    ``last`` (:class:`CausalLMLast`) is the final norm and the causal LM's own head and logit
+    transforms. The modules share the model's parameters (no copy).
+
+    Args:
+      model: a ``transformers`` causal LM (``...ForCausalLM``, ``GPT2LMHeadModel``): a base
+        model at ``model.base_model_prefix`` whose decoder layers are a ``ModuleList`` of
+        ``config.num_hidden_layers`` modules (``layers``, ``h``, ``blocks``; or ``layers_attr``).
+      layers_attr: the name of that ``ModuleList`` in the base model, when not a common one.
+      norm_attr: the name of the base model's final norm (``norm``, ``ln_f``,
+        ``final_layernorm``, ...: found by name, checked by the probe), or ``""`` for none.
+
+    Returns: ``(first, layers, last)``: two ``nn.Module`` and a list of ``nn.Module``.
+
+    Raises:
+      TypeError: ``model`` is not a Hugging Face causal LM with a base model and an output
+        embedding; no decoder layer list is found.
+      ValueError: the model uses something the stages cannot express (the message names the
+        module and the feature): a transformation of the hidden state between layers, keyword
+        arguments of other kinds than tensors and constants, parameters of the causal LM
+        outside its head, a difference between the stages and the model's own forward on a
+        probe input, or a mixture-of-experts block.
+    """
+    name = type(model).__name__
+    prefix = getattr(model, "base_model_prefix", None)
+    base = getattr(model, prefix, None) if prefix else None
+    if not isinstance(base, torch.nn.Module) or not hasattr(model, "get_output_embeddings") \
+            or model.get_output_embeddings() is None:
+        raise TypeError(f"model must be a Hugging Face causal LM with a base model and an output embedding, got {name}")
+    n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    is_list = lambda v: isinstance(v, torch.nn.ModuleList) and len(v) > 0 and (n_layers is None or len(v) == n_layers)
+    if layers_attr is None:
+        layers_attr = _find(base, _LAYER_NAMES, is_list)
+    if layers_attr is None or not is_list(getattr(base, layers_attr, None)):
+        raise TypeError(f"{name}: no decoder layer list (a ModuleList of config.num_hidden_layers modules) found at "
+                        f"{prefix}.{layers_attr or '/'.join(_LAYER_NAMES)}; pass layers_attr=")
+    if norm_attr is None:
+        norm_attr = _find(base, _NORM_NAMES, lambda v: isinstance(v, torch.nn.Module))
+    norm_attr = norm_attr or None
+    layers = list(getattr(base, layers_attr))
+    _refuse_unsupported(name, prefix, layers_attr, layers)
+    head = model.get_output_embeddings()
+    base_params = {id(p) for p in base.parameters()}
+    for pn, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in base_params and all(p is not q for q in head.parameters()):
+            raise ValueError(f"{name} has parameter {pn} outside its base model and output embedding: not supported")
+    first = CausalLMFirst(model, base, layers_attr, norm_attr)
+    last = CausalLMLast(model, base, norm_attr)
+    _probe(model, base, layers_attr, first, last)
+    return first, layers, last
+
+
+def _refuse_unsupported(name: str, prefix: str, layers_attr: str, layers) -> None:
+    """Raise ValueError naming the first module of ``layers`` with a feature the stages cannot run yet."""
+    for i, layer in enumerate(layers):
+        for sub_name, sub in layer.named_modules():
+            cls = type(sub).__name__
+            if "experts" in sub_name.split(".")[-1:] or cls.endswith(("Experts", "SparseMoeBlock", "MoE", "MoeBlock")):
+                raise ValueError(
+                    f"{name}: {prefix}.{layers_attr}.{i}.{sub_name} ({cls}) is a mixture-of-experts block: its "
+                    "routing has data-dependent shapes, which the stages do not trace yet")
+
+
+def _probe(model, base, layers_attr: str, first: CausalLMFirst, last: CausalLMLast) -> None:
+    """Group the layers by the keyword values the model gives them, and check the ends against the model's forward."""
+    name = type(model).__name__
+    ids, mask = _probe_inputs(first._vocab)
+    with torch.no_grad():
+        record, _ = first._run(ids, mask, None, stop=False)
+        keys: dict[tuple, int] = {}
+        layer_keys, constants = [], {}
+        for i, (_, kw) in enumerate(record):
+            consts = {n: v for n, v in kw.items() if _is_const(v) and v is not None}
+            # a layer's group: its constants and, per other keyword, the first layer given that very object
+            key = tuple(sorted(consts.items())) + tuple(
+                (n, next(j for j in range(len(record)) if record[j][1][n] is v)) for n, v in kw.items() if n not in consts)
+            if key not in keys:
+                keys[key] = len(keys)
+                constants[keys[key]] = consts
+            layer_keys.append(keys[key])
+        first.layer_keys, first.constants = layer_keys, constants
+        # the model's own logits with identity layers, against last(first(...)) with the same
+        ident = torch.nn.ModuleList([_Identity(s) for s in first._signatures])
+        with _Swapped((base, layers_attr, ident)):
+            ref = model(input_ids=ids, attention_mask=mask)
+        ref = ref.logits if hasattr(ref, "logits") else ref[0]
+        h, kw = first(ids, mask)
+        got = last(h)
+    if got.shape != ref.shape or not torch.equal(got[mask.bool()], ref[mask.bool()]):
+        raise ValueError(f"{name}: the stages' logits differ from the model's own forward on a probe input (the "
+                         "base model's forward does something after its layers that the stages do not reproduce)")
+
+
+def _probe_inputs(vocab: int) -> tuple:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, max(int(vocab), 1), (2, _PROBE_T), generator=g)
+    mask = torch.ones(2, _PROBE_T, dtype=torch.long)
+    mask[0, :2] = 0
+    return ids, mask
+
+
+class _Identity(torch.nn.Module):
+    def __init__(self, signature):
+        super().__init__()
+        self.signature = signature
+
+    def forward(self, *args, **kwargs):
+        return self.signature.bind(*args, **kwargs).arguments[next(iter(self.signature.parameters))]
