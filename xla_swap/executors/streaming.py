@@ -45,7 +45,7 @@ from . import optim as _optim
 from .report import MemoryReport, compiled_report, stats_dict
 from .trace import StageEvent, TraceRecorder
 from ._stages import (DEVICE_KIND, HOST_KIND, _aval_key, _as_aval, _check_memory_kinds, _describe,  # noqa: F401
-                      _index_by_identity, _is_diff, _leaf_name, _merge_diff, _probe, _split_diff, _stage_fns, _tree_aval,
+                      _index_by_identity, _is_diff, _leaf_name, _merge_diff, _own_fns, _probe, _split_diff, _stage_fns, _tree_aval,
                       tree_nbytes)
 
 __all__ = ["StreamingRuntime", "StageEvent", "TraceRecorder", "tree_nbytes"]
@@ -416,7 +416,8 @@ class StreamingRuntime:
         #: the mesh axis activations are split over (data parallelism), or ``None``.
         self.batch_axis: str | None = batch_axis
         self._batch_sh = batch_sh
-        self._fns = fns
+        self._fns = fns  # the caller's stage functions
+        self._traced_fns = _own_fns(fns)  # what this runtime traces and compiles (see _own_fns)
         self._fn_ids: list[int] = []
         uniq: list[Callable] = []
         for f in fns:  # dedupe by identity
@@ -789,7 +790,7 @@ class StreamingRuntime:
             self._last_sig = sig
             return sig
         chain = [a]
-        for i, (f, pav) in enumerate(zip(self._fns, self._param_avals)):
+        for i, (f, pav) in enumerate(zip(self._traced_fns, self._param_avals)):
             try:
                 out = jax.eval_shape(f, pav, chain[-1])
             except Exception as e:  # noqa: BLE001 - re-raised with the stage named
@@ -833,7 +834,7 @@ class StreamingRuntime:
         exe = sig.stage_exe.get(key_stage)
         if exe is not None:
             return exe
-        f = self._fns[i]
+        f = self._traced_fns[i]
         pkey = (jax.tree_util.tree_structure(self._param_avals[i]),
                 tuple((a.shape, str(a.dtype), s) for a, s in zip(jax.tree_util.tree_leaves(self._param_avals[i]),
                                                                    jax.tree_util.tree_leaves(self._dev_sh[i]))),
@@ -938,7 +939,7 @@ class StreamingRuntime:
         if (measure_reps > 0) == (flops_per_s is not None):
             raise ValueError("layer_cost needs exactly one of measure_reps > 0 (time the stage) and flops_per_s")
         sig = self._signature(h)
-        f, pav, hin = self._fns[stage], self._param_avals[stage], sig.chain[stage]
+        f, pav, hin = self._traced_fns[stage], self._param_avals[stage], sig.chain[stage]
         box: dict = {}
         saved = jax.eval_shape(_forward_save_fn(f, False, box), pav, hin)[1]
         fwd = self._exe(sig, "forward", stage, False)
@@ -980,7 +981,7 @@ class StreamingRuntime:
             known, skey = None, None
         if not known:
             try:
-                val = jax.eval_shape(loss_fn, out_aval, *args_aval)
+                val = jax.eval_shape(_own_fns([loss_fn])[0], out_aval, *args_aval)  # see _own_fns
             except Exception as e:  # noqa: BLE001
                 raise ValueError(f"loss_fn(out, *loss_args) failed to trace for out of {_describe(out_aval)}: "
                                  f"{type(e).__name__}: {e}") from e
