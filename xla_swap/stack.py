@@ -31,6 +31,11 @@ Design (``docs/design.md``):
   ``layer(h, **layer_kwargs)`` (a tuple result's first element is the new ``h``); ``last(h)``
   gives the output. Integer tensors (token ids) are constants: they get no gradient.
 
+* **Release.** A stack holds its stage functions, its ``StreamingRuntime`` (executables,
+  weights, optimizer state) and at most 8 converted loss functions; dropping it frees them (by
+  reference counting). The modules are the caller's. What outlives it is listed in
+  :mod:`xla_swap.executors.streaming` (jax's own bounded caches; ``benchmarks/leak_cycles.py``).
+
 The module imports torch, torchax, jax and numpy; not torch_xla.
 """
 from __future__ import annotations
