@@ -4,8 +4,12 @@ Builds, calls and drops the same model ``--cycles`` times, one case after anothe
 process, and samples the process RSS (``/proc/self/statm``, bytes) after each cycle (after
 ``gc.collect()``); on a backend with memory statistics (GPU) also the device's
 ``bytes_in_use``. The figure is the least-squares slope over the second half of the cycles
-(KiB per cycle; the first half is warm-up: allocator pools, jax's bounded caches filling).
-Target: below 1 KiB per cycle for every case. Cases:
+(KiB per cycle; the first half is warm-up: allocator pools, jax's bounded caches filling). With
+glibc each sample is taken after ``malloc_trim(0)``, so it counts memory in use rather than free
+heap that malloc keeps for reuse (a one-off arena growth of the raw RSS is not a leak); the raw
+RSS and its slope are recorded too, and per cycle the Python heap's block count and the entries of
+jax's in-memory caches (``xla_swap._compat.jax.tracing_cache_entries``): they tell a leak of Python
+objects or of jax cache entries from native memory. Target: below 1 KiB per cycle for every case. Cases:
 
 * ``runtime_forward``: ``StreamingRuntime`` of a 4-stage ``h + tanh(h @ a) @ b`` stack
   (module-level stage function, as a user writes it), one ``forward``.
@@ -50,6 +54,27 @@ def rss_bytes() -> int:
     """Resident set size of this process (bytes)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * PAGE
+
+
+def _libc_malloc_trim():
+    """glibc's ``malloc_trim`` (returns free heap memory to the OS), or ``None`` elsewhere."""
+    try:
+        import ctypes
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _libc_malloc_trim()
+
+
+def trimmed_rss_bytes() -> int | None:
+    """RSS after ``malloc_trim(0)``: memory in use, without the free heap malloc keeps for reuse
+    (a one-off jump of the raw RSS when malloc grows an arena is not a leak). ``None`` without glibc."""
+    if _MALLOC_TRIM is None:
+        return None
+    _MALLOC_TRIM(0)
+    return rss_bytes()
 
 
 def device_bytes_in_use() -> int | None:
@@ -143,16 +168,21 @@ def _make(case: str):
 def run_case(case: str, cycles: int) -> dict:
     """``cycles`` build / call / drop cycles of ``case``; RSS (and device memory) after each.
 
-    Returns: a dict with ``rss_bytes`` (one sample per cycle), ``rss_slope_kib_per_cycle``
-    (second half), ``device_bytes_in_use`` / ``device_slope_kib_per_cycle`` (``None`` without
+    Returns: a dict with ``rss_bytes`` (one sample per cycle) and its ``raw_rss_slope_kib_per_cycle``
+    (second half), ``trimmed_rss_bytes`` (after ``malloc_trim(0)``; ``None`` without glibc),
+    ``rss_slope_kib_per_cycle`` (the figure the target applies to: the trimmed samples' slope where
+    there are some, else the raw), ``python_blocks`` (``sys.getallocatedblocks()``) and
+    ``jax_cache_entries`` (entries of jax's in-memory caches) per cycle with their slopes,
+    ``device_bytes_in_use`` / ``device_slope_kib_per_cycle`` (``None`` without
     memory statistics), ``alive_after_gc`` (dropped objects still alive: should be 0),
     ``freed_by_refcount`` (dropped objects dead before ``gc.collect()``), ``live_arrays_start`` /
     ``live_arrays_end`` (``jax.live_arrays()`` after the first cycle and after the last) and
     ``seconds``.
     """
     import jax
+    from xla_swap._compat.jax import tracing_cache_entries
     build, call = _make(case)
-    rss, dev, refs, by_refcount = [], [], [], 0
+    rss, trimmed, dev, blocks, entries, refs, by_refcount = [], [], [], [], [], [], 0
     live_start = None
     gc.collect()
     t0 = time.perf_counter()
@@ -165,14 +195,22 @@ def run_case(case: str, cycles: int) -> dict:
         gc.collect()
         refs.append(ref)
         rss.append(rss_bytes())
+        trimmed.append(trimmed_rss_bytes())
         dev.append(device_bytes_in_use())
+        blocks.append(sys.getallocatedblocks())
+        entries.append(tracing_cache_entries())
         if c == 0:
             live_start = len(jax.live_arrays())
     seconds = time.perf_counter() - t0
     dev = None if any(d is None for d in dev) else dev
+    trimmed = None if any(t is None for t in trimmed) else trimmed
     return {"case": case, "cycles": cycles, "seconds": seconds,
             "rss_bytes": rss, "rss_first": rss[0], "rss_last": rss[-1],
-            "rss_slope_kib_per_cycle": slope_per_cycle(rss) / 1024,
+            "raw_rss_slope_kib_per_cycle": slope_per_cycle(rss) / 1024,
+            "trimmed_rss_bytes": trimmed,
+            "rss_slope_kib_per_cycle": slope_per_cycle(trimmed if trimmed is not None else rss) / 1024,
+            "python_blocks": blocks, "python_blocks_slope_per_cycle": slope_per_cycle(blocks),
+            "jax_cache_entries": entries, "jax_cache_entries_slope_per_cycle": slope_per_cycle(entries),
             "device_bytes_in_use": dev,
             "device_slope_kib_per_cycle": None if dev is None else slope_per_cycle(dev) / 1024,
             "alive_after_gc": sum(r() is not None for r in refs), "freed_by_refcount": by_refcount,
@@ -190,13 +228,16 @@ def passed(r: dict) -> bool:
 def table(results: list) -> str:
     """The printed summary: one row per case."""
     head = ("| case | cycles | s/cycle | RSS first -> last (MiB) | RSS slope, 2nd half (KiB/cycle) "
-            "| device slope (KiB/cycle) | alive after gc | freed by refcount | live arrays | pass |")
-    rows = [head, "|" + "---|" * 10]
+            "| raw RSS slope | device slope (KiB/cycle) | Python blocks / cycle | jax cache entries (last; / cycle) "
+            "| alive after gc | freed by refcount | live arrays | pass |")
+    rows = [head, "|" + "---|" * 13]
     for r in results:
         dslope = "-" if r["device_slope_kib_per_cycle"] is None else f"{r['device_slope_kib_per_cycle']:.2f}"
         rows.append(f"| {r['case']} | {r['cycles']} | {r['seconds'] / r['cycles']:.3f} "
                     f"| {r['rss_first'] / 2 ** 20:.1f} -> {r['rss_last'] / 2 ** 20:.1f} "
-                    f"| {r['rss_slope_kib_per_cycle']:.2f} | {dslope} | {r['alive_after_gc']} "
+                    f"| {r['rss_slope_kib_per_cycle']:.2f} | {r['raw_rss_slope_kib_per_cycle']:.2f} | {dslope} "
+                    f"| {r['python_blocks_slope_per_cycle']:.1f} "
+                    f"| {r['jax_cache_entries'][-1]}; {r['jax_cache_entries_slope_per_cycle']:.1f} | {r['alive_after_gc']} "
                     f"| {r['freed_by_refcount']}/{r['cycles']} | {r['live_arrays_start']} -> {r['live_arrays_end']} "
                     f"| {'yes' if passed(r) else 'NO'} |")
     return "\n".join(rows)
