@@ -37,6 +37,11 @@ Design (``docs/design.md``):
   ``select_layer_kwargs(layer_keys[i], layer_kwargs)``, and only layers of one key share a
   compiled function (``xla_swap.hf.CausalLMFirst`` does this).
 
+* **Release.** A stack holds its stage functions, its ``StreamingRuntime`` (executables,
+  weights, optimizer state) and at most 8 converted loss functions; dropping it frees them (by
+  reference counting). The modules are the caller's. What outlives it is listed in
+  :mod:`xla_swap.executors.streaming` (jax's own bounded caches; ``benchmarks/leak_cycles.py``).
+
 The module imports torch, torchax, jax and numpy; not torch_xla.
 """
 from __future__ import annotations

@@ -258,3 +258,22 @@ def test_a_missing_api_names_itself_and_the_versions():
     assert isinstance(e.value, ImportError)
     with pytest.raises(MissingUpstreamAPI, match="no_such_module"):
         cj._lookup("jax.no_such_module", "f")
+
+
+def test_tracing_cache_entries_counts_entries_of_a_live_function_only():
+    import gc
+
+    def compile_new():
+        def f(x):
+            return jnp.sin(x) * 2
+        jax.jit(f).lower(jax.ShapeDtypeStruct((3,), np.float32)).compile()
+        return f
+
+    compile_new()                       # fills jax's strong-keyed caches (shapes, shardings, lowering rules)
+    gc.collect()
+    before = cj.tracing_cache_entries()
+    f = compile_new()
+    assert cj.tracing_cache_entries() > before
+    del f
+    gc.collect()
+    assert cj.tracing_cache_entries() == before   # the weak-keyed entries went with the function

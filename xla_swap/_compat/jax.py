@@ -16,6 +16,7 @@ What is wrapped, by the part of xla_swap that needs it:
 * The PJRT client and its loaded executables (pjrt): :func:`compile_spmd`,
   :func:`compiled_memory_stats`, :func:`compiled_hlo_text`, :func:`output_memory_kinds`,
   :func:`output_hlo_shardings`, :func:`execute_sharded`.
+* jax's in-memory caches (tests that a dropped runtime releases them): :func:`tracing_cache_entries`.
 
 Verified versions (:data:`VERIFIED`): jax/jaxlib 0.10.2 on CPU (Python 3.11, ``make test``)
 and 0.11.2 on CPU (Python 3.12, ``make test-jax-only``) and on NVIDIA H200s with the CUDA 13
@@ -39,7 +40,7 @@ __all__ = ["VERIFIED", "MissingUpstreamAPI", "HloShardingLayout", "make_ir_conte
            "ir_element_type_factories", "hlo_to_stablehlo", "stablehlo_to_hlo_proto", "parse_hlo_sharding",
            "replicated_hlo_sharding", "hlo_sharding_layout", "sharding_to_hlo", "sharding_devices", "gspmd_sharding",
            "lowered_const_args", "enable_x64", "compile_spmd", "compiled_memory_stats", "compiled_hlo_text",
-           "output_memory_kinds", "output_hlo_shardings", "execute_sharded"]
+           "output_memory_kinds", "output_hlo_shardings", "execute_sharded", "tracing_cache_entries"]
 
 _LIB = "jax._src.lib"          # holds jaxlib's xla_client (an attribute, not a module)
 _XLA_CLIENT = f"{_LIB}.xla_client"
@@ -333,3 +334,23 @@ def execute_sharded(exe, args: Sequence[Any]) -> list:
     results = _member(exe, "execute_sharded", "LoadedExecutable.execute_sharded")(list(args))
     return _member(results, "disassemble_into_single_device_arrays",
                    "ExecuteResults.disassemble_into_single_device_arrays")()
+
+
+# ---------------------------------------------------------------------------------------
+# jax's in-memory caches (tests of the runtimes' release)
+# ---------------------------------------------------------------------------------------
+def tracing_cache_entries() -> int:
+    """The number of entries held now by jax's registered in-memory caches (tracing, lowering,
+    abstract evaluation: every ``functools.lru_cache`` / ``weakref_lru_cache`` jax registers).
+
+    A weak-keyed entry is dropped when its key (e.g. a traced function) dies, so the count
+    returns to its level once the objects that were traced are gone. Caches without
+    ``cache_info()`` are not counted. Wraps the private registry ``jax._src.util._caches``.
+    Verified: jax 0.10.2 (CPU).
+    """
+    total = 0
+    for cache in list(_lookup("jax._src.util", "_caches").keys()):
+        info = getattr(cache, "cache_info", None)
+        if info is not None:
+            total += int(getattr(info(), "currsize", 0) or 0)
+    return total

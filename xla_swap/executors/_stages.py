@@ -6,6 +6,7 @@ Imports numpy and jax only (and the framework-neutral memory-kind names of
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -151,6 +152,30 @@ def _stage_fns(stage_fn, n: int) -> tuple[list, bool]:
                 raise TypeError(f"stage_fn[{i}] is not callable: {type(f).__name__}")
         return fns, False
     raise TypeError(f"stage_fn must be a callable or a sequence of callables, got {type(stage_fn).__name__}")
+
+
+def _wrap(f):
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        return f(*args, **kwargs)
+    return wrapper
+
+
+def _own_fns(fns: list) -> list:
+    """Per-runtime wrappers of ``fns`` (one per distinct object; shared objects stay shared).
+
+    jax's tracing caches hold their entries as long as the traced function object is alive
+    (weak key) and key each ``jax.jit`` instance by identity, so tracing a long-lived user
+    function from every new runtime adds entries that outlive the runtime. A runtime traces
+    and compiles only these wrappers: they die with the runtime, and jax drops their entries.
+    """
+    out, made = [], {}
+    for f in fns:
+        w = made.get(id(f))
+        if w is None:
+            w = made[id(f)] = _wrap(f)
+        out.append(w)
+    return out
 
 
 def _check_memory_kinds(dev, who: str) -> None:

@@ -20,6 +20,20 @@ Why this shape (figures in ``docs/measured.md``, measured on one NVIDIA H200, ja
   executables, gradients sent to ``pinned_host``) ran at 1.30x (8192 tokens) and 1.04x
   (32768 tokens) of the on-device per-layer loop.
 
+What outlives a runtime: nothing of its own. Its executables (per input signature, at most
+``max_signatures``), its jitted loss functions (at most :data:`MAX_LOSS_FNS`), its weights,
+optimizer state and the stages carried to the next call are held by the runtime alone and
+freed when it is dropped, by reference counting (it holds no reference cycle). It traces and
+compiles its own wrappers of the caller's stage and loss functions, never the caller's
+function objects: jax keys its tracing caches weakly on the traced function and on each
+``jax.jit`` instance, so tracing a long-lived (module-level) function from every new runtime
+would add entries that live as long as that function. What stays are jax's own caches, bounded
+by jax (its jit-parameter cache holds 2048 entries in jax 0.10; ``jnp.einsum``, which torchax's
+``F.linear`` calls, adds entries there keyed on jax's own function, kept until evicted), and in
+``xla_swap.planning`` the chooser's ``CHOICES`` (64 choices) and ``PrefetchSchedule``'s derived
+fields (256). ``tests/executors/test_release.py`` checks this; ``benchmarks/leak_cycles.py``
+measures RSS over construct / call / drop cycles.
+
 The module imports only numpy and jax (no torch, no torch_xla).
 """
 from __future__ import annotations
@@ -45,7 +59,8 @@ from . import optim as _optim
 from .report import MemoryReport, compiled_report, stats_dict
 from .trace import StageEvent, TraceRecorder
 from ._stages import (DEVICE_KIND, HOST_KIND, _aval_key, _as_aval, _check_carry_dtypes, _check_input_dtypes,  # noqa: F401
-                      _check_memory_kinds, _describe, _index_by_identity, _is_diff, _leaf_name, _merge_diff, _probe, _split_diff, _stage_fns, _tree_aval,
+                      _check_memory_kinds, _describe, _index_by_identity, _is_diff, _leaf_name, _merge_diff, _own_fns,
+                      _probe, _split_diff, _stage_fns, _tree_aval,
                       tree_nbytes)
 
 __all__ = ["StreamingRuntime", "StageEvent", "TraceRecorder", "tree_nbytes"]
@@ -444,7 +459,8 @@ class StreamingRuntime:
         #: the mesh axis activations are split over (data parallelism), or ``None``.
         self.batch_axis: str | None = batch_axis
         self._batch_sh = batch_sh
-        self._fns = fns
+        self._fns = fns  # the caller's stage functions
+        self._traced_fns = _own_fns(fns)  # what this runtime traces and compiles (see _own_fns)
         self._fn_ids: list[int] = []
         uniq: list[Callable] = []
         for f in fns:  # dedupe by identity
@@ -938,7 +954,7 @@ class StreamingRuntime:
             self._last_sig = sig
             return sig
         chain = [a]
-        for i, (f, pav) in enumerate(zip(self._fns, self._param_avals)):
+        for i, (f, pav) in enumerate(zip(self._traced_fns, self._param_avals)):
             try:
                 out = jax.eval_shape(f, pav, chain[-1])
             except Exception as e:  # noqa: BLE001 - re-raised with the stage named
@@ -990,7 +1006,7 @@ class StreamingRuntime:
         exe = sig.stage_exe.get(key_stage)
         if exe is not None:
             return exe
-        f = self._fns[i]
+        f = self._traced_fns[i]
         pkey = (jax.tree_util.tree_structure(self._param_avals[i]),
                 tuple((a.shape, str(a.dtype), s) for a, s in zip(jax.tree_util.tree_leaves(self._param_avals[i]),
                                                                    jax.tree_util.tree_leaves(self._dev_sh[i]))),
@@ -1134,7 +1150,7 @@ class StreamingRuntime:
     def _stage_cost_bytes(self, sig, stage: int) -> dict:
         """The byte fields of :meth:`layer_cost` for ``stage`` under input signature ``sig``, from
         the compiled executables alone (nothing runs, no clock is read)."""
-        f, pav, hin = self._fns[stage], self._param_avals[stage], sig.chain[stage]
+        f, pav, hin = self._traced_fns[stage], self._param_avals[stage], sig.chain[stage]
         saved = jax.eval_shape(_forward_save_fn(f, False, {}), pav, hin)[1]
         bwd = self._exe(sig, "backward", stage, False) if self.optimizer is None else None
         try:
@@ -1154,7 +1170,7 @@ class StreamingRuntime:
             known, skey = None, None
         if not known:
             try:
-                val = jax.eval_shape(loss_fn, out_aval, *args_aval)
+                val = jax.eval_shape(_own_fns([loss_fn])[0], out_aval, *args_aval)  # see _own_fns
             except Exception as e:  # noqa: BLE001
                 raise ValueError(f"loss_fn(out, *loss_args) failed to trace for out of {_describe(out_aval)}: "
                                  f"{type(e).__name__}: {e}") from e

@@ -1,0 +1,35 @@
+"""CPU smoke test of ``benchmarks/leak_cycles.py``: every case runs a few cycles and the JSON has the
+documented structure. The figures are not checked (a few cycles say nothing about a slope): that
+nothing dropped is alive after ``gc.collect()`` is, as it holds after any number of cycles."""
+import json
+
+import leak_cycles  # benchmarks/ is on pytest's pythonpath
+
+
+def test_few_cycles_every_case_structure(tmp_path, capsys):
+    out = tmp_path / "sub" / "leak_cycles.json"
+    rc = leak_cycles.main(["--cycles", "2", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert rc == (0 if data["pass"] else 1)
+    assert data["target_kib_per_cycle"] == leak_cycles.TARGET_KIB and data["compile_cache"] is False
+    assert data["command"].startswith("leak_cycles.py --cycles 2") and data["platform"] == "cpu"
+    assert data["versions"]["jax"] and data["versions"]["torch"]
+    assert [r["case"] for r in data["results"]] == list(leak_cycles.CASES)
+    for r in data["results"]:
+        assert r["cycles"] == 2 and len(r["rss_bytes"]) == 2 and all(b > 0 for b in r["rss_bytes"])
+        assert isinstance(r["rss_slope_kib_per_cycle"], float) and isinstance(r["raw_rss_slope_kib_per_cycle"], float)
+        assert len(r["trimmed_rss_bytes"]) == 2 and r["seconds"] > 0        # glibc on the CPU machine
+        assert len(r["python_blocks"]) == 2 and len(r["jax_cache_entries"]) == 2 and r["jax_cache_entries"][0] > 0
+        assert r["device_bytes_in_use"] is None and r["device_slope_kib_per_cycle"] is None   # CPU: no statistics
+        assert r["alive_after_gc"] == 0 and 0 <= r["freed_by_refcount"] <= 2
+        assert r["live_arrays_end"] == r["live_arrays_start"]
+    table = capsys.readouterr().out
+    assert table.count("\n| runtime_") == 2 and "\n| stack | 2 |" in table and ("PASS" in table or "FAIL" in table)
+
+
+def test_slope_is_least_squares_over_the_second_half():
+    assert abs(leak_cycles.slope_per_cycle([100, 0, 0, 10, 20, 30]) - 10.0) < 1e-9   # [10, 20, 30]
+    assert abs(leak_cycles.slope_per_cycle([5, 5, 5, 5])) < 1e-9
+    r = {"rss_slope_kib_per_cycle": 0.5, "alive_after_gc": 0, "device_slope_kib_per_cycle": None}
+    assert leak_cycles.passed(r) and not leak_cycles.passed({**r, "alive_after_gc": 1})
+    assert not leak_cycles.passed({**r, "device_slope_kib_per_cycle": 2.0})
