@@ -6,6 +6,7 @@ memory, with weights, gradients and AdamW state in host memory.
     loss = stack.train_step(input_ids, labels, loss_fn=torch.nn.functional.cross_entropy)
     logits = stack(input_ids)          # serving: torch tensors in and out
     stack.sync_modules()               # the trained weights back into the nn.Modules
+    stack.save_checkpoint("ckpt/")     # weights, AdamW moments, step (torch.distributed.checkpoint)
 
 Design (``docs/design.md``):
 
@@ -410,7 +411,8 @@ class SwappedStack:
         with other weight decay (none on norms and biases, as the Hugging Face Trainer builds
         them) are honoured. Its own state is not used: the moments live in
         ``runtime.optimizer_state`` and the step count in ``runtime.step``, so
-        ``optimizer.state_dict()`` holds the groups but no moments. After each update its
+        ``optimizer.state_dict()`` holds the groups but no moments: checkpoint with
+        :meth:`save_checkpoint` / :meth:`state_dict`, which hold both. After each update its
         ``step()`` is called while none of its parameters has a ``.grad`` (a no-op on them that
         runs its step hooks and keeps a scheduler from warning that it stepped first).
         Parameters with ``requires_grad=False`` are not updated, as in torch.

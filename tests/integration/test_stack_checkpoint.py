@@ -119,6 +119,8 @@ def test_resume_equals_the_uninterrupted_run(tmp_path):
     plain.update({f"optim.state.{names[n]}.{k}": torch.empty(() if k == "step" else p.shape)
                   for n, p in ref.named_parameters() for k in ("exp_avg", "exp_avg_sq", "step")})
     dcp.load(plain, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    md = dcp.FileSystemReader(tmp_path / "ckpt").read_metadata().state_dict_metadata
+    assert len(md["model.layers.0.mlp.up_proj.weight"].chunks) == len(jax.devices())  # one per FSDP shard
     for n, p in ref.named_parameters():
         assert rel(plain[f"model.{names[n]}"], p.detach()) <= TOL, n
         st = opt_ref.state[p]
