@@ -282,8 +282,6 @@ def _chunks(a: jax.Array, transposed: bool) -> list[tuple[tuple, tuple, Callable
             t = _to_torch(data)
             return t.t().contiguous() if transposed else t
         out.append((start[::-1], sizes[::-1], load) if transposed else (start, sizes, load))
-    if len(out) == 1 and len(a.shape) == 0:
-        out = [((), (), out[0][2])]
     return out
 
 
@@ -1051,9 +1049,10 @@ class SwappedStack:
         ``optim.state.<fqn>.exp_avg``, ``optim.param_groups``, ``extra.<key>``), so
         ``torch.distributed.checkpoint.load`` reads it into torch tensors of those shapes. A weight
         sharded over several devices (``shard="fsdp"``) is written as one chunk per distinct shard,
-        each copied from its own host buffer when the writer reaches it: the save needs about
-        three times the largest shard in extra host memory (the copy, its ``[out, in]`` transpose,
-        the serializer's buffer), never the model.
+        each copied from its own host buffer when the writer reaches it and released once written:
+        the extra host memory is a few copies of the largest single shard (the shard read out of
+        its buffer, its ``[out, in]`` transpose, the writer's serialization; at most four), never
+        the model or one stage. Not measured: derived from the writer's one-item-at-a-time loop.
 
         Args:
           path: a folder (``str`` or ``os.PathLike``).
