@@ -10,6 +10,8 @@ them; one GPU on a GPU machine).
     python examples/train_llama.py --steps 40 --layers 4 --dim 128 --out out/
     python examples/train_llama.py --budget-mib 64 ...   # a device-memory budget: the first step
                                                           # measures and picks what stays on the device
+    python examples/train_llama.py --steps 20 --save ckpt/          # save the training state at the end
+    python examples/train_llama.py --steps 40 --resume ckpt/ ...    # go on from it (steps 21..40)
 
 Writes ``train_llama_loss.png`` and ``.json`` into ``--out`` and exits non-zero unless the loss
 went down and the weights and moments were where the schedule puts them (``pinned_host``; with
@@ -45,6 +47,10 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-mib", type=int, default=None,
                     help="device-memory budget (MiB): SwappedStack(budget_bytes=) chooses the schedule at the first step")
     ap.add_argument("--out", default="out", help="folder for the loss PNG and JSON (not tracked)")
+    ap.add_argument("--save", default=None, help="folder to save the training state into at the end "
+                    "(SwappedStack.save_checkpoint: a torch.distributed.checkpoint)")
+    ap.add_argument("--resume", default=None, help="folder of a --save checkpoint to go on from (same --layers, "
+                    "--dim; it skips the steps already taken)")
     args = ap.parse_args(argv)
 
     import jax
@@ -69,9 +75,14 @@ def main(argv=None) -> int:
     stack = SwappedStack(layers, first=first, last=last, loss_fn=loss_fn, budget_bytes=budget,
                          optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr))
     losses = []
-    for b in (bar := tqdm(batches, desc="train_llama", unit="step", file=sys.stdout)):
+    if args.resume:   # weights, AdamW moments and step; the losses so far ride along as `extra`
+        losses = stack.load_checkpoint(args.resume)["losses"]
+        print(f"resumed from {args.resume} at step {stack.runtime.step}")
+    for b in (bar := tqdm(batches[stack.runtime.step:], desc="train_llama", unit="step", file=sys.stdout)):
         losses.append(float(stack.train_step(b[:, :-1], b[:, 1:])))
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    if args.save:
+        stack.save_checkpoint(args.save, extra={"losses": losses})
     stack.sync_modules()  # the trained weights back into `model`
 
     rt = stack.runtime
@@ -85,6 +96,7 @@ def main(argv=None) -> int:
         torch_loss, stack_loss = float(loss_fn(model(x).logits, y)), float(loss_fn(stack(x), y))
     checks = {
         "loss went down": losses[-1] < losses[0],
+        "one loss per step, resumed steps included": len(losses) == rt.step == args.steps,
         "weights and AdamW moments in pinned_host (resident stages: device memory)": kinds_ok,
         "the schedule fits the budget (predicted)": budget is None or (
             stack.schedule is not None and stack.schedule.device_bytes <= budget),

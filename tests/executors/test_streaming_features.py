@@ -314,3 +314,46 @@ def test_prefetch_next_call_invalidated_by_new_host_params():
 def test_prefetch_next_call_flag_checked():
     with pytest.raises(TypeError, match="prefetch_next_call"):
         StreamingRuntime(layer, make_params(), prefetch_next_call=1)
+
+
+def test_load_stage_resumes_exactly_and_refuses_mismatches():
+    """Weights, moments and step copied out of one runtime and loaded into a fresh one (other
+    weights) resume its training exactly; a leaf of another shape or dtype, another structure or
+    pending accumulated gradients are refused before anything changes."""
+    opt = AdamW(lr=1e-2, weight_decay=0.1)
+    x, y = make_input(), make_input(seed=2)
+    a = StreamingRuntime(layer, make_params(), prefetch_depth=1, optimizer=opt)
+    b = StreamingRuntime(layer, make_params(seed=5), prefetch_depth=1, optimizer=opt)
+    for _ in range(2):
+        a.train_step(x, loss_fn, loss_args=(y,))
+    b.train_step(x, loss_fn, loss_args=(y,))   # b's device copies for the next call are stale after the load
+    assert a.trainable_paths(0) == ["['a']", "['b']"]
+    for i in range(L):
+        b.load_stage(i, {k: np.asarray(v) for k, v in a.host_params[i].items()},
+                     [tuple(np.asarray(t) for t in mv) for mv in a.optimizer_state[i]])
+    b.step = a.step
+    for rt in (a, b):
+        rt.train_step(x, loss_fn, loss_args=(y,))
+    for pa, pb in zip(a.host_params, b.host_params):
+        for k in pa:
+            np.testing.assert_array_equal(np.asarray(pa[k]), np.asarray(pb[k]))
+    assert {s.memory_kind for s in jax.tree_util.tree_leaves(
+        jax.tree_util.tree_map(lambda t: t.sharding, (b.host_params, b.optimizer_state)))} == {"pinned_host"}
+    before = [np.asarray(b.host_params[0]["a"]), np.asarray(b.optimizer_state[0][0][0])]
+    good = {k: np.asarray(v) for k, v in b.host_params[0].items()}
+    with pytest.raises(ValueError, match=r"stage_params\[0\]\['a'\]: got shape \(16, 16\)"):
+        b.load_stage(0, {**good, "a": np.zeros((D, D), np.float32)})
+    with pytest.raises(ValueError, match=r"stage_params\[0\]\['b'\].*dtype float16"):
+        b.load_stage(0, {**good, "b": good["b"].astype(np.float16)})
+    with pytest.raises(ValueError, match="tree structure"):
+        b.load_stage(0, {"a": good["a"]})
+    with pytest.raises(ValueError, match=r"optimizer_state\[0\] must be 2 \(m, v\) pairs"):
+        b.load_stage(0, good, [(np.zeros((D, F), np.float32),) * 2])
+    with pytest.raises(ValueError, match="stage must be an int"):
+        b.load_stage(L, good)
+    b.train_step(x, loss_fn, loss_args=(y,), accumulate=True)
+    with pytest.raises(ValueError, match="accumulated micro-batches"):
+        b.load_stage(0, good)
+    np.testing.assert_array_equal(np.asarray(b.optimizer_state[0][0][0]), before[1])
+    b.train_step(x, loss_fn, loss_args=(y,))   # still usable
+    assert b.step == a.step + 1

@@ -27,6 +27,23 @@ def test_train_llama_example_runs(tmp_path):
     assert "[FAIL]" not in r.stdout and (tmp_path / "train_llama_loss.png").exists()
 
 
+def test_train_llama_example_saves_and_resumes(tmp_path):
+    """``--save`` after 3 steps, then ``--resume`` to 5: the second run starts at step 3 and passes
+    the example's checks (the losses of both runs, one per step)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    common = [sys.executable, str(ROOT / "examples" / "train_llama.py"), "--layers", "2", "--dim", "32",
+              "--seq", "16", "--batch", "2", "--out", str(tmp_path)]
+    r = subprocess.run(common + ["--steps", "3", "--save", str(tmp_path / "ckpt")],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and (tmp_path / "ckpt" / ".metadata").exists(), (r.stdout + r.stderr)[-3000:]
+    r = subprocess.run(common + ["--steps", "5", "--resume", str(tmp_path / "ckpt")],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "resumed from" in r.stdout and "at step 3" in r.stdout and "[FAIL]" not in r.stdout
+    assert len(json.loads((tmp_path / "train_llama_loss.json").read_text())["losses"]) == 5
+
+
 def test_train_llama_example_with_a_budget(tmp_path):
     """``--budget-mib``: SwappedStack(budget_bytes=) chooses at the first step (on 4 CPU devices,
     FSDP); the example's checks (loss down, each stage's weights and moments where the schedule

@@ -649,6 +649,65 @@ class StreamingRuntime:
         the next call then streams its first stages again)."""
         self._carry = {}
 
+    def trainable_paths(self, stage: int) -> list[str]:
+        """The key paths (``jax.tree_util.keystr``, e.g. ``"['w']"``) of ``stage``'s trainable leaves,
+        in the order of ``optimizer_state[stage]`` (and of ``grad_acc[stage]``).
+
+        Raises: ValueError: ``stage`` is not an int in ``[0, num_stages)``.
+        """
+        self._check_stage(stage)
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(self._param_avals[stage])[0]]
+        return [p for p, m in zip(paths, self._train_mask[stage]) if m]
+
+    def load_stage(self, stage: int, params=None, state: Sequence | None = None) -> None:
+        """Replace ``stage``'s weights and/or optimizer state by copies of the given arrays, placed
+        where the current ones are (same shardings and memory kinds: ``pinned_host``, or device
+        memory for a resident stage). The stage's weights held in device memory for the next call
+        are dropped.
+
+        Args:
+          stage: the stage index.
+          params: ``None`` (weights unchanged) or a pytree of ``host_params[stage]``'s structure
+            whose leaves (numpy or jax arrays) have its shapes and dtypes.
+          state: ``None`` (moments unchanged) or, with an optimizer, a list of ``(m, v)`` pairs as
+            ``optimizer_state[stage]`` holds them (one per trainable leaf, ``trainable_paths``
+            order; the leaf's shape, the optimizer's state dtype).
+
+        Raises (before anything changes): ValueError: a bad ``stage``; ``params`` of another
+          structure, or a leaf of another shape or dtype (the message names the leaf); ``state``
+          as the constructor's ``optimizer_state`` refuses it, or given without an optimizer; the
+          runtime holds accumulated gradients (``grad_acc``: update first).
+        """
+        self._check_stage(stage)
+        if self.grad_acc is not None:
+            raise ValueError(f"the runtime holds the gradients of {self.micro_batches} accumulated micro-batches; "
+                             "load after the update (train_step with accumulate=False)")
+        if params is not None:
+            lp, td = jax.tree_util.tree_flatten_with_path(params)
+            ref_lp, ref_td = jax.tree_util.tree_flatten_with_path(self._param_avals[stage])
+            if td != ref_td:
+                raise ValueError(f"params for stage {stage} have tree structure {td}, the stage has {ref_td}")
+            for (path, leaf), (_, a) in zip(lp, ref_lp):
+                shape, dtype = tuple(getattr(leaf, "shape", ())), getattr(leaf, "dtype", None)
+                if shape != tuple(a.shape) or dtype is None or np.dtype(dtype) != np.dtype(a.dtype):
+                    raise ValueError(f"stage_params[{stage}]{_leaf_name(path)}: got shape {shape} dtype {dtype}, "
+                                     f"the stage holds shape {tuple(a.shape)} dtype {np.dtype(a.dtype)}")
+        if state is not None:
+            if self.optimizer is None:
+                raise ValueError("state given to a runtime without an optimizer")
+            leaves = jax.tree_util.tree_leaves(self._param_avals[stage])
+            sel = [leaves[j] for j, m in enumerate(self._train_mask[stage]) if m]
+            state = _checked_state(self.optimizer, state, sel, stage)
+        self._carry.pop(stage, None)
+        if params is not None:
+            self.host_params[stage] = jax.device_put(params, self._host_sh[stage], may_alias=False)
+        if state is not None:
+            self.optimizer_state[stage] = jax.device_put(state, self._state_host_sh[stage], may_alias=False)
+
+    def _check_stage(self, stage) -> None:
+        if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)) or not 0 <= stage < self.num_stages:
+            raise ValueError(f"stage must be an int in [0, {self.num_stages}), got {stage!r}")
+
     def reset_stats(self) -> None:
         """Reset ``max_resident_stages`` and ``residency_trace``."""
         self.max_resident_stages = 0
