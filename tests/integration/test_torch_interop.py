@@ -7,6 +7,8 @@
   process may have imported torchax through torch_xla already), where torch's accelerator,
   its PrivateUse1 name and plain torch autograd are the same before and after a stack is built,
   called and trained.
+  The device module ``torch.autocast`` needs for torchax tensors is registered as unavailable, so
+  torch's device discovery (``torch._utils._get_available_device_type``) is unchanged too.
 * fp32 contractions follow ``torch.backends.cuda.matmul.fp32_precision`` / ``allow_tf32``:
   full fp32 (``operand_precision={highest,highest}`` in the compiled HLO) by default, as in
   torch, TF32 (``{high,high}``) when torch allows it; a change between calls compiles again.
@@ -31,7 +33,8 @@ import torch
 
 def state():
     acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-    return [torch._C._get_privateuse1_backend_name(), str(acc), hasattr(torch, "jax")]
+    from torch._utils import _get_available_device_type   # what torch.distributed.checkpoint's writer picks
+    return [torch._C._get_privateuse1_backend_name(), str(acc), hasattr(torch, "jax"), _get_available_device_type()]
 
 def torch_grad():
     torch.manual_seed(0)

@@ -15,8 +15,10 @@ registrations at import time:
 
 xla_swap needs neither: its stage functions run under ``torchax.default_env()``, and torchax's
 environment treats ``privateuseone`` as its own device name beside ``jax``. :func:`import_torchax`
-imports torchax with the rename skipped and its device module registered under the
-unrenamed name (``torch.privateuseone``, which changes no accelerator), and its tensors then report their device as
+imports torchax with the rename skipped and a device module registered under the
+unrenamed name (``torch.privateuseone``: enough for ``torch.autocast``, which Hugging Face's rotary
+embeddings enter on torchax tensors; it reports itself unavailable, so it changes no accelerator
+and no device discovery), and its tensors then report their device as
 ``privateuseone:0`` (the same device before the rename) instead of ``jax:0``. Verified on torchax 0.0.6 (torch 2.9) and 0.0.13 (torch 2.11).
 
 If torchax was imported before (by torch_xla, or by the user), the registrations have already
@@ -41,15 +43,30 @@ def _without_device_registration():
     saved_rename = torch.utils.rename_privateuse1_backend
     saved_register = torch._register_device_module
     torch.utils.rename_privateuse1_backend = lambda name: None
-    # torch.autocast(device_type=t.device.type), which Hugging Face's rotary embeddings run,
-    # looks up the device module by the backend's name: register torchax's under the unrenamed one.
+    # torch.autocast(device_type=t.device.type), which Hugging Face's rotary embeddings run on
+    # torchax tensors, looks up the device module by the backend's name: register one under the
+    # unrenamed name that autocast accepts and that says it is not available, so torch's own
+    # device discovery (torch.distributed.checkpoint's writer, say) never picks it.
     torch._register_device_module = lambda name, module: (
-        None if hasattr(torch, "privateuseone") else saved_register("privateuseone", module))
+        None if hasattr(torch, "privateuseone") else saved_register("privateuseone", _autocast_only_module()))
     try:
         yield
     finally:
         torch.utils.rename_privateuse1_backend = saved_rename
         torch._register_device_module = saved_register
+
+
+def _autocast_only_module():
+    """A device module for ``torch.privateuseone``: what ``torch.autocast`` needs, and not available."""
+    import types
+
+    import torch
+    mod = types.ModuleType("xla_swap_torchax_device")
+    mod.get_amp_supported_dtype = lambda: [torch.float16, torch.bfloat16]
+    mod.is_available = lambda: False
+    mod.device_count = lambda: 0
+    mod._is_in_bad_fork = lambda: False
+    return mod
 
 
 def import_torchax():
