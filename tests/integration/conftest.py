@@ -10,5 +10,6 @@
 * the import layering (``test_layering.py``) and that the repository stands alone
   (``test_standalone.py``).
 
+Shared helpers: ``llama_cases.py`` (the small Llama, its loss, batches, param groups, schedule).
 No fixtures of its own (``num_devices`` comes from the root conftest).
 """

@@ -12,26 +12,12 @@ import jax
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from llama_cases import V, ce, make_model, rel
 from xla_swap.planning import AdamW, OffloadPolicy
 from xla_swap.stack import SwappedStack, causal_lm_stages
 
 pytestmark = pytest.mark.spmd
-
-V = 96
-
-
-def make_model(layers=4, seed=0):
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).float().eval()
-
-
-def ce(logits, labels):
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 def batches(steps, b=2, t=16, seed=0):
@@ -41,12 +27,8 @@ def batches(steps, b=2, t=16, seed=0):
         yield ids[:, :-1], ids[:, 1:]
 
 
-def rel(a, b):
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def test_llama_20_steps_equal_torch_adamw(num_devices):
-    ref = make_model()
+    ref = make_model(layers=4)
     model = copy.deepcopy(ref)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.05)
     first, layers, last = causal_lm_stages(model)

@@ -12,11 +12,10 @@ import math
 import jax
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from llama_cases import batches, ce, hf_groups, make_model, warmup_cosine
 from xla_swap.stack import SwappedStack, causal_lm_stages
 
-V = 96
 TOL = 1e-5
 
 # The first AdamW steps move each element by lr * g / (|g| + eps), about lr * sign(g): an element whose
@@ -24,44 +23,6 @@ TOL = 1e-5
 # torch fp64 differ by up to 8.6e-5 at eps=1e-8, lr=1e-3 with 2 micro-batches). eps=1e-6 makes such
 # elements' steps linear in g, so the comparison measures the implementation, not that noise.
 ADAM = dict(lr=1e-3, weight_decay=0.05, eps=1e-6)
-
-
-def make_model(layers=3, seed=0):
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).float().eval()
-
-
-def ce(logits, labels):
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-
-
-def batches(steps, b=2, t=12, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        ids = torch.randint(0, V, (b, t + 1), generator=g)
-        out.append((ids[:, :-1], ids[:, 1:]))
-    return out
-
-
-def hf_groups(model, wd):
-    """The Hugging Face Trainer's grouping: weight decay on matrices, none on norms and biases."""
-    params = list(model.named_parameters())
-    return [{"params": [p for n, p in params if p.ndim >= 2], "weight_decay": wd},
-            {"params": [p for n, p in params if p.ndim < 2], "weight_decay": 0.0}]
-
-
-def warmup_cosine(opt, warmup=2, total=8):
-    """``transformers.get_cosine_schedule_with_warmup``, written out (LambdaLR)."""
-    def f(step):
-        if step < warmup:
-            return step / warmup
-        prog = (step - warmup) / max(1, total - warmup)
-        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * prog)))
-    return torch.optim.lr_scheduler.LambdaLR(opt, f)
 
 
 def worst_rel(model, ref):
