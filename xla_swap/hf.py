@@ -76,6 +76,10 @@ def _is_tensor_tree(v) -> bool:
     return False
 
 
+def _leaves(v) -> list:
+    return [v] if isinstance(v, torch.Tensor) else [t for x in v for t in _leaves(x)]
+
+
 def _is_const(v) -> bool:
     return v is None or isinstance(v, (bool, int, float, str))
 
@@ -202,6 +206,9 @@ class CausalLMFirst(torch.nn.Module):
                 if not (v is None or _is_tensor_tree(v)):
                     raise ValueError(f"{type(self._base).__name__}.forward passes decoder layer {i} {name}= a "
                                      f"{type(v).__name__}: only tensors, tuples of tensors and constants are supported")
+                if v is not None and any(t.is_complex() for t in _leaves(v)):
+                    raise ValueError(f"{type(self._base).__name__}.forward passes decoder layer {i} {name}= a complex "
+                                     "tensor (e.g. rotary embeddings as complex numbers): not supported in the stages")
             if all(v is values[0] for v in values):
                 carry[name] = values[0]
                 continue

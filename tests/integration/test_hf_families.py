@@ -35,6 +35,12 @@ BASE = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layer
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
             pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
+#: mixture of experts: 4 experts, top-2 (every token routed to fewer experts than there are).
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)
+#: DeepSeek's multi-head latent attention.
+MLA = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+           head_dim=4)
+
 #: family -> (config overrides, padding side). Sliding windows of 4 < T.
 EXACT = {
     "llama": ({}, "left"),
@@ -61,13 +67,24 @@ EXACT = {
     "nemotron": ({}, "left"),
     "persimmon": ({}, "left"),
     "vaultgemma": ({"sliding_window": 4}, "left"),
+    "mixtral": ({"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4}, "left"),
+    "qwen2_moe": ({**MOE, "num_experts": 4, "shared_expert_intermediate_size": 16}, "left"),
+    "qwen3_moe": ({**MOE, "num_experts": 4, "norm_topk_prob": True}, "right"),
+    "olmoe": ({**MOE, "num_experts": 4}, "left"),
+    "deepseek_v3": ({**MOE, **MLA, "n_routed_experts": 4, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                     "n_group": 2, "topk_group": 1}, "left"),
+    "gpt_oss": ({"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4}, "left"),
 }
 
 #: family -> (config overrides, a piece of the error naming the module and the feature).
 REFUSED = {
-    "mixtral": ({}, "MixtralSparseMoeBlock) is a mixture-of-experts block"),
-    "qwen2_moe": ({}, "Qwen2MoeSparseMoeBlock) is a mixture-of-experts block"),
-    "qwen3_moe": ({}, "Qwen3MoeSparseMoeBlock) is a mixture-of-experts block"),
+    "mixtral-aux": ({"num_local_experts": 4, "output_router_logits": True},
+                    "MixtralExperts) is a mixture-of-experts block and config.output_router_logits=True"),
+    "mixtral-jitter": ({"num_local_experts": 4, "router_jitter_noise": 0.1},
+                       "MixtralSparseMoeBlock) multiplies its input by random router jitter noise"),
+    "jetmoe": ({"num_local_experts": 4}, "JetMoeMoE) is a mixture-of-experts block whose experts are not"),
+    "deepseek_v2": ({**MOE, **MLA, "n_routed_experts": 4},
+                    "passes decoder layer 0 position_embeddings= a complex tensor"),
     "codegen": ({}, "layers[0] (CodeGenBlock) does not trace with torchax"),
     "gptj": ({}, "layers[0] (GPTJBlock) does not trace with torchax"),
     "bloom": ({}, "BloomModel.forward changes the hidden state between decoder layers"),
@@ -76,7 +93,7 @@ REFUSED = {
 
 
 def make(family, overrides):
-    name = family.removesuffix("-tied")
+    name = family.split("-")[0]
     cfg = transformers.AutoConfig.for_model(name, **{**BASE, **overrides})
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
