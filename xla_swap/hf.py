@@ -17,6 +17,9 @@ The ends of the model run the model's own forward methods, with the decoder laye
   every logit transform of that forward (Cohere's ``logit_scale``, Gemma-2/3's
   ``final_logit_softcapping``, Granite's ``logits_scaling``, ...) are the model's.
 
+Mixture-of-experts layers run their own routing; their experts (``transformers``'
+``@use_experts_implementation`` modules) run :func:`xla_swap.moe.dense_experts_forward` while traced.
+
 At construction a probe (a few tokens, eager torch on the CPU, the layers replaced by the
 identity) checks that ``last(first(ids))`` equals the model's own logits with the same
 identity layers, and that the model's forward passes the hidden state unchanged from layer
@@ -343,7 +346,13 @@ def causal_lm_stages(model: torch.nn.Module, layers_attr: str | None = None, nor
         module and the feature): a transformation of the hidden state between layers, keyword
         arguments of other kinds than tensors and constants, parameters of the causal LM
         outside its head, a difference between the stages and the model's own forward on a
-        probe input, or a mixture-of-experts block.
+        probe input, a mixture-of-experts block outside ``transformers``' experts interface or
+        with the auxiliary loss or router jitter noise asked for, complex keyword tensors.
+
+    Mixture-of-experts layers keep their routing; their experts run as
+    :func:`xla_swap.moe.dense_experts_forward` while the stages are traced (forward hooks on
+    those layers, :func:`xla_swap.moe.dense_experts_while_traced`; eager calls of the model are
+    unchanged).
     """
     name = type(model).__name__
     prefix = getattr(model, "base_model_prefix", None)

@@ -18,7 +18,10 @@ shifts every score of a query by the same amount) holds only AdamW's amplified r
 both runs, so it is compared within the whole model's rel 1e-4 instead of its parameter's.
 
 One device (the family sweep checks the model's code, not the sharding: ``test_stack.py`` runs
-the stack on 1, 4 and 8 devices).
+the stack on 1, 4 and 8 devices), except Llama, Gemma-2 and Mixtral, also trained on every device
+of the run with FSDP. Mixture-of-experts configs use 4 experts and top-2 (Mixtral, Qwen2-MoE with
+its shared expert, Qwen3-MoE, OLMoE, DeepSeek-V3 with a shared expert and group-limited routing,
+GPT-OSS with biased, clamped experts).
 """
 import copy
 
