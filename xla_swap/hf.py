@@ -17,6 +17,9 @@ The ends of the model run the model's own forward methods, with the decoder laye
   every logit transform of that forward (Cohere's ``logit_scale``, Gemma-2/3's
   ``final_logit_softcapping``, Granite's ``logits_scaling``, ...) are the model's.
 
+Mixture-of-experts layers run their own routing; their experts (``transformers``'
+``@use_experts_implementation`` modules) run :func:`xla_swap.moe.dense_experts_forward` while traced.
+
 At construction a probe (a few tokens, eager torch on the CPU, the layers replaced by the
 identity) checks that ``last(first(ids))`` equals the model's own logits with the same
 identity layers, and that the model's forward passes the hidden state unchanged from layer
@@ -30,6 +33,8 @@ import inspect
 from typing import Any
 
 import torch
+
+from xla_swap.moe import dense_experts_while_traced
 
 __all__ = ["causal_lm_stages", "CausalLMFirst", "CausalLMLast"]
 
@@ -72,6 +77,10 @@ def _is_tensor_tree(v) -> bool:
     if isinstance(v, (tuple, list)) and v:
         return all(_is_tensor_tree(x) for x in v)
     return False
+
+
+def _leaves(v) -> list:
+    return [v] if isinstance(v, torch.Tensor) else [t for x in v for t in _leaves(x)]
 
 
 def _is_const(v) -> bool:
@@ -200,6 +209,9 @@ class CausalLMFirst(torch.nn.Module):
                 if not (v is None or _is_tensor_tree(v)):
                     raise ValueError(f"{type(self._base).__name__}.forward passes decoder layer {i} {name}= a "
                                      f"{type(v).__name__}: only tensors, tuples of tensors and constants are supported")
+                if v is not None and any(t.is_complex() for t in _leaves(v)):
+                    raise ValueError(f"{type(self._base).__name__}.forward passes decoder layer {i} {name}= a complex "
+                                     "tensor (e.g. rotary embeddings as complex numbers): not supported in the stages")
             if all(v is values[0] for v in values):
                 carry[name] = values[0]
                 continue
@@ -247,16 +259,36 @@ class CausalLMLast(torch.nn.Module):
         self._stub = _BaseOutput(base)
 
     def forward(self, h):
-        from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions as Output
         if self._norm_attr is not None:
             h = self.norm(h)
-        self._stub.output = Output(last_hidden_state=h)
+        self._stub.output = _hidden_state_output(h)
         try:
             with _Swapped((self._model, self._prefix, self._stub)):
                 out = self._model(use_cache=False) if _accepts(self._model, "use_cache") else self._model()
         finally:
             self._stub.output = None
         return out.logits if hasattr(out, "logits") else out[0]
+
+
+def _hidden_state_output(h):
+    """The base model's output as the causal LM's forward reads it: ``last_hidden_state`` ``h``; every other
+    field it reads (``past_key_values``, an MoE model's ``router_logits``, ...) is ``None``."""
+    import dataclasses
+
+    from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
+
+    global _HiddenStateOutput
+    if _HiddenStateOutput is None:
+        @dataclasses.dataclass
+        class _HiddenStateOutput(BaseModelOutputWithPastAndCrossAttentions):
+            def __getattr__(self, name):
+                if name.startswith("_"):
+                    raise AttributeError(name)
+                return None
+    return _HiddenStateOutput(last_hidden_state=h)
+
+
+_HiddenStateOutput = None
 
 
 def _accepts(mod, name: str) -> bool:
@@ -314,7 +346,13 @@ def causal_lm_stages(model: torch.nn.Module, layers_attr: str | None = None, nor
         module and the feature): a transformation of the hidden state between layers, keyword
         arguments of other kinds than tensors and constants, parameters of the causal LM
         outside its head, a difference between the stages and the model's own forward on a
-        probe input, or a mixture-of-experts block.
+        probe input, a mixture-of-experts block outside ``transformers``' experts interface or
+        with the auxiliary loss or router jitter noise asked for, complex keyword tensors.
+
+    Mixture-of-experts layers keep their routing; their experts run as
+    :func:`xla_swap.moe.dense_experts_forward` while the stages are traced (forward hooks on
+    those layers, :func:`xla_swap.moe.dense_experts_while_traced`; eager calls of the model are
+    unchanged).
     """
     name = type(model).__name__
     prefix = getattr(model, "base_model_prefix", None)
@@ -333,7 +371,8 @@ def causal_lm_stages(model: torch.nn.Module, layers_attr: str | None = None, nor
         norm_attr = _find(base, _NORM_NAMES, lambda v: isinstance(v, torch.nn.Module))
     norm_attr = norm_attr or None
     layers = list(getattr(base, layers_attr))
-    _refuse_unsupported(name, prefix, layers_attr, layers)
+    _refuse_unsupported(model, name, prefix, layers_attr, layers)
+    dense_experts_while_traced(model, layers)
     head = model.get_output_embeddings()
     base_params = {id(p) for p in base.parameters()}
     for pn, p in model.named_parameters(remove_duplicate=False):
@@ -345,15 +384,38 @@ def causal_lm_stages(model: torch.nn.Module, layers_attr: str | None = None, nor
     return first, layers, last
 
 
-def _refuse_unsupported(name: str, prefix: str, layers_attr: str, layers) -> None:
-    """Raise ValueError naming the first module of ``layers`` with a feature the stages cannot run yet."""
+def _refuse_unsupported(model, name: str, prefix: str, layers_attr: str, layers) -> None:
+    """Raise ValueError naming the first module of ``layers`` with a feature the stages cannot run.
+
+    Mixture-of-experts blocks run when their experts are a ``transformers`` experts module
+    (``@use_experts_implementation``, run as :func:`xla_swap.moe.dense_experts_forward` in the
+    stages) and the model asks for nothing the stages leave out: the auxiliary load-balancing
+    loss (``output_router_logits``: the stages return logits, the loss is the caller's) and
+    router jitter noise (random: cannot equal torch's).
+    """
+    from xla_swap.moe import experts_modules
+    cfg = getattr(model, "config", None)
     for i, layer in enumerate(layers):
+        known = {id(m) for _, m in experts_modules(layer)}
         for sub_name, sub in layer.named_modules():
             cls = type(sub).__name__
-            if "experts" in sub_name.split(".")[-1:] or cls.endswith(("Experts", "SparseMoeBlock", "MoE", "MoeBlock")):
+            where = f"{name}: {prefix}.{layers_attr}.{i}.{sub_name} ({cls})"
+            if id(sub) in known:
+                if getattr(cfg, "output_router_logits", False):
+                    raise ValueError(f"{where} is a mixture-of-experts block and config.output_router_logits=True "
+                                     "asks for the auxiliary load-balancing loss, which the stages do not compute "
+                                     "(they return logits); set config.output_router_logits=False")
+                continue
+            if float(getattr(sub, "jitter_noise", 0) or 0) > 0:
+                raise ValueError(f"{where} multiplies its input by random router jitter noise "
+                                 "(config.router_jitter_noise > 0), which cannot equal torch's; set it to 0")
+            leaf = sub_name.split(".")[-1]
+            is_moe = leaf == "experts" or cls.endswith(("Experts", "SparseMoeBlock", "MoE", "MoeBlock"))
+            if is_moe and not any(k in {id(m) for m in sub.modules()} for k in known):
                 raise ValueError(
-                    f"{name}: {prefix}.{layers_attr}.{i}.{sub_name} ({cls}) is a mixture-of-experts block: its "
-                    "routing has data-dependent shapes, which the stages do not trace yet")
+                    f"{where} is a mixture-of-experts block whose experts are not a transformers experts module "
+                    "(@use_experts_implementation): its routing has data-dependent shapes, which the stages do "
+                    "not trace")
 
 
 def _probe(model, base, layers_attr: str, first: CausalLMFirst, last: CausalLMLast) -> None:

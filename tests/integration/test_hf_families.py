@@ -18,7 +18,10 @@ shifts every score of a query by the same amount) holds only AdamW's amplified r
 both runs, so it is compared within the whole model's rel 1e-4 instead of its parameter's.
 
 One device (the family sweep checks the model's code, not the sharding: ``test_stack.py`` runs
-the stack on 1, 4 and 8 devices).
+the stack on 1, 4 and 8 devices), except Llama, Gemma-2 and Mixtral, also trained on every device
+of the run with FSDP. Mixture-of-experts configs use 4 experts and top-2 (Mixtral, Qwen2-MoE with
+its shared expert, Qwen3-MoE, OLMoE, DeepSeek-V3 with a shared expert and group-limited routing,
+GPT-OSS with biased, clamped experts).
 """
 import copy
 
@@ -34,6 +37,12 @@ V, T = 96, 12
 BASE = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
             pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+#: mixture of experts: 4 experts, top-2 (every token routed to fewer experts than there are).
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)
+#: DeepSeek's multi-head latent attention.
+MLA = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+           head_dim=4)
 
 #: family -> (config overrides, padding side). Sliding windows of 4 < T.
 EXACT = {
@@ -61,13 +70,24 @@ EXACT = {
     "nemotron": ({}, "left"),
     "persimmon": ({}, "left"),
     "vaultgemma": ({"sliding_window": 4}, "left"),
+    "mixtral": ({"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4}, "left"),
+    "qwen2_moe": ({**MOE, "num_experts": 4, "shared_expert_intermediate_size": 16}, "left"),
+    "qwen3_moe": ({**MOE, "num_experts": 4, "norm_topk_prob": True}, "right"),
+    "olmoe": ({**MOE, "num_experts": 4}, "left"),
+    "deepseek_v3": ({**MOE, **MLA, "n_routed_experts": 4, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                     "n_group": 2, "topk_group": 1}, "left"),
+    "gpt_oss": ({"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4}, "left"),
 }
 
 #: family -> (config overrides, a piece of the error naming the module and the feature).
 REFUSED = {
-    "mixtral": ({}, "MixtralSparseMoeBlock) is a mixture-of-experts block"),
-    "qwen2_moe": ({}, "Qwen2MoeSparseMoeBlock) is a mixture-of-experts block"),
-    "qwen3_moe": ({}, "Qwen3MoeSparseMoeBlock) is a mixture-of-experts block"),
+    "mixtral-aux": ({"num_local_experts": 4, "output_router_logits": True},
+                    "MixtralExperts) is a mixture-of-experts block and config.output_router_logits=True"),
+    "mixtral-jitter": ({"num_local_experts": 4, "router_jitter_noise": 0.1},
+                       "MixtralSparseMoeBlock) multiplies its input by random router jitter noise"),
+    "jetmoe": ({"num_local_experts": 4}, "JetMoeMoE) is a mixture-of-experts block whose experts are not"),
+    "deepseek_v2": ({**MOE, **MLA, "n_routed_experts": 4},
+                    "passes decoder layer 0 position_embeddings= a complex tensor"),
     "codegen": ({}, "layers[0] (CodeGenBlock) does not trace with torchax"),
     "gptj": ({}, "layers[0] (GPTJBlock) does not trace with torchax"),
     "bloom": ({}, "BloomModel.forward changes the hidden state between decoder layers"),
@@ -76,7 +96,7 @@ REFUSED = {
 
 
 def make(family, overrides):
-    name = family.removesuffix("-tied")
+    name = family.split("-")[0]
     cfg = transformers.AutoConfig.for_model(name, **{**BASE, **overrides})
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
@@ -180,3 +200,56 @@ def test_sdpa_fully_masked_rows_equal_torch():
     with env:
         got = f(*(x.numpy() for x in (q, k, v, keep)))
     torch.testing.assert_close(torch.from_numpy(jax.numpy.asarray(got).__array__()), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "mixtral"])
+def test_family_fsdp_matches_torch(family):
+    """Every device of the run (4 in ``make test``), ``shard="fsdp"`` (the default: weights sharded,
+    the batch split over the devices): a left-padded batch of 8, two AdamW steps equal torch."""
+    overrides, side = EXACT[family]
+    ref = make(family, overrides)
+    model = copy.deepcopy(ref)
+    first, layers, last = causal_lm_stages(model)
+    stack = SwappedStack(layers, first=first, last=last, loss_fn=ce, optimizer=adamw(model.parameters()))
+    assert stack.runtime.batch_axis == ("d" if len(jax.devices()) > 1 else None)
+    x, mask, y = (torch.cat([t] * 4) for t in data(side))
+    opt = adamw(ref.parameters())
+    for _ in range(2):
+        loss = stack.train_step((x, mask), y)
+        ref_loss = ce(ref(x, attention_mask=mask).logits, y)
+        opt.zero_grad()
+        ref_loss.backward()
+        opt.step()
+        assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    stack.sync_modules()
+    got, want = (torch.cat([p.detach().flatten() for p in m.parameters()]) for m in (model, ref))
+    assert rel(got, want) <= 1e-4
+    with torch.no_grad():
+        assert rel(stack(x, mask)[mask.bool()], ref(x, attention_mask=mask).logits[mask.bool()]) <= 1e-5
+
+
+def test_dense_experts_equal_eager():
+    """``xla_swap.moe.dense_experts_forward`` on a Mixtral experts module: the eager implementation's output
+    and gradients (weights, input, routing weights), in eager torch; the model keeps its own implementation
+    after the stages are built and run."""
+    from xla_swap.moe import dense_experts_forward, experts_modules
+    model = make("mixtral", EXACT["mixtral"][0])
+    impl = model.get_experts_implementation()
+    (name, experts), = experts_modules(model.model.layers[0])
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(10, 32, generator=g, requires_grad=True)
+    index = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(10)])
+    weights = torch.rand(10, 2, generator=g, requires_grad=True)
+    grads = []
+    for fn in (lambda: type(experts).forward.__wrapped__(experts, h, index, weights),
+               lambda: dense_experts_forward(experts, h, index, weights)):
+        out = fn()
+        out.pow(2).sum().backward()
+        grads.append((out.detach(), *(t.grad.clone() for t in (h, weights, *experts.parameters()))))
+        for t in (h, weights, *experts.parameters()):
+            t.grad = None
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    first, layers, last = causal_lm_stages(model)
+    SwappedStack(layers, first=first, last=last, devices=jax.devices()[:1])(*data("left")[:2])
+    assert model.get_experts_implementation() == impl
