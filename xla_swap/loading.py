@@ -79,8 +79,8 @@ class SafetensorsWeights:
       path: a ``.safetensors`` file, or a folder holding ``model.safetensors`` or
         ``model.safetensors.index.json`` and its shards (``save_pretrained``'s layout).
       dtype: ``None`` (default): each tensor in the checkpoint's dtype; or a floating
-        ``torch.dtype`` for every floating tensor of the checkpoint (integer ones keep theirs).
-        Buffers not in the checkpoint keep the model's dtype.
+        ``torch.dtype`` for every floating tensor, as ``model.to(dtype)`` casts them (buffers not in
+        the checkpoint included: the stages then compute in one dtype); integer ones keep theirs.
 
     Attributes:
       keys: ``{id(tensor): checkpoint key}`` of the model's parameters and buffers read from it.
@@ -148,11 +148,9 @@ class SafetensorsWeights:
 
     def dtype_of(self, t: torch.Tensor) -> torch.dtype:
         """The dtype ``t`` (a parameter or buffer of the model) is read in: the checkpoint's, or
-        ``dtype`` for a floating one; the model's own for a tensor not in the checkpoint."""
+        ``dtype`` for a floating one (the model's own dtype for a tensor not in the checkpoint)."""
         k = self.keys.get(id(t))
-        if k is None:
-            return t.dtype
-        dt = self._meta[k][1]
+        dt = t.dtype if k is None else self._meta[k][1]
         return self.dtype if self.dtype is not None and dt.is_floating_point else dt
 
     def read(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -170,7 +168,7 @@ class SafetensorsWeights:
                 if t.is_meta:
                     raise ValueError(f"{n} is on the meta device and not in the checkpoint (a non-persistent buffer): "
                                      "compute it first (load_stack does it with the model's own initialize_weights)")
-                out[n] = t
+                out[n] = t.to(self.dtype_of(t))
             else:
                 by_file.setdefault(self._files[k], []).append((n, k, t))
         for f, items in by_file.items():
@@ -204,6 +202,9 @@ def load_stack(model: torch.nn.Module, checkpoint, *, dtype: torch.dtype | None 
        ``causal_lm_stages``' probe runs) are read into the model for the probe only
        (``torch.utils.swap_tensors``: the parameter objects stay the same, so an optimizer
        built over ``model.parameters()`` still matches) and put back on the meta device after;
+    With ``dtype`` and a model on the meta device, the model is cast first (``model.to(dtype)``:
+    no memory, the same parameter objects), since a forward reads its modules' dtype.
+
     4. ``SwappedStack(layers, first=first, last=last, weights=SafetensorsWeights(...))`` reads
        the checkpoint one stage at a time into ``pinned_host``.
 
@@ -216,7 +217,7 @@ def load_stack(model: torch.nn.Module, checkpoint, *, dtype: torch.dtype | None 
       checkpoint: a ``.safetensors`` file, or a folder as ``save_pretrained`` writes it (one
         ``model.safetensors``, or shards and ``model.safetensors.index.json``).
       dtype: ``None`` (the checkpoint's dtypes) or a floating ``torch.dtype`` every floating
-        weight is held in (e.g. ``torch.bfloat16``); non-persistent buffers keep the model's dtype.
+        tensor is held in (e.g. ``torch.bfloat16``), buffers included, as ``model.to(dtype)`` casts.
       layers_attr, norm_attr: as for ``causal_lm_stages``.
       **stack_kwargs: ``SwappedStack``'s keyword arguments (``optimizer``, ``policy``,
         ``budget_bytes``, ...), except ``first``, ``last`` and ``weights``.
@@ -240,6 +241,8 @@ def load_stack(model: torch.nn.Module, checkpoint, *, dtype: torch.dtype | None 
         raise TypeError(f"load_stack builds {bad} itself from the model and checkpoint; do not pass them")
     src = SafetensorsWeights(model, checkpoint, dtype=dtype)
     layers = decoder_layers(model, layers_attr)
+    if dtype is not None and all(p.is_meta for p in model.parameters()):
+        model.to(dtype)   # the modules' own dtype is what their forward reads (no memory on meta; same objects)
     meta_buffers = [(n, b) for n, b in model.named_buffers() if b.is_meta and id(b) not in src.keys]
     if meta_buffers:
         init = getattr(model, "initialize_weights", None)

@@ -598,8 +598,7 @@ class SwappedStack:
         message names it); ``shard`` is unknown; ``max_grad_norm`` not a finite number > 0;
         ``max_grad_norm`` or ``skip_nonfinite`` without an optimizer. TypeError: a torch optimizer other than
         ``AdamW`` / ``Adam`` (e.g. SGD).
-      ValueError: a parameter or buffer on the meta device without ``weights``, or (without an
-        optimizer, with ``accumulate_grads``) with it; what ``weights`` gives lacks a name, has an
+      ValueError: a parameter or buffer on the meta device without ``weights``; what ``weights`` gives lacks a name, has an
         unexpected one or a tensor of another shape (the message names the stage and tensor).
         TypeError: ``weights`` not callable, or it returns something other than a dict of tensors.
       ImportError: torchax is not installed.
@@ -694,9 +693,6 @@ class SwappedStack:
         if on_meta is not None and weights is None:
             raise ValueError(f"{on_meta} is on the meta device (no values): give weights= (a source of the stages' "
                              "tensors) or build the stack with xla_swap.load_stack(model, checkpoint)")
-        if on_meta is not None and optimizer is None and accumulate_grads:
-            raise ValueError(f"{on_meta} is on the meta device: without an optimizer train_step adds the gradients to "
-                             "the modules' .grad; give an optimizer or accumulate_grads=False (last_grads)")
         group_of: dict[int, int] = {}  # id(parameter) -> index of its torch param_group
         if torch_optimizer is not None:
             group_of = self._torch_groups(torch_optimizer, names, modules, owner)
@@ -1012,7 +1008,8 @@ class SwappedStack:
           ValueError: the loss is not a floating scalar; a stage fails to trace; ``lr < 0``; the
             torch optimizer's groups hold other parameters than at construction, or an option
             the update does not implement (``AdamW.groups_from_torch``); ``accumulate=True``
-            without an optimizer (``.grad`` accumulates already).
+            without an optimizer (``.grad`` accumulates already); without an optimizer and with
+            ``accumulate_grads``, a parameter on the meta device (no ``.grad`` to add to).
         """
         if loss_fn is None:
             loss_fn = self.loss_fn
@@ -1020,6 +1017,12 @@ class SwappedStack:
             raise TypeError("train_step needs a loss_fn (here or in the constructor): (output, *targets) -> scalar")
         if not isinstance(accumulate, bool):
             raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
+        if self.optimizer is None and self.accumulate_grads:
+            on_meta = _meta_tensor(self.modules, self.stage_names)
+            if on_meta is not None:
+                raise ValueError(f"{on_meta} is on the meta device: without an optimizer train_step adds the gradients "
+                                 "to the modules' .grad; build the stack with an optimizer or accumulate_grads=False "
+                                 "(last_grads)")
         if accumulate and self.optimizer is None:
             raise ValueError("accumulate=True needs an optimizer; without one train_step adds the gradients to "
                              ".grad already (accumulate_grads)")
