@@ -7,6 +7,8 @@ Layers (each importable on its own):
 * ``xla_swap.executors`` - PJRT executor and streaming runtime (jax only, no torch).
 * ``xla_swap.stack``     - the torch entry point ``SwappedStack`` (torch + torchax + jax, no torch_xla),
   also reachable as ``xla_swap.SwappedStack`` (imported on first use).
+* ``xla_swap.loading``   - ``load_stack``: a ``SwappedStack`` from a meta-device model and a safetensors
+  checkpoint (``xla_swap.load_stack``, imported on first use).
 
 This top-level module imports nothing heavy, so ``import xla_swap.planning`` and
 ``import xla_swap.executors`` work on machines without torch_xla.
@@ -19,4 +21,7 @@ def __getattr__(name):
     if name in ("SwappedStack", "causal_lm_stages"):
         from xla_swap import stack
         return getattr(stack, name)
+    if name == "load_stack":
+        from xla_swap import loading
+        return loading.load_stack
     raise AttributeError(f"module 'xla_swap' has no attribute {name!r}")

@@ -36,7 +36,7 @@ import torch
 
 from xla_swap.moe import dense_experts_while_traced
 
-__all__ = ["causal_lm_stages", "CausalLMFirst", "CausalLMLast"]
+__all__ = ["causal_lm_stages", "decoder_layers", "CausalLMFirst", "CausalLMLast"]
 
 #: attribute names of the base model's final norm, in the layouts of the installed ``transformers``.
 _NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "final_norm", "norm_f")
@@ -347,13 +347,48 @@ def causal_lm_stages(model: torch.nn.Module, layers_attr: str | None = None, nor
         arguments of other kinds than tensors and constants, parameters of the causal LM
         outside its head, a difference between the stages and the model's own forward on a
         probe input, a mixture-of-experts block outside ``transformers``' experts interface or
-        with the auxiliary loss or router jitter noise asked for, complex keyword tensors.
+        with the auxiliary loss or router jitter noise asked for, complex keyword tensors; a
+        parameter or buffer of the ends (outside the decoder layers) is on the meta device (the
+        probe needs values: build such a model's stack with :func:`xla_swap.load_stack`, which
+        loads the ends for the probe).
 
     Mixture-of-experts layers keep their routing; their experts run as
     :func:`xla_swap.moe.dense_experts_forward` while the stages are traced (forward hooks on
     those layers, :func:`xla_swap.moe.dense_experts_while_traced`; eager calls of the model are
     unchanged).
     """
+    name = type(model).__name__
+    base, prefix, layers_attr, norm_attr = _locate(model, layers_attr, norm_attr)
+    layers = list(getattr(base, layers_attr))
+    _refuse_unsupported(model, name, prefix, layers_attr, layers)
+    head = model.get_output_embeddings()
+    base_params = {id(p) for p in base.parameters()}
+    for pn, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in base_params and all(p is not q for q in head.parameters()):
+            raise ValueError(f"{name} has parameter {pn} outside its base model and output embedding: not supported")
+    first = CausalLMFirst(model, base, layers_attr, norm_attr)
+    last = CausalLMLast(model, base, norm_attr)
+    for stage, m in (("first", first), ("last", last)):
+        for n, t in list(m.named_parameters()) + list(m.named_buffers()):
+            if t.is_meta:
+                raise ValueError(f"{name}: {stage}.{n} is on the meta device: the probe runs the model's ends on "
+                                 "values; load the model with xla_swap.load_stack(model, checkpoint)")
+    _probe(model, base, layers_attr, first, last)
+    dense_experts_while_traced(model, layers)   # the checks passed: hooks for the stages' tracing
+    return first, layers, last
+
+
+def decoder_layers(model: torch.nn.Module, layers_attr: str | None = None) -> torch.nn.ModuleList:
+    """The decoder layer list of a Hugging Face causal LM, as :func:`causal_lm_stages` finds it.
+
+    Raises: TypeError as :func:`causal_lm_stages` (not a causal LM; no layer list found).
+    """
+    base, _, layers_attr, _ = _locate(model, layers_attr, None)
+    return getattr(base, layers_attr)
+
+
+def _locate(model, layers_attr, norm_attr) -> tuple:
+    """``(base, base_model_prefix, layers_attr, norm_attr or None)`` of a causal LM; TypeError when not one."""
     name = type(model).__name__
     prefix = getattr(model, "base_model_prefix", None)
     base = getattr(model, prefix, None) if prefix else None
@@ -369,19 +404,7 @@ def causal_lm_stages(model: torch.nn.Module, layers_attr: str | None = None, nor
                         f"{prefix}.{layers_attr or '/'.join(_LAYER_NAMES)}; pass layers_attr=")
     if norm_attr is None:
         norm_attr = _find(base, _NORM_NAMES, lambda v: isinstance(v, torch.nn.Module))
-    norm_attr = norm_attr or None
-    layers = list(getattr(base, layers_attr))
-    _refuse_unsupported(model, name, prefix, layers_attr, layers)
-    dense_experts_while_traced(model, layers)
-    head = model.get_output_embeddings()
-    base_params = {id(p) for p in base.parameters()}
-    for pn, p in model.named_parameters(remove_duplicate=False):
-        if id(p) not in base_params and all(p is not q for q in head.parameters()):
-            raise ValueError(f"{name} has parameter {pn} outside its base model and output embedding: not supported")
-    first = CausalLMFirst(model, base, layers_attr, norm_attr)
-    last = CausalLMLast(model, base, norm_attr)
-    _probe(model, base, layers_attr, first, last)
-    return first, layers, last
+    return base, prefix, layers_attr, norm_attr or None
 
 
 def _refuse_unsupported(model, name: str, prefix: str, layers_attr: str, layers) -> None:

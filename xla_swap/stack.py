@@ -433,6 +433,43 @@ def _check_calibration_arg(calibration) -> None:
                         f"got {type(calibration).__name__}")
 
 
+def _meta_tensor(modules, names) -> str | None:
+    """The name (``stage.tensor``) of the first parameter or buffer of ``modules`` on the meta device, or ``None``."""
+    for stage, m in zip(names, modules):
+        for n, t in list(m.named_parameters()) + list(m.named_buffers()):
+            if t.is_meta:
+                return f"{stage}.{n}"
+    return None
+
+
+def _stage_tensors(stage: str, mod: torch.nn.Module, pnames: list, weights) -> dict:
+    """The buffers and the parameters ``pnames`` of one stage as torch tensors (buffers first): the
+    module's own, or what ``weights(mod, names)`` gives (checked: every name once, the module's shapes).
+
+    Raises: ValueError naming the stage and tensor: a name missing from or unexpected in what
+      ``weights`` gave, or a tensor of another shape. TypeError: a value that is not a tensor.
+    """
+    own = {**dict(mod.named_buffers()), **dict(mod.named_parameters())}
+    want = [n for n, _ in mod.named_buffers()] + list(pnames)
+    if weights is None:
+        return {n: own[n] for n in want}
+    got = weights(mod, list(want))
+    if not isinstance(got, dict):
+        raise TypeError(f"weights({stage}, names) must return a dict {{name: torch.Tensor}}, got {type(got).__name__}")
+    missing, extra = [n for n in want if n not in got], sorted(set(got) - set(want))
+    if missing or extra:
+        raise ValueError(f"weights gave {stage} {len(missing)} tensors too few {missing[:4]} and "
+                         f"{len(extra)} unexpected {extra[:4]}")
+    for n in want:
+        t = got[n]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"weights: {stage}.{n} must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != tuple(own[n].shape) or t.is_meta:
+            raise ValueError(f"weights: {stage}.{n} has shape {list(t.shape)}{' on meta' if t.is_meta else ''}, the "
+                             f"module's has {list(own[n].shape)}")
+    return {n: got[n] for n in want}
+
+
 class SwappedStack:
     """A stack of torch layers whose weights, gradients and optimizer state live in host memory.
 
@@ -526,6 +563,24 @@ class SwappedStack:
         out. Per update that moves, beyond the fused step, the gradients out and in (2 x the
         trainable weight bytes) and the weights in once more (less the ``prefetch_depth + 1``
         layers the backward leaves on the device), and waits once for the norm.
+      weights: where the stages' values come from: ``None`` (default) the modules' own parameters
+        and buffers, or a callable ``weights(module, names) -> {name: torch.Tensor}`` called once
+        per stage, in order, with the stage's module and the names of its buffers and parameters
+        (as ``named_buffers()`` / ``named_parameters()`` give them), returning CPU tensors of the
+        modules' shapes in torch's layout, in the dtype the stage is to hold (the modules' own
+        dtype is not used). The modules may then be on the meta device (``torch.device("meta")``):
+        only their structure is used. :class:`xla_swap.loading.SafetensorsWeights` reads a
+        Hugging Face safetensors checkpoint this way; :func:`xla_swap.load_stack` builds a stack
+        from a causal LM and its checkpoint.
+
+    Host memory at construction: each stage is read (from the modules, or ``weights``), copied into
+    its ``pinned_host`` buffers (with an optimizer, zero moments beside them) and released before
+    the next, so beyond the stack's own buffers construction holds one stage's transient copies.
+    The stack never aliases the modules' storage and needs it only for :meth:`sync_modules` and,
+    without an optimizer, for the ``.grad`` it writes (``accumulate_grads``): with an optimizer
+    the caller may release it once the stack is built, keeping the modules' structure, e.g.
+    ``model.to("meta")`` (the parameter objects stay the same, so a torch optimizer's groups
+    still match; ``sync_modules`` then refuses).
 
     Raises:
       TypeError: a layer / ``first`` / ``last`` is not an ``nn.Module``; ``policy``,
@@ -543,6 +598,9 @@ class SwappedStack:
         message names it); ``shard`` is unknown; ``max_grad_norm`` not a finite number > 0;
         ``max_grad_norm`` or ``skip_nonfinite`` without an optimizer. TypeError: a torch optimizer other than
         ``AdamW`` / ``Adam`` (e.g. SGD).
+      ValueError: a parameter or buffer on the meta device without ``weights``; what ``weights`` gives lacks a name, has an
+        unexpected one or a tensor of another shape (the message names the stage and tensor).
+        TypeError: ``weights`` not callable, or it returns something other than a dict of tensors.
       ImportError: torchax is not installed.
     """
 
@@ -554,7 +612,7 @@ class SwappedStack:
                  offload_activations: bool = False, data_parallel: bool | None = None,
                  transpose_linear: bool = True, autotune: bool = True, calibration=None,
                  fused_attention: bool = True, max_grad_norm: float | None = None,
-                 skip_nonfinite: bool = False):
+                 skip_nonfinite: bool = False, weights: Callable | None = None):
         # ---- validation (no state changes) ----
         if isinstance(layers, torch.nn.Module) and not isinstance(layers, (torch.nn.ModuleList, torch.nn.Sequential)):
             raise TypeError("layers must be a sequence of nn.Modules (e.g. model.model.layers), got one module")
@@ -628,6 +686,13 @@ class SwappedStack:
                 owner[id(p)] = name
                 if name == "first":
                     first_names[id(p)] = pn
+        if weights is not None and not callable(weights):
+            raise TypeError(f"weights must be None or a callable (module, names) -> {{name: torch.Tensor}}, "
+                            f"got {type(weights).__name__}")
+        on_meta = _meta_tensor(modules, names)
+        if on_meta is not None and weights is None:
+            raise ValueError(f"{on_meta} is on the meta device (no values): give weights= (a source of the stages' "
+                             "tensors) or build the stack with xla_swap.load_stack(model, checkpoint)")
         group_of: dict[int, int] = {}  # id(parameter) -> index of its torch param_group
         if torch_optimizer is not None:
             group_of = self._torch_groups(torch_optimizer, names, modules, owner)
@@ -690,20 +755,7 @@ class SwappedStack:
                 return lastfn(w, (carry[0],))
             fns.append(last_stage)
 
-        # ---- weights: torch -> host numpy (never through the device) ----
-        stage_params, trainable, updated, groups = [], [], [], []
-        for m, tr_m in zip(modules, self.transposed):
-            params = {n: _to_numpy(p.t() if n in tr_m else p) for n, p in m.named_parameters()
-                      if not (m is last and n in tied)}
-            buffers = {n: _to_numpy(b) for n, b in m.named_buffers()}
-            trainable.append(list(params))  # ordered: every process must gather in the same order
-            # the optimizer updates what torch's would: parameters with requires_grad (frozen ones get no .grad)
-            updated.append({n for n, p in m.named_parameters() if p.requires_grad})
-            groups.append({n: group_of.get(id(p), 0) for n, p in m.named_parameters()})
-            stage_params.append({**buffers, **params})
-        for name, p in zip(names, stage_params):   # float64 weights would run as float32 without x64
-            _check_input_dtypes(p, name)
-        self._trainable = trainable
+        # ---- weights: torch (or `weights`) -> pinned_host, one stage at a time (never through the device) ----
         n_dev = len(devices)
         mesh = Mesh(np.array(devices), ("d",)) if n_dev > 1 else None
         self.mesh = mesh
@@ -721,6 +773,34 @@ class SwappedStack:
                 if shape[d] % n_dev == 0:
                     return tuple("d" if j == d else None for j in range(len(shape)))
             return ()
+
+        def host_sharding(i, name, shape):
+            if mesh is None:
+                return jax.sharding.SingleDeviceSharding(devices[0], memory_kind="pinned_host")
+            return NamedSharding(mesh, PartitionSpec(*spec_for(name, shape, name in self.transposed[i])),
+                                 memory_kind="pinned_host")
+
+        stage_params, trainable, updated, groups = [], [], [], []
+        for i, (name, m, tr_m) in enumerate(zip(names, modules, self.transposed)):
+            pnames = [n for n, _ in m.named_parameters() if not (m is last and n in tied)]
+            tensors = _stage_tensors(name, m, pnames, weights)
+            arrays = {n: _to_numpy(t.t() if n in tr_m else t) for n, t in tensors.items()}
+            del tensors
+            _check_input_dtypes(arrays, name)  # float64 weights would run as float32 without x64
+            # each stage is placed in pinned_host as soon as it is read (copies: the stack never
+            # aliases the modules' storage) and handed to the runtime as its own (own_params)
+            placed = {}
+            for n in list(arrays):
+                a = arrays.pop(n)
+                placed[n] = jax.device_put(a, host_sharding(i, n, a.shape), may_alias=False)
+                del a
+            trainable.append(pnames)  # ordered: every process must gather in the same order
+            # the optimizer updates what torch's would: parameters with requires_grad (frozen ones get no .grad)
+            updated.append({n for n, p in m.named_parameters() if p.requires_grad})
+            groups.append({n: group_of.get(id(p), 0) for n, p in m.named_parameters()})
+            stage_params.append({**{n: placed[n] for n in placed if n not in pnames},
+                                 **{n: placed[n] for n in pnames}})
+        self._trainable = trainable
 
         sharding = None
         if mesh is not None:
@@ -743,7 +823,7 @@ class SwappedStack:
         kwargs = dict(sharding=sharding, activation_sharding=NamedSharding(mesh, PartitionSpec()),
                       batch_axis="d" if self.data_parallel else None) \
             if sharding is not None else dict(device=devices[0])
-        common = dict(optimizer=optimizer, trainable=lambda i, path: path[0].key in updated[i],
+        common = dict(optimizer=optimizer, trainable=lambda i, path: path[0].key in updated[i], own_params=True,
                       group_of=lambda i, path: groups[i][path[0].key],
                       track_residency=False, max_signatures=max_signatures,
                       offload_activations=offload_activations, **kwargs)
@@ -928,7 +1008,8 @@ class SwappedStack:
           ValueError: the loss is not a floating scalar; a stage fails to trace; ``lr < 0``; the
             torch optimizer's groups hold other parameters than at construction, or an option
             the update does not implement (``AdamW.groups_from_torch``); ``accumulate=True``
-            without an optimizer (``.grad`` accumulates already).
+            without an optimizer (``.grad`` accumulates already); without an optimizer and with
+            ``accumulate_grads``, a parameter on the meta device (no ``.grad`` to add to).
         """
         if loss_fn is None:
             loss_fn = self.loss_fn
@@ -936,6 +1017,12 @@ class SwappedStack:
             raise TypeError("train_step needs a loss_fn (here or in the constructor): (output, *targets) -> scalar")
         if not isinstance(accumulate, bool):
             raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
+        if self.optimizer is None and self.accumulate_grads:
+            on_meta = _meta_tensor(self.modules, self.stage_names)
+            if on_meta is not None:
+                raise ValueError(f"{on_meta} is on the meta device: without an optimizer train_step adds the gradients "
+                                 "to the modules' .grad; build the stack with an optimizer or accumulate_grads=False "
+                                 "(last_grads)")
         if accumulate and self.optimizer is None:
             raise ValueError("accumulate=True needs an optimizer; without one train_step adds the gradients to "
                              ".grad already (accumulate_grads)")
@@ -1085,7 +1172,17 @@ class SwappedStack:
         return t.t().contiguous() if name in self.transposed[stage] else t
 
     def sync_modules(self) -> None:
-        """Copy the current (trained) weights into the ``nn.Module`` parameters, in place."""
+        """Copy the current (trained) weights into the ``nn.Module`` parameters, in place.
+
+        Raises: ValueError naming the parameter, before anything is copied: a parameter is on the
+          meta device (a stack built by :func:`xla_swap.load_stack`, or whose modules were released
+          with ``model.to("meta")``): use :meth:`state_dicts` or :meth:`save_checkpoint` instead.
+        """
+        for name, m in zip(self.stage_names, self.modules):
+            for n, p in m.named_parameters():
+                if p.is_meta:
+                    raise ValueError(f"sync_modules: {name}.{n} is on the meta device (the module holds no storage); "
+                                     "read the weights with state_dicts() or save_checkpoint()")
         with torch.no_grad():
             for m, sd in zip(self.modules, self.state_dicts()):
                 params = dict(m.named_parameters())

@@ -168,6 +168,13 @@ class StreamingRuntime:
         gradients or updated weights) and the output cotangent (when it has the stage
         input's shape and dtype). The user's arrays are never donated. Off for a call
         that is traced (``trace``).
+      own_params: the leaves of ``stage_params`` become the runtime's: a leaf that already is a
+        jax array placed where the runtime keeps it (``pinned_host``, or device memory for a
+        ``resident`` stage, with the leaf's sharding) is used as is even with an ``optimizer``
+        (which otherwise copies it, so that its updates never touch the caller's arrays). The
+        caller must not use those arrays afterwards. A caller that places each stage in
+        ``pinned_host`` as it reads it (``SwappedStack``) thus holds the weights once, not twice.
+        Default ``False``.
       throttle: bound device memory for real, not only the runtime's references: after
         dispatching stage i's computation, the host waits until stage i-1's computation
         (forward) or the copy of stage i+1's gradients to host (backward) is complete
@@ -296,6 +303,7 @@ class StreamingRuntime:
         max_signatures: int = DEFAULT_MAX_SIGNATURES,
         offload_activations: bool = False,
         prefetch_next_call: bool = True,
+        own_params: bool = False,
     ):
         # ---- validation, no state change before all of it passed ----
         if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, (int, np.integer)):
@@ -307,7 +315,8 @@ class StreamingRuntime:
                                 ("grads_to_host", grads_to_host),
                                 ("optimizer_state_on_host", optimizer_state_on_host),
                                 ("offload_activations", offload_activations),
-                                ("prefetch_next_call", prefetch_next_call)):
+                                ("prefetch_next_call", prefetch_next_call),
+                                ("own_params", own_params)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{flag_name} must be a bool, got {type(flag).__name__}")
         if not (isinstance(remat, bool) or callable(remat)) or isinstance(remat, (type, types.BuiltinFunctionType)):
@@ -476,7 +485,8 @@ class StreamingRuntime:
         self._train_mask = train_mask
         #: per-stage pytrees of ``pinned_host`` arrays (device memory for ``resident`` stages):
         #: the weights. With ``optimizer``, replaced by the updated weights after each step.
-        self.host_params: list = [jax.device_put(p, s, may_alias=False if (optimizer or r) else None)
+        self.host_params: list = [jax.device_put(p, s, may_alias=None if own_params
+                                                 else (False if (optimizer or r) else None))
                                   for p, s, r in zip(stage_params, host_sh, resident)]
         self._param_avals = [jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), p)
                              for p in self.host_params]
