@@ -82,7 +82,7 @@ def sdpa_reference(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
         w = w + bias.masked_fill(dead, 0.0) if dead is not None else w + bias
     if keep is not None:
         w = w.masked_fill(~keep, float("-inf"))
-    out = torch.softmax(w, dim=-1) @ value
+    out = torch.softmax(w, dim=-1).to(value.dtype) @ value   # torch keeps bf16 / fp16 here; torchax's softmax upcasts
     return out if dead is None else out.masked_fill(dead, 0.0)
 
 

@@ -80,3 +80,19 @@ def test_one_environment_per_platform_and_torchax_default_untouched():
     envs = {p: torch_attention.torchax_env(p) for p in ("cpu", "gpu")}
     assert envs["cpu"] is torch_attention.torchax_env("cpu") and envs["cpu"] is not envs["gpu"]
     assert default not in envs.values()
+
+
+def test_bf16_llama_keeps_torch_dtypes():
+    """SDPA keeps torch's dtype (torchax's softmax upcasts bf16 to fp32): a bf16 Llama builds and its
+    logits are bf16, equal to torch eager's within bf16 rounding."""
+    from llama_cases import V, make_model
+    from xla_swap.stack import SwappedStack, causal_lm_stages
+    model = make_model(layers=2).bfloat16()
+    first, layers, last = causal_lm_stages(model)
+    stack = SwappedStack(layers, first=first, last=last)
+    ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(0))
+    out = stack(ids)
+    with torch.no_grad():
+        ref = model(ids).logits
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
