@@ -470,6 +470,74 @@ def _stage_tensors(stage: str, mod: torch.nn.Module, pnames: list, weights) -> d
     return {n: got[n] for n in want}
 
 
+def _mixed_precision(param_dtype, mp_policy, n_devices: int) -> tuple[torch.dtype | None, bool]:
+    """``(compute dtype or None, cast floating inputs)`` of ``SwappedStack``'s ``param_dtype`` /
+    ``mp_policy`` arguments, checked (no state changes).
+
+    Raises: TypeError / ValueError naming the argument or the ``mp_policy`` field not honoured.
+    """
+    if mp_policy is None:
+        dtype, cast_inputs = param_dtype, True
+        what = "param_dtype"
+    else:
+        if param_dtype is not None:
+            raise ValueError("give either param_dtype or mp_policy, not both")
+        try:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+        except ImportError:  # torch built without distributed
+            MixedPrecisionPolicy = None
+        if MixedPrecisionPolicy is None or not isinstance(mp_policy, MixedPrecisionPolicy):
+            raise TypeError("mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or None, "
+                            f"got {type(mp_policy).__name__}")
+        dtype, cast_inputs = mp_policy.param_dtype, bool(mp_policy.cast_forward_inputs)
+        what = "mp_policy.param_dtype"
+        if mp_policy.output_dtype is not None:
+            raise ValueError(f"mp_policy.output_dtype={mp_policy.output_dtype} is not implemented: the stack "
+                             "returns the last stage's output as it computes it (leave output_dtype=None)")
+        red = mp_policy.reduce_dtype
+        if red is not None and red != dtype and not (red == torch.float32 and n_devices == 1):
+            raise ValueError(f"mp_policy.reduce_dtype={red} is not implemented: gradients are reduced in "
+                             f"param_dtype ({dtype}); reduce_dtype=torch.float32 is honoured on one device only "
+                             "(no reduction: the bf16 gradient's cast to the fp32 master is exact)")
+    if dtype is None:
+        return None, cast_inputs
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{what} must be a torch.dtype or None, got {type(dtype).__name__}")
+    if dtype != torch.bfloat16:
+        raise ValueError(f"{what} must be torch.bfloat16 or None, got {dtype}: float16 compute needs loss "
+                         "scaling, which the stack does not implement")
+    return dtype, cast_inputs
+
+
+def _is_float(dt) -> bool:
+    return jnp.issubdtype(dt, jnp.floating)
+
+
+def _cast_floats(tree, dtype):
+    """``tree`` with its floating leaves cast to ``dtype`` (others unchanged)."""
+    return jax.tree_util.tree_map(lambda v: v.astype(dtype) if _is_float(v.dtype) else v, tree)
+
+
+def _compute_in(fn: Callable, pnames: frozenset, dtype, cast_inputs: bool) -> Callable:
+    """``fn(w, h)`` computing with its floating parameters (the names in ``pnames``; buffers stay
+    as held) cast to ``dtype`` inside the stage, and with ``cast_inputs`` the floating leaves of
+    ``h`` too: the gradient w.r.t. the held (master) parameter is the cast's transpose of the
+    gradient w.r.t. the cast copy, in the master's dtype."""
+    def stage(w, h):
+        w = {n: (_round_to(v, dtype) if n in pnames and _is_float(v.dtype) else v) for n, v in w.items()}
+        return fn(w, _cast_floats(h, dtype) if cast_inputs else h)
+    return stage
+
+
+def _round_to(v, dtype):
+    """``v.astype(dtype)``, rounded by ``reduce_precision`` first: XLA's CPU backend computes bf16 dots in
+    f32 and, allowed excess precision, drops an f32 -> bf16 -> f32 convert pair, which would hand the dot
+    the unrounded master; ``reduce_precision`` is kept. Its transpose rounds the cotangent, which the
+    convert's transpose already gives in ``dtype``: the gradient is unchanged."""
+    fi = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(v, exponent_bits=fi.nexp, mantissa_bits=fi.nmant).astype(dtype)
+
+
 class SwappedStack:
     """A stack of torch layers whose weights, gradients and optimizer state live in host memory.
 
@@ -612,7 +680,8 @@ class SwappedStack:
                  offload_activations: bool = False, data_parallel: bool | None = None,
                  transpose_linear: bool = True, autotune: bool = True, calibration=None,
                  fused_attention: bool = True, max_grad_norm: float | None = None,
-                 skip_nonfinite: bool = False, weights: Callable | None = None):
+                 skip_nonfinite: bool = False, weights: Callable | None = None,
+                 param_dtype: torch.dtype | None = None, mp_policy=None):
         # ---- validation (no state changes) ----
         if isinstance(layers, torch.nn.Module) and not isinstance(layers, (torch.nn.ModuleList, torch.nn.Sequential)):
             raise TypeError("layers must be a sequence of nn.Modules (e.g. model.model.layers), got one module")
@@ -663,6 +732,7 @@ class SwappedStack:
         if isinstance(devices, jax.Device) or not isinstance(devices, Sequence) or not devices or \
                 not all(isinstance(d, jax.Device) for d in devices):
             raise TypeError(f"devices must be a non-empty sequence of jax.Device, got {devices!r}")
+        compute_dtype, cast_inputs = _mixed_precision(param_dtype, mp_policy, len(devices))
         policy = policy or DEFAULT_POLICY
         if prefetch_depth is not None:
             policy = OffloadPolicy(params=policy.params, grads=policy.grads, activations=policy.activations,
@@ -693,6 +763,12 @@ class SwappedStack:
         if on_meta is not None and weights is None:
             raise ValueError(f"{on_meta} is on the meta device (no values): give weights= (a source of the stages' "
                              "tensors) or build the stack with xla_swap.load_stack(model, checkpoint)")
+        if compute_dtype is not None and weights is None:
+            for name, m in zip(names, modules):
+                for pn, p in m.named_parameters():
+                    if p.is_floating_point() and p.dtype != torch.float32:
+                        raise ValueError(f"param_dtype keeps float32 master weights: {name}.{pn} is {p.dtype}; "
+                                         "build the model in float32 (model.float())")
         group_of: dict[int, int] = {}  # id(parameter) -> index of its torch param_group
         if torch_optimizer is not None:
             group_of = self._torch_groups(torch_optimizer, names, modules, owner)
@@ -787,6 +863,11 @@ class SwappedStack:
             arrays = {n: _to_numpy(t.t() if n in tr_m else t) for n, t in tensors.items()}
             del tensors
             _check_input_dtypes(arrays, name)  # float64 weights would run as float32 without x64
+            if compute_dtype is not None:
+                for n in pnames:
+                    if _is_float(arrays[n].dtype) and arrays[n].dtype != np.float32:
+                        raise ValueError(f"param_dtype keeps float32 master weights: weights gives {name}.{n} as "
+                                         f"{arrays[n].dtype}; give float32 tensors")
             # each stage is placed in pinned_host as soon as it is read (copies: the stack never
             # aliases the modules' storage) and handed to the runtime as its own (own_params)
             placed = {}
@@ -801,6 +882,16 @@ class SwappedStack:
             stage_params.append({**{n: placed[n] for n in placed if n not in pnames},
                                  **{n: placed[n] for n in pnames}})
         self._trainable = trainable
+        #: the dtype the stages compute in (``param_dtype``): each stage casts its floating parameters
+        #: (and with ``cast_forward_inputs`` its floating inputs) to it; ``None``: as held.
+        self.param_dtype: torch.dtype | None = compute_dtype
+        if compute_dtype is not None:   # one wrapper per distinct stage function (shared layers stay shared)
+            wrapped: dict[int, Callable] = {}
+            for i, f in enumerate(fns):
+                if id(f) not in wrapped:
+                    wrapped[id(f)] = _compute_in(f, frozenset(trainable[i]), jnp.bfloat16, cast_inputs)
+                fns[i] = wrapped[id(f)]
+        self._cast_inputs = cast_inputs
 
         sharding = None
         if mesh is not None:
@@ -1479,6 +1570,8 @@ class SwappedStack:
         if not self.has_first and len(inputs) != 1:
             raise TypeError(f"without a `first` stage the layers take one input (h), got {len(inputs)}")
         x = _inputs_to_jax(tuple(inputs), "inputs", self._input_sharding)
+        if self.param_dtype is not None and self._cast_inputs and not self.has_first:
+            x = _cast_floats(x, jnp.bfloat16)   # h as the layers compute it (the carry check wants it so)
         x = x if self.has_first else (x[0], {})
         self.runtime._signature(x, "inputs")   # dtype checks (and the trace, cached) before anything runs
         return x
