@@ -640,6 +640,21 @@ class SwappedStack:
         only their structure is used. :class:`xla_swap.loading.SafetensorsWeights` reads a
         Hugging Face safetensors checkpoint this way; :func:`xla_swap.load_stack` builds a stack
         from a causal LM and its checkpoint.
+      param_dtype: ``torch.bfloat16`` for mixed precision as FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``
+        gives it on one device (default ``None``: compute in the dtypes held). The parameters stay in
+        ``pinned_host`` in the model's float32 (the master weights; AdamW moments float32 too, unless
+        the optimizer's ``state_dtype`` says otherwise); each stage casts its floating parameters (not
+        its buffers) and its floating inputs to bf16 on the device, inside its executable, so forward
+        and backward compute in bf16, the gradient w.r.t. the master is the bf16 gradient cast to
+        float32 by the cast's transpose, and AdamW updates the float32 master. Outputs, the carry
+        and ``.grad`` (without an optimizer: float32) are as computed. Cost: the weights cross the link
+        as float32, twice the bytes of bf16 weights (``runtime.stage_nbytes`` counts them so, and the
+        planner and :meth:`autotune` with it); the bf16 copy is a temporary of the stage's executable.
+        ``float16`` is refused (it needs loss scaling, which the stack does not implement).
+      mp_policy: instead of ``param_dtype``: a ``torch.distributed.fsdp.MixedPrecisionPolicy``. Its
+        ``param_dtype`` and ``cast_forward_inputs`` are honoured; ``output_dtype`` must be ``None``;
+        ``reduce_dtype`` ``None`` or ``param_dtype``, or ``torch.float32`` on one device (no reduction
+        there: the cast of the bf16 gradient to the float32 master is exact).
 
     Host memory at construction: each stage is read (from the modules, or ``weights``), copied into
     its ``pinned_host`` buffers (with an optimizer, zero moments beside them) and released before
@@ -669,6 +684,10 @@ class SwappedStack:
       ValueError: a parameter or buffer on the meta device without ``weights``; what ``weights`` gives lacks a name, has an
         unexpected one or a tensor of another shape (the message names the stage and tensor).
         TypeError: ``weights`` not callable, or it returns something other than a dict of tensors.
+      ValueError: ``param_dtype`` other than ``torch.bfloat16`` (TypeError: not a ``torch.dtype``), both
+        ``param_dtype`` and ``mp_policy``, an ``mp_policy`` field not honoured (named), a floating
+        parameter (or what ``weights`` gives for one) that is not float32 with ``param_dtype``.
+        TypeError: ``mp_policy`` not a ``MixedPrecisionPolicy``.
       ImportError: torchax is not installed.
     """
 
