@@ -25,21 +25,10 @@ import argparse
 import copy
 import json
 import os
-import statistics
 import sys
 import time
 
-
-def _median_time(fn, reps, sync):
-    fn()
-    sync()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        sync()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+from step_timing import median_time
 
 
 def attention_rows(b, n, kv, s, reps, res):
@@ -60,10 +49,10 @@ def attention_rows(b, n, kv, s, reps, res):
         args = (q, k, v) + ((mask,) if case == "mask" else ())
         ref = fn(*args)
         row = {"shape": [b, n, kv, s], "case": case}
-        row["torch_fwd_s"] = _median_time(lambda: fn(*args), reps, sync)
+        row["torch_fwd_s"] = median_time(lambda: fn(*args), reps, sync)
         qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
         gargs = (qg, kg, vg) + args[3:]
-        row["torch_fwdbwd_s"] = _median_time(lambda: fn(*gargs).sum().backward(), reps, sync)
+        row["torch_fwdbwd_s"] = median_time(lambda: fn(*gargs).sum().backward(), reps, sync)
         jargs = [jax.dlpack.from_dlpack(t) for t in args]
         for name, env in (("cudnn", torch_attention.torchax_env("gpu")), ("xla", import_torchax().default_env())):
             if name == "xla" and s > 4096:
@@ -78,8 +67,8 @@ def attention_rows(b, n, kv, s, reps, res):
             out_t = torch.from_dlpack(out)
             row[f"{name}_rel_err"] = float((out_t.float() - ref.float()).norm() / ref.float().norm())
             jsync = lambda: jax.block_until_ready(jargs[0])  # noqa: E731
-            row[f"{name}_fwd_s"] = _median_time(lambda: jax.block_until_ready(fwd(*jargs)), reps, jsync)
-            row[f"{name}_fwdbwd_s"] = _median_time(lambda: jax.block_until_ready(fb(*jargs)), reps, jsync)
+            row[f"{name}_fwd_s"] = median_time(lambda: jax.block_until_ready(fwd(*jargs)), reps, jsync)
+            row[f"{name}_fwdbwd_s"] = median_time(lambda: jax.block_until_ready(fb(*jargs)), reps, jsync)
         row["kernel_counts"] = torch_attention.kernel_counts()
         res["attention"].append(row)
         print(json.dumps(row), flush=True)
@@ -141,7 +130,7 @@ def torch_row(args, b, s, model_cpu):
                 opt.zero_grad(set_to_none=True)
                 losses.append(loss.detach())
             torch.cuda.reset_peak_memory_stats()
-            t = _median_time(step, args.steps, torch.cuda.synchronize)
+            t = median_time(step, args.steps, torch.cuda.synchronize)
             row = dict(tag, row="torch_device" + ("_ckpt" if ckpt else ""), step_s=t,
                        tflops=tag["model_flops"] / t / 1e12, first_loss=float(losses[0]),
                        peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30)
@@ -171,7 +160,7 @@ def stack_rows(args, b, s, model_cpu):
                                       optimizer=torch.optim.AdamW(m.parameters(), lr=1e-5))
         first_loss = float(stack.train_step(x, y))
         first_s = time.perf_counter() - t0
-        t = _median_time(lambda: stack.train_step(x, y), args.steps, lambda: None)
+        t = median_time(lambda: stack.train_step(x, y), args.steps, lambda: None)
         row = dict(tag, row="stack_" + ("cudnn" if fused else "xla"), step_s=t, tflops=tag["model_flops"] / t / 1e12,
                    first_step_s=first_s, first_loss=first_loss)
         rows.append(row)

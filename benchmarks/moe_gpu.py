@@ -23,21 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
-
-def _median(fn, reps, sync):
-    fn()
-    sync()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        sync()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+from step_timing import median_time
 
 
 def main(argv=None) -> int:
@@ -93,7 +82,7 @@ def main(argv=None) -> int:
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(float(loss))
-        t = _median(step, args.steps, torch.cuda.synchronize)
+        t = median_time(step, args.steps, torch.cuda.synchronize)
         rows["torch_device"] = {"step_s": t, "tflops": flops / t / 1e12, "first_loss": losses[0],
                                 "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
         print(json.dumps(rows["torch_device"]), flush=True)
@@ -108,7 +97,7 @@ def main(argv=None) -> int:
                                   optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5))
     first_loss = float(stack.train_step(x, y))
     first_s = time.perf_counter() - t0
-    t = _median(lambda: stack.train_step(x, y), args.steps, lambda: None)
+    t = median_time(lambda: stack.train_step(x, y), args.steps, lambda: None)
     rows["stack"] = {"step_s": t, "tflops": flops / t / 1e12, "first_step_s": first_s, "first_loss": first_loss,
                      "ratio_to_link_floor": t / res["link_floor_s"]}
     if "torch_device" in rows:

@@ -33,15 +33,7 @@ import statistics
 import sys
 import time
 
-
-def _median(fn, reps):
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+from step_timing import median_time
 
 
 def llama(d, f, layers):
@@ -79,16 +71,16 @@ def shape_rows(d, f, layers, b, s, steps):
         return st
 
     st = build()
-    rows["plain_s"] = _median(lambda: st.train_step(x, y), steps)
+    rows["plain_s"] = median_time(lambda: st.train_step(x, y), steps)
 
     def accum():
         for _ in range(3):
             st.train_step(x, y, accumulate=True)
         st.train_step(x, y)
-    rows["accum4_s"] = _median(accum, steps)
+    rows["accum4_s"] = median_time(accum, steps)
     del st
     st = build(max_grad_norm=1.0)
-    rows["clip_s"] = _median(lambda: st.train_step(x, y), steps)
+    rows["clip_s"] = median_time(lambda: st.train_step(x, y), steps)
     rows["clip_norm"] = st.last_grad_norm
     del st
     rows["accum4_per_micro_ratio"] = rows["accum4_s"] / 4 / rows["plain_s"]
@@ -109,7 +101,7 @@ def matmul_precision(rounds=5, reps=20):
     out = {p: [] for p in fns}
     for _ in range(rounds):
         for p, f in fns.items():
-            out[p].append(_median(lambda: jax.block_until_ready(f(a, b)), reps))
+            out[p].append(median_time(lambda: jax.block_until_ready(f(a, b)), reps))
     return {p: {"rounds_s": v, "median_s": statistics.median(v)} for p, v in out.items()}
 
 
