@@ -54,9 +54,10 @@ def measure(checkpoint: str, path: str, dtype: str = "float32", optimizer: bool 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import xla_swap
-    from xla_swap.stack import SwappedStack, _torchax, causal_lm_stages
+    from xla_swap._compat.torchax import import_torchax
+    from xla_swap.stack import SwappedStack, causal_lm_stages
     jax.devices()
-    _torchax()
+    import_torchax()
     tdtype = getattr(torch, dtype)
     cfg = AutoConfig.from_pretrained(checkpoint)
     base = _reset_peak()

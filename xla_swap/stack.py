@@ -76,13 +76,6 @@ DEFAULT_POLICY = OffloadPolicy(params="host", grads="host", optimizer_state="hos
 _SHARD_RULES = ("fsdp", "replicate")
 
 
-def _torchax():
-    """torchax, imported without registering its ``jax`` PrivateUse1 backend with torch (see
-    ``xla_swap._compat.torchax``): torch's CUDA autograd and FSDP2 keep working in the process."""
-    from xla_swap._compat.torchax import import_torchax
-    return import_torchax()
-
-
 #: torch's fp32 matmul setting -> ``jax.default_matmul_precision``: ``"ieee"`` (torch's default,
 #: ``allow_tf32 = False``) runs fp32 contractions in full fp32, ``"tf32"`` at TensorFloat-32.
 _JAX_PRECISION = {"ieee": "highest", "tf32": "tensorfloat32"}
@@ -728,6 +721,8 @@ class SwappedStack:
             raise TypeError(f"transpose_linear must be a bool, got {type(transpose_linear).__name__}")
         if not isinstance(autotune, bool):
             raise TypeError(f"autotune must be a bool, got {type(autotune).__name__}")
+        if not isinstance(fused_attention, bool):
+            raise TypeError(f"fused_attention must be a bool, got {fused_attention!r}")
         _check_calibration_arg(calibration)
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -791,10 +786,7 @@ class SwappedStack:
         group_of: dict[int, int] = {}  # id(parameter) -> index of its torch param_group
         if torch_optimizer is not None:
             group_of = self._torch_groups(torch_optimizer, names, modules, owner)
-        _torchax()
-        if not isinstance(fused_attention, bool):
-            raise TypeError(f"fused_attention must be a bool, got {fused_attention!r}")
-        # on a GPU: torch's SDPA on cuDNN's fused attention
+        # torchax imported without its registration with torch; on a GPU, SDPA on cuDNN's fused attention
         env = torchax_env(devices[0].platform if fused_attention else "xla")
 
         # ---- stage functions: one per distinct layer signature ----
