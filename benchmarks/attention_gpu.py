@@ -6,7 +6,9 @@ Part A, attention alone (bf16, head dimension 128, grouped-query K/V, medians of
 torch's fused SDPA (causal, and with an additive mask) against the same torch call run through
 the stack's GPU torchax environment (``xla_swap.torch_attention``: cuDNN) and through torchax's
 default environment (XLA's unfused form), forward and forward+backward; the relative error of
-each against torch's output.
+each against torch's output. Cases: ``causal`` and ``mask`` with torch's ``[B, N, T, H]`` tensors;
+``causal_hf`` as a ``transformers`` layer calls it (``[B, T, N, H]`` projections transposed in, the
+output transposed back and made contiguous), where the layout changes around cuDNN's kernel cancel.
 
 Part B, a ``transformers`` Llama (bf16, ``--d``/``--f``, 32/8 heads, ``--layers``) trained with
 AdamW: torch on the device (fused AdamW, SDPA; gradient checkpointing where ``--ckpt-tokens``
@@ -43,10 +45,16 @@ def attention_rows(b, n, kv, s, reps, res):
     k, v = (torch.randn(b, kv, s, 128, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
     mask = torch.full((s, s), torch.finfo(torch.bfloat16).min, device=dev, dtype=torch.bfloat16).triu(1)[None, None]
     fns = {"causal": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
-           "mask": lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)}
+           "mask": lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True),
+           # as a transformers layer calls it: q/k/v projected as [B, T, N, H], transposed to SDPA's
+           # [B, N, T, H] and the output transposed back and made contiguous (sdpa_attention_forward)
+           "causal_hf": lambda q, k, v: F.scaled_dot_product_attention(
+               q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+               enable_gqa=True).transpose(1, 2).contiguous()}
+    hf = tuple(t.transpose(1, 2).contiguous() for t in (q, k, v))
     sync = torch.cuda.synchronize
     for case, fn in fns.items():
-        args = (q, k, v) + ((mask,) if case == "mask" else ())
+        args = hf if case == "causal_hf" else (q, k, v) + ((mask,) if case == "mask" else ())
         ref = fn(*args)
         row = {"shape": [b, n, kv, s], "case": case}
         row["torch_fwd_s"] = median_time(lambda: fn(*args), reps, sync)
@@ -74,11 +82,11 @@ def attention_rows(b, n, kv, s, reps, res):
         print(json.dumps(row), flush=True)
 
 
-def llama(d, f, layers, seed=0):
+def llama(d, f, layers, heads=32, kv_heads=8, seed=0):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=32000, hidden_size=d, intermediate_size=f, num_hidden_layers=layers,
-                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=16384,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=16384,
                       tie_word_embeddings=False, attn_implementation="sdpa")
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg).to(torch.bfloat16)
@@ -103,6 +111,7 @@ def _ce(lo, y):
 
 def _tag(args, b, s, model_cpu):
     return {"b": b, "s": s, "tokens": b * s, "layers": args.layers, "d": args.d, "f": args.f,
+            "heads": args.heads, "kv_heads": args.kv_heads,
             "model_flops": model_flops(model_cpu, b, s)}
 
 
@@ -150,19 +159,34 @@ def stack_rows(args, b, s, model_cpu):
     x, y = _batch(b, s)
     tag = _tag(args, b, s, model_cpu)
     rows = []
-    for fused in (True, False):
+    from xla_swap.planning.policy import OffloadPolicy
+    # remat (the default policy) or, for "saved", no recompute: every stage's input and vjp
+    # residuals go to pinned_host in the forward and come back for the backward
+    saved = OffloadPolicy(params="host", grads="host", optimizer_state="host", remat=False, prefetch_depth=2)
+    variants = [("cudnn", True, {}), ("xla", False, {})]
+    if args.saved_rows:
+        variants.append(("cudnn_saved", True, {"policy": saved, "offload_activations": True}))
+    for name, fused, kw in variants:
         if not fused and b * s > args.unfused_max_tokens:
             continue
         t0 = time.perf_counter()
         m = copy.deepcopy(model_cpu)
         first, layers, last = xla_swap.causal_lm_stages(m)
         stack = xla_swap.SwappedStack(layers, first=first, last=last, loss_fn=_ce, fused_attention=fused,
-                                      optimizer=torch.optim.AdamW(m.parameters(), lr=1e-5))
-        first_loss = float(stack.train_step(x, y))
+                                      optimizer=torch.optim.AdamW(m.parameters(), lr=1e-5), **kw)
+        try:
+            first_loss = float(stack.train_step(x, y))
+        except Exception as e:                             # e.g. the saved residuals exhaust device memory
+            row = dict(tag, row="stack_" + name, error=f"{type(e).__name__}: {str(e)[:160]}")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del stack, m
+            continue
         first_s = time.perf_counter() - t0
         t = median_time(lambda: stack.train_step(x, y), args.steps, lambda: None)
-        row = dict(tag, row="stack_" + ("cudnn" if fused else "xla"), step_s=t, tflops=tag["model_flops"] / t / 1e12,
-                   first_step_s=first_s, first_loss=first_loss)
+        row = dict(tag, row="stack_" + name, step_s=t, tflops=tag["model_flops"] / t / 1e12,
+                   first_step_s=first_s, first_loss=first_loss,
+                   offloaded_gib=stack.runtime.offloaded_activation_nbytes / 2 ** 30)
         rows.append(row)
         print(json.dumps(row), flush=True)
         del stack, m
@@ -175,6 +199,9 @@ def main(argv=None) -> int:
     ap.add_argument("--d", type=int, default=4096)
     ap.add_argument("--f", type=int, default=14336)
     ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--saved-rows", action="store_true", help="also the step without remat, activations to pinned_host")
     ap.add_argument("--step-shapes", default="4,2048 2,4096 8,4096 4,8192 16,4096 8,8192")
     ap.add_argument("--ckpt-tokens", type=int, default=32768, help="torch uses gradient checkpointing from here")
     ap.add_argument("--unfused-max-tokens", type=int, default=8192)
@@ -187,7 +214,7 @@ def main(argv=None) -> int:
     res = {"device": torch.cuda.get_device_name(0), "args": vars(args), "attention": [], "steps": []}
     shapes = [tuple(map(int, sh.split(","))) for sh in args.step_shapes.split()]
     try:
-        model_cpu = llama(args.d, args.f, args.layers) if not args.skip_steps else None
+        model_cpu = llama(args.d, args.f, args.layers, args.heads, args.kv_heads) if not args.skip_steps else None
         for b, s in ([] if args.skip_steps else shapes):       # torch first: jax then takes the memory
             res["steps"].append(torch_row(args, b, s, model_cpu))
         for shape in args.attn_shapes.split():

@@ -9,7 +9,10 @@ through ``SwappedStack`` (default policy: weights, gradients, bf16 AdamW moments
 * ``plain``: ``train_step`` (the update fused into the backward);
 * ``accum4``: 4 micro-batches of the same size, three ``train_step(accumulate=True)`` and one
   update: the time of the 4 calls, and per micro-batch;
-* ``clip``: ``SwappedStack(max_grad_norm=1.0)``: backward, the norm, then an update pass.
+* ``clip``: ``SwappedStack(max_grad_norm=1.0)``: backward, the norm, then an update pass;
+* ``mp``: the same model in float32 with ``SwappedStack(param_dtype=torch.bfloat16)``: fp32 master
+  weights and fp32 AdamW moments in ``pinned_host``, bf16 compute (``--no-mp`` skips it); its
+  floor is the plain one with every byte doubled (fp32 weights and moments cross the link).
 
 Medians of ``--steps`` after one warm-up, seconds; ratios to ``plain`` of the same run. The
 fused step's transfer floor is printed beside it: weights W in twice (forward and backward) and
@@ -51,7 +54,7 @@ def ce(lo, y):
     return torch.nn.functional.cross_entropy(lo.flatten(0, 1).float(), y.flatten())
 
 
-def shape_rows(d, f, layers, b, s, steps):
+def shape_rows(d, f, layers, b, s, steps, mp=True):
     import torch
     import xla_swap
     model = llama(d, f, layers)
@@ -62,7 +65,7 @@ def shape_rows(d, f, layers, b, s, steps):
     floor = max(4 * w / 54e9, 3 * w / 54e9, 7 * w / 93e9)
     rows = {"d": d, "f": f, "layers": layers, "b": b, "s": s, "weight_bytes": w, "link_floor_s": floor}
 
-    def build(**kw):
+    def build(model=model, **kw):
         m = copy.deepcopy(model)
         first, mid, last = xla_swap.causal_lm_stages(m)
         st = xla_swap.SwappedStack(mid, first=first, last=last, loss_fn=ce,
@@ -85,6 +88,16 @@ def shape_rows(d, f, layers, b, s, steps):
     del st
     rows["accum4_per_micro_ratio"] = rows["accum4_s"] / 4 / rows["plain_s"]
     rows["clip_ratio"] = rows["clip_s"] / rows["plain_s"]
+    rows["plain_floor_ratio"] = rows["plain_s"] / floor
+    if mp:
+        st = build(model.float(), param_dtype=torch.bfloat16)
+        rows["mp_s"] = median_time(lambda: st.train_step(x, y), steps)
+        del st
+        rows["mp_ratio"] = rows["mp_s"] / rows["plain_s"]
+        rows["mp_floor_s"] = 2 * floor
+        rows["mp_floor_ratio"] = rows["mp_s"] / (2 * floor)
+    tokens, params = b * s, w / 2
+    rows["plain_tflops"] = (6 * params * tokens + 6 * layers * b * s * s * d) / rows["plain_s"] / 1e12
     print(json.dumps(rows), flush=True)
     return rows
 
@@ -109,16 +122,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="4096,14336,16,4,2048 5120,13824,8,2,4096")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--no-mp", action="store_true", help="skip the mixed-precision row")
+    ap.add_argument("--skip-matmul", action="store_true", help="skip the bf16 matmul precision rounds")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "train_options_gpu.json"))
     args = ap.parse_args(argv)
     import jax
     res = {"device": str(jax.devices()[0].device_kind), "shapes": []}
     try:
-        res["bf16_matmul_precision"] = matmul_precision()
-        print(json.dumps(res["bf16_matmul_precision"]), flush=True)
+        if not args.skip_matmul:
+            res["bf16_matmul_precision"] = matmul_precision()
+            print(json.dumps(res["bf16_matmul_precision"]), flush=True)
         for sh in args.shapes.split():
             d, f, layers, b, s = map(int, sh.split(","))
-            res["shapes"].append(shape_rows(d, f, layers, b, s, args.steps))
+            res["shapes"].append(shape_rows(d, f, layers, b, s, args.steps, mp=not args.no_mp))
     finally:
         with open(args.out, "w") as fh:
             json.dump(res, fh, indent=1)
@@ -130,7 +146,9 @@ def main(argv=None) -> int:
         print(f"L{r['layers']} D{r['d']} F{r['f']} B{r['b']} S{r['s']}: plain {r['plain_s']:.3f} s "
               f"({r['plain_s'] / r['link_floor_s']:.2f}x link floor {r['link_floor_s']:.3f}); accum4 {r['accum4_s']:.3f} s "
               f"({r['accum4_per_micro_ratio']:.2f}x plain per micro-batch); clip {r['clip_s']:.3f} s "
-              f"({r['clip_ratio']:.2f}x plain)")
+              f"({r['clip_ratio']:.2f}x plain); {r['plain_tflops']:.0f} model TFLOP/s plain"
+              + (f"; mp {r['mp_s']:.3f} s ({r['mp_ratio']:.2f}x plain, {r['mp_floor_ratio']:.2f}x its floor)"
+                 if "mp_s" in r else ""))
     return 0
 
 
