@@ -66,8 +66,11 @@ import numbers
 import statistics
 from typing import Hashable, Mapping, Sequence
 
-from xla_swap.planning.planner import GiB, InfeasibleBudgetError, LayerCost, Link, Plan, _as_bytes, evaluate
-from xla_swap.planning.policy import OffloadPolicy, _check_bool
+from xla_swap.planning.costs import LayerCost, Link
+from xla_swap.planning.planner import evaluate
+from xla_swap.planning.policy import OffloadPolicy, check_bool
+from xla_swap.planning.result import InfeasibleBudgetError, Plan
+from xla_swap.planning.units import REL_TIE, GiB, as_bytes
 
 __all__ = ["ScheduleChoice", "evaluate_choice", "choose_schedule", "ChoiceCache", "CHOICES",
            "STAGE_INPUT", "DEFAULT_MAX_PREFETCH_DEPTH"]
@@ -76,7 +79,6 @@ __all__ = ["ScheduleChoice", "evaluate_choice", "choose_schedule", "ChoiceCache"
 STAGE_INPUT = "stage input"
 #: Largest prefetch depth the chooser tries by default.
 DEFAULT_MAX_PREFETCH_DEPTH = 4
-_REL_TIE = 1e-9
 
 
 @dataclasses.dataclass
@@ -152,7 +154,7 @@ class ScheduleChoice:
             if not (math.isfinite(step_s) and step_s > 0):
                 raise ValueError(f"step_s must be finite and > 0 seconds, got {step_s!r}")
         if peak_bytes is not None:
-            peak_bytes = _as_bytes("ScheduleChoice.observe", "peak_bytes", peak_bytes)
+            peak_bytes = as_bytes("ScheduleChoice.observe", "peak_bytes", peak_bytes)
         if step_s is not None:
             self._step_samples.append(float(step_s))
             self.measured_step_s = statistics.median(self._step_samples)
@@ -276,7 +278,7 @@ def evaluate_choice(costs: Sequence[LayerCost], link: Link, *, prefetch_depth: i
     resident = _check_resident(resident, len(costs))
     for name, v in (("offload_activations", offload_activations), ("optimizer_state_on_host",
                     optimizer_state_on_host), ("training", training), ("remat", remat)):
-        _check_bool(name, v)
+        check_bool(name, v)
     return _evaluate(costs, link, k, resident, bool(offload_activations and training), bool(optimizer_state_on_host),
                      bool(training), bool(remat))
 
@@ -353,7 +355,7 @@ def choose_schedule(costs: Sequence[LayerCost], link: Link, budget_bytes: int, *
     kmax = _check_depth("max_prefetch_depth", max_prefetch_depth)
     for name, v in (("training", training), ("remat", remat), ("allow_offload", allow_offload),
                     ("allow_device_optimizer_state", allow_device_optimizer_state)):
-        _check_bool(name, v)
+        check_bool(name, v)
     training, remat = bool(training), bool(remat)
     L = len(costs)
     has_state = training and any(c.optimizer_bytes for c in costs)
@@ -381,9 +383,9 @@ def choose_schedule(costs: Sequence[LayerCost], link: Link, budget_bytes: int, *
 
 
 def _better(a: ScheduleChoice, b: ScheduleChoice) -> bool:
-    if a.step_s < b.step_s * (1 - _REL_TIE):
+    if a.step_s < b.step_s * (1 - REL_TIE):
         return True
-    if a.step_s > b.step_s * (1 + _REL_TIE):
+    if a.step_s > b.step_s * (1 + REL_TIE):
         return False
     ka = (a.offload_activations, not a.optimizer_state_on_host, a.prefetch_depth, a.device_bytes)
     kb = (b.offload_activations, not b.optimizer_state_on_host, b.prefetch_depth, b.device_bytes)

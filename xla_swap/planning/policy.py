@@ -63,7 +63,8 @@ def as_int(name: str, value, minimum: int) -> int:
     return int(value)
 
 
-def _check_bool(name: str, value) -> None:
+def check_bool(name: str, value) -> None:
+    """Accept a ``bool`` (or a numpy ``bool_``); raises TypeError naming ``name`` otherwise."""
     if not isinstance(value, bool) and not (type(value).__name__ == "bool_" and type(value).__module__ == "numpy"):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
@@ -120,7 +121,7 @@ class OffloadPolicy:
         _check_choice("optimizer_state", self.optimizer_state, PLACEMENTS)
         if not isinstance(self.activations, Mapping):
             raise TypeError(f"activations must be a mapping name -> placement, got {type(self.activations).__name__}")
-        _check_bool("remat", self.remat)
+        check_bool("remat", self.remat)
         for name, where in self.activations.items():
             if not isinstance(name, str) or not name:
                 raise ValueError(f"activations: names must be non-empty strings, got {name!r}")

@@ -32,7 +32,7 @@ import dataclasses
 import functools
 from typing import Sequence
 
-from xla_swap.planning.policy import _check_bool, as_int
+from xla_swap.planning.policy import as_int, check_bool
 
 __all__ = ["PASSES", "ScheduleStep", "PrefetchSchedule"]
 
@@ -106,7 +106,7 @@ class PrefetchSchedule:
         n = as_int("num_stages", self.num_stages, 1)
         k = as_int("prefetch_depth", self.prefetch_depth, 1)
         for name in ("training", "prefetch_next_call", "steady_state"):
-            _check_bool(name, getattr(self, name))
+            check_bool(name, getattr(self, name))
         res = self.resident
         if res is None:
             res = (False,) * n
