@@ -14,13 +14,13 @@ Units: bytes, seconds, GB/s (1e9 bytes/s).
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import numbers
 import statistics
 from typing import Hashable, Mapping, Sequence
 
+from xla_swap.planning.cache import LRUCache
 from xla_swap.planning.costs import LayerCost, Link
 from xla_swap.planning.planner import evaluate
 from xla_swap.planning.policy import OffloadPolicy, check_bool
@@ -344,19 +344,14 @@ def _better(a: ScheduleChoice, b: ScheduleChoice) -> bool:
     return ka < kb
 
 
-class ChoiceCache:
+class ChoiceCache(LRUCache):
     """Chosen schedules kept in memory, keyed by ``(stage signatures, input signature, budget bytes,
     training)`` (any hashables the caller derives; ``xla_swap.executors.calibrate`` uses the
-    stages' parameter and input shapes and dtypes), least recently used dropped beyond ``maxsize``.
+    stages' parameter and input shapes and dtypes), least recently used dropped beyond ``maxsize``
+    (:class:`~xla_swap.planning.cache.LRUCache`).
 
     Raises: ValueError: ``maxsize`` not an int >= 1.
     """
-
-    def __init__(self, maxsize: int = 64):
-        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1:
-            raise ValueError(f"maxsize must be an int >= 1, got {maxsize!r}")
-        self.maxsize = maxsize
-        self._d: collections.OrderedDict = collections.OrderedDict()
 
     @staticmethod
     def key(stage_signatures: Hashable, input_signature: Hashable, budget_bytes: int, training: bool) -> tuple:
@@ -367,26 +362,13 @@ class ChoiceCache:
 
     def get(self, key) -> ScheduleChoice | None:
         """The schedule cached under ``key`` (marked most recently used), or ``None``."""
-        s = self._d.get(key)
-        if s is not None:
-            self._d.move_to_end(key)
-        return s
+        return super().get(key)
 
     def put(self, key, schedule: ScheduleChoice) -> None:
         """Cache ``schedule`` under ``key``. Raises TypeError: not a :class:`ScheduleChoice`."""
         if not isinstance(schedule, ScheduleChoice):
             raise TypeError(f"schedule must be a ScheduleChoice, got {type(schedule).__name__}")
-        self._d[key] = schedule
-        self._d.move_to_end(key)
-        while len(self._d) > self.maxsize:
-            self._d.popitem(last=False)
-
-    def clear(self) -> None:
-        """Forget every cached schedule."""
-        self._d.clear()
-
-    def __len__(self) -> int:
-        return len(self._d)
+        super().put(key, schedule)
 
 
 #: The process-wide cache used by ``xla_swap.executors.calibrate.autotune`` and ``SwappedStack.autotune``.
