@@ -44,7 +44,8 @@ class Plan:
       layer_transfer_s: per layer, transfer seconds summed over phases (``Link.transfer_s``).
       layer_compute_s: per layer, compute seconds summed over phases (incl. recompute, update).
       step_s: predicted step time, seconds.
-      floor_s: ``max(total compute, total in/h2d, total out/d2h, total/both)``, seconds.
+      floor_s: ``max(total compute, total in/h2d, total out/d2h, total/max(h2d, d2h, both))``, seconds
+        (and, in the ``"host"`` optimizer mode, the CPU update's total).
       phase_s: ``{phase: seconds}`` (``forward``; ``backward``, ``optimizer`` when training).
       device_components / host_components: ``{component: bytes}`` (device: at the peak phase).
       peak_phase: which phase sets ``device_bytes``.

@@ -14,7 +14,7 @@ from xla_swap.planning.prefetch import PrefetchSchedule
 from xla_swap.planning.units import GB
 
 __all__ = ["OPTIMIZER_MODES", "optimizer_modes_of", "weight_copies", "phase_rows", "simulate_phase",
-           "phase_times", "traffic_floor", "shared_rates", "simulate_shared_link", "per_layer_times",
+           "phase_times", "link_floor_s", "traffic_floor", "shared_rates", "simulate_shared_link", "per_layer_times",
            "time_offloaded_optimizer", "offloaded_floor"]
 
 #: Where and how the optimizer step runs (docs/planner.md, "Optimizer modes"): ``"device"`` - the
@@ -127,12 +127,24 @@ def phase_times(phases: dict, policy: OffloadPolicy, link: Link) -> dict[str, fl
     return {name: simulate_phase([r[1:] for r in rows], policy.prefetch_depth, link) for name, rows in phases.items()}
 
 
+def link_floor_s(link: Link, in_bytes: float, out_bytes: float) -> float:
+    """Least seconds any schedule needs to move ``in_bytes`` host -> device and ``out_bytes`` back:
+    ``max(in / h2d, out / d2h, (in + out) / max(h2d, d2h, both))``.
+
+    The link never moves more than ``max(h2d, d2h, both)`` bytes/s in all (one direction alone, or
+    both together), so this bounds the simulators even for a link whose ``both_gbps`` is below a
+    single direction's bandwidth; otherwise it equals ``link.transfer_s(in, out)``.
+    """
+    fastest = max(link.h2d_gbps, link.d2h_gbps, link.both_gbps) * GB
+    return max(in_bytes / (link.h2d_gbps * GB), out_bytes / (link.d2h_gbps * GB), (in_bytes + out_bytes) / fastest)
+
+
 def traffic_floor(phases: dict, link: Link) -> float:
-    """``max(total compute, total in / h2d, total out / d2h, total / both)`` of the phases' rows, seconds."""
+    """``max(total compute, link_floor_s(total in, total out))`` of the phases' rows, seconds."""
     compute = sum(r[1] for rows in phases.values() for r in rows)
     total_in = sum(r[2] for rows in phases.values() for r in rows)
     total_out = sum(r[3] for rows in phases.values() for r in rows)
-    return max(compute, link.transfer_s(total_in, total_out))
+    return max(compute, link_floor_s(link, total_in, total_out))
 
 
 def shared_rates(link: Link, in_running: bool, out_running: bool) -> tuple[float, float]:
@@ -279,7 +291,7 @@ def time_offloaded_optimizer(policy: OffloadPolicy, layers: list[LayerCost], lin
     if not streamed:
         phase_layers["host update"] = [(i, (host_s[i], 0.0)) for i in range(num_layers)]
     total_in, total_out = sum(r[2] for r in rows), sum(r[3] for r in rows)
-    floor = max(sum(r[1] for r in rows), link.transfer_s(total_in, total_out), sum(host_s))
+    floor = max(sum(r[1] for r in rows), link_floor_s(link, total_in, total_out), sum(host_s))
     forward_s = compute_end[num_layers - 1]
     return {"step_s": end, "floor_s": floor,
             "phase_s": {"forward": forward_s, "backward": device_end - forward_s, "optimizer": end - device_end},
@@ -308,4 +320,4 @@ def offloaded_floor(policy: OffloadPolicy, layers: list[LayerCost], link: Link, 
         total_in = weights_in + activations
         total_out = activations + (sum(layer.grad_bytes for layer in layers) if grads_on_host else 0)
         host = sum(link.host_update_s(layer.host_update_bytes) for layer in layers)
-    return max(compute, link.transfer_s(total_in, total_out), host)
+    return max(compute, link_floor_s(link, total_in, total_out), host)
