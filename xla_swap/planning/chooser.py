@@ -23,9 +23,9 @@ from typing import Hashable, Mapping, Sequence
 from xla_swap.planning.cache import LRUCache
 from xla_swap.planning.costs import LayerCost, Link
 from xla_swap.planning.planner import evaluate
-from xla_swap.planning.policy import OffloadPolicy, check_bool
+from xla_swap.planning.policy import OffloadPolicy, check_bool, check_flags
 from xla_swap.planning.result import InfeasibleBudgetError, Plan
-from xla_swap.planning.units import REL_TIE, GiB, as_bytes
+from xla_swap.planning.units import REL_TIE, GiB, as_bytes, as_prefetch_depth
 
 __all__ = ["ScheduleChoice", "evaluate_choice", "choose_schedule", "ChoiceCache", "CHOICES",
            "STAGE_INPUT", "DEFAULT_MAX_PREFETCH_DEPTH"]
@@ -166,21 +166,6 @@ def _check_costs(costs) -> list:
     return list(costs)
 
 
-def _check_resident(resident, n: int) -> tuple:
-    if resident is None:
-        return (False,) * n
-    if isinstance(resident, (str, bytes)) or not isinstance(resident, Sequence) or len(resident) != n \
-            or not all(isinstance(r, bool) for r in resident):
-        raise ValueError(f"resident must be a sequence of {n} bools (one per stage), got {resident!r}")
-    return tuple(resident)
-
-
-def _check_depth(name: str, k) -> int:
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= 16:
-        raise ValueError(f"{name} must be an int in 1..16, got {k!r}")
-    return int(k)
-
-
 def _rewrite(costs: list, resident: tuple, offload: bool, moments_on_host: bool) -> tuple[list, dict]:
     """The per-stage costs the planner sees for a candidate, and the device bytes taken out of its sight."""
     out, extra = [], {}
@@ -229,8 +214,8 @@ def evaluate_choice(costs: Sequence[LayerCost], link: Link, *, prefetch_depth: i
     costs = _check_costs(costs)
     if not isinstance(link, Link):
         raise TypeError(f"link must be a Link, got {type(link).__name__}")
-    k = _check_depth("prefetch_depth", prefetch_depth)
-    resident = _check_resident(resident, len(costs))
+    k = as_prefetch_depth("prefetch_depth", prefetch_depth)
+    resident = check_flags("resident", resident, len(costs))
     for name, v in (("offload_activations", offload_activations), ("optimizer_state_on_host",
                     optimizer_state_on_host), ("training", training), ("remat", remat)):
         check_bool(name, v)
@@ -304,7 +289,7 @@ def choose_schedule(costs: Sequence[LayerCost], link: Link, budget_bytes: int, *
         raise TypeError(f"link must be a Link, got {type(link).__name__}")
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Integral) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be a positive int (bytes), got {budget_bytes!r}")
-    kmax = _check_depth("max_prefetch_depth", max_prefetch_depth)
+    kmax = as_prefetch_depth("max_prefetch_depth", max_prefetch_depth)
     for name, v in (("training", training), ("remat", remat), ("allow_offload", allow_offload),
                     ("allow_device_optimizer_state", allow_device_optimizer_state)):
         check_bool(name, v)

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import numbers
 
 from xla_swap.planning.costs import LayerCost, Link
 from xla_swap.planning.memory import device_memory
 from xla_swap.planning.policy import OffloadPolicy
 from xla_swap.planning.timing import (offloaded_floor, optimizer_modes_of, phase_rows, phase_times,
                                       time_offloaded_optimizer, traffic_floor)
-from xla_swap.planning.units import REL_TIE
+from xla_swap.planning.units import REL_TIE, as_prefetch_depth
 
 __all__ = ["MAX_NAMED_ACTIVATIONS", "candidates", "complexity", "search_space", "fastest_fitting"]
 
@@ -53,11 +52,9 @@ def search_space(layers: list[LayerCost], training: bool, max_prefetch_depth, ta
 
     Raises: ValueError: ``max_prefetch_depth`` not an int in 1..16 (named), or too many named activations.
     """
-    if isinstance(max_prefetch_depth, bool) or not isinstance(max_prefetch_depth, numbers.Integral) \
-            or not 1 <= max_prefetch_depth <= 16:
-        raise ValueError(f"max_prefetch_depth must be an int in 1..16, got {max_prefetch_depth!r}")
+    max_depth = as_prefetch_depth("max_prefetch_depth", max_prefetch_depth)
     return [(index, policy, device_memory(policy, layers, training, target).peak_bytes)
-            for index, policy in enumerate(candidates(layers, training, int(max_prefetch_depth)))]
+            for index, policy in enumerate(candidates(layers, training, max_depth))]
 
 
 def _lower_bounds(feasible: list, layers: list[LayerCost], training: bool, link: Link, mode: str | None,

@@ -10,7 +10,7 @@ import math
 import numbers
 from typing import Mapping
 
-__all__ = ["GB", "GiB", "MAX_BYTES", "REL_TIE", "as_bytes", "as_float", "as_amount", "from_dict", "gib"]
+__all__ = ["GB", "GiB", "MAX_BYTES", "REL_TIE", "MAX_PREFETCH_DEPTH", "as_prefetch_depth", "as_bytes", "as_float", "as_amount", "from_dict", "gib"]
 
 #: Bytes per GB (link bandwidths are in GB/s, as in docs/measured.md).
 GB = 1_000_000_000
@@ -24,6 +24,19 @@ MAX_BYTES = (1 << 63) - 1
 #: Relative tolerance under which two predicted step times count as equal (the planner's and the
 #: chooser's tie-breaks).
 REL_TIE = 1e-9
+
+#: Largest prefetch depth the planner and the chooser search.
+MAX_PREFETCH_DEPTH = 16
+
+
+def as_prefetch_depth(name: str, value) -> int:
+    """``value`` as a prefetch depth, an ``int`` in ``1..MAX_PREFETCH_DEPTH``.
+
+    Raises: ValueError: not an int (or a bool), or out of range; the message names ``name``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= MAX_PREFETCH_DEPTH:
+        raise ValueError(f"{name} must be an int in 1..{MAX_PREFETCH_DEPTH}, got {value!r}")
+    return int(value)
 
 
 def as_bytes(owner: str, field: str, value) -> int:
