@@ -97,8 +97,16 @@ def _optimizer_phase(policy: OffloadPolicy, layers: list[LayerCost], window: int
             "optimizer stream window": _largest_sum(streamed, max(window, 1))}
 
 
+def _window(policy: OffloadPolicy, num_layers: int, training: bool, schedule: PrefetchSchedule | None) -> int:
+    """Layers in the streaming window: the live set of the call's schedule (``min(k+1, L)``). With every
+    weight resident the window of host-placed activations is that of the schedule that streams them all."""
+    if schedule is None or policy.params != "host":
+        schedule = PrefetchSchedule(num_layers, policy.prefetch_depth, training=training)
+    return schedule.max_live_stages
+
+
 def device_memory(policy: OffloadPolicy, layers: list[LayerCost], training: bool,
-                  target: str = "accelerator") -> DeviceMemory:
+                  target: str = "accelerator", schedule: PrefetchSchedule | None = None) -> DeviceMemory:
     """Peak device bytes of ``policy`` over ``layers`` (one :class:`LayerCost` per layer, already checked).
 
     Args:
@@ -106,13 +114,14 @@ def device_memory(policy: OffloadPolicy, layers: list[LayerCost], training: bool
       layers: one cost per layer, of one device.
       training: forward + backward + optimizer (True) or forward only.
       target: one of :data:`TARGETS`.
+      schedule: the call's :class:`PrefetchSchedule` whose live set is the window (the one the time
+        model times, :func:`xla_swap.planning.rows.schedule_for`); default: built here.
 
     Returns: a :class:`DeviceMemory`; the terms are those of docs/planner.md, "Memory model".
     """
     cpu = target == "xla_cpu"
-    # the window of streamed weights: the schedule's live set (k+1 layers, or L);
     # XLA:CPU prefetches nothing (0: only the layer being computed, counted in its operand copies)
-    window = 0 if cpu else PrefetchSchedule(len(layers), policy.prefetch_depth, training=training).max_live_stages
+    window = 0 if cpu else _window(policy, len(layers), training, schedule)
     params_on_host = policy.params == "host"
     param_bytes = [layer.param_bytes for layer in layers]
     device = {"params": _largest_sum(param_bytes, window) if params_on_host else sum(param_bytes)}

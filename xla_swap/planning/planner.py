@@ -22,8 +22,8 @@ from xla_swap.planning.memory import TARGETS, device_memory
 from xla_swap.planning.policy import OffloadPolicy
 from xla_swap.planning.result import InfeasibleBudgetError, Plan
 from xla_swap.planning.search import MAX_NAMED_ACTIVATIONS, complexity, fastest_fitting, search_space
-from xla_swap.planning.timing import (OPTIMIZER_MODES, optimizer_modes_of, per_layer_times, phase_rows, phase_times,
-                                      time_offloaded_optimizer, traffic_floor)
+from xla_swap.planning.rows import OPTIMIZER_MODES, optimizer_modes_of, phase_rows, schedule_for
+from xla_swap.planning.timing import per_layer_times, phase_times, time_offloaded_optimizer, traffic_floor
 from xla_swap.planning.units import GB, MAX_BYTES, GiB, as_bytes
 
 __all__ = [
@@ -116,33 +116,35 @@ def _check_steady_state(steady_state) -> bool:
     return steady_state
 
 
-def _plan_offloaded(policy, layers, training, link, memory, optimizer_mode, host_overlap, steady_state,
-                    **inputs) -> Plan:
+def _plan_offloaded(policy, layers, link, optimizer_mode, host_overlap, steady_state, **inputs) -> Plan:
     """The :class:`Plan` of a training policy with its optimizer state on the host: timed in both modes,
-    the requested (or the faster) one reported."""
+    the requested (or the faster) one reported, its memory from the schedule that mode timed."""
     timed = {m: time_offloaded_optimizer(policy, layers, link, m, host_overlap, steady_state)
              for m in ("streamed", "host")}
     mode = optimizer_mode or min(timed, key=lambda m: (timed[m]["step_s"], m != "streamed"))
     chosen = timed[mode]
+    memory = device_memory(policy, layers, True, inputs["target"], chosen["schedule"])
     return Plan(policy=policy, device_bytes=memory.peak_bytes, host_bytes=sum(memory.host_components.values()),
                 layer_transfer_s=chosen["layer_transfer_s"], layer_compute_s=chosen["layer_compute_s"],
                 step_s=chosen["step_s"], floor_s=chosen["floor_s"], phase_s=chosen["phase_s"],
                 device_components=memory.device_components, host_components=memory.host_components,
-                peak_phase=memory.peak_phase, num_layers=len(layers), training=training, link=link,
+                peak_phase=memory.peak_phase, num_layers=len(layers), training=True, link=link,
                 phase_layers=chosen["phase_layers"], optimizer_mode=mode,
                 optimizer_mode_s={m: v["step_s"] for m, v in timed.items()},
-                host_update_s=chosen["host_update_s"] if mode == "host" else 0.0, steady_state=steady_state, **inputs)
+                host_update_s=chosen["host_update_s"] if mode == "host" else 0.0, steady_state=steady_state,
+                schedule=chosen["schedule"], **inputs)
 
 
 def _build(policy, layers, training, link, budget=None, min_budget=None, target="accelerator",
            optimizer_mode=None, host_overlap=True, steady_state=True, num_devices=1) -> Plan:
-    """The :class:`Plan` of one checked ``policy``: its memory and its time in ``optimizer_mode``."""
-    memory = device_memory(policy, layers, training, target)
+    """The :class:`Plan` of one checked ``policy``: its memory and its time in ``optimizer_mode``, both
+    read from one schedule of the call."""
     inputs = dict(budget_bytes=budget, min_budget_bytes=min_budget, target=target, num_devices=num_devices)
     if training and policy.optimizer_state == "host":
-        return _plan_offloaded(policy, layers, training, link, memory, optimizer_mode, host_overlap, steady_state,
-                               **inputs)
-    phases = phase_rows(policy, layers, training, steady_state)
+        return _plan_offloaded(policy, layers, link, optimizer_mode, host_overlap, steady_state, **inputs)
+    schedule = schedule_for(policy, len(layers), training, "device", steady_state)
+    memory = device_memory(policy, layers, training, target, schedule)
+    phases = phase_rows(policy, layers, training, steady_state, schedule)
     phase_s = phase_times(phases, policy, link)
     transfer, compute = [0.0] * len(layers), [0.0] * len(layers)
     phase_layers = {}
@@ -159,7 +161,7 @@ def _build(policy, layers, training, link, budget=None, min_budget=None, target=
                 training=training, link=link, phase_layers=phase_layers,
                 optimizer_mode="device" if training else None,
                 optimizer_mode_s={"device": sum(phase_s.values())} if training else {}, steady_state=steady_state,
-                **inputs)
+                schedule=schedule, **inputs)
 
 
 def evaluate(policy: OffloadPolicy, layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,

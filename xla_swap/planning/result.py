@@ -8,6 +8,7 @@ from typing import Mapping
 
 from xla_swap.planning.costs import Link
 from xla_swap.planning.policy import OffloadPolicy
+from xla_swap.planning.prefetch import PrefetchSchedule
 from xla_swap.planning.units import GiB, gib
 
 __all__ = ["InfeasibleBudgetError", "Plan"]
@@ -63,6 +64,8 @@ class Plan:
       host_update_s: total seconds of CPU optimizer update, ``sum(host_update_bytes) /
         host_memory_gbps`` (0 unless ``optimizer_mode == "host"``).
       num_devices: the devices the stack is sharded over (docs/planner.md, "Several devices").
+      schedule: the :class:`~xla_swap.planning.prefetch.PrefetchSchedule` of one call whose steps the
+        time model timed and whose live set the memory model counted (``None`` for a Plan built by hand).
       steady_state: whether ``step_s`` / ``floor_s`` / the per-layer times describe a call of a loop
         (the cyclic schedule's steady state, the default) or a single, cold call (see :func:`evaluate`).
     """
@@ -90,6 +93,7 @@ class Plan:
     host_update_s: float = 0.0
     steady_state: bool = True
     num_devices: int = 1
+    schedule: PrefetchSchedule | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def slowdown(self) -> float:

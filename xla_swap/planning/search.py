@@ -9,8 +9,8 @@ import math
 from xla_swap.planning.costs import LayerCost, Link
 from xla_swap.planning.memory import device_memory
 from xla_swap.planning.policy import OffloadPolicy
-from xla_swap.planning.timing import (offloaded_floor, optimizer_modes_of, phase_rows, phase_times,
-                                      time_offloaded_optimizer, traffic_floor)
+from xla_swap.planning.rows import optimizer_modes_of, phase_rows
+from xla_swap.planning.timing import offloaded_floor, phase_times, time_offloaded_optimizer, traffic_floor
 from xla_swap.planning.units import REL_TIE, as_prefetch_depth
 
 __all__ = ["MAX_NAMED_ACTIVATIONS", "candidates", "complexity", "search_space", "fastest_fitting"]

@@ -1,101 +1,17 @@
-"""The planner's time model: a step's rows of compute and copies, timed on one compute stream and
-two copy queues (docs/planner.md, "Time model", "Steady state", "Optimizer modes").
-
-Which weights cross the link in each pass comes from the runtime's schedule
-(:class:`~xla_swap.planning.prefetch.PrefetchSchedule`). A row is ``(layer, compute_s, in_bytes,
-out_bytes)``, in execution order. Pure Python.
+"""The planner's time model: a step's rows (:mod:`~xla_swap.planning.rows`, read from the runtime's
+schedule) timed on one compute stream and two copy queues (docs/planner.md, "Time model", "Steady
+state", "Optimizer modes"). Pure Python.
 """
 from __future__ import annotations
 
 from xla_swap.planning.costs import LayerCost, Link
-from xla_swap.planning.memory import activation_placements
 from xla_swap.planning.policy import OffloadPolicy
 from xla_swap.planning.prefetch import PrefetchSchedule
+from xla_swap.planning.rows import activation_traffic, fetched_for, offloaded_rows, recompute_s, schedule_for
 from xla_swap.planning.units import GB
 
-__all__ = ["OPTIMIZER_MODES", "optimizer_modes_of", "weight_copies", "phase_rows", "simulate_phase",
-           "phase_times", "link_floor_s", "traffic_floor", "shared_rates", "simulate_shared_link", "per_layer_times",
+__all__ = ["simulate_phase", "phase_times", "link_floor_s", "traffic_floor", "shared_rates", "simulate_shared_link", "per_layer_times",
            "time_offloaded_optimizer", "offloaded_floor"]
-
-#: Where and how the optimizer step runs (docs/planner.md, "Optimizer modes"): ``"device"`` - the
-#: state lives in device memory (``OffloadPolicy.optimizer_state="device"``); ``"streamed"`` - the
-#: state lives in host memory and each layer's state crosses PCIe in the backward, the update runs
-#: on the device right after the layer's backward (``StreamingRuntime(optimizer=...,
-#: optimizer_state_on_host=True)``); ``"host"`` - the gradients go to host memory and the update runs
-#: on the CPU, bounded by host memory bandwidth (ZeRO-Offload / FSDP2 ``CPUOffloadPolicy``).
-OPTIMIZER_MODES = ("device", "streamed", "host")
-
-
-def optimizer_modes_of(policy: OffloadPolicy, optimizer_mode: str | None) -> tuple[str, ...]:
-    """Optimizer modes a training policy allows, restricted to ``optimizer_mode`` when given (possibly none)."""
-    allowed = ("device",) if policy.optimizer_state == "device" else ("streamed", "host")
-    if optimizer_mode is None:
-        return allowed
-    return (optimizer_mode,) if optimizer_mode in allowed else ()
-
-
-def weight_copies(policy: OffloadPolicy, num_layers: int, training: bool, mode: str, steady_state: bool):
-    """``(forward, backward, tail)``: the layers whose weights cross host -> device in a call's forward, in
-    its backward (sets), and after its last row for the next call (in the order of the copies).
-
-    Read from the runtime's :class:`PrefetchSchedule`, cyclic in the steady state except in the
-    ``"host"`` mode (the CPU update rewrites the weights after the backward); nothing moves without
-    host-placed params (every layer resident). docs/planner.md, "Steady state".
-    """
-    cyclic = steady_state and not (training and mode == "host")
-    schedule = PrefetchSchedule(num_layers, policy.prefetch_depth, training=training,
-                                resident=(policy.params != "host",) * num_layers, prefetch_next_call=cyclic)
-    backward = set(schedule.fetched("backward")) if training else set()
-    return set(schedule.fetched("forward")), backward, schedule.next_call_fetches
-
-
-def _recompute_s(layer: LayerCost, policy: OffloadPolicy, remat_names: list) -> float:
-    """Seconds the layer's backward spends recomputing: one forward under ``remat``, else its
-    ``"remat"``-placed activations (at most one forward)."""
-    if policy.remat:
-        return layer.forward_time_s
-    return min(layer.forward_time_s,
-               sum(layer.recompute_time_s(n) for n in remat_names if n in layer.activations))
-
-
-def _activation_traffic(policy: OffloadPolicy, layers: list[LayerCost], training: bool) -> tuple[list, list]:
-    """``(per-layer bytes of host-placed named activations, names placed "remat")``."""
-    placed = activation_placements(policy, layers)
-    host_names = [n for n, where in placed.items() if where == "host"] if training else []
-    remat_names = [n for n, where in placed.items() if where == "remat"]
-    return [sum(layer.activations.get(n, 0) for n in host_names) for layer in layers], remat_names
-
-
-def phase_rows(policy: OffloadPolicy, layers: list[LayerCost], training: bool, steady_state: bool = True) -> dict:
-    """``{phase: [(layer, compute_s, in_bytes, out_bytes)]}`` in execution order, optimizer state on the device.
-
-    In the steady state the forward starts with its first layers' weights on the device, and the
-    call's last pass (the forward in inference, the optimizer phase in training, which runs in the
-    backward's order) streams the next call's after its last row (rows without compute).
-    """
-    params_on_host = policy.params == "host"
-    grads_on_host, state_on_host = policy.grads == "host", policy.optimizer_state == "host"
-    forward_in, backward_in, tail = weight_copies(policy, len(layers), training, "device", steady_state)
-    activation_bytes, remat_names = _activation_traffic(policy, layers, training)
-    forward = [(i, layer.forward_time_s, layer.param_bytes if i in forward_in else 0, activation_bytes[i])
-               for i, layer in enumerate(layers)]
-    next_call = [(i, 0.0, layers[i].param_bytes, 0) for i in tail]
-    if not training:
-        return {"forward": forward + next_call}
-    backward, optimizer = [], []
-    for i in reversed(range(len(layers))):
-        layer = layers[i]
-        weights_in = layer.param_bytes if i in backward_in else 0   # the last k stay from the forward
-        backward.append((i, layer.backward_time_s + _recompute_s(layer, policy, remat_names),
-                         weights_in + activation_bytes[i], layer.grad_bytes if grads_on_host else 0))
-    for i in reversed(range(len(layers))):   # the backward's order: it ends with the layers the forward starts with
-        layer = layers[i]
-        in_bytes = ((layer.param_bytes if params_on_host else 0) + (layer.grad_bytes if grads_on_host else 0)
-                    + (layer.optimizer_bytes if state_on_host else 0))
-        out_bytes = (layer.param_bytes if params_on_host else 0) + (layer.optimizer_bytes if state_on_host else 0)
-        optimizer.append((i, layer.optimizer_s, in_bytes, out_bytes))
-    return {"forward": forward, "backward": backward, "optimizer": optimizer + next_call}
-
 
 def simulate_phase(rows: list[tuple[float, int, int]], k: int, link: Link) -> float:
     """Seconds of one phase: ``rows = [(compute_s, in_bytes, out_bytes)]`` in execution order.
@@ -123,8 +39,13 @@ def simulate_phase(rows: list[tuple[float, int, int]], k: int, link: Link) -> fl
 
 
 def phase_times(phases: dict, policy: OffloadPolicy, link: Link) -> dict[str, float]:
-    """``{phase: seconds}`` of :func:`phase_rows`' phases, each by :func:`simulate_phase`."""
-    return {name: simulate_phase([r[1:] for r in rows], policy.prefetch_depth, link) for name, rows in phases.items()}
+    """``{phase: seconds}`` of ``phases`` (:func:`~xla_swap.planning.rows.phase_rows`), each by :func:`simulate_phase`."""
+    return {name: simulate_phase(_events(rows), policy.prefetch_depth, link) for name, rows in phases.items()}
+
+
+def _events(rows) -> list[tuple[float, int, int]]:
+    """``[(compute_s, in_bytes, out_bytes)]`` of ``rows``, what the simulators take."""
+    return [(r.compute_s, r.in_bytes, r.out_bytes) for r in rows]
 
 
 def link_floor_s(link: Link, in_bytes: float, out_bytes: float) -> float:
@@ -233,7 +154,7 @@ def _advance(t: float, link: Link, copy_in, copy_out, compute_end: list, in_end:
 def per_layer_times(rows, link: Link) -> list:
     """``[(layer, (compute_s, transfer_s))]`` by layer, a layer's rows merged (its copy for the next call with its row)."""
     per_layer: dict[int, list] = {}
-    for i, compute_s, in_bytes, out_bytes in rows:
+    for i, compute_s, in_bytes, out_bytes, _ in rows:
         acc = per_layer.setdefault(i, [0.0, 0, 0])
         acc[0] += compute_s
         acc[1] += in_bytes
@@ -241,39 +162,22 @@ def per_layer_times(rows, link: Link) -> list:
     return [(i, (c, link.transfer_s(b_in, b_out))) for i, (c, b_in, b_out) in sorted(per_layer.items())]
 
 
-def _offloaded_rows(policy: OffloadPolicy, layers: list[LayerCost], mode: str, steady_state: bool) -> list:
-    """The rows of a training step whose optimizer state lives in host memory: forward, backward (its
-    fused update in ``"streamed"``), then the next step's weights at the tail."""
-    grads_on_host = policy.grads == "host"
-    forward_in, backward_in, tail = weight_copies(policy, len(layers), True, mode, steady_state)
-    activation_bytes, remat_names = _activation_traffic(policy, layers, True)
-    rows = [(i, layer.forward_time_s, layer.param_bytes if i in forward_in else 0, activation_bytes[i])
-            for i, layer in enumerate(layers)]
-    for i in reversed(range(len(layers))):
-        layer = layers[i]
-        compute_s = layer.backward_time_s + _recompute_s(layer, policy, remat_names)
-        weights_in = layer.param_bytes if i in backward_in else 0   # the last k stay across the turn
-        if mode == "streamed":   # moments in; new weights + moments out; the gradient stays on the device
-            rows.append((i, compute_s + layer.optimizer_s, weights_in + activation_bytes[i] + layer.optimizer_bytes,
-                         layer.param_bytes + layer.optimizer_bytes))
-        else:                    # the gradient goes to host memory; the update runs on the CPU
-            rows.append((i, compute_s, weights_in + activation_bytes[i], layer.grad_bytes if grads_on_host else 0))
-    return rows + [(i, 0.0, layers[i].param_bytes, 0) for i in tail]
-
-
 def time_offloaded_optimizer(policy: OffloadPolicy, layers: list[LayerCost], link: Link, mode: str,
-                             host_overlap: bool = True, steady_state: bool = True) -> dict:
+                             host_overlap: bool = True, steady_state: bool = True,
+                             schedule: PrefetchSchedule | None = None) -> dict:
     """Time a training step whose optimizer state lives in host memory, in ``mode`` ``"streamed"`` or
     ``"host"`` (docs/planner.md, "Optimizer modes"), the whole step as one stream on a shared link.
 
     Returns a dict: ``step_s``, ``floor_s``, ``phase_s`` (forward, backward, optimizer: the exposed
     part of the host update), ``phase_layers``, ``layer_transfer_s``, ``layer_compute_s`` (device
-    only), ``host_update_s`` (seconds of CPU update, summed).
+    only), ``host_update_s`` (seconds of CPU update, summed), ``schedule`` (the
+    :class:`PrefetchSchedule` timed: ``schedule``, default :func:`~xla_swap.planning.rows.schedule_for`).
     """
+    schedule = schedule or schedule_for(policy, len(layers), True, mode, steady_state)
     streamed = mode == "streamed"
     num_layers = len(layers)
-    rows = _offloaded_rows(policy, layers, mode, steady_state)
-    compute_end, out_end = simulate_shared_link([r[1:] for r in rows], policy.prefetch_depth, link)
+    rows = offloaded_rows(policy, layers, mode, steady_state, schedule)
+    compute_end, out_end = simulate_shared_link(_events(rows), policy.prefetch_depth, link)
     device_end = max(compute_end[-1], out_end[-1])
     host_s = [0.0 if streamed else link.host_update_s(layer.host_update_bytes) for layer in layers]
     end = device_end
@@ -296,7 +200,8 @@ def time_offloaded_optimizer(policy: OffloadPolicy, layers: list[LayerCost], lin
     return {"step_s": end, "floor_s": floor,
             "phase_s": {"forward": forward_s, "backward": device_end - forward_s, "optimizer": end - device_end},
             "phase_layers": {name: tuple(sorted(v)) for name, v in phase_layers.items()},
-            "layer_transfer_s": tuple(transfer), "layer_compute_s": tuple(compute), "host_update_s": sum(host_s)}
+            "layer_transfer_s": tuple(transfer), "layer_compute_s": tuple(compute), "host_update_s": sum(host_s),
+            "schedule": schedule}
 
 
 def offloaded_floor(policy: OffloadPolicy, layers: list[LayerCost], link: Link, mode: str,
@@ -304,10 +209,12 @@ def offloaded_floor(policy: OffloadPolicy, layers: list[LayerCost], link: Link, 
     """A lower bound of :func:`time_offloaded_optimizer`'s step time (its ``floor_s``), without simulating."""
     grads_on_host = policy.grads == "host"
     streamed = mode == "streamed"
-    forward_in, backward_in, tail = weight_copies(policy, len(layers), True, mode, steady_state)
-    activation_bytes, remat_names = _activation_traffic(policy, layers, True)
+    schedule = schedule_for(policy, len(layers), True, mode, steady_state)
+    forward_in, backward_in = fetched_for(schedule, "forward"), fetched_for(schedule, "backward")
+    tail = schedule.next_call_fetches
+    activation_bytes, remat_names = activation_traffic(policy, layers, True)
     activations = sum(activation_bytes)
-    compute = sum(layer.forward_time_s + layer.backward_time_s + _recompute_s(layer, policy, remat_names)
+    compute = sum(layer.forward_time_s + layer.backward_time_s + recompute_s(layer, policy, remat_names)
                   + (layer.optimizer_s if streamed else 0.0) for layer in layers)
     weights_in = sum(layers[i].param_bytes for i in forward_in)      # forward: all but the kept first layers
     weights_in += sum(layers[i].param_bytes for i in backward_in)    # backward: all but the last k
