@@ -268,8 +268,9 @@ def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
       num_devices: as in :func:`evaluate` (default 1): the stack sharded over ``n`` devices; the
         budget is one device's memory and the Plan's bytes and times are per device.
 
-    Returns: a :class:`Plan` (its ``optimizer_mode`` says how the optimizer step runs).  Search, tie-breaking and the order in which shrinking budgets move
-    components to the host: docs/planner.md, "Search".
+    Returns: a :class:`Plan` (its ``optimizer_mode`` says how the optimizer step runs). Search,
+    tie-breaking and the order in which shrinking budgets move components to the host:
+    docs/planner.md, "Search".
 
     Raises:
       InfeasibleBudgetError: no policy fits; ``.min_budget_bytes`` is the exact minimum (bytes),
