@@ -90,7 +90,7 @@ def test_budget_that_fits_everything_gives_all_device(layer, n, training):
     assert p.policy.is_all_device and not p.policy.remat and p.policy.prefetch_depth == 1
     assert p.host_bytes == 0
     act = sum(layer.activations.values())
-    if training:   # memory model of the docstring, by hand
+    if training:   # memory model of docs/planner.md, by hand
         expect = n * (layer.param_bytes + layer.grad_bytes + layer.optimizer_bytes + act
                       + layer.intermediate_bytes + layer.carry_bytes) + layer.working_bytes + layer.carry_bytes
         assert p.policy.activations == {k: "device" for k in layer.activations}
@@ -247,7 +247,7 @@ def test_plan_fits_budget_or_reports_exact_minimum(layers, budget, link, trainin
     assert p.step_s == pytest.approx(evaluate(p.policy, *args, link, optimizer_mode=p.optimizer_mode, **kw).step_s,
                                      rel=1e-12)
     assert p.min_budget_bytes == min_feasible_bytes(*args, training=training, target=target) <= p.device_bytes
-    pol = p.policy   # structural rules 1-2 of the docstring
+    pol = p.policy   # structural rules 1-2 of docs/planner.md ("Search")
     assert pol.optimizer_state == "device" or pol.grads == "host"
     assert pol.grads == "device" or pol.params == "host"
     if p.min_budget_bytes < budget:   # less memory is never faster
