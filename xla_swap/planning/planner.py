@@ -21,8 +21,8 @@ from xla_swap.planning.costs import H200_PINNED, HOST_MEMORY_GBPS, LayerCost, Li
 from xla_swap.planning.memory import TARGETS, device_memory
 from xla_swap.planning.policy import OffloadPolicy
 from xla_swap.planning.result import InfeasibleBudgetError, Plan
-from xla_swap.planning.search import MAX_NAMED_ACTIVATIONS, complexity, fastest_fitting, search_space
 from xla_swap.planning.rows import OPTIMIZER_MODES, optimizer_modes_of, phase_rows, schedule_for
+from xla_swap.planning.search import MAX_NAMED_ACTIVATIONS, complexity, fastest_fitting, search_space
 from xla_swap.planning.timing import per_layer_times, phase_times, time_offloaded_optimizer, traffic_floor
 from xla_swap.planning.units import GB, MAX_BYTES, GiB, as_bytes
 
