@@ -90,7 +90,7 @@ def test_budget_that_fits_everything_gives_all_device(layer, n, training):
     assert p.policy.is_all_device and not p.policy.remat and p.policy.prefetch_depth == 1
     assert p.host_bytes == 0
     act = sum(layer.activations.values())
-    if training:   # memory model of the docstring, by hand
+    if training:   # memory model of docs/planner.md, by hand
         expect = n * (layer.param_bytes + layer.grad_bytes + layer.optimizer_bytes + act
                       + layer.intermediate_bytes + layer.carry_bytes) + layer.working_bytes + layer.carry_bytes
         assert p.policy.activations == {k: "device" for k in layer.activations}
@@ -109,7 +109,7 @@ def test_budget_that_fits_everything_gives_all_device(layer, n, training):
 def test_design_stack_shrinking_budget_sequence():
     plans = sweep(BIG, L)
     got = [(short(p.policy), p.device_bytes) for p in plans]
-    # Thresholds from the memory model of the planner's docstring, by hand. Per layer: P = G = 1 GiB
+    # Thresholds from the memory model of docs/planner.md, by hand. Per layer: P = G = 1 GiB
     # (weights, gradients), O = 4 GiB (Adam), A = 0.5 GiB (ffn_hidden), U = 0.5 GiB (untagged), C = 0.125
     # GiB (saved layer input); working set W = A + U (default) = 1 GiB; live carry C; prefetch depth 1, so
     # a host-placed class keeps a window of 2 layers (1 layer for in-flight gradients).
@@ -152,7 +152,7 @@ def test_design_stack_shrinking_budget_sequence():
                                          46.125, 45.125, 44.625, 43.625, 42.625, 41.625, 40.125, 39.125, 38.125,
                                          30.0, 24.0, 18.0, 13.125, 12.0]
     assert all(p.optimizer_mode == ("streamed" if p.policy.optimizer_state == "host" else "device") for p in plans)
-    # The order the module docstring claims.
+    # The order docs/planner.md claims ("Search").
     assert first_leave_order(plans) == ["activations", "params", "grads", "optimizer_state"]
     # Step times by hand for the first moves: offloading ffn_hidden (512 MiB / 54 GB/s = 9.9 ms < 12.5 ms
     # compute) exposes one copy per pass; its recompute costs its byte share (1/2) of a forward per layer.
@@ -167,7 +167,7 @@ def test_design_stack_shrinking_budget_sequence():
 def test_small_stack_shrinking_budget_sequence():
     plans = sweep(SMALL, 6)
     # Compute-bound: a layer's weights and Adam state cross the link in the backward (streamed optimizer mode)
-    # faster than the layer computes, so all three leave the device first (module docstring, order claimed).
+    # faster than the layer computes, so all three leave the device first (docs/planner.md, order claimed).
     assert [short(p.policy) for p in plans] == [
         ("device", "device", "device", ("device", "device"), False, 1),
         ("host", "host", "host", ("device", "device"), False, 1),
@@ -247,7 +247,7 @@ def test_plan_fits_budget_or_reports_exact_minimum(layers, budget, link, trainin
     assert p.step_s == pytest.approx(evaluate(p.policy, *args, link, optimizer_mode=p.optimizer_mode, **kw).step_s,
                                      rel=1e-12)
     assert p.min_budget_bytes == min_feasible_bytes(*args, training=training, target=target) <= p.device_bytes
-    pol = p.policy   # structural rules 1-2 of the docstring
+    pol = p.policy   # structural rules 1-2 of docs/planner.md ("Search")
     assert pol.optimizer_state == "device" or pol.grads == "host"
     assert pol.grads == "device" or pol.params == "host"
     if p.min_budget_bytes < budget:   # less memory is never faster

@@ -40,10 +40,9 @@ from ._stages import DEVICE_KIND, HOST_KIND, _aval_key, _probe, _split_diff
 from . import optim as _optim
 from .streaming import StreamingRuntime
 
-#: Fewest timed copies per direction of :func:`calibrate`'s link measurement (medians). With 3, one
-#: H100 process read 37-69 GB/s both ways where the other processes of the same run read 76-82
-#: (a stall of one copy moves a median of 3), and its predictions were 23-28 % slow
-#: (``benchmarks/results/budget_sweep/first_run/``).
+#: Fewest timed copies per direction of :func:`calibrate`'s link measurement (medians): enough that
+#: a stall of one copy does not move the median (docs/benchmark-history.md, "Planner and chooser
+#: against H100 runs").
 LINK_REPS = 7
 
 __all__ = ["Calibration", "calibrate", "calibration_from_figures", "measure_link", "peak_bytes_in_use", "runtime_signature", "reconfigure",
@@ -89,8 +88,8 @@ class Calibration:
 
         Training: ``costs`` (``working_bytes`` from the backward). A forward: each stage's
         ``working_bytes`` is its compiled forward's temporaries where measured: the backward's
-        figure is not what a forward holds (an H100 sweep measured forward peaks 1.07-1.47x the
-        prediction made from it, and 1.01-1.15x with the forward's; ``benchmarks/results/budget_sweep/README.md``).
+        figure is not what a forward holds (docs/benchmark-history.md, "Planner and chooser against
+        H100 runs").
 
         Raises: TypeError: ``training`` is not a bool.
         """
@@ -191,9 +190,8 @@ LINK_WARMUP_MAX = 20
 def _warm_up(move, nbytes: int) -> int:
     """Copies until the rate stops rising (a copy no more than 5 % above the best so far, after
     at least 2), at most :data:`LINK_WARMUP_MAX`; returns how many ran. The first copies of a
-    process can run far below the link: on an H100 the first calibration of a process read h2d
-    18-41 GB/s over its 7 samples, still rising, where the next one read 52-53 GB/s
-    (``benchmarks/results/budget_sweep/third_run/README.md``)."""
+    process can run far below the link (docs/benchmark-history.md, "Planner and chooser against
+    H100 runs")."""
     best = 0.0
     for n in range(1, LINK_WARMUP_MAX + 1):
         t = time.perf_counter()
@@ -374,8 +372,7 @@ def reconfigure(runtime: StreamingRuntime, choice: ScheduleChoice) -> StreamingR
     ``runtime`` is left as it was (its buffers stay until it is dropped): while both exist, host
     memory holds the weights (and optimizer state) twice. The optimizer state is copied straight
     into its new place (``StreamingRuntime(optimizer_state=...)``): no zero state is allocated
-    first, so a choice with the moments in device memory holds them there once (an H100 run that
-    built the zeros first peaked at 41.25 GiB for a 24-GiB configuration).
+    first, so a choice with the moments in device memory holds them there once.
 
     Raises: TypeError: ``runtime`` not a ``StreamingRuntime`` or ``choice`` not a
       ``ScheduleChoice``; ValueError: ``choice.resident`` has another number of stages; the runtime

@@ -40,7 +40,7 @@ def check_optimizer(optimizer) -> list | None:
 
 def state_dtype(opt: AdamW, param_dtype) -> np.dtype:
     """dtype of the moments of a parameter of ``param_dtype``."""
-    return np.dtype(param_dtype) if opt.state_dtype is None else jnp.dtype(opt.state_dtype)
+    return jnp.dtype(opt.state_dtype_for(np.dtype(param_dtype).name))
 
 
 def init_state(opt: AdamW, param_avals: list) -> list:

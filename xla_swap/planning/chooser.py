@@ -1,73 +1,31 @@
 """A ``StreamingRuntime`` configuration chosen from measured costs and a device-memory budget.
 
+:func:`choose_schedule` picks ``prefetch_depth``, the ``resident`` stages, ``offload_activations``
+and ``optimizer_state_on_host`` (a :class:`ScheduleChoice`) for one stack and one input
+signature: every candidate is mapped onto the planner's streaming policy over per-stage
+:class:`LayerCost` s rewritten for it and timed by :func:`xla_swap.planning.evaluate`; the
+fastest predicted candidate that fits wins. :func:`evaluate_choice` predicts one configuration;
+:class:`ChoiceCache` keeps choices in memory. The mapping, the search order and the tie-breaks
+are in docs/planner.md, "The chooser".
+
 Framework-neutral: pure Python, imports neither torch, torch_xla nor jax (the measurement that
 feeds it, :func:`xla_swap.executors.calibrate.calibrate`, lives on the executor side).
-
-What it chooses (a :class:`ScheduleChoice`), for one stack of stages and one input signature (the
-weight traffic each choice implies is ``xla_swap.planning.prefetch.PrefetchSchedule``'s):
-
-* ``prefetch_depth`` ``k`` (1..``max_prefetch_depth``);
-* ``resident``: which stages keep their weights (and optimizer state) in device memory for good
-  (``StreamingRuntime(resident=...)``: never transferred);
-* ``offload_activations``: whether each stage's kept input goes to ``pinned_host`` in the
-  forward and comes back ``k`` stages ahead in the backward (training only);
-* ``optimizer_state_on_host``: whether the optimizer state of the streamed stages lives in
-  ``pinned_host`` (streamed with the weights) or in device memory (only the weights stream).
-
-How it predicts (the planner's model, :func:`xla_swap.planning.evaluate`): every candidate is
-mapped onto the planner's streaming policy ``OffloadPolicy(params="host", grads="host",
-optimizer_state="host", remat=..., prefetch_depth=k)`` timed in the ``"streamed"`` optimizer
-mode (``StreamingRuntime``'s fused per-stage update; without an optimizer the same bytes with
-``optimizer_bytes=0``: the streamed weights' gradients go out) over per-stage
-:class:`LayerCost` s rewritten for the candidate:
-
-* a resident stage moves nothing: ``param_bytes = optimizer_bytes = 0`` (its gradient stays a
-  transient of its backward, so ``grad_bytes`` is kept: the in-flight gradient term);
-* optimizer state in device memory: ``optimizer_bytes = 0`` for every stage (only weights move);
-* activation offload: the stage input becomes a named activation ``"stage input"`` placed
-  ``"host"`` (``carry_bytes = 0``): out in the forward, in ``k`` ahead in the backward, a window
-  of ``k+1`` inputs in device memory.
-
-The predicted peak is the planner's ``device_bytes`` of the rewritten costs plus what the
-rewrite took out of its sight: the resident stages' weights and optimizer state, the device
-moments of streamed stages (``optimizer_state_on_host=False``) and, with offload, the live
-carry. The step time and floor are the planner's (steady state of the cyclic schedule).
-
-How it searches (:func:`choose_schedule`): for every ``k``, offload on/off and moments
-host/device, the residency sets tried are the prefixes of a stage order (``L + 1`` sets). In
-training: the last stage first (the stages the backward needs first, ``SwappedStack(budget_bytes=)``'s
-rule). In a forward: stages ranked by the bytes a call would not move if that stage were
-resident, per byte it holds (ties: the later stage first). Training once searched that byte
-ranking, and then the first-stage-first order too; both chose stages the runtime ran slower than
-the model predicts and slower than the last stages (H100, AdamW). 8 layers D=8192 F=32768: stage
-5 resident measured 0.830 s (predicted 0.730 s) where stage 7 measured 0.721 s in the same run;
-in another run stage 0 measured 0.721 s, which the model rated about level with stage 7, and
-stage 7 measured 0.673 s. 12 layers D=6144 F=24576: stages 7-9 measured 0.583 s where 9-11
-measured 0.543 s (``benchmarks/results/budget_sweep/second_run/README.md``, ``fifth_run/``). The likely cause, a resident stage inside the prefetch window, is in
-``benchmarks/results/budget_sweep/README.md``.
-The candidate with the lowest predicted
-step whose predicted peak fits the budget wins; ties (within ``1e-9`` relative) go to the simpler
-candidate: without offload (its cost beyond the copies, if any, is not modelled), moments on the
-host, the smaller ``k``, then the smaller peak. A budget no candidate fits
-raises :class:`xla_swap.planning.InfeasibleBudgetError` with the smallest predicted peak.
-
-Choices are cached in memory per ``(stage signatures, input signature, budget, training)``
-(:class:`ChoiceCache`, :data:`CHOICES`); :meth:`ScheduleChoice.observe` records measured step time
-and peak, and :meth:`ScheduleChoice.explain` prints them beside the prediction.
-
 Units: bytes, seconds, GB/s (1e9 bytes/s).
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import numbers
 import statistics
 from typing import Hashable, Mapping, Sequence
 
-from xla_swap.planning.planner import GiB, InfeasibleBudgetError, LayerCost, Link, Plan, _as_bytes, evaluate
-from xla_swap.planning.policy import OffloadPolicy, _check_bool
+from xla_swap.planning.cache import LRUCache
+from xla_swap.planning.costs import LayerCost, Link
+from xla_swap.planning.planner import evaluate
+from xla_swap.planning.policy import OffloadPolicy, check_bool, check_flags
+from xla_swap.planning.result import InfeasibleBudgetError, Plan
+from xla_swap.planning.units import REL_TIE, GiB, as_bytes, as_prefetch_depth
 
 __all__ = ["ScheduleChoice", "evaluate_choice", "choose_schedule", "ChoiceCache", "CHOICES",
            "STAGE_INPUT", "DEFAULT_MAX_PREFETCH_DEPTH"]
@@ -76,7 +34,6 @@ __all__ = ["ScheduleChoice", "evaluate_choice", "choose_schedule", "ChoiceCache"
 STAGE_INPUT = "stage input"
 #: Largest prefetch depth the chooser tries by default.
 DEFAULT_MAX_PREFETCH_DEPTH = 4
-_REL_TIE = 1e-9
 
 
 @dataclasses.dataclass
@@ -93,7 +50,7 @@ class ScheduleChoice:
       device_bytes: predicted peak device bytes.
       step_s: predicted time of a call in a loop (the cyclic schedule's steady state), seconds.
       floor_s: the planner's floor of that call: ``max(compute, bytes / bandwidth)``, seconds.
-      plan: the planner's :class:`Plan` of the rewritten costs (module docstring).
+      plan: the planner's :class:`Plan` of the rewritten costs (docs/planner.md, "The chooser").
       extra_device_bytes: ``{component: bytes}`` added to ``plan.device_bytes`` (resident stages,
         device moments, live carry).
       budget_bytes: the budget it was chosen for (``None`` from :func:`evaluate_choice`).
@@ -152,7 +109,7 @@ class ScheduleChoice:
             if not (math.isfinite(step_s) and step_s > 0):
                 raise ValueError(f"step_s must be finite and > 0 seconds, got {step_s!r}")
         if peak_bytes is not None:
-            peak_bytes = _as_bytes("ScheduleChoice.observe", "peak_bytes", peak_bytes)
+            peak_bytes = as_bytes("ScheduleChoice.observe", "peak_bytes", peak_bytes)
         if step_s is not None:
             self._step_samples.append(float(step_s))
             self.measured_step_s = statistics.median(self._step_samples)
@@ -209,21 +166,6 @@ def _check_costs(costs) -> list:
     return list(costs)
 
 
-def _check_resident(resident, n: int) -> tuple:
-    if resident is None:
-        return (False,) * n
-    if isinstance(resident, (str, bytes)) or not isinstance(resident, Sequence) or len(resident) != n \
-            or not all(isinstance(r, bool) for r in resident):
-        raise ValueError(f"resident must be a sequence of {n} bools (one per stage), got {resident!r}")
-    return tuple(resident)
-
-
-def _check_depth(name: str, k) -> int:
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= 16:
-        raise ValueError(f"{name} must be an int in 1..16, got {k!r}")
-    return int(k)
-
-
 def _rewrite(costs: list, resident: tuple, offload: bool, moments_on_host: bool) -> tuple[list, dict]:
     """The per-stage costs the planner sees for a candidate, and the device bytes taken out of its sight."""
     out, extra = [], {}
@@ -272,11 +214,11 @@ def evaluate_choice(costs: Sequence[LayerCost], link: Link, *, prefetch_depth: i
     costs = _check_costs(costs)
     if not isinstance(link, Link):
         raise TypeError(f"link must be a Link, got {type(link).__name__}")
-    k = _check_depth("prefetch_depth", prefetch_depth)
-    resident = _check_resident(resident, len(costs))
+    k = as_prefetch_depth("prefetch_depth", prefetch_depth)
+    resident = check_flags("resident", resident, len(costs))
     for name, v in (("offload_activations", offload_activations), ("optimizer_state_on_host",
                     optimizer_state_on_host), ("training", training), ("remat", remat)):
-        _check_bool(name, v)
+        check_bool(name, v)
     return _evaluate(costs, link, k, resident, bool(offload_activations and training), bool(optimizer_state_on_host),
                      bool(training), bool(remat))
 
@@ -305,7 +247,7 @@ def _ranking(costs: list) -> list[int]:
 
 def _order(costs: list, training: bool) -> list[int]:
     """The stage order whose prefixes are tried as residency sets: in training the last stage
-    first (the stages the backward needs first); in a forward :func:`_ranking` (module docstring)."""
+    first (the stages the backward needs first); in a forward :func:`_ranking` (docs/planner.md, "The chooser")."""
     return list(reversed(range(len(costs)))) if training else _ranking(costs)
 
 
@@ -324,10 +266,7 @@ def choose_schedule(costs: Sequence[LayerCost], link: Link, budget_bytes: int, *
     """The fastest predicted ``StreamingRuntime`` configuration whose predicted peak fits ``budget_bytes``.
 
     Prefetch depth 1 is a last resort: it is chosen only when no configuration with ``k >= 2``
-    fits. On an H100 the runtime ran k = 1 1.29x-1.80x slower than this model predicts (AdamW with
-    streamed moments), while its k >= 2 rows were within 0-6 % at the default shape, so a k = 1
-    pick that the model ranks first lost 13-18 % to a k = 2 row of the same budget
-    (``benchmarks/results/budget_sweep/first_run/README.md``; every later run: 1.31-1.54x).
+    fits (docs/planner.md, "The chooser").
 
     Args:
       costs, link, training, remat: as for :func:`evaluate_choice`.
@@ -350,10 +289,10 @@ def choose_schedule(costs: Sequence[LayerCost], link: Link, budget_bytes: int, *
         raise TypeError(f"link must be a Link, got {type(link).__name__}")
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Integral) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be a positive int (bytes), got {budget_bytes!r}")
-    kmax = _check_depth("max_prefetch_depth", max_prefetch_depth)
+    kmax = as_prefetch_depth("max_prefetch_depth", max_prefetch_depth)
     for name, v in (("training", training), ("remat", remat), ("allow_offload", allow_offload),
                     ("allow_device_optimizer_state", allow_device_optimizer_state)):
-        _check_bool(name, v)
+        check_bool(name, v)
     training, remat = bool(training), bool(remat)
     L = len(costs)
     has_state = training and any(c.optimizer_bytes for c in costs)
@@ -381,28 +320,23 @@ def choose_schedule(costs: Sequence[LayerCost], link: Link, budget_bytes: int, *
 
 
 def _better(a: ScheduleChoice, b: ScheduleChoice) -> bool:
-    if a.step_s < b.step_s * (1 - _REL_TIE):
+    if a.step_s < b.step_s * (1 - REL_TIE):
         return True
-    if a.step_s > b.step_s * (1 + _REL_TIE):
+    if a.step_s > b.step_s * (1 + REL_TIE):
         return False
     ka = (a.offload_activations, not a.optimizer_state_on_host, a.prefetch_depth, a.device_bytes)
     kb = (b.offload_activations, not b.optimizer_state_on_host, b.prefetch_depth, b.device_bytes)
     return ka < kb
 
 
-class ChoiceCache:
+class ChoiceCache(LRUCache):
     """Chosen schedules kept in memory, keyed by ``(stage signatures, input signature, budget bytes,
     training)`` (any hashables the caller derives; ``xla_swap.executors.calibrate`` uses the
-    stages' parameter and input shapes and dtypes), least recently used dropped beyond ``maxsize``.
+    stages' parameter and input shapes and dtypes), least recently used dropped beyond ``maxsize``
+    (:class:`~xla_swap.planning.cache.LRUCache`).
 
     Raises: ValueError: ``maxsize`` not an int >= 1.
     """
-
-    def __init__(self, maxsize: int = 64):
-        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1:
-            raise ValueError(f"maxsize must be an int >= 1, got {maxsize!r}")
-        self.maxsize = maxsize
-        self._d: collections.OrderedDict = collections.OrderedDict()
 
     @staticmethod
     def key(stage_signatures: Hashable, input_signature: Hashable, budget_bytes: int, training: bool) -> tuple:
@@ -413,26 +347,13 @@ class ChoiceCache:
 
     def get(self, key) -> ScheduleChoice | None:
         """The schedule cached under ``key`` (marked most recently used), or ``None``."""
-        s = self._d.get(key)
-        if s is not None:
-            self._d.move_to_end(key)
-        return s
+        return super().get(key)
 
     def put(self, key, schedule: ScheduleChoice) -> None:
         """Cache ``schedule`` under ``key``. Raises TypeError: not a :class:`ScheduleChoice`."""
         if not isinstance(schedule, ScheduleChoice):
             raise TypeError(f"schedule must be a ScheduleChoice, got {type(schedule).__name__}")
-        self._d[key] = schedule
-        self._d.move_to_end(key)
-        while len(self._d) > self.maxsize:
-            self._d.popitem(last=False)
-
-    def clear(self) -> None:
-        """Forget every cached schedule."""
-        self._d.clear()
-
-    def __len__(self) -> int:
-        return len(self._d)
+        super().put(key, schedule)
 
 
 #: The process-wide cache used by ``xla_swap.executors.calibrate.autotune`` and ``SwappedStack.autotune``.

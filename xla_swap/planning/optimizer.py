@@ -11,10 +11,13 @@ import dataclasses
 import math
 from numbers import Real
 
-__all__ = ["AdamW", "HYPER_WIDTH"]
+__all__ = ["AdamW", "HYPER_WIDTH", "STATE_DTYPE_ITEMSIZE"]
 
 #: Columns of one parameter group's row of step scalars (``AdamW.hyper``).
 HYPER_WIDTH = 8
+
+#: The dtypes ``AdamW.state_dtype`` may name, with their bytes per element.
+STATE_DTYPE_ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,12 +41,13 @@ class AdamW:
       betas: ``(beta1, beta2)``, each in [0, 1).
       eps: added to the denominator (> 0).
       weight_decay: decoupled weight decay (>= 0).
-      state_dtype: dtype name of the moments, e.g. ``"float32"``; ``None`` (default) keeps
-        each parameter's own dtype, as torch does (bf16 parameters get bf16 moments).
+      state_dtype: dtype name of the moments, one of :data:`STATE_DTYPE_ITEMSIZE`'s; ``None``
+        (default) keeps each parameter's own dtype, as torch does (bf16 parameters get bf16 moments).
 
     Raises:
       TypeError: a hyperparameter is not a real number, or ``state_dtype`` not a string/None.
-      ValueError: a hyperparameter is out of its range (the message names it).
+      ValueError: a hyperparameter is out of its range, or ``state_dtype`` names another dtype
+        (the message names it).
     """
 
     lr: float = 1e-3
@@ -72,9 +76,17 @@ class AdamW:
         object.__setattr__(self, "betas", tuple(betas))
         if self.state_dtype is not None and not isinstance(self.state_dtype, str):
             raise TypeError(f"AdamW state_dtype must be a dtype name (str) or None, got {type(self.state_dtype).__name__}")
+        if self.state_dtype is not None and self.state_dtype not in STATE_DTYPE_ITEMSIZE:
+            raise ValueError(f"AdamW state_dtype must be None or one of {', '.join(map(repr, STATE_DTYPE_ITEMSIZE))}, "
+                             f"got {self.state_dtype!r}")
 
     #: Number of state tensors per parameter (the two moments).
     num_moments = 2
+
+    def state_dtype_for(self, param_dtype: str) -> str:
+        """The dtype name of the moments of a parameter of dtype name ``param_dtype`` (e.g. ``"bfloat16"``):
+        ``state_dtype``, or the parameter's own dtype when it is ``None`` (as torch does)."""
+        return param_dtype if self.state_dtype is None else self.state_dtype
 
     def state_bytes(self, param_bytes: int, param_itemsize: int) -> int:
         """Bytes of optimizer state for ``param_bytes`` bytes of parameters of ``param_itemsize`` bytes each.
@@ -82,7 +94,7 @@ class AdamW:
         Returns: int, bytes: ``2 * (param_bytes / param_itemsize) * state itemsize``.
         """
         n = param_bytes // param_itemsize
-        item = param_itemsize if self.state_dtype is None else _ITEMSIZE.get(self.state_dtype, 4)
+        item = param_itemsize if self.state_dtype is None else STATE_DTYPE_ITEMSIZE[self.state_dtype]
         return int(self.num_moments * n * item)
 
     def hyper(self, step: int, lr: float | None = None) -> tuple[float, ...]:
@@ -183,5 +195,3 @@ def _finite(name: str, v) -> float:
         raise ValueError(f"{name} must be finite, got {v!r}")
     return f
 
-
-_ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}

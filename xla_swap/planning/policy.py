@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Mapping
+from typing import Mapping, Sequence
 
 #: The device memory kind, as JAX / PJRT name it.
 DEVICE = "device"
@@ -63,9 +63,24 @@ def as_int(name: str, value, minimum: int) -> int:
     return int(value)
 
 
-def _check_bool(name: str, value) -> None:
+def check_bool(name: str, value) -> None:
+    """Accept a ``bool`` (or a numpy ``bool_``); raises TypeError naming ``name`` otherwise."""
     if not isinstance(value, bool) and not (type(value).__name__ == "bool_" and type(value).__module__ == "numpy"):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def check_flags(name: str, value, n: int) -> tuple[bool, ...]:
+    """``value`` as a tuple of ``n`` bools (one per stage; numpy ``bool_`` accepted); ``None`` means all ``False``.
+
+    Raises: ValueError: not a sequence of ``n`` bools (the message names ``name``).
+    """
+    if value is None:
+        return (False,) * n
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != n \
+            or not all(isinstance(v, bool) or (type(v).__name__ == "bool_" and type(v).__module__ == "numpy")
+                       for v in value):
+        raise ValueError(f"{name} must be a sequence of {n} bools (one per stage), got {value!r}")
+    return tuple(bool(v) for v in value)
 
 
 def _check_choice(name: str, value, allowed) -> None:
@@ -120,7 +135,7 @@ class OffloadPolicy:
         _check_choice("optimizer_state", self.optimizer_state, PLACEMENTS)
         if not isinstance(self.activations, Mapping):
             raise TypeError(f"activations must be a mapping name -> placement, got {type(self.activations).__name__}")
-        _check_bool("remat", self.remat)
+        check_bool("remat", self.remat)
         for name, where in self.activations.items():
             if not isinstance(name, str) or not name:
                 raise ValueError(f"activations: names must be non-empty strings, got {name!r}")

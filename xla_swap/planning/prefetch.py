@@ -32,7 +32,7 @@ import dataclasses
 import functools
 from typing import Sequence
 
-from xla_swap.planning.policy import _check_bool, as_int
+from xla_swap.planning.policy import as_int, check_bool, check_flags
 
 __all__ = ["PASSES", "ScheduleStep", "PrefetchSchedule"]
 
@@ -106,14 +106,8 @@ class PrefetchSchedule:
         n = as_int("num_stages", self.num_stages, 1)
         k = as_int("prefetch_depth", self.prefetch_depth, 1)
         for name in ("training", "prefetch_next_call", "steady_state"):
-            _check_bool(name, getattr(self, name))
-        res = self.resident
-        if res is None:
-            res = (False,) * n
-        if isinstance(res, (str, bytes)) or not isinstance(res, Sequence) or len(res) != n \
-                or not all(isinstance(r, bool) or type(r).__name__ == "bool_" for r in res):
-            raise ValueError(f"resident must be a sequence of {n} bools (one per stage), got {res!r}")
-        res = tuple(bool(r) for r in res)
+            check_bool(name, getattr(self, name))
+        res = check_flags("resident", self.resident, n)
         flags = tuple(bool(getattr(self, f)) for f in ("training", "prefetch_next_call", "steady_state"))
         built = _build(n, k, flags[0], res, flags[1], flags[2])
         for name, value in (("num_stages", n), ("prefetch_depth", k), ("resident", res),
