@@ -110,7 +110,11 @@ def _torchax_env(*tensors):
     mod = sys.modules.get("torchax.tensor")
     if mod is None:
         return None
-    return next((t._env for t in tensors if isinstance(t, mod.Tensor)), None)
+    t = next((t for t in tensors if isinstance(t, mod.Tensor)), None)
+    if t is None:
+        return None
+    env = getattr(t, "_env", None)   # the environment the tensor was made in (the stack's own)
+    return env if env is not None else sys.modules["torchax"].default_env()
 
 
 def _to_jax(env, t: torch.Tensor):
