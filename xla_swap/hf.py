@@ -424,8 +424,9 @@ def _refuse_unsupported(model, name: str, prefix: str, layers_attr: str, layers)
 
     Mixture-of-experts blocks run when their experts are a ``transformers`` experts module
     (``@use_experts_implementation``, run as :func:`xla_swap.moe.dense_experts_forward` or
-    :func:`xla_swap.moe.sorted_experts_forward` in the stages) and the model asks for nothing the stages leave out: the auxiliary load-balancing
-    loss (``output_router_logits``: the stages return logits, the loss is the caller's) and
+    :func:`xla_swap.moe.sorted_experts_forward` in the stages) and the model asks for nothing the
+    stages leave out: the auxiliary load-balancing loss (``output_router_logits``: the stages
+    return logits, the loss is the caller's) and
     router jitter noise (random: cannot equal torch's).
     """
     from xla_swap.moe import experts_modules
