@@ -36,3 +36,19 @@ def test_moe_gpu_smoke(tmp_path, monkeypatch):
     assert "error" not in row and row["layers"] == big and row["weight_bytes"] > rows["torch_device"]["weight_bytes"]
     assert math.isfinite(row["first_loss"]) and row["first_loss"] > 0
     sys.modules.pop("moe_gpu", None)
+
+
+def test_moe_ragged_dot_smoke(tmp_path, monkeypatch):
+    """``benchmarks/moe_ragged_dot.py --smoke``: every kernel runs, and the blocked candidate equals
+    ``ragged_dot_general`` on the same sorted rows."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import moe_ragged_dot
+    out = tmp_path / "moe_ragged_dot.json"
+    assert moe_ragged_dot.main(["--smoke", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"dense", "ragged", "blocked8", "blocked16"}
+    for name, row in rows.items():
+        assert "error" not in row, (name, row.get("error"))
+        assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0
+    assert rows["blocked8"]["max_abs_diff_to_ragged"] <= 1e-6
+    assert rows["blocked16"]["max_abs_diff_to_ragged"] <= 1e-6
