@@ -250,30 +250,33 @@ def main(argv=None) -> int:
 
     # 1. torch on the device, before jax starts
     L = args.compare_layers
-    t0 = time.perf_counter()
-    model = build(config(L), dtype, values, "cuda" if cuda else "cpu")
-    build_s = time.perf_counter() - t0
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
-    dev = next(model.parameters()).device
-    xc, yc = x.to(dev), y.to(dev)
-    losses = []
+    rows["torch_device"] = {"layers": L, "model_flops": flops(L), "weight_bytes": weight_bytes(L)}
+    try:
+        t0 = time.perf_counter()
+        model = build(config(L), dtype, values, "cuda" if cuda else "cpu")
+        rows["torch_device"]["build_s"] = time.perf_counter() - t0
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+        dev = next(model.parameters()).device
+        xc, yc = x.to(dev), y.to(dev)
+        losses = []
 
-    def torch_step():
-        loss = ce(model(xc).logits, yc)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    t = median_time(torch_step, args.steps, torch.cuda.synchronize if cuda else (lambda: None))
-    rows["torch_device"] = {"layers": L, "step_s": t, "tflops": flops(L) / t / 1e12, "first_loss": losses[0],
-                            "model_flops": flops(L), "weight_bytes": weight_bytes(L), "build_s": build_s}
-    if cuda:
-        rows["torch_device"]["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        def torch_step():
+            loss = ce(model(xc).logits, yc)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t = median_time(torch_step, args.steps, torch.cuda.synchronize if cuda else (lambda: None))
+        rows["torch_device"].update(step_s=t, tflops=flops(L) / t / 1e12, first_loss=losses[0])
+        if cuda:
+            rows["torch_device"]["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    except Exception as e:   # e.g. out of device memory: recorded, the stack rows still run
+        rows["torch_device"]["error"] = f"{type(e).__name__}: {e}"[:2000]
     print("torch_device", json.dumps(rows["torch_device"]), flush=True)
-    del model, opt, xc, yc, torch_step
+    model = opt = xc = yc = torch_step = None
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -308,7 +311,7 @@ def main(argv=None) -> int:
                 if link is not None:
                     row[f"link_floor{name}_s"] = floor_s(row["weight_bytes"], link)
                     row[f"ratio_to_link_floor{name}"] = t / row[f"link_floor{name}_s"]
-            if rows["torch_device"]["layers"] == layers:
+            if rows["torch_device"]["layers"] == layers and "step_s" in rows["torch_device"]:
                 row["ratio_to_torch"] = t / rows["torch_device"]["step_s"]
         except Exception as e:   # a form that does not compile or run here: recorded, the run goes on
             row["error"] = f"{type(e).__name__}: {e}"[:2000]
