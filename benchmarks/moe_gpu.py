@@ -28,9 +28,12 @@ Medians of ``--steps`` after a warm-up (seconds). The link floor of a stack step
 trainable weight bytes: host to device 4 W (the weights in for the forward and again for the
 backward, the two AdamW moments in for the update fused into the backward), device to host 3 W
 (the new weights and the two new moments; the gradients stay on the device), the two
-directions at once 7 W; floor = max(4 W / h2d, 3 W / d2h, 7 W / both) at the pinned-host
-bandwidths measured in this run on the stack's own host buffers (``link_bandwidth``), and also at
-the reference 54 / 54 / 93 GB/s of ``docs/measured.md``. Model TFLOP/s use the routed FLOPs:
+directions at once 7 W. ``link_floor_s`` = max(4 W / h2d, 3 W / d2h) at the pinned-host
+bandwidths measured in this run on a layer's own host buffers (``link_bandwidth``; the terms in
+``link_floor_terms``; the duplex rate measured here, two ``device_put`` calls issued together, came
+out below what the stack's own overlapped step reaches on an H100, so its 7 W / both term is
+recorded but not part of that floor); ``link_floor_reference_s`` = max(4 W / 54, 3 W / 54,
+7 W / 93 GB/s), the reference rates of ``docs/measured.md``. Model TFLOP/s use the routed FLOPs:
 6 x (parameters active per token: attention, router, ``top_k`` experts, norms, the head) x tokens
 + causal attention's 6 x B x S^2 x (heads x head_dim) per layer (forward and backward).
 
@@ -167,9 +170,17 @@ def measure_link(host_tree, reps: int = 3) -> dict:
     return {"h2d": max(h2d), "d2h": max(d2h), "both": max(both), "bytes": nbytes}
 
 
-def floor_s(w: int, link: dict) -> float:
-    """The stack step's link floor (seconds) for ``w`` trainable weight bytes (see the module docstring)."""
-    return max(4 * w / link["h2d"], 3 * w / link["d2h"], 7 * w / link["both"])
+def floor_terms(w: int, link: dict) -> dict:
+    """The terms (seconds) of the stack step's link floor for ``w`` trainable weight bytes: ``h2d_s`` =
+    4 w / h2d, ``d2h_s`` = 3 w / d2h, ``duplex_s`` = 7 w / both (see the module docstring)."""
+    return {"h2d_s": 4 * w / link["h2d"], "d2h_s": 3 * w / link["d2h"], "duplex_s": 7 * w / link["both"]}
+
+
+def floor_s(w: int, link: dict, duplex: bool = True) -> float:
+    """The stack step's link floor (seconds): the largest of :func:`floor_terms` (without the duplex
+    term when ``duplex`` is false)."""
+    t = floor_terms(w, link)
+    return max(t["h2d_s"], t["d2h_s"], *((t["duplex_s"],) if duplex else ()))
 
 
 def main(argv=None) -> int:
@@ -307,10 +318,13 @@ def main(argv=None) -> int:
                     res["link_bandwidth"] = measure_link(stack.runtime.host_params[1])
                 except Exception as e:   # the floor then uses the reference bandwidths only
                     res["link_bandwidth_error"] = f"{type(e).__name__}: {e}"[:500]
-            for name, link in (("", res.get("link_bandwidth")), ("_reference", REFERENCE_LINK)):
-                if link is not None:
-                    row[f"link_floor{name}_s"] = floor_s(row["weight_bytes"], link)
-                    row[f"ratio_to_link_floor{name}"] = t / row[f"link_floor{name}_s"]
+            link = res.get("link_bandwidth")
+            if link is not None:   # measured: each direction's term (the measured duplex rate is recorded, not used)
+                row["link_floor_terms"] = floor_terms(row["weight_bytes"], link)
+                row["link_floor_s"] = floor_s(row["weight_bytes"], link, duplex=False)
+                row["ratio_to_link_floor"] = t / row["link_floor_s"]
+            row["link_floor_reference_s"] = floor_s(row["weight_bytes"], REFERENCE_LINK)
+            row["ratio_to_link_floor_reference"] = t / row["link_floor_reference_s"]
             if rows["torch_device"]["layers"] == layers and "step_s" in rows["torch_device"]:
                 row["ratio_to_torch"] = t / rows["torch_device"]["step_s"]
         except Exception as e:   # a form that does not compile or run here: recorded, the run goes on

@@ -36,8 +36,8 @@ registered in ``transformers``' ``ExpertsInterface``; the user picks one by name
   weights and the hidden states) and the torch ops around it (to the routing weights).
 
 Which form is faster on the GPU is measured by ``benchmarks/moe_gpu.py``
-(``benchmarks/results/moe_gpu/``); the default stays ``"dense"`` until that measurement says
-otherwise. [Placeholder: the lead fills in the H100 figures of both forms here after the run.]
+(``benchmarks/results/moe_gpu/README.md``): on an H100 at 4096 tokens, a 2-layer Mixtral-shaped
+AdamW step through the stack took 0.558 s dense and 0.641 s sorted, so ``"dense"`` is the default.
 
 The routing itself (softmax, top-k, normalisation, shared experts) stays the model's own code.
 The expert weights are parameters of their decoder layer, so they stream with it.
