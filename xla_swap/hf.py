@@ -18,7 +18,9 @@ The ends of the model run the model's own forward methods, with the decoder laye
   ``final_logit_softcapping``, Granite's ``logits_scaling``, ...) are the model's.
 
 Mixture-of-experts layers run their own routing; their experts (``transformers``'
-``@use_experts_implementation`` modules) run :func:`xla_swap.moe.dense_experts_forward` while traced.
+``@use_experts_implementation`` modules) run, while traced, the form the caller names:
+:func:`xla_swap.moe.dense_experts_forward` (``experts="dense"``, the default) or
+:func:`xla_swap.moe.sorted_experts_forward` (``experts="sorted"``).
 
 At construction a probe (a few tokens, eager torch on the CPU, the layers replaced by the
 identity) checks that ``last(first(ids))`` equals the model's own logits with the same
@@ -34,7 +36,7 @@ from typing import Any
 
 import torch
 
-from xla_swap.moe import dense_experts_while_traced
+from xla_swap.moe import FORMS, experts_while_traced
 
 __all__ = ["causal_lm_stages", "decoder_layers", "CausalLMFirst", "CausalLMLast"]
 
@@ -317,7 +319,8 @@ def _find(obj, names, pred):
     return None
 
 
-def causal_lm_stages(model: torch.nn.Module, layers_attr: str | None = None, norm_attr: str | None = None):
+def causal_lm_stages(model: torch.nn.Module, layers_attr: str | None = None, norm_attr: str | None = None,
+                     experts: str = "dense"):
     """Split a Hugging Face causal LM into ``(first, layers, last)`` for ``SwappedStack``, from the model's own code.
 
     ``first`` (:class:`CausalLMFirst`) runs the base model's forward up to the first decoder
@@ -336,12 +339,20 @@ def causal_lm_stages(model: torch.nn.Module, layers_attr: str | None = None, nor
       layers_attr: the name of that ``ModuleList`` in the base model, when not a common one.
       norm_attr: the name of the base model's final norm (``norm``, ``ln_f``,
         ``final_layernorm``, ...: found by name, checked by the probe), or ``""`` for none.
+      experts: how a mixture-of-experts layer's experts run in the stages (ignored for a model
+        without experts): ``"dense"`` (default; every expert on every token: ``E / k`` times the
+        routed expert FLOPs and ``[E, N, 2 I]`` + ``[E, N, D]`` activations per layer, plain
+        einsums) or ``"sorted"`` (the ``N k`` routed (token, expert) pairs sorted by expert, one
+        ``jax.lax.ragged_dot_general`` per projection: the routed FLOPs only, ``[N k, 2 I]`` +
+        ``[N k, D]`` activations, plus a gather and an un-sort of ``N k D`` elements). Both equal
+        ``transformers``' eager experts; see :mod:`xla_swap.moe`.
 
     Returns: ``(first, layers, last)``: two ``nn.Module`` and a list of ``nn.Module``.
 
     Raises:
       TypeError: ``model`` is not a Hugging Face causal LM with a base model and an output
         embedding; no decoder layer list is found.
+      ValueError: ``experts`` is not ``"dense"`` or ``"sorted"`` (raised first, nothing changed).
       ValueError: the model uses something the stages cannot express (the message names the
         module and the feature): a transformation of the hidden state between layers, keyword
         arguments of other kinds than tensors and constants, parameters of the causal LM
@@ -352,11 +363,12 @@ def causal_lm_stages(model: torch.nn.Module, layers_attr: str | None = None, nor
         probe needs values: build such a model's stack with :func:`xla_swap.load_stack`, which
         loads the ends for the probe).
 
-    Mixture-of-experts layers keep their routing; their experts run as
-    :func:`xla_swap.moe.dense_experts_forward` while the stages are traced (forward hooks on
-    those layers, :func:`xla_swap.moe.dense_experts_while_traced`; eager calls of the model are
-    unchanged).
+    Mixture-of-experts layers keep their routing; their experts run in the form ``experts``
+    while the stages are traced (forward hooks on those layers,
+    :func:`xla_swap.moe.experts_while_traced`; eager calls of the model are unchanged).
     """
+    if experts not in FORMS:
+        raise ValueError(f"experts must be one of {sorted(FORMS)}, got {experts!r}")
     name = type(model).__name__
     base, prefix, layers_attr, norm_attr = _locate(model, layers_attr, norm_attr)
     layers = list(getattr(base, layers_attr))
@@ -374,7 +386,7 @@ def causal_lm_stages(model: torch.nn.Module, layers_attr: str | None = None, nor
                 raise ValueError(f"{name}: {stage}.{n} is on the meta device: the probe runs the model's ends on "
                                  "values; load the model with xla_swap.load_stack(model, checkpoint)")
     _probe(model, base, layers_attr, first, last)
-    dense_experts_while_traced(model, layers)   # the checks passed: hooks for the stages' tracing
+    experts_while_traced(model, layers, experts)   # the checks passed: hooks for the stages' tracing
     return first, layers, last
 
 
@@ -411,9 +423,10 @@ def _refuse_unsupported(model, name: str, prefix: str, layers_attr: str, layers)
     """Raise ValueError naming the first module of ``layers`` with a feature the stages cannot run.
 
     Mixture-of-experts blocks run when their experts are a ``transformers`` experts module
-    (``@use_experts_implementation``, run as :func:`xla_swap.moe.dense_experts_forward` in the
-    stages) and the model asks for nothing the stages leave out: the auxiliary load-balancing
-    loss (``output_router_logits``: the stages return logits, the loss is the caller's) and
+    (``@use_experts_implementation``, run as :func:`xla_swap.moe.dense_experts_forward` or
+    :func:`xla_swap.moe.sorted_experts_forward` in the stages) and the model asks for nothing the
+    stages leave out: the auxiliary load-balancing loss (``output_router_logits``: the stages
+    return logits, the loss is the caller's) and
     router jitter noise (random: cannot equal torch's).
     """
     from xla_swap.moe import experts_modules

@@ -186,7 +186,8 @@ class SafetensorsWeights:
 
 
 def load_stack(model: torch.nn.Module, checkpoint, *, dtype: torch.dtype | None = None,
-               layers_attr: str | None = None, norm_attr: str | None = None, **stack_kwargs):
+               layers_attr: str | None = None, norm_attr: str | None = None, experts: str = "dense",
+               **stack_kwargs):
     """A ``SwappedStack`` of a Hugging Face causal LM whose weights come from a safetensors checkpoint.
 
     The model may be on the meta device (``with torch.device("meta"): model = Cls(config)``,
@@ -218,7 +219,8 @@ def load_stack(model: torch.nn.Module, checkpoint, *, dtype: torch.dtype | None 
         ``model.safetensors``, or shards and ``model.safetensors.index.json``).
       dtype: ``None`` (the checkpoint's dtypes) or a floating ``torch.dtype`` every floating
         tensor is held in (e.g. ``torch.bfloat16``), buffers included, as ``model.to(dtype)`` casts.
-      layers_attr, norm_attr: as for ``causal_lm_stages``.
+      layers_attr, norm_attr, experts: as for ``causal_lm_stages`` (``experts``: ``"dense"`` or
+        ``"sorted"``, the form a mixture-of-experts model's experts run in).
       **stack_kwargs: ``SwappedStack``'s keyword arguments (``optimizer``, ``policy``,
         ``budget_bytes``, ...), except ``first``, ``last`` and ``weights``.
 
@@ -227,7 +229,8 @@ def load_stack(model: torch.nn.Module, checkpoint, *, dtype: torch.dtype | None 
 
     Raises: TypeError: ``model`` not an ``nn.Module`` or not a causal LM; ``checkpoint`` / ``dtype``
       of the wrong type; ``first`` / ``last`` / ``weights`` in ``stack_kwargs``.
-      FileNotFoundError: no checkpoint there. ValueError: the checkpoint does not match the
+      FileNotFoundError: no checkpoint there. ValueError: ``experts`` not ``"dense"`` / ``"sorted"``
+      (before anything is read); the checkpoint does not match the
       model (names the keys and shapes); a meta non-persistent buffer the model cannot compute
       (no ``initialize_weights``, or some parameters real); ``causal_lm_stages``' and
       ``SwappedStack``'s errors.
@@ -239,6 +242,9 @@ def load_stack(model: torch.nn.Module, checkpoint, *, dtype: torch.dtype | None 
     bad = sorted(set(stack_kwargs) & {"first", "last", "weights", "layers"})
     if bad:
         raise TypeError(f"load_stack builds {bad} itself from the model and checkpoint; do not pass them")
+    from xla_swap.moe import FORMS
+    if experts not in FORMS:
+        raise ValueError(f"experts must be one of {sorted(FORMS)}, got {experts!r}")
     src = SafetensorsWeights(model, checkpoint, dtype=dtype)
     layers = decoder_layers(model, layers_attr)
     if dtype is not None and all(p.is_meta for p in model.parameters()):
@@ -266,7 +272,7 @@ def load_stack(model: torch.nn.Module, checkpoint, *, dtype: torch.dtype | None 
                 if isinstance(ends[n], torch.nn.Parameter) else t
             torch.utils.swap_tensors(ends[n], real)
             swapped.append((ends[n], real))
-        first, layer_list, last = causal_lm_stages(model, layers_attr, norm_attr)
+        first, layer_list, last = causal_lm_stages(model, layers_attr, norm_attr, experts=experts)
     finally:
         for t, real in reversed(swapped):
             torch.utils.swap_tensors(t, real)

@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers of Hugging Face models inside the stages: dense dispatch, traced.
+"""Mixture-of-experts layers of Hugging Face models inside the stages: dense dispatch or sorted segments, traced.
 
 ``transformers`` 5 computes the experts of its MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE,
 OLMoE, ...) in a module decorated with ``@use_experts_implementation``, whose forward
@@ -10,23 +10,45 @@ data-dependent shapes (``nonzero``, ``torch.where``); ``"grouped_mm"`` (the defa
 copy of an expert's weights per (token, expert) pair (``[N k, 2 I, D]``: terabytes at
 Mixtral's sizes).
 
-:func:`dense_experts_forward` is a traceable implementation equal to the eager one: every
-expert computes every token, and the outputs are summed with the routing weights scattered to
-``[N, E]`` (zero for an expert the token is not routed to; an unrouted expert's output is
-selected away, not multiplied by zero, so it adds exactly nothing and gets no gradient). The
-routing itself (softmax, top-k, normalisation, shared experts) stays the model's own code. It
-costs ``E / k`` times the expert FLOPs of the routed computation and an ``[E, N, max(2 I, D)]``
-activation per layer; a sorted-segment form (``torch._grouped_mm`` lowered to
-``jax.lax.ragged_dot``) is the follow-up for the GPU. The expert weights are parameters of
-their decoder layer, so they stream with it.
+Two traceable implementations, both equal to the eager one (values and gradients), are
+registered in ``transformers``' ``ExpertsInterface``; the user picks one by name
+(``causal_lm_stages(model, experts="dense" | "sorted")``, :data:`FORMS`):
 
-:func:`dense_experts_while_traced` installs it on a causal LM's decoder layers for the time
-the stages are traced only: a forward pre-hook on each layer that holds experts switches the
-model to :func:`dense_experts_forward` (``set_experts_implementation``) when the layer is
-called with torchax tensors, and a forward hook switches it back. Eager torch calls of the
-model keep its own implementation.
+* ``"dense"``, :func:`dense_experts_forward`: every expert computes every token, and the outputs
+  are summed with the routing weights scattered to ``[N, E]`` (zero for an expert the token is
+  not routed to; an unrouted expert's output is selected away, not multiplied by zero, so it
+  adds exactly nothing and gets no gradient). Cost per layer: ``E / k`` times the routed expert
+  FLOPs (``2 N E (in_proj + out_proj)`` multiply-adds x 2 instead of ``2 N k (...)``), and
+  activations ``[E, N, 2 I]`` + ``[E, N, D]`` in the compute dtype (kept for the backward).
+  Plain einsums: any XLA backend, any sharding.
+* ``"sorted"``, :func:`sorted_experts_forward`: the ``N k`` (token, expert) pairs sorted by expert
+  (a stable argsort of the routed expert ids), the tokens gathered in that order (``[N k, D]``),
+  each expert's two matmuls over its contiguous segment with ``jax.lax.ragged_dot_general`` (group
+  sizes: a count of the routed ids per expert, ``[E]`` int32: static shapes, ``N k`` rows), the
+  outputs scaled by their routing weights, put back in token order and summed over the ``k``
+  experts of each token, as ``transformers``' ``grouped_mm`` implementation does. Cost: the
+  routed expert FLOPs only, activations ``[N k, 2 I]`` + ``[N k, D]`` (``E / k`` times less than
+  dense), plus the gather / un-sort (``N k D`` elements each way). Its speed is the backend's
+  ragged-dot kernel's: XLA in jax 0.11.2 on an H100 ran one Mixtral ``gate_up`` projection (4096
+  tokens, top-2 of 8) 1.7x (forward) and 1.9x (forward and backward) slower this way than as dense
+  dispatch's einsum, i.e. not as a grouped GEMM (``benchmarks/moe_ragged_dot.py``,
+  ``benchmarks/results/moe_gpu/README.md``). Gradients come from ``jax``'s VJP of ``ragged_dot_general`` (to the expert
+  weights and the hidden states) and the torch ops around it (to the routing weights).
 
-The module imports torch; ``transformers`` and ``torchax`` where called.
+Which form is faster on the GPU is measured by ``benchmarks/moe_gpu.py``
+(``benchmarks/results/moe_gpu/README.md``): on an H100 at 4096 tokens, a 2-layer Mixtral-shaped
+AdamW step through the stack took 0.558 s dense and 0.641 s sorted, so ``"dense"`` is the default.
+
+The routing itself (softmax, top-k, normalisation, shared experts) stays the model's own code.
+The expert weights are parameters of their decoder layer, so they stream with it.
+
+:func:`experts_while_traced` installs a form on a causal LM's decoder layers for the time the
+stages are traced only: a forward pre-hook on each layer that holds experts switches the model
+to that implementation (``set_experts_implementation``) when the layer is called with torchax
+tensors, and a forward hook switches it back. Eager torch calls of the model keep its own
+implementation.
+
+The module imports torch; ``transformers``, ``torchax`` and ``jax`` where called.
 """
 from __future__ import annotations
 
@@ -34,10 +56,15 @@ import weakref
 
 import torch
 
-__all__ = ["DENSE", "dense_experts_forward", "experts_modules", "dense_experts_while_traced"]
+__all__ = ["DENSE", "SORTED", "FORMS", "dense_experts_forward", "sorted_experts_forward", "experts_modules",
+           "experts_while_traced", "dense_experts_while_traced"]
 
 #: the name :func:`dense_experts_forward` is registered under in ``transformers``' ``ExpertsInterface``.
 DENSE = "xla_swap_dense"
+#: the name :func:`sorted_experts_forward` is registered under in ``transformers``' ``ExpertsInterface``.
+SORTED = "xla_swap_sorted"
+#: the forms a user names (``causal_lm_stages(model, experts=...)``) -> their registered names.
+FORMS = {"dense": DENSE, "sorted": SORTED}
 
 #: attributes ``@use_experts_implementation`` gives an experts module (``transformers`` >= 5.17).
 _FLAGS = ("has_gate", "has_bias", "is_transposed")
@@ -80,6 +107,97 @@ def dense_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, to
     return weighted.sum(0).to(hidden_states.dtype)
 
 
+def _torchax_env(*tensors):
+    """The torchax environment of the first torchax tensor among ``tensors``, else ``None`` (eager torch)."""
+    import sys
+    mod = sys.modules.get("torchax.tensor")
+    if mod is None:
+        return None
+    t = next((t for t in tensors if isinstance(t, mod.Tensor)), None)
+    if t is None:
+        return None
+    env = getattr(t, "_env", None)   # the environment the tensor was made in (the stack's own)
+    return env if env is not None else sys.modules["torchax"].default_env()
+
+
+def _to_jax(env, t: torch.Tensor):
+    import torchax.tensor
+    return env.t2j_iso(t) if isinstance(t, torchax.tensor.Tensor) else env.t2j_copy(t)
+
+
+def _sorted_order(top_k_index: torch.Tensor, num_experts: int) -> tuple:
+    """``(perm [S], inverse [S], expert_ids [S], group_sizes [E] int32)`` of the ``S = N k`` routed
+    pairs of ``top_k_index [N, k]``: ``perm`` the stable argsort of the flattened expert ids (pair
+    ``perm[j]`` is the ``j``-th in expert order), ``inverse`` its inverse permutation,
+    ``expert_ids`` the sorted ids, ``group_sizes`` the number of pairs per expert."""
+    env = _torchax_env(top_k_index)
+    if env is None:
+        flat = top_k_index.reshape(-1)
+        perm = torch.argsort(flat, stable=True)
+        inverse = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+        sizes = torch.bincount(flat, minlength=num_experts).to(torch.int32)
+        return perm, inverse, flat[perm], sizes
+    import jax.numpy as jnp
+    flat = _to_jax(env, top_k_index).reshape(-1)
+    perm = jnp.argsort(flat, stable=True)
+    inverse = jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
+    sizes = (flat[:, None] == jnp.arange(num_experts, dtype=flat.dtype)[None, :]).sum(0, dtype=jnp.int32)
+    return env.j2t_iso((perm, inverse, flat[perm], sizes))
+
+
+def _ragged_linear(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, bias: torch.Tensor | None,
+                   expert_ids: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """``[S, out]``: the rows of ``x [S, in]``, in contiguous per-expert segments of ``group_sizes [E]``
+    rows, each through its expert's weight ``w`` (``[E, in, out]`` if ``transposed``, else
+    ``[E, out, in]``) plus ``bias[expert_ids]`` (``bias`` ``[E, out]`` or ``None``). Traced:
+    ``jax.lax.ragged_dot_general`` (no copy of ``w``); eager torch: one matmul per segment."""
+    x = x.to(w.dtype)
+    env = _torchax_env(x, w)
+    if env is None:
+        segments = torch.split(x, [int(n) for n in group_sizes.tolist()])
+        out = torch.cat([seg @ (w[e] if transposed else w[e].transpose(0, 1)) for e, seg in enumerate(segments)])
+    else:
+        import jax
+        dims = jax.lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(([1], [1 if transposed else 2]), ([], [])),
+            lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+        xj, wj, gj = (_to_jax(env, t) for t in (x, w, group_sizes))
+        out = env.j2t_iso(jax.lax.ragged_dot_general(xj, wj, gj, dims))
+    return out if bias is None else out + bias[expert_ids]
+
+
+def sorted_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """An experts implementation for ``transformers``' ``ExpertsInterface``: each expert on its routed tokens only.
+
+    Same arguments and result as :func:`dense_experts_forward` (``hidden_states`` ``[N, D]``,
+    ``top_k_index`` int ``[N, k]`` with ids in ``[0, E)``, ``top_k_weights`` ``[N, k]``; returns
+    ``[N, D]`` in ``hidden_states``' dtype). The ``N k`` (token, expert) pairs are sorted by expert
+    and each expert's matmuls run over its contiguous segment (``jax.lax.ragged_dot_general`` when
+    called with torchax tensors, i.e. inside the stages; a loop over the segments in eager torch),
+    then weighted, put back in token order and summed over each token's ``k`` experts, as
+    ``transformers``' ``grouped_mm`` implementation computes it. Shapes are static (``N k`` rows);
+    see the module docstring for the costs.
+    """
+    num_experts = int(self.num_experts)
+    n, k = top_k_index.shape
+    perm, inverse, expert_ids, sizes = _sorted_order(top_k_index, num_experts)
+    x = hidden_states[perm // k]                                            # [N k, D], expert order
+    routing = top_k_weights.reshape(-1)[perm]                               # [N k]
+    if self.has_gate:
+        w_in, b_in = self.gate_up_proj, (self.gate_up_proj_bias if self.has_bias else None)
+    else:
+        w_in, b_in = self.up_proj, (self.up_proj_bias if self.has_bias else None)
+    h = _ragged_linear(x, w_in, sizes, b_in, expert_ids, self.is_transposed)    # [N k, 2I] or [N k, I]
+    h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+    out = _ragged_linear(h, self.down_proj, sizes, self.down_proj_bias if self.has_bias else None, expert_ids,
+                         self.is_transposed)                                  # [N k, D]
+    if getattr(self, "has_post_expert_norm", False):
+        out = self.post_expert_norm(out)
+    out = (out * routing[:, None])[inverse]                                 # token order: pair (t, j) at t k + j
+    return out.reshape(n, k, out.shape[-1]).sum(1).to(hidden_states.dtype)
+
+
 def experts_modules(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """``(name, module)`` of every ``@use_experts_implementation`` experts module in ``module``."""
     return [(n, m) for n, m in module.named_modules()
@@ -89,6 +207,7 @@ def experts_modules(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]
 def _register() -> None:
     from transformers.integrations.moe import ExpertsInterface
     ExpertsInterface.register(DENSE, dense_experts_forward)
+    ExpertsInterface.register(SORTED, sorted_experts_forward)
 
 
 def _traced(args, kwargs) -> bool:
@@ -96,14 +215,25 @@ def _traced(args, kwargs) -> bool:
     return any(isinstance(a, torchax.tensor.Tensor) for a in (*args, *kwargs.values()))
 
 
-def dense_experts_while_traced(model: torch.nn.Module, layers) -> list:
-    """Make the experts of ``layers`` (decoder layers of ``model``) run :func:`dense_experts_forward`
-    while they are called with torchax tensors (the stages being traced), the model's own
-    implementation otherwise. Idempotent per layer.
+def experts_while_traced(model: torch.nn.Module, layers, experts: str = "dense") -> list:
+    """Make the experts of ``layers`` (decoder layers of ``model``) run the form ``experts`` while
+    they are called with torchax tensors (the stages being traced), the model's own implementation
+    otherwise. Calling it again with another form switches those layers to it.
+
+    Args:
+      model: the ``transformers`` model whose ``set_experts_implementation`` is switched.
+      layers: its decoder layers (``nn.Module``); those without experts are left alone.
+      experts: ``"dense"`` (:func:`dense_experts_forward`) or ``"sorted"``
+        (:func:`sorted_experts_forward`); see the module docstring for what each costs.
 
     Returns: the hook handles added (``handle.remove()`` undoes them).
+
+    Raises: ValueError: ``experts`` is not a key of :data:`FORMS` (nothing changed).
     """
+    if experts not in FORMS:
+        raise ValueError(f"experts must be one of {sorted(FORMS)}, got {experts!r}")
     _register()
+    name = FORMS[experts]
     ref = weakref.ref(model)
     state = {"depth": 0, "saved": None}
     handles = []
@@ -114,7 +244,7 @@ def dense_experts_while_traced(model: torch.nn.Module, layers) -> list:
         m = ref()
         if state["depth"] == 0 and m is not None:
             state["saved"] = m.get_experts_implementation()
-            m.set_experts_implementation(DENSE)
+            m.set_experts_implementation(mod._xla_swap_experts)
         state["depth"] += 1
         return None
 
@@ -129,9 +259,20 @@ def dense_experts_while_traced(model: torch.nn.Module, layers) -> list:
         return None
 
     for layer in layers:
-        if getattr(layer, "_xla_swap_dense_experts", False) or not experts_modules(layer):
+        if not experts_modules(layer):
+            continue
+        hooked = getattr(layer, "_xla_swap_experts", None) is not None
+        layer._xla_swap_experts = name
+        if hooked:
             continue
         handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(layer.register_forward_hook(post, with_kwargs=True, always_call=True))
-        layer._xla_swap_dense_experts = True
     return handles
+
+
+def dense_experts_while_traced(model: torch.nn.Module, layers) -> list:
+    """:func:`experts_while_traced` with ``experts="dense"``.
+
+    Returns: the hook handles added (``handle.remove()`` undoes them).
+    """
+    return experts_while_traced(model, layers, "dense")

@@ -124,12 +124,31 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.05)
 
 
+#: the mixture-of-experts families of EXACT (their experts in transformers' experts interface).
+MOE_FAMILIES = ["deepseek_v3", "gpt_oss", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
+
+
 @pytest.mark.parametrize("family", sorted(EXACT))
 def test_family_matches_torch(family):
+    check_family(family)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_sorted_experts_family_matches_torch(family, monkeypatch):
+    """``causal_lm_stages(model, experts="sorted")``: the experts as sorted segments (``ragged_dot``)
+    give torch eager's logits and three AdamW steps, as the dense form does (and ``ragged_dot`` is traced)."""
+    calls = []
+    ragged = jax.lax.ragged_dot_general
+    monkeypatch.setattr(jax.lax, "ragged_dot_general", lambda *a, **k: (calls.append(1), ragged(*a, **k))[1])
+    check_family(family, experts="sorted")
+    assert calls
+
+
+def check_family(family, experts="dense"):
     overrides, side = EXACT[family]
     ref = make(family, overrides)
     model = copy.deepcopy(ref)
-    first, layers, last = causal_lm_stages(model)
+    first, layers, last = causal_lm_stages(model, experts=experts)
     stack = SwappedStack(layers, first=first, last=last, loss_fn=ce, optimizer=adamw(model.parameters()),
                          devices=jax.devices()[:1])
     x, mask, y = data(side)
@@ -202,14 +221,15 @@ def test_sdpa_fully_masked_rows_equal_torch():
     torch.testing.assert_close(torch.from_numpy(jax.numpy.asarray(got).__array__()), want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "mixtral"])
-def test_family_fsdp_matches_torch(family):
+@pytest.mark.parametrize("family,experts", [("llama", "dense"), ("gemma2", "dense"), ("mixtral", "dense"),
+                                            ("mixtral", "sorted")])
+def test_family_fsdp_matches_torch(family, experts):
     """Every device of the run (4 in ``make test``), ``shard="fsdp"`` (the default: weights sharded,
     the batch split over the devices): a left-padded batch of 8, two AdamW steps equal torch."""
     overrides, side = EXACT[family]
     ref = make(family, overrides)
     model = copy.deepcopy(ref)
-    first, layers, last = causal_lm_stages(model)
+    first, layers, last = causal_lm_stages(model, experts=experts)
     stack = SwappedStack(layers, first=first, last=last, loss_fn=ce, optimizer=adamw(model.parameters()))
     assert stack.runtime.batch_axis == ("d" if len(jax.devices()) > 1 else None)
     x, mask, y = (torch.cat([t] * 4) for t in data(side))
@@ -228,11 +248,14 @@ def test_family_fsdp_matches_torch(family):
         assert rel(stack(x, mask)[mask.bool()], ref(x, attention_mask=mask).logits[mask.bool()]) <= 1e-5
 
 
-def test_dense_experts_equal_eager():
-    """``xla_swap.moe.dense_experts_forward`` on a Mixtral experts module: the eager implementation's output
-    and gradients (weights, input, routing weights), in eager torch; the model keeps its own implementation
-    after the stages are built and run."""
-    from xla_swap.moe import dense_experts_forward, experts_modules
+@pytest.mark.parametrize("form", ["dense", "sorted"])
+def test_experts_forms_equal_eager(form):
+    """``xla_swap.moe.dense_experts_forward`` / ``sorted_experts_forward`` on a Mixtral experts module: the
+    eager implementation's output and gradients (weights, input, routing weights), in eager torch (the
+    sorted form's segment loop; the stages' ``ragged_dot`` is checked by the family tests); the model keeps
+    its own implementation after the stages are built and run."""
+    from xla_swap.moe import dense_experts_forward, experts_modules, sorted_experts_forward
+    forward = {"dense": dense_experts_forward, "sorted": sorted_experts_forward}[form]
     model = make("mixtral", EXACT["mixtral"][0])
     impl = model.get_experts_implementation()
     (name, experts), = experts_modules(model.model.layers[0])
@@ -242,7 +265,7 @@ def test_dense_experts_equal_eager():
     weights = torch.rand(10, 2, generator=g, requires_grad=True)
     grads = []
     for fn in (lambda: type(experts).forward.__wrapped__(experts, h, index, weights),
-               lambda: dense_experts_forward(experts, h, index, weights)):
+               lambda: forward(experts, h, index, weights)):
         out = fn()
         out.pow(2).sum().backward()
         grads.append((out.detach(), *(t.grad.clone() for t in (h, weights, *experts.parameters()))))
@@ -250,6 +273,14 @@ def test_dense_experts_equal_eager():
             t.grad = None
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
-    first, layers, last = causal_lm_stages(model)
+    first, layers, last = causal_lm_stages(model, experts=form)
     SwappedStack(layers, first=first, last=last, devices=jax.devices()[:1])(*data("left")[:2])
     assert model.get_experts_implementation() == impl
+
+
+def test_experts_form_refused_by_name():
+    """An unknown ``experts=`` is refused before anything is built or hooked."""
+    model = make("mixtral", EXACT["mixtral"][0])
+    with pytest.raises(ValueError, match="experts must be one of \\['dense', 'sorted'\\], got 'grouped'"):
+        causal_lm_stages(model, experts="grouped")
+    assert all(getattr(layer, "_xla_swap_experts", None) is None for layer in model.model.layers)

@@ -71,6 +71,9 @@ def test_mismatch_refused_before_anything(tmp_path):
         xla_swap.load_stack(_meta(real), tmp_path, dtype=torch.int8)
     with pytest.raises(TypeError, match="first"):
         xla_swap.load_stack(_meta(real), tmp_path, first=None)
+    with pytest.raises(ValueError, match="experts must be one of"):
+        xla_swap.load_stack(other, tmp_path, experts="grouped")
+    assert all(b.is_meta for b in other.buffers())
     with pytest.raises(ValueError, match="meta device"):      # a meta model without a weights source
         from xla_swap.stack import SwappedStack
         m = _meta(real)
