@@ -212,10 +212,13 @@ def _bad_scan_inputs():
     return [("fn not callable", (1000, x, W)),
             ("xs leaves disagree", (ok, x, (W, to_xla(torch.randn(3, 4, 4))))),
             ("xs empty", (ok, x, {})),
-            ("xs leaf 0-d", (ok, x, (W, to_xla(torch.tensor(1.0)))))]
+            ("xs leaf 0-d", (ok, x, (W, to_xla(torch.tensor(1.0))))),
+            ("init on cpu", (ok, torch.randn(4, 4), W)),
+            ("xs leaf on cpu", (ok, x, torch.randn(2, 4, 4)))]
 
 
-@pytest.mark.parametrize("case", range(4), ids=["fn not callable", "xs leaves disagree", "xs empty", "xs leaf 0-d"])
+@pytest.mark.parametrize("case", range(6), ids=["fn not callable", "xs leaves disagree", "xs empty", "xs leaf 0-d",
+                                                "init on cpu", "xs leaf on cpu"])
 @pytest.mark.parametrize("policy", [OffloadPolicy(), OffloadPolicy(params="host")], ids=str)
 def test_scan_errors_keep_torch_xla_exception_types(case, policy):
     """Each bad input torch_xla's scan refuses raises, here, an exception of the type torch_xla raises
@@ -226,7 +229,7 @@ def test_scan_errors_keep_torch_xla_exception_types(case, policy):
     with pytest.raises(Exception) as ours:
         scan(*args, policy=policy)
     assert isinstance(ours.value, type(theirs.value)), (name, type(ours.value), type(theirs.value))
-    assert isinstance(ours.value, (TypeError, ValueError)) and re.match(r"(fn|xs): ", str(ours.value)), str(ours.value)
+    assert isinstance(ours.value, (TypeError, ValueError)) and re.match(r"(fn|xs|init): ", str(ours.value)), str(ours.value)
 
 
 def test_scan_argument_error_is_both_types():
@@ -246,6 +249,26 @@ def test_scan_argument_error_is_both_types():
             scan_layers([torch.nn.Linear(4, 4, bias=False).to(DEV), torch.nn.Linear(4, 8, bias=False).to(DEV)], x, policy=policy)
     out, _ = scan(lambda c, w: (c @ w, None), x, W)                       # the process is still usable
     torch.testing.assert_close(out.cpu(), x.cpu() @ W.cpu()[0] @ W.cpu()[1], rtol=1e-5, atol=1e-5)
+
+
+def test_scan_device_error_is_torch_xla_runtime_error_and_empty_layers_return_the_input():
+    """A CPU tensor among scan's / scan_layers' tensors: torch_xla raises RuntimeError (device propagation
+    while tracing), this front end a ScanDeviceError (TypeError and RuntimeError) before tracing. No layers:
+    torch_xla's scan_layers returns input_data, and so does this one, whatever the policy."""
+    from torch_xla.experimental.scan_layers import scan_layers as txla_scan_layers
+    from xla_swap.frontend import ScanDeviceError
+    assert issubclass(ScanDeviceError, TypeError) and issubclass(ScanDeviceError, RuntimeError)
+    x = to_xla(torch.randn(4, 4))
+    layer = torch.nn.Linear(4, 4).to(DEV)
+    with pytest.raises(RuntimeError):
+        txla_scan_layers([layer], torch.randn(4, 4))
+    for policy in (OffloadPolicy(), OffloadPolicy(params="host")):
+        for catch in (RuntimeError, TypeError):
+            with pytest.raises(catch, match=r"input_data: leaf 0 is on cpu, expected a tensor on an XLA device"):
+                scan_layers([layer], torch.randn(4, 4), policy=policy)
+        assert txla_scan_layers([], x) is x and scan_layers([], x, policy=policy) is x
+    with pytest.raises(ScanDeviceError, match="input_data: leaf 0 is on cpu"):    # checked with no layers too
+        scan_layers([], torch.randn(4, 4))
 
 
 _SYNC_ACTIVATION_OFFLOAD = r'''
