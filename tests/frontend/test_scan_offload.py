@@ -229,7 +229,8 @@ def test_scan_errors_keep_torch_xla_exception_types(case, policy):
     with pytest.raises(Exception) as ours:
         scan(*args, policy=policy)
     assert isinstance(ours.value, type(theirs.value)), (name, type(ours.value), type(theirs.value))
-    assert isinstance(ours.value, (TypeError, ValueError)) and re.match(r"(fn|xs|init): ", str(ours.value)), str(ours.value)
+    assert isinstance(ours.value, (TypeError, ValueError)), str(ours.value)
+    assert re.match(r"(fn|xs|init): ", str(ours.value)), str(ours.value)
 
 
 def test_scan_argument_error_is_both_types():

@@ -340,9 +340,8 @@ class LoweredComputation:
     def _check_runnable(self) -> None:
         if self._has_annotations and not runtime_supports_annotations():
             raise ValueError(f"'{self.name}' contains {' / '.join(ANNOTATION_TARGETS)} custom calls (xla_swap "
-                             f"place_to_host / "
-                             f"place_to_device, kept by emit_annotations(True)), which the torch_xla runtime of "
-                             f"this process cannot compile; run its hlo_proto with "
+                             f"place_to_host / place_to_device, kept by emit_annotations(True)), which the "
+                             f"torch_xla runtime of this process cannot compile; run its hlo_proto with "
                              f"xla_swap.executors.PjrtExecutor, or lower it without emit_annotations(True)")
 
     def _run(self, inputs) -> list:

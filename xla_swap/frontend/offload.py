@@ -31,7 +31,8 @@ autograd formulas, so AOTAutograd (which torch_xla's ``scan`` uses) traces them:
   partitioner of :mod:`xla_swap.frontend.scan` saves tagged tensors according to the policy.
 
 Backend capability: torch_xla's own CPU runtime cannot run the annotations (no host-offload
-passes; ``Unknown custom-call API version``, measured). Unless :func:`annotations_enabled`
+passes; ``Unknown custom-call API version``, and for the internal form ``No registered
+implementation for untyped custom call to MoveToHost``, measured). Unless :func:`annotations_enabled`
 says otherwise, the ops lower to identity and log one warning; inside
 :func:`emit_annotations` (used when lowering for the PJRT executor) they are always emitted.
 """
