@@ -22,7 +22,7 @@ Two steps, two processes (the GPU machine has no torch_xla):
 Run (here, then on the GPU machine)::
 
     PJRT_DEVICE=CPU python -m benchmarks.activation_offload_spmd export benchmarks/artifacts/act_offload_n2 --devices 2
-    python -m benchmarks.activation_offload_spmd check benchmarks/artifacts/act_offload_n2 \\
+    PYTHONPATH=. python3 benchmarks/activation_offload_spmd.py check benchmarks/artifacts/act_offload_n2 \\
         --out benchmarks/results/activation_offload_spmd.json
 
 ``tests/integration/test_activation_offload_spmd_cpu.py`` runs both steps on the virtual CPU devices.
