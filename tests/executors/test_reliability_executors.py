@@ -122,6 +122,21 @@ def test_put_all_refuses_a_non_sequence_and_keeps_the_executor_usable():
     np.testing.assert_allclose(np.asarray(ex(*ex.put_all([a, a]))[0]), a @ a)
 
 
+def test_a_value_that_is_no_array_is_named_by_put_put_all_and_call():
+    a = np.arange(16, dtype=np.float32).reshape(4, 4)
+    ex = PjrtExecutor(jax.jit(lambda x, y: x @ y).lower(a, a))
+    for bad in (None, "abc", [[1.0], [1.0, 2.0]]):
+        with pytest.raises(TypeError, match=r"put: parameter 1 expects a numpy array or jax.Array of float32 \[4, 4\], "
+                                            rf"got {type(bad).__name__}"):
+            ex.put(1, bad)
+        with pytest.raises(TypeError, match=r"put_all: argument 1: parameter 1 expects a numpy array"):
+            ex.put_all([a, bad])
+        with pytest.raises(TypeError, match=r"call: argument 0: parameter 0 expects a numpy array"):
+            ex(bad, a)
+    assert ex.transfer_count == 0
+    np.testing.assert_allclose(np.asarray(ex(a, a)[0]), a @ a)
+
+
 @pytest.mark.parametrize("spec, msg", [("{devices=[4,1]0,1,2,7}", "names device 7, but its 4 tiles"),
                                        ("{devices=[2,1]0,5}", "names device 5, but its 2 tiles"),
                                        ("{devices=[4,1]0,0,1,2}", "lists device 0 twice")])

@@ -172,7 +172,7 @@ def test_item8_activation_offload_adds_no_all_gather_under_spmd():
 
     _, all_device = compiled(OffloadPolicy())
     low, offloaded = compiled(OffloadPolicy(activations={"act": "host"}))
-    calls = re.findall(r"custom-call\([^\n]*annotate_device_placement[^\n]*", low.hlo_text)
+    calls = re.findall(r"custom-call\([^\n]*(?:annotate_device_placement|MoveToHost|MoveToDevice)[^\n]*", low.hlo_text)
     assert len(calls) == 2 and not any("{replicated}" in c for c in calls)
     print(f"all-gathers: all-device {_all_gathers(all_device)}, act offloaded {_all_gathers(offloaded)}")
     assert _all_gathers(offloaded) == _all_gathers(all_device)

@@ -1061,7 +1061,14 @@ class PjrtExecutor:
                                  f"{np.dtype(x.dtype)}): it was donated to another computation or .delete()d; "
                                  f"pass a live array")
         else:
-            x = np.asarray(x)
+            try:
+                arr = np.asarray(x)
+            except (TypeError, ValueError):   # a ragged nested list
+                arr = None
+            if arr is None or arr.dtype.kind in "OUS":   # None, a str: no array of numbers
+                raise TypeError(f"{where}: parameter {index} expects a numpy array or jax.Array of {p.dtype} "
+                                f"{list(p.shape)}, got {type(x).__name__} {x!r:.60}")
+            x = arr
         if tuple(x.shape) != p.shape:
             raise ValueError(f"{where}: parameter {index} expects shape {list(p.shape)}, got {list(x.shape)}")
         if np.dtype(x.dtype) != p.dtype:
@@ -1154,7 +1161,8 @@ class PjrtExecutor:
         Raises:
           ValueError: ``index`` does not exist (names it and the parameter count); wrong shape;
             ``array`` is a deleted jax.Array.
-          TypeError: wrong dtype (names the parameter, expected and got).
+          TypeError: wrong dtype (names the parameter, expected and got); ``array`` is no
+            array of numbers (``None``, a str).
           HostMemoryError: a ``pinned_host`` placement would exceed ``host_memory_limit_bytes``,
             or the runtime ran out of pinned host memory.
         """
@@ -1176,7 +1184,7 @@ class PjrtExecutor:
         Raises:
           ValueError: ``len(arrays) != num_parameters``; a wrong shape; a deleted jax.Array.
           TypeError: ``arrays`` is not a list or tuple (``None``, one array, a mapping); a
-            wrong dtype.
+            wrong dtype; an element that is no array of numbers (``None``, a str).
           HostMemoryError: as in :meth:`put`, for the total of the host placements.
         """
         if isinstance(arrays, (str, bytes, Mapping)) or not isinstance(arrays, Sequence):
@@ -1213,7 +1221,7 @@ class PjrtExecutor:
         Raises:
           ValueError: wrong number of arguments; a wrong shape (names the parameter index,
             expected and got); a deleted jax.Array. Nothing is placed or run then.
-          TypeError: a wrong dtype.
+          TypeError: a wrong dtype; an argument that is no array of numbers (``None``, a str).
           HostMemoryError: the host placements of the arguments plus the host outputs and host
             temporaries would exceed ``host_memory_limit_bytes``, or the runtime ran out of
             pinned host memory while placing or executing.

@@ -1,5 +1,5 @@
 """torch_xla front end: lowering, host-offload annotation ops, scan helpers with a placement policy."""
-from xla_swap.frontend._checks import ScanArgumentError
+from xla_swap.frontend._checks import ScanArgumentError, ScanDeviceError
 from xla_swap.frontend.lowering import (HloParameter, HostTransferError, LoweredComputation, host_transfer_guard,
                                         lower, lower_fn)
 from xla_swap.frontend.offload import (emit_annotations, offload_name, place_to_device, place_to_host,
@@ -8,4 +8,5 @@ from xla_swap.frontend.scan import policy_partition, scan, scan_layers
 
 __all__ = ["HloParameter", "HostTransferError", "LoweredComputation", "host_transfer_guard", "lower", "lower_fn",
            "emit_annotations", "offload_name", "place_to_device", "place_to_host", "runtime_supports_annotations",
-           "policy_partition", "scan", "scan_layers", "ScanArgumentError"]
+           "policy_partition", "scan", "scan_layers", "ScanArgumentError",
+           "ScanDeviceError"]

@@ -61,6 +61,13 @@ class ScanArgumentError(TypeError, ValueError):
     against torch_xla's ``scan`` / ``scan_layers`` catches it whichever it expects."""
 
 
+class ScanDeviceError(TypeError, RuntimeError):
+    """A tensor of :func:`~xla_swap.frontend.scan` / :func:`~xla_swap.frontend.scan_layers`'s
+    ``init`` / ``xs`` / ``input_data`` that is not on an XLA device. torch_xla's own ``scan`` and
+    ``scan_layers`` raise ``RuntimeError`` there (from device propagation while tracing), this
+    front end's checks ``TypeError`` before anything is traced: both, so code catching either works."""
+
+
 def check_callable(fn, where: str, error: type = TypeError) -> Callable:
     """``fn`` must be callable; raises ``error`` (default ``TypeError``) naming ``where``."""
     if not callable(fn):

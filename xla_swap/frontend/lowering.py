@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from xla_swap._compat import torch_xla as _ctx   # every private torch_xla / torch API used here
 from xla_swap.frontend._checks import (buffer_deleted, check_bool, check_callable, check_name, check_tensor_list,
                                        check_xla_tensor, needs_materialization)
-from xla_swap.frontend.offload import ANNOTATION_TARGET, runtime_supports_annotations
+from xla_swap.frontend.offload import ANNOTATION_TARGETS, runtime_supports_annotations
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +243,8 @@ class LoweredComputation:
         self._rng_state = rng_state
         self._computation = _ctx.computation_from_hlo_proto(name, hlo_proto)
         self.hlo_text = _ctx.computation_hlo_text(self._computation)
-        self._has_annotations = ANNOTATION_TARGET in self.hlo_text
+        self._has_annotations = any(f'custom_call_target="{t}"' in self.hlo_text
+                                    for t in ANNOTATION_TARGETS)
         self._handles = {data_handle(p.tensor): p.id for p in parameters}
         # The caller's tensors (kept alive, so their ids stay theirs) -> input index.
         self._user_inputs = list(user_inputs if user_inputs is not None else inputs)
@@ -338,9 +339,9 @@ class LoweredComputation:
 
     def _check_runnable(self) -> None:
         if self._has_annotations and not runtime_supports_annotations():
-            raise ValueError(f"'{self.name}' contains {ANNOTATION_TARGET} custom calls (xla_swap place_to_host / "
-                             f"place_to_device, kept by emit_annotations(True)), which the torch_xla runtime of "
-                             f"this process cannot compile; run its hlo_proto with "
+            raise ValueError(f"'{self.name}' contains {' / '.join(ANNOTATION_TARGETS)} custom calls (xla_swap "
+                             f"place_to_host / place_to_device, kept by emit_annotations(True)), which the "
+                             f"torch_xla runtime of this process cannot compile; run its hlo_proto with "
                              f"xla_swap.executors.PjrtExecutor, or lower it without emit_annotations(True)")
 
     def _run(self, inputs) -> list:

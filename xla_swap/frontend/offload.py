@@ -10,6 +10,17 @@ placement) applied with torch_xla's ``_xla_user_computation`` (through
 :mod:`xla_swap._compat.torch_xla`): the IR node's hash is the hash of that
 module, so direction and sharding are part of it, and the custom call carries its sharding.
 
+Under SPMD an operand whose sharding torch_xla does not know (an intermediate of a traced
+function, e.g. a named activation inside ``scan``) is annotated with XLA's internal form
+instead, ``custom-call(x), custom_call_target="MoveToHost"|"MoveToDevice"`` (what XLA's
+``ConvertMemoryPlacementToInternalAnnotations`` turns ``annotate_device_placement`` into; no
+side effect, no sharding). XLA's sharding propagation passes an operand's sharding through
+these targets, so each gets the activation's own slice of the mesh and the partitioner adds no
+collective. ``annotate_device_placement`` itself cannot take that route: without a sharding
+torch_xla 2.9's partitioner refuses it (``Side-effect HLO must have sharding``), with
+``{replicated}`` likewise, and with a tiled one its default handler refuses a side-effecting
+call (``Side-effect ops cannot be replicated``); measured, docs/measured.md section 9.
+
 The ops are ``torch.library`` custom ops (``torch.ops.xla_swap.*``) with fake kernels and
 autograd formulas, so AOTAutograd (which torch_xla's ``scan`` uses) traces them:
 
@@ -20,7 +31,8 @@ autograd formulas, so AOTAutograd (which torch_xla's ``scan`` uses) traces them:
   partitioner of :mod:`xla_swap.frontend.scan` saves tagged tensors according to the policy.
 
 Backend capability: torch_xla's own CPU runtime cannot run the annotations (no host-offload
-passes; ``Unknown custom-call API version``, measured). Unless :func:`annotations_enabled`
+passes; ``Unknown custom-call API version``, and for the internal form ``No registered
+implementation for untyped custom call to MoveToHost``, measured). Unless :func:`annotations_enabled`
 says otherwise, the ops lower to identity and log one warning; inside
 :func:`emit_annotations` (used when lowering for the PJRT executor) they are always emitted.
 """
@@ -42,6 +54,12 @@ log = logging.getLogger(__name__)
 
 #: The custom-call target of the placement annotations in the HLO.
 ANNOTATION_TARGET = "annotate_device_placement"
+#: XLA's internal host-offload targets, emitted for an operand of unknown sharding under SPMD.
+MOVE_TO_HOST, MOVE_TO_DEVICE = "MoveToHost", "MoveToDevice"
+#: Every custom-call target the annotation ops emit.
+ANNOTATION_TARGETS = (ANNOTATION_TARGET, MOVE_TO_HOST, MOVE_TO_DEVICE)
+# The sharding key of an annotation whose sharding XLA's propagation gives (internal target).
+_PROPAGATED = "propagated"
 
 _MLIR_DTYPES = {
     torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.float64: "f64",
@@ -135,12 +153,17 @@ def _annotation_computation(shape: tuple, dtype: torch.dtype, placement: str, sh
         raise TypeError(f"x: dtype {dtype} is not supported by the offload annotations "
                         f"(supported: {', '.join(map(str, _MLIR_DTYPES))})")
     ty = f"tensor<{'x'.join(map(str, shape)) + 'x' if shape else ''}{_MLIR_DTYPES[dtype]}>"
-    attrs = f'has_side_effect = true, mhlo.frontend_attributes = {{_xla_buffer_placement = "{placement}"}}'
-    if sharding:
-        attrs += f', mhlo.sharding = "{sharding}"'
+    if sharding == _PROPAGATED:
+        target = MOVE_TO_HOST if placement == "pinned_host" else MOVE_TO_DEVICE
+        attrs = f'mhlo.frontend_attributes = {{_xla_buffer_placement = "{placement}"}}'
+    else:
+        target = ANNOTATION_TARGET
+        attrs = f'has_side_effect = true, mhlo.frontend_attributes = {{_xla_buffer_placement = "{placement}"}}'
+        if sharding:
+            attrs += f', mhlo.sharding = "{sharding}"'
     text = (f"module @xla_swap_to_{placement} {{\n"
             f"  func.func public @main(%arg0: {ty}) -> {ty} {{\n"
-            f"    %0 = stablehlo.custom_call @annotate_device_placement(%arg0) {{{attrs}}} : ({ty}) -> {ty}\n"
+            f"    %0 = stablehlo.custom_call @{target}(%arg0) {{{attrs}}} : ({ty}) -> {ty}\n"
             f"    return %0 : {ty}\n  }}\n}}")
     return _ctx.computation_from_hlo_proto(f"xla_swap_to_{placement}", _cj.stablehlo_to_hlo_proto(text))
 
@@ -151,15 +174,9 @@ def _annotate(x: torch.Tensor, placement: str, sharding: str) -> torch.Tensor:
     if not annotations_enabled():
         return x.clone()
     if xr.is_spmd():
-        # The operand's sharding: the one given, else x's own. An intermediate of a traced
-        # function (e.g. a named activation inside scan) has none yet: for a lowering
-        # (emit_annotations, compiled by jaxlib's XLA) the annotation then carries no sharding,
-        # as JAX emits it, and XLA's sharding propagation gives it the operand's, so offloading
-        # adds no all-gather. {replicated} would gather the whole tensor on every device first.
-        # torch_xla's own compiler rejects a side-effecting call without a sharding, so
-        # annotations it runs fall back to {replicated}.
-        sharding = sharding or _ctx.sharding_spec(x) or (
-            "" if _forced[0] else "{replicated}")
+        # The sharding given, else x's own. An intermediate of a traced function has none:
+        # the internal target then takes the operand's from XLA's sharding propagation.
+        sharding = sharding or _ctx.sharding_spec(x) or _PROPAGATED
     else:
         sharding = ""
     comp = _annotation_computation(tuple(x.shape), x.dtype, placement, sharding)
@@ -196,7 +213,9 @@ def place_to_host(x: torch.Tensor, sharding: str = "") -> torch.Tensor:
       x: XLA tensor, any shape; dtypes f32/bf16/f16/f64/i8/i32/i64/u8/bool.
       sharding: OpSharding string for the annotation under SPMD (e.g.
         ``'{devices=[4,1]0,1,2,3}'``, one tile dimension per dimension of ``x``); default
-        ``""``: ``x``'s own sharding, or ``{replicated}`` when ``x`` has none.
+        ``""``: ``x``'s own sharding; when torch_xla knows none (an intermediate of a traced
+        function), the annotation is XLA's ``MoveToHost`` / ``MoveToDevice``, which XLA's
+        sharding propagation gives ``x``'s sharding as compiled (module docstring).
 
     Returns:
       A tensor equal to ``x`` (same shape and dtype). Its gradient is moved back to the device.

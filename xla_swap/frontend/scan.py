@@ -25,7 +25,7 @@ import torch.fx as fx
 from torch_xla.experimental import scan as _txs
 
 from xla_swap._compat import torch_xla as _ctx   # every private torch_xla / torch API used here
-from xla_swap.frontend._checks import ScanArgumentError, check_bool, check_callable
+from xla_swap.frontend._checks import ScanArgumentError, ScanDeviceError, check_bool, check_callable
 from xla_swap.frontend.offload import (OFFLOAD_NAME, PLACE_TO_DEVICE, PLACE_TO_HOST, place_to_device,
                                        slice_sharding)
 from xla_swap.planning.policy import ALL_DEVICE, OffloadPolicy
@@ -194,8 +194,8 @@ def _leaves(tree, what: str):
     for i, t in enumerate(flat):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what}: leaf {i} is a {type(t).__name__}, expected a torch.Tensor")
-        if isinstance(t, torch.Tensor) and t.device.type != "xla":
-            raise TypeError(f"{what}: leaf {i} is on {t.device}, expected a tensor on an XLA device")
+        if t.device.type != "xla":   # torch_xla: RuntimeError
+            raise ScanDeviceError(f"{what}: leaf {i} is on {t.device}, expected a tensor on an XLA device")
     return flat, spec
 
 
@@ -264,8 +264,10 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = default_partition, is_
     Raises (all before anything is traced, except the last ValueError):
       ScanArgumentError (a ``TypeError`` and a ``ValueError``, as torch_xla raises ``ValueError`` for
         the first and ``TypeError`` for the second): ``fn`` is not callable; a leaf of ``xs`` is 0-d.
+      ScanDeviceError (a ``TypeError`` and a ``RuntimeError``, torch_xla's type there): a leaf of
+        ``init``/``xs`` is a tensor on another device than XLA.
       TypeError: ``partition_fn`` is not callable; ``is_fn_pure`` is not a bool;
-        ``policy`` is not an OffloadPolicy; a leaf of ``init``/``xs`` is not an XLA tensor.
+        ``policy`` is not an OffloadPolicy; a leaf of ``init``/``xs`` is not a tensor.
       ValueError (torch_xla's type where it raises): ``init`` has no tensor; ``xs`` is empty, has
         a zero-length or disagreeing leading dimension; a custom ``partition_fn`` with a non-all-device policy; a stacked weight
         is sharded along the layer dimension; the policy names an activation no
@@ -305,23 +307,22 @@ def scan_layers(layers, input_data, partition_fn: Callable = default_partition, 
       policy: an :class:`~xla_swap.planning.OffloadPolicy`.
 
     Returns:
-      The last layer's output.
+      The last layer's output; ``input_data`` itself when ``layers`` is empty (as torch_xla).
 
     Raises:
-      ValueError: ``layers`` is empty, or the layers' parameter names or shapes differ (the
-        message names the layer index and the parameter); a custom ``partition_fn`` with a
-        policy other than the all-device one.
+      ValueError: the layers' parameter names or shapes differ (the message names the layer
+        index and the parameter); a custom ``partition_fn`` with a policy other than the
+        all-device one.
+      ScanDeviceError (a ``TypeError`` and a ``RuntimeError``, torch_xla's type there): a leaf of
+        ``input_data`` is a tensor on another device than XLA.
       TypeError: ``layers`` is not a sequence of ``torch.nn.Module`` (the message names
         ``layers[i]``); ``policy`` is not an OffloadPolicy; ``partition_fn`` is not
-        callable; ``is_layer_pure`` is not a bool; a leaf of ``input_data`` is not an XLA
-        tensor.
+        callable; ``is_layer_pure`` is not a bool; a leaf of ``input_data`` is not a tensor.
     """
     policy = _check_policy(policy)
     if isinstance(layers, (torch.nn.Module, str, bytes)) or not hasattr(layers, "__iter__"):
         raise TypeError(f"layers: expected a sequence of torch.nn.Module, got {type(layers).__name__}")
     layers = list(layers)
-    if not layers:
-        raise ValueError("layers: expected at least one layer")
     for i, layer in enumerate(layers):
         if not isinstance(layer, torch.nn.Module):
             raise TypeError(f"layers[{i}]: expected a torch.nn.Module, got {type(layer).__name__}")
@@ -331,6 +332,8 @@ def scan_layers(layers, input_data, partition_fn: Callable = default_partition, 
     if _uses_policy(policy) and partition_fn is not default_partition:
         raise ValueError(f"partition_fn: {policy} is implemented by xla_swap's own partitioner "
                          f"(policy_partition), so a custom partition_fn cannot be used with it")
+    if not layers:
+        return input_data   # as torch_xla's scan_layers (and torch.nn.Sequential()): no layer, the input
     if is_layer_pure and _uses_policy(policy):
         warnings.warn(f"is_layer_pure=True is ignored with {policy}: the policy path traces the layer on every "
                       f"call", UserWarning, stacklevel=2)
