@@ -164,7 +164,7 @@ class ScheduleChoice:
         return "\n".join(lines + ["", self.plan.explain()])
 
 
-def _config_key(kw: Mapping, training: bool) -> tuple:
+def _config_key(kw: Mapping, training: bool = True) -> tuple:
     res = tuple(bool(r) for r in kw["resident"])
     everything = all(res)
     return (res, bool(kw["offload_activations"]), None if everything else int(kw["prefetch_depth"]),
