@@ -195,7 +195,8 @@ def stack_rows(args, b, s, model_cpu):
                    offloaded_gib=stack.runtime.offloaded_activation_nbytes / 2 ** 30)
         if stack.schedule is not None:
             row.update(chosen=stack.schedule.describe(), chosen_remat=stack.schedule.remat,
-                       predicted_step_s=stack.schedule.step_s, budget_gib=stack.schedule.budget_bytes / 2 ** 30)
+                       predicted_step_s=stack.schedule.step_s, budget_gib=stack.schedule.budget_bytes / 2 ** 30,
+                       predicted_by_remat={str(r): t for r, t in stack.schedule.best_step_s_by_remat.items()})
         rows.append(row)
         print(json.dumps(row), flush=True)
         del stack, m

@@ -136,6 +136,8 @@ def test_chooser_drops_remat_only_where_the_link_has_room():
     rich = choose_schedule(COSTS, RICH_LINK, budget, allow_no_remat=True)
     assert not rich.remat and rich.offload_activations and rich.device_bytes <= budget
     assert rich.step_s < choose_schedule(COSTS, RICH_LINK, budget).step_s
+    assert rich.best_step_s_by_remat[False] == rich.step_s < rich.best_step_s_by_remat[True]
+    assert f"remat=False {rich.step_s:.4f} s" in rich.explain() and "remat=False" in rich.explain().splitlines()[0]
     poor = choose_schedule(COSTS, LINK, budget, allow_no_remat=True)
     assert poor.remat and poor.step_s <= evaluate_choice(COSTS, LINK, prefetch_depth=2, offload_activations=True,
                                                          remat=False).step_s

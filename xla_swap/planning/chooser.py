@@ -61,6 +61,9 @@ class ScheduleChoice:
         device moments, live carry).
       budget_bytes: the budget it was chosen for (``None`` from :func:`evaluate_choice`).
       candidates: how many candidates the chooser evaluated (0 from :func:`evaluate_choice`).
+      best_step_s_by_remat: ``{remat: seconds}``, the fastest predicted step that fits for each
+        ``remat`` setting the chooser tried (empty from :func:`evaluate_choice`); a setting with no
+        fitting candidate is absent.
       measured_step_s / measured_peak_bytes: the medians of what :meth:`observe` recorded
         (``None`` until then).
     """
@@ -78,6 +81,7 @@ class ScheduleChoice:
     extra_device_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
     budget_bytes: int | None = None
     candidates: int = 0
+    best_step_s_by_remat: Mapping[bool, float] = dataclasses.field(default_factory=dict)
     measured_step_s: float | None = None
     measured_peak_bytes: int | None = None
     _step_samples: list = dataclasses.field(default_factory=list, repr=False)
@@ -148,6 +152,9 @@ class ScheduleChoice:
         if self.budget_bytes is not None:
             lines.append(f"budget {self.budget_bytes} bytes ({self.budget_bytes / GiB:.3f} GiB), "
                          f"{self.candidates} candidates evaluated")
+        if len(self.best_step_s_by_remat) > 1:
+            lines.append("fastest predicted that fits: " + ", ".join(
+                f"remat={r} {t:.4f} s" for r, t in sorted(self.best_step_s_by_remat.items(), reverse=True)))
         if self.measured_step_s is not None:
             lines.append(f"measured step {self.measured_step_s:.4f} s = {self.measured_step_s / self.step_s:.3f}x "
                          f"predicted ({len(self._step_samples)} samples)")
@@ -329,7 +336,7 @@ def choose_schedule(costs: Sequence[LayerCost], link: Link, budget_bytes: int, *
     remats = (remat, False) if (training and allow_no_remat and remat) else (remat,)
     L = len(costs)
     has_state = training and any(c.optimizer_bytes for c in costs)
-    best, smallest, n = None, None, 0
+    best, smallest, n, by_remat = None, None, 0, {}
     depths = [k for k in range(2, min(kmax, L) + 1)] + [1]   # k = 1 only if no k >= 2 fits (docstring)
     for k in depths:
         if k == 1 and best is not None:
@@ -344,12 +351,13 @@ def choose_schedule(costs: Sequence[LayerCost], link: Link, budget_bytes: int, *
                             smallest = s
                         if s.device_bytes > budget_bytes:
                             continue
+                        by_remat[r] = min(by_remat.get(r, math.inf), s.step_s)
                         if best is None or _better(s, best):
                             best = s
     if best is None:
         pol = smallest.plan.policy
         raise InfeasibleBudgetError(int(budget_bytes), smallest.device_bytes, pol)
-    best.budget_bytes, best.candidates = int(budget_bytes), n
+    best.budget_bytes, best.candidates, best.best_step_s_by_remat = int(budget_bytes), n, by_remat
     return best
 
 
