@@ -374,8 +374,8 @@ def _better(a: ScheduleChoice, b: ScheduleChoice) -> bool:
 class ChoiceCache(LRUCache):
     """Chosen schedules kept in memory, keyed by ``(stage signatures, input signature, budget bytes,
     training)`` (any hashables the caller derives; ``xla_swap.executors.calibrate`` uses the
-    stages' parameter and input shapes and dtypes, the input's with the chooser's options), least recently used dropped beyond ``maxsize``
-    (:class:`~xla_swap.planning.cache.LRUCache`).
+    stages' parameter and input shapes and dtypes, the input's with the chooser's options), least
+    recently used dropped beyond ``maxsize`` (:class:`~xla_swap.planning.cache.LRUCache`).
 
     Raises: ValueError: ``maxsize`` not an int >= 1.
     """
