@@ -13,7 +13,10 @@ output transposed back and made contiguous), where the layout changes around cuD
 Part B, a ``transformers`` Llama (bf16, ``--d``/``--f``, 32/8 heads, ``--layers``) trained with
 AdamW: torch on the device (fused AdamW, SDPA; gradient checkpointing where ``--ckpt-tokens``
 says) against ``SwappedStack`` (weights, gradients, AdamW moments in ``pinned_host``, default
-policy) with ``fused_attention=True`` and ``False``. Each row: the median step time of
+policy) with ``fused_attention=True`` and ``False``; with ``--saved-rows`` also without remat (each
+layer's input and vjp residuals to ``pinned_host``) and under ``budget_bytes`` (``--budget-gib``), the
+schedule the chooser picks, remat or not, after measuring the link and the layers (its row names the
+choice). Each row: the median step time of
 ``--steps`` steps after one warm-up, the first step's time from construction (compilation
 included), and model TFLOP/s = (6 x non-embedding parameters x tokens + 6 x layers x batch x
 seq^2 x d) / step: the 6ND rule (Kaplan et al. 2020, training = 3 x forward) plus causal
@@ -166,6 +169,9 @@ def stack_rows(args, b, s, model_cpu):
     variants = [("cudnn", True, {}), ("xla", False, {})]
     if args.saved_rows:
         variants.append(("cudnn_saved", True, {"policy": saved, "offload_activations": True}))
+        # the chooser's pick under a budget (remat or kept residuals, docs/planner.md "Remat or
+        # residuals"): the first step measures the link and the layers, then runs the choice
+        variants.append(("cudnn_chosen", True, {"budget_bytes": _budget_bytes(args)}))
     for name, fused, kw in variants:
         if not fused and b * s > args.unfused_max_tokens:
             continue
@@ -187,10 +193,22 @@ def stack_rows(args, b, s, model_cpu):
         row = dict(tag, row="stack_" + name, step_s=t, tflops=tag["model_flops"] / t / 1e12,
                    first_step_s=first_s, first_loss=first_loss,
                    offloaded_gib=stack.runtime.offloaded_activation_nbytes / 2 ** 30)
+        if stack.schedule is not None:
+            row.update(chosen=stack.schedule.describe(), chosen_remat=stack.schedule.remat,
+                       predicted_step_s=stack.schedule.step_s, budget_gib=stack.schedule.budget_bytes / 2 ** 30,
+                       predicted_by_remat={str(r): t for r, t in stack.schedule.best_step_s_by_remat.items()})
         rows.append(row)
         print(json.dumps(row), flush=True)
         del stack, m
     return rows
+
+
+def _budget_bytes(args) -> int:
+    """``--budget-gib``, else 90 % of what jax may allocate on device 0 (its ``bytes_limit``)."""
+    if args.budget_gib:
+        return int(args.budget_gib * 2 ** 30)
+    import jax
+    return int(0.9 * jax.devices()[0].memory_stats()["bytes_limit"])
 
 
 def main(argv=None) -> int:
@@ -201,7 +219,10 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--saved-rows", action="store_true", help="also the step without remat, activations to pinned_host")
+    ap.add_argument("--saved-rows", action="store_true", help="also the step without remat, activations to "
+                    "pinned_host, and the step the chooser picks under --budget-gib (remat or not)")
+    ap.add_argument("--budget-gib", type=float, default=None,
+                    help="device-memory budget of the chosen row (default: 90 %% of jax's bytes_limit)")
     ap.add_argument("--step-shapes", default="4,2048 2,4096 8,4096 4,8192 16,4096 8,8192")
     ap.add_argument("--ckpt-tokens", type=int, default=32768, help="torch uses gradient checkpointing from here")
     ap.add_argument("--unfused-max-tokens", type=int, default=8192)
@@ -233,7 +254,8 @@ def main(argv=None) -> int:
               + (f" | xla {r['xla_fwd_s'] * 1e3:7.3f} / {r['xla_fwdbwd_s'] * 1e3:7.3f}" if "xla_fwd_s" in r else ""))
     for r in res["steps"]:
         print(f"step B{r['b']} S{r['s']} {r['row']:18s} " + (f"{r['step_s']:.3f} s {r['tflops']:6.1f} TFLOP/s"
-              + (f" first {r['first_step_s']:.1f} s" if "first_step_s" in r else "") if "step_s" in r else r["error"]))
+              + (f" first {r['first_step_s']:.1f} s" if "first_step_s" in r else "")
+              + (f" chosen: {r['chosen']}" if "chosen" in r else "") if "step_s" in r else r["error"]))
     return 0
 
 

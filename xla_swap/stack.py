@@ -938,7 +938,8 @@ class SwappedStack:
                                   remat=_remat_from_policy(policy), **common)
         #: the :class:`~xla_swap.executors.StreamingRuntime` that runs the stages.
         self.runtime: StreamingRuntime = rt
-        #: the policy in force (``budget_bytes`` given: ``params`` reads "host", see ``runtime.resident``).
+        #: the policy in force (``budget_bytes`` given: ``params`` reads "host", see ``runtime.resident``
+        #: and, once chosen, ``runtime.remat``).
         self.policy: OffloadPolicy = policy
         #: the optimizer's configuration (group 0's with a torch optimizer), or ``None``.
         self.optimizer: AdamW | None = rt.optimizer
@@ -1198,8 +1199,9 @@ class SwappedStack:
 
     def autotune(self, inputs, *, budget_bytes: int, training: bool = True, reps: int = 3, calibration=None,
                  **choose_kwargs):
-        """Choose prefetch depth, resident stages, activation offload and where the optimizer state
-        lives from a short measurement on the device, and run the stack with that choice from now on.
+        """Choose prefetch depth, resident stages, activation offload, where the optimizer state
+        lives and, for training, ``remat`` (recompute, or keep the residuals) from a short
+        measurement on the device, and run the stack with that choice from now on.
 
         A stack built with ``budget_bytes`` (and ``autotune=True``, the default) calls it at its
         first ``forward`` / ``train_step`` with that call's inputs; call it again for another
@@ -1224,7 +1226,8 @@ class SwappedStack:
             from instead of measuring (see the constructor's ``calibration``; default: the
             constructor's, else measure). With one, nothing is measured and the cached choices
             are not read.
-          **choose_kwargs: ``max_prefetch_depth``, ``allow_offload``, ``allow_device_optimizer_state``.
+          **choose_kwargs: ``max_prefetch_depth``, ``allow_offload``, ``allow_device_optimizer_state``,
+            ``allow_no_remat`` (default ``True``; ``False`` keeps ``remat=True``).
 
         Returns: the ``xla_swap.planning.chooser.ScheduleChoice`` (``.explain()``; ``.observe(step_s,
         peak_bytes)`` records measured figures beside the prediction).

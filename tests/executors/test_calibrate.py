@@ -65,7 +65,7 @@ def test_chosen_residency_is_applied_and_never_transferred(params, x, monkeypatc
     # halfway between "only the window" and "everything": some stages resident, some streamed
     budget = (stream.device_bytes + full.device_bytes) // 2
     rt2, choice = autotune(rt, x, budget, cache=cache, calibration=cal)
-    want = choose_schedule(cal.costs_for(True), SLOW_LINK, budget, remat=cal.remat)
+    want = choose_schedule(cal.costs_for(True), SLOW_LINK, budget, allow_no_remat=True)   # autotune's default
     assert choice.runtime_kwargs() == want.runtime_kwargs() and choice.step_s == want.step_s
     assert 0 < choice.num_resident < 8 and choice.device_bytes <= budget    # transfer-bound: residency pays
     assert rt2 is not rt and rt2.resident == choice.resident and rt2.prefetch_depth == choice.prefetch_depth
@@ -109,7 +109,7 @@ def test_choices_follow_the_injected_figures_and_read_no_clock(params, x, monkey
     _, c_slow = autotune(rt, x, budget, cache=cache, calibration=slow)
     _, c_fast = autotune(rt, x, budget, cache=cache, calibration=fast)      # same key: not read from the cache
     for got, cal in ((c_slow, slow), (c_fast, fast)):
-        want = choose_schedule(cal.costs_for(True), cal.link, budget, remat=cal.remat)
+        want = choose_schedule(cal.costs_for(True), cal.link, budget, allow_no_remat=True)   # autotune's default
         assert got.runtime_kwargs() == want.runtime_kwargs() and got.step_s == want.step_s
     assert c_slow.num_resident > 0                     # every resident stage saves a slow copy
     assert c_fast.step_s == pytest.approx(c_fast.floor_s)    # compute-bound: streaming costs nothing
@@ -180,6 +180,59 @@ def test_schedule_equals_reference(params, x, resident, offload, moments_on_host
     assert rt.step == ref.step == 3
     # without an optimizer: gradients against the monolithic jax reference
     plain = reconfigure(StreamingRuntime(layer, params, prefetch_depth=2), choice)
+    loss, _, grads = plain.train_step(x, loss_fn)
+    ref_loss, ref_g = jax.value_and_grad(mono_loss)(stacked(params), x)
+    check_close(loss, ref_loss, rtol=1e-5)
+    for i, g in enumerate(grads):
+        for name in ("a", "b"):
+            check_close(g[name], ref_g[name][i], rtol=1e-5, atol=1e-6)
+
+
+def test_remat_or_residual_offload_chosen_per_link_and_run(params, x, monkeypatch):
+    """Under a budget that holds the residuals offloaded but not in device memory: with a link far
+    faster than the compute the chooser drops remat and offloads each stage's input and vjp residuals
+    (the runtime built from the choice runs remat=False, offload_activations=True, and sends exactly
+    those bytes to pinned_host); with a slow link it keeps remat. The no-remat AdamW steps equal the
+    remat=True steps in values and weights, and without an optimizer its gradients equal jax.grad."""
+    opt = AdamW(lr=1e-2, weight_decay=0.1)
+    rt = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt)
+    rich = calibration_from_figures(rt, x, link=Link(h2d_gbps=1e3, d2h_gbps=1e3, both_gbps=2e3),
+                                    forward_s=FWD_S, backward_s=3 * FWD_S)
+    poor = calibration_from_figures(rt, x, link=SLOW_LINK, forward_s=FWD_S, backward_s=3 * FWD_S)
+    costs = list(rich.costs)
+    budget = evaluate_choice(costs, rich.link, prefetch_depth=2, offload_activations=True, remat=False).device_bytes
+    assert min(evaluate_choice(costs, rich.link, prefetch_depth=k, remat=False).device_bytes
+               for k in (2, 3, 4)) > budget                                 # residuals on the device do not fit
+    forbid_clock(monkeypatch)
+    rt_poor, c_poor = autotune(rt, x, budget, cache=ChoiceCache(), calibration=poor)
+    assert c_poor.remat and rt_poor.remat is True                           # link-poor: recompute
+    rt_rich, c_rich = autotune(rt, x, budget, cache=ChoiceCache(), calibration=rich)
+    assert not c_rich.remat and c_rich.offload_activations and c_rich.device_bytes <= budget
+    assert rt_rich.remat is False and rt_rich.offload_activations           # the runtime runs the choice
+    assert autotune(rt, x, budget, cache=ChoiceCache(), calibration=rich, allow_no_remat=False)[1].remat
+    # a checkpoint policy's figures are that policy's: it is kept, never replaced by a bool
+    policy = jax.checkpoint_policies.dots_saveable
+    monkeypatch.undo()
+    rt_pol = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt, remat=policy)
+    pol = calibration_from_figures(rt_pol, x, link=rich.link, forward_s=FWD_S, backward_s=3 * FWD_S)
+    forbid_clock(monkeypatch)
+    rt_pol2, c_pol = autotune(rt_pol, x, 2 * budget, cache=ChoiceCache(), calibration=pol)
+    assert not c_pol.remat and rt_pol2.remat is policy and reconfigure(rt_pol, c_pol).remat is policy
+    assert reconfigure(rt_pol, c_poor).remat is True                        # a choice to recompute: True
+    monkeypatch.undo()                                                      # the steps below trace
+    ref = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt)  # remat=True, nothing offloaded
+    k = c_rich.prefetch_depth
+    offloaded = sum(c.carry_bytes + c.intermediate_bytes for c in costs[:8 - k - 1])   # the last k+1 stay
+    for _ in range(3):
+        got, want = rt_rich.train_step(x, loss_fn)[0], ref.train_step(x, loss_fn)[0]
+        check_close(got, want, rtol=1e-5)
+        assert rt_rich.offloaded_activation_nbytes == offloaded > (8 - k - 1) * x.nbytes     # residuals included
+        assert sum(rt_rich.residual_nbytes) > 0 and sum(ref.residual_nbytes) == 0
+    for p, q in zip(rt_rich.host_params, ref.host_params):
+        for name in ("a", "b"):
+            check_close(p[name], q[name], rtol=1e-5, atol=1e-6)
+    plain = reconfigure(StreamingRuntime(layer, params, prefetch_depth=2), c_rich)
+    assert plain.remat is False
     loss, _, grads = plain.train_step(x, loss_fn)
     ref_loss, ref_g = jax.value_and_grad(mono_loss)(stacked(params), x)
     check_close(loss, ref_loss, rtol=1e-5)

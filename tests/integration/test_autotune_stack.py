@@ -2,7 +2,9 @@
 
 A stack of torch FFN layers with AdamW: after ``autotune`` under a budget between "only the
 streaming window" and "everything", the stack runs the chosen residency (resident stages' weights
-in device memory), and training equals plain torch ``AdamW`` on CPU (values and weights).
+in device memory), and training equals plain torch ``AdamW`` on CPU (values and weights). A small
+``transformers`` Llama under a budget that holds its residuals only offloaded: the choice drops
+remat on a fast link (residuals to ``pinned_host``) and keeps it on a slow one, training as torch.
 
 Every choice here is made from injected figures (``calibration_from_figures``: the runtime's bytes,
 given times and link) with the clock made to raise, and is checked against ``choose_schedule`` for
@@ -65,7 +67,8 @@ def _assert_weights_close(stack, layers, ref) -> None:
 
 def _same_choice(got, cal, budget, training=True):
     """``got`` is what ``choose_schedule`` picks for ``cal``'s figures and ``budget``."""
-    want = choose_schedule(cal.costs_for(training), cal.link, budget, training=training, remat=cal.remat)
+    want = choose_schedule(cal.costs_for(training), cal.link, budget, training=training,
+                           allow_no_remat=True)     # autotune's default
     assert got.runtime_kwargs() == want.runtime_kwargs() and got.step_s == want.step_s and got.training == training
 
 
@@ -171,3 +174,57 @@ def test_budget_bytes_chooses_the_schedule_at_the_first_call(monkeypatch):
     assert rule.schedule is None and rule.runtime.resident == (True,) * L
     with pytest.raises(TypeError, match="calibration must be"):
         SwappedStack(list(copy.deepcopy(ref)), devices=jax.devices()[:1], budget_bytes=budget, calibration="fast")
+
+
+def test_budget_picks_residual_offload_on_a_rich_link_and_trains_as_torch(monkeypatch):
+    """A small ``transformers`` Llama through ``SwappedStack(budget_bytes=B)`` with AdamW, ``B`` holding
+    the vjp residuals offloaded but not in device memory: with a link far faster than the injected
+    compute the first step drops remat and offloads every stage's input and residuals (the runtime
+    runs remat=False, offload_activations=True), with a slow link it keeps remat; both train as torch
+    eager AdamW (loss and weights) over 3 steps."""
+    from llama_cases import batches, ce, make_model
+    from xla_swap.hf import causal_lm_stages
+    import xla_swap.executors.calibrate as cal_mod
+    monkeypatch.setattr(cal_mod, "CHOICES", ChoiceCache())
+    data = batches(3, b=2, t=12, seed=3)
+    ref0 = make_model(layers=3, seed=4)
+    figures = {name: functools.partial(calibration_from_figures, link=link, forward_s=1e-3, backward_s=3e-3)
+               for name, link in (("rich", Link(h2d_gbps=1e3, d2h_gbps=1e3, both_gbps=2e3)),
+                                  ("poor", Link(h2d_gbps=1e-3, d2h_gbps=1e-3, both_gbps=1.5e-3)))}
+
+    def stack_of(model, **kw):
+        first, layers, last = causal_lm_stages(model)
+        return SwappedStack(layers, first=first, last=last, loss_fn=ce, devices=jax.devices()[:1],
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6), **kw)
+    probe = stack_of(copy.deepcopy(ref0))
+    cals = {name: f(probe.runtime, probe._carry_in((data[0][0],))) for name, f in figures.items()}
+    c = cals["rich"]
+    costs = list(c.costs)
+    budget = evaluate_choice(costs, c.link, prefetch_depth=2, offload_activations=True, remat=False).device_bytes
+    assert min(evaluate_choice(costs, c.link, prefetch_depth=k, remat=False).device_bytes for k in (2, 3, 4)) > budget
+    for name, want_remat in (("rich", False), ("poor", True)):
+        ref = copy.deepcopy(ref0).train()
+        opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+        model = copy.deepcopy(ref0)
+        stack = stack_of(model, budget_bytes=budget, calibration=figures[name])
+        for step, (x, y) in enumerate(data):
+            if step == 0:
+                forbid_clock(monkeypatch)
+            got = float(stack.train_step(x, y))
+            if step == 0:
+                monkeypatch.setattr(time, "perf_counter", _perf_counter)
+                ch = stack.schedule
+                assert ch.remat is want_remat and stack.runtime.remat is want_remat, (name, ch.describe())
+                _same_choice(ch, cals[name], budget)        # the stack's first runtime is the probe's
+                if not want_remat:
+                    assert ch.offload_activations and stack.runtime.offload_activations
+                    assert stack.runtime.offloaded_activation_nbytes > 0 and sum(stack.runtime.residual_nbytes) > 0
+            want = ce(ref(x).logits, y)
+            opt_ref.zero_grad()
+            want.backward()
+            opt_ref.step()
+            assert abs(got - float(want.detach())) <= 1e-5 * abs(float(want.detach())), (name, step)
+        stack.sync_modules()
+        worst = max(float((p.detach() - q.detach()).norm() / q.detach().norm().clamp_min(1e-30))
+                    for p, q in zip(model.parameters(), ref.parameters()))
+        assert worst <= 1e-5, (name, worst)

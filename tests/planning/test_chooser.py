@@ -5,10 +5,13 @@ only the streaming window fits -> nothing resident; more budget never predicts a
 the rewrite onto the planner's model (resident stages move nothing, offload's bytes) is checked
 against ``evaluate`` directly; bad input is refused naming the argument.
 """
+import dataclasses
+
 import pytest
 
 from xla_swap.planning import InfeasibleBudgetError, LayerCost, Link, OffloadPolicy, evaluate
-from xla_swap.planning.chooser import CHOICES, STAGE_INPUT, ChoiceCache, ScheduleChoice, choose_schedule, evaluate_choice
+from xla_swap.planning.chooser import (CHOICES, STAGE_INPUT, STAGE_RESIDUALS, ChoiceCache, ScheduleChoice,
+                                      choose_schedule, evaluate_choice)
 
 GiB = 1 << 30
 LINK = Link(54.5, 54.6, 79.3)
@@ -83,6 +86,78 @@ def test_offload_and_device_moments():
     assert dev.step_s < off.step_s                                 # only the weights cross PCIe
     inf = evaluate_choice(COSTS, LINK, prefetch_depth=2, offload_activations=True, training=False)
     assert not inf.offload_activations and not inf.training       # offload is a training option
+
+
+#: A link 100x faster than LINK: the LAYER stack's step is then bound by its compute.
+RICH_LINK = Link(100 * 54.5, 100 * 54.6, 100 * 79.3)
+
+
+def test_no_remat_maps_onto_the_planners_residual_terms():
+    """remat=False is the planner's remat=False: offloaded, the residuals are a named activation placed
+    "host" beside the stage input (out in the forward, in during the backward: the same Plan as the
+    planner's for those costs written by hand); on the device, its "intermediates" term; the
+    backward loses the recompute (compute-bound: one forward per stage)."""
+    off = evaluate_choice(COSTS, LINK, prefetch_depth=2, offload_activations=True, remat=False)
+    assert off.remat is False and off.plan.policy.remat is False
+    assert off.plan.policy.activations == {STAGE_INPUT: "host", STAGE_RESIDUALS: "host"}
+    assert off.plan.host_components[f"activation {STAGE_RESIDUALS}"] == 8 * GiB
+    no_state = [dataclasses.replace(LAYER, optimizer_bytes=0)] * 8         # the backward sets the peak
+    mem = evaluate_choice(no_state, LINK, prefetch_depth=2, offload_activations=True, remat=False).plan
+    assert mem.peak_phase == "forward/backward" and mem.device_components["intermediates"] == 0
+    assert mem.device_components[f"activation {STAGE_RESIDUALS}"] == 3 * GiB            # a window of k+1
+    assert mem.device_components["recompute"] == 0
+    by_hand = [LayerCost(param_bytes=GiB, optimizer_bytes=2 * GiB, intermediate_bytes=0, working_bytes=512 << 20,
+                         activations={STAGE_INPUT: 128 << 20, STAGE_RESIDUALS: GiB}, forward_s=0.012,
+                         backward_factor=1.6)] * 8
+    p = evaluate(OffloadPolicy(params="host", grads="host", optimizer_state="host", remat=False, prefetch_depth=2,
+                               activations={STAGE_INPUT: "host", STAGE_RESIDUALS: "host"}),
+                 by_hand, link=LINK, optimizer_mode="streamed")
+    assert off.step_s == p.step_s and off.device_bytes == p.device_bytes + (128 << 20)   # + the live carry
+    with_remat = evaluate_choice(COSTS, LINK, prefetch_depth=2, offload_activations=True)
+    assert off.step_s > with_remat.step_s              # link-bound: 8 GiB more each way costs more than 8 forwards
+    dev = evaluate_choice(no_state, LINK, prefetch_depth=2, remat=False)
+    assert dev.plan.device_components["intermediates"] == 8 * GiB and not dev.plan.policy.activations
+    # compute-bound (a fast link): no recompute saves one forward per stage, offloaded or not
+    for offload in (False, True):
+        fast = [evaluate_choice(COSTS, RICH_LINK, prefetch_depth=2, offload_activations=offload, remat=r)
+                for r in (True, False)]
+        assert fast[0].step_s - fast[1].step_s == pytest.approx(8 * 0.012, rel=1e-2)
+    assert "remat=False" in off.describe() and off.runtime_kwargs()["remat"] is False
+    inf = evaluate_choice(COSTS, LINK, prefetch_depth=2, training=False, remat=False)
+    assert "remat" not in inf.runtime_kwargs() and "remat" not in inf.describe()   # a forward does not use it
+
+
+def test_chooser_drops_remat_only_where_the_link_has_room():
+    """Under a budget that holds the residuals offloaded but not on the device, a link-rich
+    (compute-bound) stack runs without recompute, offloading the residuals with the stage inputs,
+    and a link-poor one keeps remat; allow_no_remat=False (the default) never drops it."""
+    budget = evaluate_choice(COSTS, LINK, prefetch_depth=2, offload_activations=True, remat=False).device_bytes
+    assert min(evaluate_choice(COSTS, LINK, prefetch_depth=k, remat=False).device_bytes for k in (2, 3, 4)) > budget
+    rich = choose_schedule(COSTS, RICH_LINK, budget, allow_no_remat=True)
+    assert not rich.remat and rich.offload_activations and rich.device_bytes <= budget
+    assert rich.step_s < choose_schedule(COSTS, RICH_LINK, budget).step_s
+    assert rich.best_step_s_by_remat[False] == rich.step_s < rich.best_step_s_by_remat[True]
+    assert f"remat=False {rich.step_s:.4f} s" in rich.explain() and "remat=False" in rich.explain().splitlines()[0]
+    poor = choose_schedule(COSTS, LINK, budget, allow_no_remat=True)
+    assert poor.remat and poor.step_s <= evaluate_choice(COSTS, LINK, prefetch_depth=2, offload_activations=True,
+                                                         remat=False).step_s
+    assert choose_schedule(COSTS, RICH_LINK, budget).remat                      # the default: remat as given
+    assert choose_schedule(COSTS, RICH_LINK, budget, allow_no_remat=True).candidates == \
+        2 * choose_schedule(COSTS, RICH_LINK, budget).candidates
+    # enough memory for every residual on the device: no recompute and nothing offloaded (compute-bound)
+    roomy = choose_schedule(COSTS, RICH_LINK, 80 * GiB, allow_no_remat=True)
+    assert not roomy.remat and not roomy.offload_activations
+    # a forward has nothing to recompute: the option adds no candidate
+    fwd = [choose_schedule(COSTS, RICH_LINK, budget, training=False, allow_no_remat=a) for a in (False, True)]
+    assert fwd[0].candidates == fwd[1].candidates and fwd[0].same_config(fwd[1])
+    # remat given False: the only setting tried
+    assert not choose_schedule(COSTS, LINK, 80 * GiB, remat=False).remat
+    # same_config: a mapping without remat means the runtime's default (True)
+    kw = rich.runtime_kwargs()
+    del kw["remat"]
+    assert not rich.same_config(kw) and rich.same_config({**kw, "remat": False})
+    with pytest.raises(TypeError, match="allow_no_remat"):
+        choose_schedule(COSTS, LINK, budget, allow_no_remat="yes")
 
 
 def test_observe_and_explain():

@@ -112,8 +112,10 @@ def peak_bytes_in_use(device: jax.Device | None = None) -> int | None:
 
 def runtime_signature(runtime: StreamingRuntime, h) -> tuple:
     """``(stage signatures, input signature)``, hashable: per stage its function's qualified name and
-    parameter shapes / dtypes, with whether an optimizer runs, ``remat is True`` and the devices;
-    the input's structure, shapes and dtypes. The key (with budget and mode) of cached choices.
+    parameter shapes / dtypes, with whether an optimizer runs, the ``remat`` checkpoint policy
+    (``None`` for a bool ``remat``: :func:`autotune` chooses between ``True`` and ``False``, from
+    figures that predict both) and the devices; the input's structure, shapes and dtypes. The key
+    (with budget, mode and the chooser's options) of cached choices.
 
     Raises: TypeError: ``runtime`` is not a ``StreamingRuntime``; ``h`` is not an array pytree.
     """
@@ -122,7 +124,8 @@ def runtime_signature(runtime: StreamingRuntime, h) -> tuple:
                    for f, a in zip(runtime._fns, runtime._param_avals))
     sig = runtime._signature(h)
     devices = tuple(sorted(d.id for d in runtime.activation_sharding.device_set))
-    return (stages, runtime.optimizer is not None, runtime.remat is True, devices), _aval_key(sig.in_aval)
+    policy = None if isinstance(runtime.remat, bool) else runtime.remat
+    return (stages, runtime.optimizer is not None, policy, devices), _aval_key(sig.in_aval)
 
 
 def _check_runtime(runtime) -> None:
@@ -366,8 +369,11 @@ def _backward_call(rt: StreamingRuntime, sig, i: int):
 def reconfigure(runtime: StreamingRuntime, choice: ScheduleChoice) -> StreamingRuntime:
     """A new ``StreamingRuntime`` running ``choice`` over ``runtime``'s stages: the same stage
     functions, current weights, shardings, optimizer (its state and step count carried over),
-    ``remat``, trainable leaves and flags; ``prefetch_depth``, ``resident``,
-    ``offload_activations`` and ``optimizer_state_on_host`` from ``choice.runtime_kwargs()``.
+    trainable leaves and flags; ``prefetch_depth``, ``resident``, ``offload_activations``,
+    ``optimizer_state_on_host`` and, for a training choice, ``remat`` from
+    ``choice.runtime_kwargs()``. A forward's choice keeps ``runtime.remat``; so does a training
+    choice with ``remat=False`` when ``runtime.remat`` is a ``jax.checkpoint_policies`` policy
+    (its calibration's figures are that policy's: :func:`autotune` does not choose ``remat`` for it).
 
     ``runtime`` is left as it was (its buffers stay until it is dropped): while both exist, host
     memory holds the weights (and optimizer state) twice. The optimizer state is copied straight
@@ -395,16 +401,20 @@ def reconfigure(runtime: StreamingRuntime, choice: ScheduleChoice) -> StreamingR
     path_group = [dict(zip([jax.tree_util.keystr(p) for (p, _), m in zip(jax.tree_util.tree_flatten_with_path(a)[0], mask)
                             if m], groups))
                   for a, mask, groups in zip(rt._param_avals, rt._train_mask, rt.group_idx)]
+    kw = choice.runtime_kwargs()
+    remat = kw.pop("remat", rt.remat)
+    if remat is False and not isinstance(rt.remat, bool):
+        remat = rt.remat
     new = StreamingRuntime(
         list(rt._fns), list(rt.host_params),
         sharding=lambda i, path, leaf: path_sh[i][jax.tree_util.keystr(path)].with_memory_kind(DEVICE_KIND),
         activation_sharding=rt.activation_sharding, batch_axis=rt.batch_axis, donate=rt.donate,
-        throttle=rt.throttle, track_residency=rt.track_residency, trace=rt.trace, remat=rt.remat,
+        throttle=rt.throttle, track_residency=rt.track_residency, trace=rt.trace, remat=remat,
         grads_to_host=rt.grads_to_host, optimizer=rt.param_groups,
         trainable=lambda i, path: path_train[i][jax.tree_util.keystr(path)],
         group_of=lambda i, path: path_group[i][jax.tree_util.keystr(path)], max_signatures=rt.max_signatures,
         prefetch_next_call=rt.prefetch_next_call,
-        optimizer_state=rt.optimizer_state if rt.optimizer is not None else None, **choice.runtime_kwargs())
+        optimizer_state=rt.optimizer_state if rt.optimizer is not None else None, **kw)
     new.step = rt.step
     return new
 
@@ -412,11 +422,11 @@ def reconfigure(runtime: StreamingRuntime, choice: ScheduleChoice) -> StreamingR
 def autotune(runtime: StreamingRuntime, h, budget_bytes: int, *, training: bool = True, reps: int = 3,
              cache: ChoiceCache = CHOICES,
              calibration: "Calibration | Callable[[StreamingRuntime, Any], Calibration] | None" = None,
-             **choose_kwargs) -> tuple[StreamingRuntime, ScheduleChoice]:
+             allow_no_remat: bool = True, **choose_kwargs) -> tuple[StreamingRuntime, ScheduleChoice]:
     """Choose a schedule for ``runtime`` and input ``h`` under ``budget_bytes``, and the runtime that runs it.
 
     Without ``calibration`` the choice is looked up in ``cache`` under
-    ``(runtime_signature(runtime, h), budget_bytes, training)``; on a miss :func:`calibrate`
+    ``(runtime_signature(runtime, h), the chooser's options, budget_bytes, training)``; on a miss :func:`calibrate`
     measures (``reps`` calls per figure) and :func:`~xla_swap.planning.chooser.choose_schedule`
     chooses, and the choice is cached. With ``calibration`` nothing is measured and the cache is
     not read: the choice is made from that calibration's figures (and cached under the same key).
@@ -433,6 +443,11 @@ def autotune(runtime: StreamingRuntime, h, budget_bytes: int, *, training: bool 
         :func:`calibration_from_figures`), or a callable ``(runtime, h) -> Calibration`` called
         instead of :func:`calibrate` (e.g. ``functools.partial(calibration_from_figures,
         link=..., forward_s=..., backward_s=...)``).
+      allow_no_remat: for a training step, choose ``remat`` too: ``True`` (recompute each stage's
+        forward in its backward) or ``False`` (keep its residuals, offloaded with the stage inputs
+        when the choice offloads): default ``True``; ``False`` keeps ``remat=True``. A runtime whose
+        ``remat`` is a ``jax.checkpoint_policies`` policy keeps it either way (its calibration
+        measured that policy's backward).
       **choose_kwargs: ``max_prefetch_depth``, ``allow_offload``, ``allow_device_optimizer_state``.
 
     Returns: ``(runtime to use, choice)``: ``runtime`` itself when it already runs the choice, else
@@ -442,10 +457,12 @@ def autotune(runtime: StreamingRuntime, h, budget_bytes: int, *, training: bool 
     Raises: the errors of :func:`calibrate` and of ``choose_schedule`` (``InfeasibleBudgetError``
       when nothing fits; ``ValueError`` for a bad budget); ``TypeError`` for a ``calibration`` that
       is neither a ``Calibration`` nor callable, or a callable that returns no ``Calibration``;
-      ``ValueError`` for a calibration of another runtime or input signature; all before the
-      runtime changes.
+      ``ValueError`` for a calibration of another runtime or input signature; ``TypeError`` for an
+      ``allow_no_remat`` that is not a bool; all before the runtime changes.
     """
     _check_runtime(runtime)
+    if not isinstance(allow_no_remat, bool):
+        raise TypeError(f"allow_no_remat must be a bool, got {type(allow_no_remat).__name__}")
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, np.integer)) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be a positive int (bytes), got {budget_bytes!r}")
     if not isinstance(training, bool):
@@ -458,7 +475,9 @@ def autotune(runtime: StreamingRuntime, h, budget_bytes: int, *, training: bool 
     sig = runtime_signature(runtime, h)
     if isinstance(calibration, Calibration):
         _check_calibration(calibration, sig)
-    key = cache.key(*sig, int(budget_bytes), training)
+    # the chooser's options are part of the input's key: a choice made with other options is another choice
+    options = tuple(sorted({**choose_kwargs, "allow_no_remat": allow_no_remat}.items()))
+    key = cache.key(sig[0], (sig[1], options), int(budget_bytes), training)
     choice = None if calibration is not None else cache.get(key)
     if choice is None:
         if calibration is None:
@@ -470,12 +489,16 @@ def autotune(runtime: StreamingRuntime, h, budget_bytes: int, *, training: bool 
             if not isinstance(cal, Calibration):
                 raise TypeError(f"calibration returned a {type(cal).__name__}, expected a Calibration")
             _check_calibration(cal, sig)
-        choice = choose_schedule(cal.costs_for(training), cal.link, int(budget_bytes), training=training, remat=cal.remat,
+        # a bool remat: the calibration's backward_factor excludes the recompute, so both settings
+        # can be predicted; a checkpoint policy's figures are that policy's (cal.remat False)
+        choosable = isinstance(runtime.remat, bool)
+        choice = choose_schedule(cal.costs_for(training), cal.link, int(budget_bytes), training=training,
+                                 remat=choosable or cal.remat, allow_no_remat=allow_no_remat and choosable,
                                  **choose_kwargs)
         cache.put(key, choice)
     current = {"prefetch_depth": runtime.prefetch_depth, "resident": list(runtime.resident),
                "offload_activations": runtime.offload_activations,
-               "optimizer_state_on_host": runtime.optimizer_state_on_host}
+               "optimizer_state_on_host": runtime.optimizer_state_on_host, "remat": runtime.remat is True}
     if choice.same_config(current):
         return runtime, choice
     return reconfigure(runtime, choice), choice
