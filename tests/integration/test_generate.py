@@ -67,6 +67,7 @@ def test_stop_tokens_equal_hf():
                          pad_token_id=1)
     got = _stack(model).generate(ids, mask, max_new_tokens=12, eos_token_id=eos, pad_token_id=1)
     assert torch.equal(got, ref), (got[:, 11:], ref[:, 11:])
+    assert int((got[:2, 11:] == 1).sum()) > 0   # rows 0 and 1 stopped and were padded
 
 
 def test_sampling_reproducible_and_host_cache_equal():
