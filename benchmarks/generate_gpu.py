@@ -17,8 +17,10 @@ H100's 80 GB; skipped, with the reason in the JSON, when host memory cannot hold
   sized first (``xla_swap.executors.host_pool.ensure_host_memory_limit``, before jax starts).
 
 Per batch (``--batches``, default 1 and 32), prompt ``--prompt`` (512) tokens, greedy:
-time to first token (``generate(max_new_tokens=1)``, median of 3), the decode step (median of
-the intervals between steps of a ``--new-tokens`` run; ``--new-tokens-70b`` for the 70b shape),
+time to first token (the prefill's token ready, ``last_generation["first_token_s"]``), the decode
+step (median of the intervals between steps of a ``--new-tokens`` run; ``--new-tokens-70b`` for the
+70b shape, whose batches are ``--batches-70b``), and, with ``--plan-batch``, the batch
+``xla_swap.generate.choose_batch`` picks for the free device memory (at most ``--max-batch``);
 tokens/s (batch / step) and the step over its floor. Floor: ``max(W / h2d, decode compute)``, with
 ``W`` the streamed weight bytes and ``h2d`` measured in the run (a ``pinned_host`` -> device copy
 of ``--bw-mib`` MiB, median of 5); decode compute: the resident stack's step (``8b``), else
@@ -158,16 +160,12 @@ def _prompt(batch: int, prompt: int, vocab: int):
 
 
 def time_stack(stack, batch: int, prompt: int, new: int, vocab: int, kv_cache: str = "auto") -> dict:
-    """TTFT, decode step (median) and the tokens of one greedy run of ``new`` tokens."""
+    """Time to first token, the decode step (median of the intervals between steps) and the tokens of a
+    greedy run of ``new`` tokens, after a 2-token run that compiles the prefill and decode executables."""
     ids, mask = _prompt(batch, prompt, vocab)
     up = lambda x: -(-x // 64) * 64   # noqa: E731
     kw = dict(eos_token_id=None, kv_cache=kv_cache, max_cache_len=up(up(prompt) + new), prompt_bucket=64)
-    stack.generate(ids, mask, max_new_tokens=2, **kw)            # compiles prefill and decode
-    ttft = []
-    for _ in range(3):
-        t = time.perf_counter()
-        stack.generate(ids, mask, max_new_tokens=1, **kw)
-        ttft.append(time.perf_counter() - t)
+    stack.generate(ids, mask, max_new_tokens=2, **kw)
     t = time.perf_counter()
     out = stack.generate(ids, mask, max_new_tokens=new, **kw)
     total = time.perf_counter() - t
@@ -175,7 +173,7 @@ def time_stack(stack, batch: int, prompt: int, new: int, vocab: int, kv_cache: s
     done = info["step_done_s"]
     steps = [b - a for a, b in zip(done, done[1:])]
     step = statistics.median(steps) if steps else float("nan")
-    return {"batch": batch, "new_tokens": new, "ttft_s": statistics.median(ttft), "decode_step_s": step,
+    return {"batch": batch, "new_tokens": new, "ttft_s": info["first_token_s"], "decode_step_s": step,
             "decode_steps_s": steps, "total_s": total, "tokens_per_s": batch / step,
             "placement": info["placement"], "placement_why": info["explanation"],
             "kv_cache_bytes": info["kv_cache_bytes"], "tokens": out[:, prompt:].tolist()}
@@ -243,16 +241,26 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
     res["weight_bytes"] = w
     res["link_floor_s"] = w / (bw["h2d_GBps"] * 1e9)
     res["hbm_floor_s"] = w / (bw["hbm_GBps"] * 1e9)
+    batches = list(args.batches if name == "8b" else args.batches_70b)
+    if args.plan_batch:   # the batch that maximises tokens/s for the free device memory (xla_swap.generate.choose_batch)
+        from xla_swap.generate import choose_batch, release_generation
+        up = lambda x: -(-x // 64) * 64   # noqa: E731
+        planned, why = choose_batch(stack, args.prompt, up(up(args.prompt) + new) - up(args.prompt),
+                                    max_batch=args.max_batch, prompt_bucket=64)
+        release_generation(stack)
+        res["planned_batch"], res["planned_why"] = planned, why
+        if planned not in batches:
+            batches.append(planned)
     compute: dict = {}
     if name == "8b" and not args.no_resident:   # the decode compute: every stage resident on the device
         res_stack = xla_swap.SwappedStack(lyr, first=first, last=last, policy=OffloadPolicy(params="device"))
-        for b in args.batches:
+        for b in batches:
             r = time_stack(res_stack, b, args.prompt, min(new, args.resident_new_tokens), args.vocab)
             compute[b] = r["decode_step_s"]
             res["rows"][f"resident_b{b}"] = {k: v for k, v in r.items() if k != "tokens"}
         del res_stack
         gc.collect()
-    for b in args.batches:
+    for b in batches:
         r = time_stack(stack, b, args.prompt, new, args.vocab)
         c = compute.get(b, res["hbm_floor_s"])
         r["compute_floor_s"], r["compute_floor_from"] = c, "resident stack" if b in compute else "W / hbm"
@@ -260,7 +268,7 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
         r["ratio_to_floor"] = r["decode_step_s"] / r["floor_s"]
         res["rows"][f"stack_b{b}"] = r
     if args.kv_host:
-        b = max(args.batches)
+        b = max(args.batches if name == "8b" else args.batches_70b)
         r = time_stack(stack, b, args.prompt, new, args.vocab, kv_cache="host")
         r["floor_s"] = max(res["link_floor_s"] + 2 * r["kv_cache_bytes"] / (bw["h2d_GBps"] * 1e9),
                            compute.get(b, res["hbm_floor_s"]))
@@ -329,6 +337,10 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens-70b", type=int, default=16)
     ap.add_argument("--resident-new-tokens", type=int, default=32)
     ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--batches-70b", default="1,32")
+    ap.add_argument("--plan-batch", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the batch xla_swap.generate.choose_batch picks for the free device memory")
+    ap.add_argument("--max-batch", type=int, default=256)
     ap.add_argument("--accel-batches", default="1")
     ap.add_argument("--accel-new-tokens", type=int, default=8)
     ap.add_argument("--bw-mib", type=int, default=2048)
@@ -344,8 +356,12 @@ def main(argv=None) -> int:
         args.resident_new_tokens, args.accel_new_tokens, args.bw_mib = 4, 3, 16
         if args.batches == "1,32":
             args.batches = "1,2"
+        if args.batches_70b == "1,32":
+            args.batches_70b = "1,2"
+        args.plan_batch = False   # no memory statistics on the CPU
         args.check_hf = True
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.batches_70b = [int(b) for b in args.batches_70b.split(",")]
     args.accel_batches = [int(b) for b in args.accel_batches.split(",")]
     shapes = [s for s in args.shapes.split(",") if s]
     import torch

@@ -51,7 +51,7 @@ import torch
 from xla_swap.executors.decode import StatefulStreamer, state_nbytes
 from xla_swap.hf import CausalLMFirst, CausalLMLast, _Capture, _is_const, _is_tensor_tree, _Stop, _Swapped
 
-__all__ = ["generate", "kv_cache_bytes"]
+__all__ = ["generate", "choose_batch", "release_generation", "kv_cache_bytes", "FROM_CONFIG"]
 
 #: carry key of the cache offset (int32 scalar: the cache slot of the step's first token).
 _OFFSET = "xla_swap.kv_offset"
@@ -138,6 +138,7 @@ class _Generator:
         rt = stack.runtime
         n_layers = len(stack.modules) - 2
         self.stack, self.batch, self.cache_len = stack, batch, cache_len
+        self.runtime = rt
         self.matmul_precision = stack.matmul_precision
         base_params = set(first._accepts)
         cache_kw = "cache" if "cache" in base_params else "past_key_values"
@@ -393,6 +394,80 @@ class _DecodeFirst(torch.nn.Module):
         return h, carry
 
 
+def _generator(stack, batch: int, cache_len: int, kv_cache: str, budget) -> _Generator:
+    """The stack's generator for these shapes (one at a time: a new one drops the previous KV cache)."""
+    key = (batch, cache_len, kv_cache, budget, stack.matmul_precision, id(stack.runtime))
+    gens = stack.__dict__.setdefault("_generators", {})
+    gen = gens.get(key)
+    if gen is None or gen.runtime is not stack.runtime:
+        gens.clear()
+        gen = _Generator(stack, batch, cache_len, kv_cache, budget)
+        gens[key] = gen
+    return gen
+
+
+def release_generation(stack) -> None:
+    """Free what :func:`generate` keeps in ``stack`` between calls: the KV cache (device or ``pinned_host``), the
+    weights prefetched for the next step and the decode executables. The next ``generate`` builds them again."""
+    stack.__dict__.pop("_generators", None)
+
+
+def choose_batch(stack, prompt_len: int, max_new_tokens: int, *, device_budget_bytes: int | None = None,
+                 max_batch: int = 1024, prompt_bucket: int = 16) -> tuple[int, str]:
+    """The batch that maximises tokens/s for a device budget: the largest whose KV cache on the device and
+    prefill temporaries fit beside the streaming window.
+
+    A decode step streams every weight once whatever the batch (its floor ``W / h2d`` is the same at batch
+    1 and 256 until the batch's decode compute exceeds it), so tokens/s grows with the batch until device
+    memory runs out: ``batch = floor((budget - window) / (kv + temp))`` with ``kv`` the KV cache bytes of one
+    sequence (every layer: ``2 x kv_heads x head_dim x cache_len x itemsize``), ``temp`` the largest stage
+    executable's temporaries for one sequence's prefill (XLA's ``memory_analysis`` of the batch-1 prefill,
+    compiled here), ``window`` ``prefetch_depth + 1`` of the largest stage's weights plus resident stages.
+
+    Args:
+      stack: as for :func:`generate`.
+      prompt_len, max_new_tokens: ints >= 1 (the cache is ``prompt_len`` bucketed plus ``max_new_tokens``,
+        rounded up to ``prompt_bucket``, as :func:`generate` sizes it).
+      device_budget_bytes: bytes for the stack on the device; default the free device memory.
+      max_batch: upper bound of the answer (int >= 1).
+
+    Returns: ``(batch, explanation)`` (``batch >= 1``, the explanation giving the figures).
+
+    Raises:
+      ValueError: a bad argument; no budget given on a platform without memory statistics (the CPU).
+      TypeError: ``stack`` not built from ``causal_lm_stages``.
+    """
+    for name, v in (("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens), ("max_batch", max_batch),
+                    ("prompt_bucket", prompt_bucket)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    ids = torch.zeros((1, prompt_len), dtype=torch.int64)
+    _, _, _, p_len, cache_len = _check_args(stack, ids, None, max_new_tokens, False, 1.0, None, None, None, None,
+                                            None, "device", device_budget_bytes, None, prompt_bucket)
+    with stack._torch_precision():
+        gen = _Generator(stack, 1, cache_len, "device", device_budget_bytes)
+        streamer = gen.streamer
+        chain = streamer._signature((np.zeros((1, p_len), np.int32), np.zeros((1, cache_len), np.int32),
+                                     np.zeros((1, p_len), np.int32), np.int32(0)))
+        temp = 0
+        for i in range(streamer.num_stages):
+            exe = streamer._exe(i, chain[i])
+            mem = exe.memory_analysis()
+            temp = max(temp, int(getattr(mem, "temp_size_in_bytes", 0) or 0) + int(
+                getattr(mem, "output_size_in_bytes", 0) or 0))
+    budget, source = device_budget_bytes, "device_budget_bytes"
+    if budget is None:
+        stats = _memory_stats(stack.runtime.activation_sharding)
+        if stats is None:
+            raise ValueError("device_budget_bytes is needed on a platform without memory statistics (the CPU)")
+        budget, source = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0), "free device memory"
+    per_seq = gen.kv_total + temp
+    batch = int(max(1, min(max_batch, (budget - gen.window) // max(1, per_seq))))
+    why = (f"batch {batch}: ({source} {budget} B - streaming window {gen.window} B) / (KV cache {gen.kv_total} B + "
+           f"prefill temporaries {temp} B per sequence, cache_len {cache_len}), at most max_batch {max_batch}")
+    return batch, why
+
+
 def _check_args(stack, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p,
                 eos_token_id, pad_token_id, seed, kv_cache, device_budget_bytes, max_cache_len, prompt_bucket):
     """Every argument of :func:`generate` checked (nothing runs); returns the normalised values."""
@@ -518,13 +593,7 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     b, t0 = input_ids.shape
     ids_cpu = input_ids.detach().to("cpu", torch.int64)
     with stack._torch_precision():
-        key = (b, cache_len, kv_cache, device_budget_bytes, stack.matmul_precision)
-        gens = stack.__dict__.setdefault("_generators", {})
-        gen = gens.get(key)
-        if gen is None:
-            gens.clear()   # one generator (one KV cache) per stack
-            gen = _Generator(stack, b, cache_len, kv_cache, device_budget_bytes)
-            gens[key] = gen
+        gen = _generator(stack, b, cache_len, kv_cache, device_budget_bytes)
         stack.runtime.release_prefetched()   # the streamer prefetches its own first stages
         pad_left = p_len - t0
         ids = np.zeros((b, p_len), np.int32)
@@ -545,6 +614,7 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         t_start = time.perf_counter()
         x = (jax.device_put(ids, act), st["mask"], st["pos"], st["offset"])
         done_s: list[float] = []
+        first_s = float("nan")
         pending = None   # the previous step's any_running flag (read one step late: the device never waits)
         n_done = max_new_tokens
         for step in range(max_new_tokens):
@@ -558,11 +628,13 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                     n_done = step
                     break
             pending = st["any_running"]
+            if step == 0:   # the prefill's token: time to first token (the next step's weights are already in flight)
+                first_s = (jax.block_until_ready(pending), time.perf_counter() - t_start)[1]
         else:
             jax.block_until_ready(st["out"])
             done_s.append(time.perf_counter() - t_start)
         out = np.asarray(st["out"])[:, :n_done]
     stack.last_generation = dict(placement=gen.placement, explanation=gen.explanation, kv_cache_bytes=gen.kv_total,
                                  kv_cache_bytes_per_layer=gen.kv_nbytes, cache_len=cache_len, prompt_len=p_len,
-                                 new_tokens=int(n_done), step_done_s=done_s)
+                                 new_tokens=int(n_done), first_token_s=first_s, step_done_s=done_s)
     return torch.cat([ids_cpu, torch.from_numpy(out.astype(np.int64))], dim=1)

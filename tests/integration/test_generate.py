@@ -113,6 +113,17 @@ def test_decode_compiled_once():
     assert after_two == 6
 
 
+def test_choose_batch_grows_with_the_budget():
+    from xla_swap.generate import choose_batch
+    stack = _stack(_model("llama"))
+    small, why = choose_batch(stack, 11, NEW, device_budget_bytes=4 << 20)
+    large, _ = choose_batch(stack, 11, NEW, device_budget_bytes=64 << 20)
+    assert 1 <= small < large <= 1024 and "KV cache" in why
+    assert choose_batch(stack, 11, NEW, device_budget_bytes=1 << 40, max_batch=48)[0] == 48
+    with pytest.raises(ValueError, match="device_budget_bytes"):
+        choose_batch(stack, 11, NEW)          # the CPU has no memory statistics
+
+
 def test_bad_arguments_refused_before_running():
     model = _model("llama")
     ids, mask = _prompts()
