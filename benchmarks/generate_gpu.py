@@ -25,7 +25,9 @@ tokens/s (batch / step) and the step over its floor. Floor: ``max(W / h2d, decod
 ``W`` the streamed weight bytes and ``h2d`` measured in the run (a ``pinned_host`` -> device copy
 of ``--bw-mib`` MiB, median of 5); decode compute: the resident stack's step (``8b``), else
 ``W / hbm`` (one read of the weights at the device bandwidth measured by a copy: a lower bound).
-With ``--kv-host`` the largest batch also runs with the KV cache in ``pinned_host``.
+With ``--kv-host`` (default on) the largest of ``--batches`` also runs with the KV cache in
+``pinned_host`` at the 8b shape (``--kv-host-70b``: at the 70b shape too); its floor adds the cache's
+bytes in and out.
 
     PYTHONPATH=/tmp/site:. python3 benchmarks/generate_gpu.py --out $OUT/generate_gpu.json
     python -m benchmarks.generate_gpu --cpu-smoke --out /tmp/gen.json    # tiny config on the CPU
@@ -90,9 +92,10 @@ class RandomWeights:
                 out[n] = t.detach()
             elif t.dim() == 1:
                 out[n] = torch.ones(t.shape, dtype=t.dtype)
-            else:
-                r = torch.randn(t.shape, generator=self.gen, device=self.device, dtype=torch.float32)
-                out[n] = (r * self.std).to(t.dtype).cpu()
+            else:   # generated as [in, out] and handed over as its transpose: the stack's [in, out] copy is free
+                shape = tuple(t.shape)[::-1] if t.dim() == 2 else tuple(t.shape)
+                r = (torch.randn(shape, generator=self.gen, device=self.device) * self.std).to(t.dtype).cpu()
+                out[n] = r.t() if t.dim() == 2 else r
         return out
 
 
@@ -267,7 +270,7 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
         r["floor_s"] = max(res["link_floor_s"], c)
         r["ratio_to_floor"] = r["decode_step_s"] / r["floor_s"]
         res["rows"][f"stack_b{b}"] = r
-    if args.kv_host:
+    if args.kv_host and (name == "8b" or args.kv_host_70b):
         b = max(args.batches if name == "8b" else args.batches_70b)
         r = time_stack(stack, b, args.prompt, new, args.vocab, kv_cache="host")
         r["floor_s"] = max(res["link_floor_s"] + 2 * r["kv_cache_bytes"] / (bw["h2d_GBps"] * 1e9),
@@ -344,7 +347,9 @@ def main(argv=None) -> int:
     ap.add_argument("--accel-batches", default="1")
     ap.add_argument("--accel-new-tokens", type=int, default=8)
     ap.add_argument("--bw-mib", type=int, default=2048)
-    ap.add_argument("--kv-host", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--kv-host", action=argparse.BooleanOptionalAction, default=True,
+                    help="8b: the largest of --batches again with the KV cache in pinned_host")
+    ap.add_argument("--kv-host-70b", action="store_true", help="the same row for the 70b shape")
     ap.add_argument("--no-accelerate", action="store_true")
     ap.add_argument("--no-resident", action="store_true")
     ap.add_argument("--check-hf", action="store_true", help="compare the stack's tokens with transformers' generate")
