@@ -171,8 +171,6 @@ class _Generator:
                     kwargs = _select(kw, g)
                     kwargs.update(consts.get(g, {}))
                     kwargs[cache_kw] = cache
-                    if "use_cache" in kwargs:
-                        kwargs["use_cache"] = True
                     out = lfn(w, (h,), kwargs)
                     if isinstance(out, (tuple, list)):
                         out = out[0]
@@ -375,7 +373,7 @@ class _DecodeFirst(torch.nn.Module):
             groups.setdefault(g, []).append(i)
         carry: dict[str, Any] = {_OFFSET: offset}
         for name in record[0][1]:
-            if name in (self._cache_kw, "use_cache"):
+            if name == self._cache_kw:
                 continue
             values = [k[name] for _, k in record]
             if all(_is_const(v) for v in values):
