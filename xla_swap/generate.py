@@ -132,13 +132,13 @@ class _Generator:
     """The stage functions and the :class:`StatefulStreamer` of one (batch, cache length, placement)."""
 
     def __init__(self, stack, batch: int, cache_len: int, kv_cache: str, budget: int | None):
-        from xla_swap.stack import _TIED, _compute_in, _module_fn, _split_carry   # noqa: F401
+        from xla_swap.stack import _TIED, _compute_in, _module_fn, _signature
         first, last = stack.modules[0], stack.modules[-1]
         env = stack._env
         rt = stack.runtime
         n_layers = len(stack.modules) - 2
-        self.stack, self.batch, self.cache_len = stack, batch, cache_len
-        self.runtime = rt
+        self.batch, self.cache_len = batch, cache_len
+        self.runtime = rt   # (not the stack: no reference cycle through stack._generators)
         self.matmul_precision = stack.matmul_precision
         base_params = set(first._accepts)
         cache_kw = "cache" if "cache" in base_params else "past_key_values"
@@ -159,13 +159,12 @@ class _Generator:
 
         fns = [first_stage]
         shared: dict = {}
-        from xla_swap.stack import _signature
         for i, m in enumerate(stack.modules[1:-1]):
             key = (_signature(m), layer_keys[i])
             if key not in shared:
                 lfn = _module_fn(m, env, stack.transposed[1 + i])
 
-                def layer_stage(w, x, lfn=lfn, g=layer_keys[i]):
+                def layer_stage(w, x, lfn=lfn, g=layer_keys[i], cls=type(m).__name__):
                     kv, (h, kw) = x
                     cache = _LayerKV(env, kv, kw[_OFFSET], cache_len, n_layers)
                     kwargs = _select(kw, g)
@@ -175,7 +174,7 @@ class _Generator:
                     if isinstance(out, (tuple, list)):
                         out = out[0]
                     if not cache.updated:
-                        raise ValueError(f"{type(m).__name__} did not call {cache_kw}.update(keys, values, ...): "
+                        raise ValueError(f"{cls} did not call {cache_kw}.update(keys, values, ...): "
                                          "generation needs decoder layers that keep a transformers-style KV cache")
                     return (out, kw), cache.kv
                 shared[key] = layer_stage
@@ -222,7 +221,7 @@ class _Generator:
                 if id(f) not in seen:
                     try:
                         seen[id(f)] = jax.eval_shape(f, pav[i], None, carry)[1]
-                    except ValueError:
+                    except ValueError:   # ours (names the layer class) or the model's own check
                         raise
                     except Exception as e:  # noqa: BLE001 - re-raised naming the layer
                         raise ValueError(f"layers[{i - 1}] ({type(stack.modules[i]).__name__}) does not trace with a "
@@ -571,7 +570,10 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
 
     Returns: int64 ``[batch, prompt + n]`` CPU tensor: ``input_ids`` and the ``n <= max_new_tokens``
       generated tokens (``n < max_new_tokens`` when every row stopped; stopped rows padded).
-      ``stack.last_generation`` holds the placement, its explanation and per-step timestamps.
+      ``stack.last_generation`` holds the placement, its explanation, the KV cache bytes,
+      ``first_token_s`` (seconds from the start of the prefill to its token) and ``step_done_s``
+      (per step, seconds from that start to the step's token, read one step late: differences
+      are decode step times).
 
     Raises (before anything runs):
       TypeError: ``stack`` not built from ``causal_lm_stages``; ``input_ids`` not an integer
@@ -591,8 +593,8 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     b, t0 = input_ids.shape
     ids_cpu = input_ids.detach().to("cpu", torch.int64)
     with stack._torch_precision():
-        gen = _generator(stack, b, cache_len, kv_cache, device_budget_bytes)
         stack.runtime.release_prefetched()   # the streamer prefetches its own first stages
+        gen = _generator(stack, b, cache_len, kv_cache, device_budget_bytes)
         pad_left = p_len - t0
         ids = np.zeros((b, p_len), np.int32)
         ids[:, pad_left:] = ids_cpu.numpy()
@@ -619,15 +621,18 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
             logits = gen.streamer.run(x)
             st = select(logits, st)
             x = (st["ids"], st["mask"], st["pos"], st["offset"])
-            if pending is not None:
+            if step >= 1:   # step - 1 is done once its flag is read (after step is dispatched: no device idle)
                 alive = bool(pending)
-                done_s.append(time.perf_counter() - t_start)
+                if step >= 2:
+                    done_s.append(time.perf_counter() - t_start)
                 if not alive:
                     n_done = step
                     break
             pending = st["any_running"]
             if step == 0:   # the prefill's token: time to first token (the next step's weights are already in flight)
-                first_s = (jax.block_until_ready(pending), time.perf_counter() - t_start)[1]
+                jax.block_until_ready(pending)
+                first_s = time.perf_counter() - t_start
+                done_s.append(first_s)
         else:
             jax.block_until_ready(st["out"])
             done_s.append(time.perf_counter() - t_start)

@@ -107,7 +107,9 @@ def test_decode_compiled_once():
     gen = next(iter(stack._generators.values()))
     after_two = gen.streamer.num_executables
     stack.generate(ids, mask, max_new_tokens=NEW, eos_token_id=None, max_cache_len=64)
-    assert stack.last_generation["new_tokens"] == NEW
+    info = stack.last_generation
+    assert info["new_tokens"] == NEW and len(info["step_done_s"]) == NEW
+    assert info["first_token_s"] == info["step_done_s"][0] and sorted(info["step_done_s"]) == info["step_done_s"]
     assert gen.streamer.num_executables == after_two
     # first, one shared layer and last, for the prefill and for the decode signature
     assert after_two == 6
