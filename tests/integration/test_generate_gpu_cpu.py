@@ -8,7 +8,7 @@ import generate_gpu  # benchmarks/ is on pytest's pythonpath
 
 def test_cpu_smoke(tmp_path):
     out = tmp_path / "gen.json"
-    assert generate_gpu.main(["--cpu-smoke", "--out", str(out)]) == 0
+    assert generate_gpu.main(["--cpu-smoke", "--kv-host-70b", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["bandwidth"]["h2d_GBps"] > 0 and data["host_pool_GiB"] >= 1
     s8, s70 = data["shapes"]["8b"], data["shapes"]["70b"]
