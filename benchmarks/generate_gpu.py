@@ -182,6 +182,12 @@ def time_stack(stack, batch: int, prompt: int, new: int, vocab: int, kv_cache: s
             "kv_cache_bytes": info["kv_cache_bytes"], "tokens": out[:, prompt:].tolist()}
 
 
+def _divergence(a: list, b: list) -> list[int]:
+    """Per row, the index of the first token where ``a`` and ``b`` differ (-1: equal)."""
+    return [next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), -1 if len(ra) == len(rb) else min(len(ra), len(rb)))
+            for ra, rb in zip(a, b)]
+
+
 def time_accelerate(model, batch: int, prompt: int, new: int, vocab: int) -> dict:
     """accelerate's ``cpu_offload`` to the GPU, ``model.generate`` greedy: TTFT and (T(new) - T(1)) / (new - 1)."""
     import torch
@@ -276,8 +282,18 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
         r["floor_s"] = max(res["link_floor_s"] + 2 * r["kv_cache_bytes"] / (bw["h2d_GBps"] * 1e9),
                            compute.get(b, res["hbm_floor_s"]))
         r["ratio_to_floor"] = r["decode_step_s"] / r["floor_s"]
-        r["tokens_equal_device_cache"] = r["tokens"] == res["rows"][f"stack_b{b}"]["tokens"]
+        first_run = res["rows"][f"stack_b{b}"]["tokens"]
+        r["tokens_equal_device_cache"] = r["tokens"] == first_run
+        r["first_divergence_from_device_cache"] = _divergence(r["tokens"], first_run)
         res["rows"][f"stack_b{b}_kvhost"] = r
+        # control: the device cache again, its executables compiled again (the host row replaced them): on a
+        # GPU, XLA's autotuning may pick other kernels per compilation, which can flip a near-tied bf16 argmax
+        c = time_stack(stack, b, args.prompt, new, args.vocab)
+        c["tokens_equal_first_run"] = c["tokens"] == first_run
+        c["first_divergence_from_first_run"] = _divergence(c["tokens"], first_run)
+        c["floor_s"] = res["rows"][f"stack_b{b}"]["floor_s"]
+        c["ratio_to_floor"] = c["decode_step_s"] / c["floor_s"]
+        res["rows"][f"stack_b{b}_recompiled"] = c
     if name == "8b" and not args.no_accelerate:
         if not cuda:
             res["accelerate"] = {"skipped": "no CUDA device (accelerate's cpu_offload needs an execution GPU)"}
@@ -310,8 +326,8 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
 
 
 def render(data: dict) -> str:
-    lines = [f"h2d {data['bandwidth']['h2d_GBps']:.1f} GB/s, hbm {data['bandwidth']['hbm_GBps']:.0f} GB/s "
-             f"({data['device']})",
+    bw = data.get("bandwidth") or {"h2d_GBps": float("nan"), "hbm_GBps": float("nan")}
+    lines = [f"h2d {bw['h2d_GBps']:.1f} GB/s, hbm {bw['hbm_GBps']:.0f} GB/s ({data.get('device', '?')})",
              "| shape | row | batch | TTFT s | decode step s | floor s | step / floor | tokens/s | KV cache |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, s in data["shapes"].items():
@@ -354,7 +370,14 @@ def main(argv=None) -> int:
     ap.add_argument("--no-resident", action="store_true")
     ap.add_argument("--check-hf", action="store_true", help="compare the stack's tokens with transformers' generate")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "generate_gpu.json"))
-    args = ap.parse_args(argv)
+    ap.add_argument("--in-process", action="store_true",
+                    help="run every shape in this process (default: one subprocess per shape when several are asked "
+                         "for, so each starts with the host memory free; --cpu-smoke runs in process)")
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args(raw)
+    shapes = [s for s in args.shapes.split(",") if s]
+    if len(shapes) > 1 and not (args.in_process or args.cpu_smoke):
+        return _per_shape(raw, shapes, args.out)
     if args.cpu_smoke:
         args.layers_8b, args.layers_70b, args.vocab = 2, 3, 128
         args.prompt, args.new_tokens, args.new_tokens_70b = 16, 6, 4
@@ -368,7 +391,6 @@ def main(argv=None) -> int:
     args.batches = [int(b) for b in args.batches.split(",")]
     args.batches_70b = [int(b) for b in args.batches_70b.split(",")]
     args.accel_batches = [int(b) for b in args.accel_batches.split(",")]
-    shapes = [s for s in args.shapes.split(",") if s]
     import torch
     args.dtype = torch.float32 if args.cpu_smoke else torch.bfloat16
     data: dict = {"args": {k: (str(v) if k == "dtype" else v) for k, v in vars(args).items()}, "shapes": {}}
@@ -403,6 +425,31 @@ def main(argv=None) -> int:
             json.dump(data, f, indent=1)
     print(render(data))
     return 0 if all("skipped" not in s or "needs" in s["skipped"] for s in data["shapes"].values()) else 1
+
+
+def _per_shape(raw: list, shapes: list, out: str) -> int:
+    """Run each shape in its own process (argparse keeps the last of a repeated option) and merge the JSONs."""
+    import subprocess
+    data, rc = None, 0
+    for s in shapes:
+        part = f"{out}.{s}.json"
+        rc |= subprocess.call([sys.executable, os.path.abspath(__file__), *raw, "--shapes", s, "--out", part,
+                               "--in-process"])
+        try:
+            with open(part) as f:
+                got = json.load(f)
+        except (OSError, ValueError) as e:
+            got = {"shapes": {s: {"skipped": f"the subprocess wrote no result: {e}"}}}
+        for v in got["shapes"].values():
+            v["bandwidth"] = got.get("bandwidth")
+        if data is None:
+            data = got
+        else:
+            data["shapes"].update(got["shapes"])
+        with open(out, "w") as f:
+            json.dump(data, f, indent=1)
+    print(render(data))
+    return rc
 
 
 if __name__ == "__main__":

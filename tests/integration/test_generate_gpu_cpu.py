@@ -22,6 +22,17 @@ def test_cpu_smoke(tmp_path):
                 assert r["ratio_to_floor"] > 0 and r["floor_s"] >= s["link_floor_s"]
         assert s["rows"]["stack_b2_kvhost"]["placement"] == "host"
         assert s["rows"]["stack_b2_kvhost"]["tokens_equal_device_cache"] is True
+        assert s["rows"]["stack_b2_kvhost"]["first_divergence_from_device_cache"] == [-1, -1]
+        assert s["rows"]["stack_b2_recompiled"]["tokens_equal_first_run"] is True
     assert s8["rows"]["stack_b1"]["compute_floor_from"] == "resident stack"
     assert s70["rows"]["stack_b1"]["compute_floor_from"] == "W / hbm"
     assert "| 70b" in generate_gpu.render(data)
+
+
+def test_one_process_per_shape(tmp_path):
+    out = tmp_path / "gen.json"
+    generate_gpu._per_shape(["--cpu-smoke", "--no-kv-host", "--batches-70b", "1"], ["70b"], str(out))
+    data = json.loads(out.read_text())
+    rows = data["shapes"]["70b"]["rows"]
+    assert set(rows) == {"stack_b1"} and rows["stack_b1"]["decode_step_s"] > 0
+    assert data["shapes"]["70b"]["bandwidth"]["h2d_GBps"] > 0
