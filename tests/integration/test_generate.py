@@ -1,5 +1,5 @@
 """``SwappedStack.generate``: the tokens of Hugging Face's ``model.generate`` for small Llama, Mistral
-(sliding window shorter than the sequence), Qwen2 and Gemma-2 models, batch 4, left padding, 32 new
+(sliding window shorter than the sequence), Qwen2, Gemma-2, Gemma-3 and Mixtral models, batch 4, left padding, 32 new
 tokens; sampling reproducible; the KV cache on the host and on the device equal; decode compiled once;
 bad arguments refused before anything runs."""
 import pytest
@@ -24,9 +24,16 @@ def _model(family):
     elif family == "qwen2":
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
         cls = transformers.Qwen2ForCausalLM
-    else:
+    elif family == "gemma2":
         cfg = transformers.Gemma2Config(**common, head_dim=16, sliding_window=8, tie_word_embeddings=True)
         cls = transformers.Gemma2ForCausalLM
+    elif family == "gemma3":   # sliding and full layers, a rotary embedding per layer type
+        cfg = transformers.Gemma3TextConfig(**common, head_dim=16, sliding_window=8)
+        cls = transformers.Gemma3ForCausalLM
+    else:                      # mixture of experts (dense dispatch in the stages)
+        cfg = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
+                                         tie_word_embeddings=False)
+        cls = transformers.MixtralForCausalLM
     torch.manual_seed(0)
     return cls(cfg).float().eval()
 
@@ -45,7 +52,7 @@ def _stack(model):
     return xla_swap.SwappedStack(layers, first=first, last=last)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma2", "gemma3", "mixtral"])
 def test_greedy_equals_hf(family):
     model = _model(family)
     ids, mask = _prompts()
