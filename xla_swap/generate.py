@@ -147,8 +147,10 @@ class _Generator:
         tied = dict(stack.tied)
         tr_first = stack.transposed[0]
         consts: dict[int, dict] = {}   # per group: the constant keyword values the model passes (found while tracing)
+        seen_kw: dict[str, str] = {}    # "cache": the keyword the model hands its layers the cache in (found while tracing)
 
-        ffn = _module_fn(_DecodeFirst(first, env, cache_kw, cache_len, n_layers, layer_keys, consts), env, tr_first)
+        ffn = _module_fn(_DecodeFirst(first, env, cache_kw, cache_len, n_layers, layer_keys, consts, seen_kw), env,
+                         tr_first)
 
         def first_stage(w, inputs):
             h, kw = ffn(w, tuple(inputs))
@@ -169,12 +171,13 @@ class _Generator:
                     cache = _LayerKV(env, kv, kw[_OFFSET], cache_len, n_layers)
                     kwargs = _select(kw, g)
                     kwargs.update(consts.get(g, {}))
-                    kwargs[cache_kw] = cache
+                    kwargs[seen_kw.get("cache", cache_kw)] = cache
                     out = lfn(w, (h,), kwargs)
                     if isinstance(out, (tuple, list)):
                         out = out[0]
                     if not cache.updated:
-                        raise ValueError(f"{cls} did not call {cache_kw}.update(keys, values, ...): "
+                        name = seen_kw.get("cache", cache_kw)
+                        raise ValueError(f"{cls} did not call {name}.update(keys, values, ...): "
                                          "generation needs decoder layers that keep a transformers-style KV cache")
                     return (out, kw), cache.kv
                 shared[key] = layer_stage
@@ -213,7 +216,13 @@ class _Generator:
         prefill_in = self._inputs_aval(1)
         pav = [jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), p) for p in rt.host_params]
         with jax.default_matmul_precision(stack.matmul_precision):
-            carry = jax.eval_shape(stage_fns[0], pav[0], prefill_in)
+            try:
+                carry = jax.eval_shape(stage_fns[0], pav[0], prefill_in)
+            except ValueError:   # ours (names the base model and the keyword)
+                raise
+            except Exception as e:  # noqa: BLE001 - re-raised naming the stage
+                raise ValueError(f"first ({type(first._base).__name__}.forward with a KV cache) does not trace: "
+                                 f"{type(e).__name__}: {e}") from e
             avals: list = [None]
             seen: dict[int, Any] = {}
             for i in range(1, len(stage_fns) - 1):
@@ -337,7 +346,7 @@ class _DecodeFirst(torch.nn.Module):
     layers only) and the offset. Parameters are ``first``'s."""
 
     def __init__(self, first: CausalLMFirst, env, cache_kw: str, cache_len: int, n_layers: int, layer_keys: list,
-                 consts: dict):
+                 consts: dict, seen_kw: dict):
         super().__init__()
         object.__setattr__(self, "_first", first)
         object.__setattr__(self, "_env", env)
@@ -346,6 +355,7 @@ class _DecodeFirst(torch.nn.Module):
         self._cache_kw, self._cache_len, self._n = cache_kw, cache_len, n_layers
         self._keys = layer_keys
         object.__setattr__(self, "_consts", consts)
+        object.__setattr__(self, "_seen_kw", seen_kw)
 
     def forward(self, input_ids, attention_mask, position_ids, offset):
         first = self._first
@@ -372,9 +382,10 @@ class _DecodeFirst(torch.nn.Module):
             groups.setdefault(g, []).append(i)
         carry: dict[str, Any] = {_OFFSET: offset}
         for name in record[0][1]:
-            if name == self._cache_kw:
-                continue
             values = [k[name] for _, k in record]
+            if all(v is cache for v in values):   # the cache, under the layers' own name (past_key_values, layer_past)
+                self._seen_kw["cache"] = name
+                continue
             if all(_is_const(v) for v in values):
                 for g, idx in groups.items():
                     self._consts.setdefault(g, {})[name] = values[idx[0]]

@@ -30,6 +30,10 @@ def _model(family):
     elif family == "gemma3":   # sliding and full layers, a rotary embedding per layer type
         cfg = transformers.Gemma3TextConfig(**common, head_dim=16, sliding_window=8)
         cls = transformers.Gemma3ForCausalLM
+    elif family == "gpt_neox":   # its layers take the cache as layer_past=
+        cfg = transformers.GPTNeoXConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, max_position_embeddings=256)
+        cls = transformers.GPTNeoXForCausalLM
     else:                      # mixture of experts (dense dispatch in the stages)
         cfg = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
                                          tie_word_embeddings=False)
@@ -52,7 +56,7 @@ def _stack(model):
     return xla_swap.SwappedStack(layers, first=first, last=last)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma2", "gemma3", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma2", "gemma3", "mixtral", "gpt_neox"])
 def test_greedy_equals_hf(family):
     model = _model(family)
     ids, mask = _prompts()
