@@ -98,10 +98,10 @@ def _build(ckpt, path, out, ids, *extra):
 
 @pytest.fixture(scope="module")
 def wide_checkpoint(tmp_path_factory):
-    """A wide 3-layer Llama (155 MiB of fp32 weights: one-time costs of the process are small beside
+    """A wide 4-layer Llama (206 MiB of fp32 weights: one-time costs of the process are small beside
     it) saved with ``save_pretrained``, token ids and torch's logits on them."""
     tmp = tmp_path_factory.mktemp("wide")
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_hidden_layers=3,
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)
     torch.manual_seed(0)
     real = LlamaForCausalLM(cfg).float().eval()
@@ -122,7 +122,7 @@ def test_host_memory_of_loading_without_a_second_copy(wide_checkpoint):
     full, got_full = _build(tmp / "ckpt", "full", tmp / "full.json", tmp / "ids.pt")
     assert rel(got_meta, ref) < 1e-5 and rel(got_full, ref) < 1e-5
     w32 = 2 * meta["weight_bytes"]
-    assert w32 > 150 * 2**20
+    assert w32 > 200 * 2**20
     assert meta["build_peak_bytes"] < full["build_peak_bytes"] - 0.6 * w32, (meta, full)
 
 
@@ -147,7 +147,7 @@ def test_host_rss_within_the_bound(wide_checkpoint, mixed):
     res, got = _build(tmp / "ckpt", "meta", tmp / f"{name}.json", tmp / "ids.pt", *extra, "--train", "--no-autotune")
     print(json.dumps(res))
     w = res["weight_bytes"]
-    assert w > 75 * 2**20
+    assert w > 100 * 2**20
     if mixed:
         assert abs(res["state_bytes"] - 6 * w) < 1e-4 * w   # and the rotary buffer
         bound = res["state_bytes"] + 0.2 * w
