@@ -82,13 +82,14 @@ def test_mismatch_refused_before_anything(tmp_path):
 def _build(ckpt, path, out, ids, *extra):
     """``benchmarks/load_rss.py`` in a fresh process: its figures and the stack's logits on ``ids``.
 
-    glibc's dynamic mmap threshold is fixed (``MALLOC_MMAP_THRESHOLD_``): otherwise a freed buffer
-    raises the threshold and later buffers of that size stay in the heap after they are freed, and
-    the resident set depends on the order of frees (on the CPU the "device" buffers of a step are
-    host memory too), not on what the stack holds."""
+    glibc's allocator is set to return what is freed (``MALLOC_MMAP_THRESHOLD_`` fixed: otherwise a
+    freed buffer raises the threshold and later buffers of that size stay in the heap after they
+    are freed; ``MALLOC_ARENA_MAX=2``: fewer per-thread heaps holding freed memory), so that the
+    resident set measures what the process holds rather than the allocator's retention (on the CPU
+    the "device" buffers of a step are host memory too)."""
     flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), XLA_SWAP_NUM_DEVICES="1", CPU_NUM_DEVICES="1",
-               XLA_FLAGS=flags, MALLOC_MMAP_THRESHOLD_="262144")   # one device: the stack's default devices
+               XLA_FLAGS=flags, MALLOC_MMAP_THRESHOLD_="262144", MALLOC_ARENA_MAX="2")   # one device: the stack's default devices
     subprocess.run([sys.executable, "-m", "benchmarks.load_rss", str(ckpt), "--path", path, "--optimizer",
                     "--ids", str(ids), "--out", str(out), *extra], check=True, env=env, capture_output=True,
                    timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
