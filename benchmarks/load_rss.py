@@ -45,11 +45,45 @@ def _status() -> dict[str, int]:
 
 
 def _reset_peak() -> int:
-    """Reset ``VmHWM`` to the current resident set (Linux ``clear_refs`` 5); returns that resident set."""
+    """Reset ``VmHWM`` to the current resident set (Linux ``clear_refs`` 5), after the collector and
+    ``malloc_trim``; returns that resident set."""
     gc.collect()
+    _malloc_trim()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     return _status()["VmRSS"]
+
+
+def _device_bytes() -> int:
+    """Bytes of the live device-memory arrays whose buffers no ``pinned_host`` array shares (on the CPU
+    a copy between memory kinds may alias)."""
+    import jax
+
+    def ptrs(a):
+        return {s.data.unsafe_buffer_pointer() for s in a.addressable_shards}
+    live = jax.live_arrays()
+    host = set().union(*[ptrs(a) for a in live if a.sharding.memory_kind == "pinned_host"])
+    seen, total = set(), 0
+    for a in live:
+        if a.sharding.memory_kind == "pinned_host":
+            continue
+        for s in a.addressable_shards:
+            p = s.data.unsafe_buffer_pointer()
+            if p not in host and p not in seen:
+                seen.add(p)
+                total += s.data.nbytes
+    return total
+
+
+def _malloc_trim() -> bool:
+    """glibc's ``malloc_trim(0)``: the free memory of every heap handed back to the system (``False``
+    where the C library has none)."""
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 def _small_config(cfg):
@@ -156,8 +190,10 @@ def measure(checkpoint: str, path: str, dtype: str = "float32", optimizer: bool 
         gc.collect()
         st = _status()
         res["train_peak_bytes"], res["after_train_bytes"] = st["VmHWM"] - base, st["VmRSS"] - base
-        res["device_bytes"] = sum(a.nbytes for a in jax.live_arrays() if a.sharding.memory_kind != "pinned_host")
+        res["device_bytes"] = _device_bytes()
         res["host_after_train_bytes"] = res["after_train_bytes"] - res["device_bytes"]
+        if _malloc_trim():   # what the allocator keeps of freed memory, handed back
+            res["trimmed_host_after_train_bytes"] = _status()["VmRSS"] - base - res["device_bytes"]
     for k in [k for k in res if k.endswith("_bytes") and k != "weight_bytes"]:
         res[k.replace("_bytes", "_x")] = round(res[k] / weight_bytes, 3)
     if ids_file is not None:   # after the figures: the forward's executables are not part of them
