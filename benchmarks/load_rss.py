@@ -18,9 +18,12 @@ imports, torchax's registrations and jax's one-time allocations then fall outsid
 is what the model's size adds. The peak resident set (``VmHWM``, reset through
 ``/proc/self/clear_refs``) minus the resident set at the reset is the growth; reported in bytes and
 as multiples of the bf16 weight bytes (parameters, each once, at 2 bytes), next to the stack's
-state (``host_params`` and ``optimizer_state`` bytes). On the CPU the "device" is host memory too,
-so ``--train`` adds the streamed device copies, gradients and XLA's temporaries to the figure: a
-GPU host's RSS is lower.
+state (``host_params`` and ``optimizer_state`` bytes). The baseline is taken after ``malloc_trim``,
+so that the measured build does not reuse memory the warm-up freed. On the CPU the "device" is host
+memory too, so ``--train`` adds the streamed device copies, gradients and XLA's temporaries to the
+figure (and glibc keeps freed ones: see ``trimmed_host_after_train``): a GPU host's RSS is lower.
+``tests/integration/test_load_stack.py`` runs it for two model sizes and bounds the difference per
+weight byte; ``docs/mixed-precision-and-host-rss.md`` has the figures.
 
     python -m benchmarks.load_rss CKPT --path meta --dtype bfloat16 --optimizer --out result.json
 """
@@ -143,11 +146,15 @@ def measure(checkpoint: str, path: str, dtype: str = "float32", optimizer: bool 
 
     Figures: ``weight_bytes`` (bf16: 2 bytes a parameter), ``state_bytes`` (the stack's host weights
     and optimizer state), ``*_bytes`` growths of the resident set over the baseline and ``*_x`` the
-    same over ``weight_bytes`` (the ``ids_file`` forward runs after them); with ``train``, ``device_bytes``: the device-memory arrays alive
-    after the steps (on the CPU, inside the resident set; on a GPU, not) and ``host_after_train``:
-    ``after_train`` less them. ``autotune=False``: every stage streams (``SwappedStack(autotune=False)``,
-    a model larger than the device), rather than the CPU's ample "device" holding stages. With ``ids_file`` (a ``torch.save`` of ``{"ids": LongTensor}``) the
-    stack's logits on those ids are returned too (``"logits"``, a CPU tensor).
+    same over ``weight_bytes``. With ``train``: ``device_bytes``, the device-memory arrays alive after
+    the steps (on the CPU inside the resident set, on a GPU not; buffers shared with ``pinned_host``
+    arrays counted once); ``host_after_train``, ``after_train`` less them; and
+    ``trimmed_host_after_train``, the same after glibc's ``malloc_trim(0)`` (the freed memory the
+    allocator kept, handed back). ``autotune=False``: every stage streams
+    (``SwappedStack(autotune=False)``, as for a model larger than the device), rather than the CPU's
+    ample "device" holding stages. With ``ids_file`` (a ``torch.save`` of ``{"ids": LongTensor}``)
+    the stack's logits on those ids are returned too (``"logits"``, a CPU tensor), computed after
+    the figures are read.
 
     Raises: ValueError: ``path`` not ``"meta"`` / ``"full"``; ``mixed`` with a ``dtype`` other than float32.
     """
