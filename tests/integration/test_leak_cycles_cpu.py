@@ -29,6 +29,8 @@ def test_few_cycles_every_case_structure(tmp_path, capsys):
         assert r["device_bytes_in_use"] is None and r["device_slope_kib_per_cycle"] is None   # CPU: no statistics
         assert r["alive_after_gc"] == 0 and 0 <= r["freed_by_refcount"] <= 2
         assert r["live_arrays_end"] == r["live_arrays_start"]
+        assert len(r["malloc_in_use_bytes"]) == 2 and all(m > 0 for m in r["malloc_in_use_bytes"])   # glibc
+        assert isinstance(r["malloc_in_use_slope_kib_per_cycle"], float)
         assert r["interned_live"] is None or (len(r["interned_live"]) == 2 and len(r["interned_log2_slots"]) == 2)
     table = capsys.readouterr().out
     assert table.count("\n| runtime_") == 2 and "\n| stack | 2 |" in table and ("PASS" in table or "FAIL" in table)
