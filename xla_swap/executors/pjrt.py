@@ -36,9 +36,9 @@ partitioned module that each device runs (``argument_size_in_bytes`` of a parame
 not split its statistics by memory space (all ``host_*`` fields are 0 and S(5) parameters
 are counted in ``argument_size_in_bytes``); :meth:`PjrtExecutor.memory_report` then takes the
 split of arguments and outputs from the compiled entry layout (see
-:class:`xla_swap.executors.MemoryReport`, defined in ``report.py``).
+:class:`xla_swap.executors.MemoryReport`, defined in ``report.py``). The executor's parts, one
+idea per ``pjrt_*.py`` module beside this one, are listed in docs/design.md.
 """
-
 from __future__ import annotations
 
 import logging
@@ -258,8 +258,8 @@ class PjrtExecutor(ParameterBuffers):
             module = module.hlo_proto
         else:
             table = parameters
-        p = placements_for_policy(policy, table, weights=weights, grad_results=grad_results)
-        return cls(module, p.placements, devices, result_memory_kinds=p.result_memory_kinds,
+        placed = placements_for_policy(policy, table, weights=weights, grad_results=grad_results)
+        return cls(module, placed.placements, devices, result_memory_kinds=placed.result_memory_kinds,
                    host_memory_limit_bytes=host_memory_limit_bytes)
 
     # -- introspection ---------------------------------------------------------------------
