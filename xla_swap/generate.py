@@ -132,7 +132,10 @@ class _Generator:
     """The stage functions and the :class:`StatefulStreamer` of one (batch, cache length, placement)."""
 
     def __init__(self, stack, batch: int, cache_len: int, kv_cache: str, budget: int | None):
-        from xla_swap.stack import _TIED, _compute_in, _module_fn, _signature
+        from xla_swap.mixed_precision import compute_in as _compute_in
+        from xla_swap.stages import TIED as _TIED
+        from xla_swap.stages import stage_signature as _signature
+        from xla_swap.torch_bridge import module_fn as _module_fn
         first, last = stack.modules[0], stack.modules[-1]
         env = stack._env
         rt = stack.runtime
