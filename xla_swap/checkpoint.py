@@ -128,8 +128,8 @@ class CheckpointMixin:
         sd: dict = {"model": {}}
         if self.optimizer is not None:
             sd["optim"] = {"state": {}, "param_groups": self._param_groups_state()}
-        for i, lay in enumerate(self._ckpt_layout()):
-            for key, (fqn, name, kind, j, _, _) in lay.items():
+        for i, stage_layout in enumerate(self._ckpt_layout()):
+            for key, (fqn, name, kind, j, _, _) in stage_layout.items():
                 t = self._ckpt_tensor(i, name, kind, j)
                 if kind == "w":
                     sd["model"][fqn] = t
@@ -196,8 +196,8 @@ class CheckpointMixin:
             raise TypeError(f"extra must be None or a dict with str keys, got {type(extra).__name__}")
         self._check_checkpointable("save_checkpoint")
         tensors = {}
-        for i, lay in enumerate(self._ckpt_layout()):
-            for key, (fqn, name, kind, j, shape, dtype) in lay.items():
+        for i, stage_layout in enumerate(self._ckpt_layout()):
+            for key, (fqn, name, kind, j, shape, dtype) in stage_layout.items():
                 if kind == "step":
                     tensors[key] = (shape, dtype, [((), (), lambda: torch.tensor(float(self.runtime.step)))])
                 else:
@@ -271,23 +271,23 @@ class CheckpointMixin:
         (weight), ``"m"`` / ``"v"`` (moments of trainable leaf ``j``) or ``"step"``."""
         rt, out = self.runtime, []
         for i, names in enumerate(self._trainable):
-            p, lay = rt.host_params[i], {}
+            host, layout = rt.host_params[i], {}
 
-            def tshape(a, n, i=i):
+            def torch_shape(a, n, i=i):
                 return tuple(a.shape)[::-1] if n in self.transposed[i] else tuple(a.shape)
             for n in names:
                 fqn = self._fqn(i, n)
-                lay[f"model.{fqn}"] = (fqn, n, "w", None, tshape(p[n], n), torch_dtype(p[n].dtype))
+                layout[f"model.{fqn}"] = (fqn, n, "w", None, torch_shape(host[n], n), torch_dtype(host[n].dtype))
             if self.optimizer is not None:
-                key_of = {jax.tree_util.keystr((jax.tree_util.DictKey(n),)): n for n in names}
+                name_of = {jax.tree_util.keystr((jax.tree_util.DictKey(n),)): n for n in names}
                 for j, path in enumerate(rt.trainable_paths(i)):
-                    n = key_of[path]
-                    fqn, m = self._fqn(i, n), rt.optimizer_state[i][j][0]
+                    n = name_of[path]
+                    fqn, moment = self._fqn(i, n), rt.optimizer_state[i][j][0]
                     for kind in ("m", "v"):
-                        lay[f"optim.state.{fqn}.{_MOMENT_KEYS[kind]}"] = (fqn, n, kind, j, tshape(m, n),
-                                                                         torch_dtype(m.dtype))
-                    lay[f"optim.state.{fqn}.step"] = (fqn, n, "step", j, (), torch.float32)
-            out.append(lay)
+                        layout[f"optim.state.{fqn}.{_MOMENT_KEYS[kind]}"] = (fqn, n, kind, j, torch_shape(moment, n),
+                                                                            torch_dtype(moment.dtype))
+                    layout[f"optim.state.{fqn}.step"] = (fqn, n, "step", j, (), torch.float32)
+            out.append(layout)
         return out
 
     def _ckpt_source(self, stage: int, name: str, kind: str, j):
@@ -323,7 +323,7 @@ class CheckpointMixin:
         Raises ValueError naming the key before anything changes (see :meth:`load_state_dict`).
         """
         layout = self._ckpt_layout()
-        want = {k: v for lay in layout for k, v in lay.items()}
+        want = {k: v for stage_layout in layout for k, v in stage_layout.items()}
         missing, unexpected = sorted(set(want) - set(meta)), sorted(set(meta) - set(want))
         if missing or unexpected:
             raise ValueError(f"{where} does not match the stack (another model, config or optimizer?): "
@@ -342,8 +342,8 @@ class CheckpointMixin:
                 raise ValueError(f"{where}: the parameters' steps differ or are not counts: {sorted(vals)[:4]}")
             step = int(next(iter(vals))) if vals else self.runtime.step
             new_groups = self._checked_groups_state(groups, where)
-        for i, lay in enumerate(layout):
-            keys = [k for k, v in lay.items() if v[2] != "step"]
+        for i, stage_layout in enumerate(layout):
+            keys = [k for k, v in stage_layout.items() if v[2] != "step"]
             try:
                 got = read(keys)
             except Exception as e:
@@ -353,7 +353,7 @@ class CheckpointMixin:
                                    f"{self.stage_names[0]}..{self.stage_names[i - 1]} were restored; load again") from e
             params, state = dict(self.runtime.host_params[i]), {}
             for k in keys:
-                _, n, kind, j, _, _ = lay[k]
+                _, n, kind, j, _, _ = stage_layout[k]
                 t = got[k].detach().to("cpu")
                 a = to_numpy(t.t() if n in self.transposed[i] else t)
                 if kind == "w":

@@ -26,7 +26,6 @@ __all__ = ["torch_matmul_precision", "to_numpy", "to_torch", "inputs_to_jax", "o
            "torch_fn", "torch_dtype"]
 
 
-
 #: torch's fp32 matmul setting -> ``jax.default_matmul_precision``: ``"ieee"`` (torch's default,
 #: ``allow_tf32 = False``) runs fp32 contractions in full fp32, ``"tf32"`` at TensorFloat-32.
 _JAX_PRECISION = {"ieee": "highest", "tf32": "tensorfloat32"}
