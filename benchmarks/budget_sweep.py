@@ -227,7 +227,8 @@ def measure_shape(D, F, L, T, reps=3, window=2, sweep=True) -> dict:
     from multi_gpu import make_layers
 
     from xla_swap.planning import AdamW
-    from xla_swap.stack import SwappedStack, _to_torch
+    from xla_swap.stack import SwappedStack
+    from xla_swap.torch_bridge import to_torch as _to_torch
 
     t_start = time.perf_counter()
     dev = jax.devices()[0]

@@ -167,7 +167,8 @@ def measure_shape(D, F, L, T, reps, k=2, window=1):
 
     from xla_swap.executors import StreamingRuntime
     from xla_swap.planning import AdamW, OffloadPolicy
-    from xla_swap.stack import SwappedStack, _to_torch
+    from xla_swap.stack import SwappedStack
+    from xla_swap.torch_bridge import to_torch as _to_torch
 
     bf16 = jnp.bfloat16
     rng = np.random.default_rng(0)

@@ -64,7 +64,8 @@ def main(argv=None):
 
     from xla_swap.executors import StreamingRuntime, TraceRecorder
     from xla_swap.planning import OffloadPolicy
-    from xla_swap.stack import SwappedStack, _to_torch
+    from xla_swap.stack import SwappedStack
+    from xla_swap.torch_bridge import to_torch as _to_torch
 
     D, F, L, T = args.shape
     k = 2

@@ -3,7 +3,7 @@ steps that reuse per-layer KV caches (``SwappedStack.generate`` calls :func:`gen
 
 How it runs the model's own code:
 
-* **Cache.** Each decoder layer, unmodified, gets a small cache object (:class:`_LayerKV`, shaped
+* **Cache.** Each decoder layer, unmodified, gets a small cache object (:class:`xla_swap.kv_cache.LayerKV`, shaped
   like ``transformers``' ``Cache`` as the layers and ``transformers.masking_utils`` call it) in
   its ``cache`` / ``past_key_values`` argument. Its ``update(key_states, value_states, ...)``
   writes the new keys and values into the layer's fixed-size ``[batch, kv_heads, cache_len,
@@ -35,6 +35,7 @@ a budget, the device's free memory (``memory_stats()``: ``bytes_limit - bytes_in
 platform without memory statistics, the CPU, counts as fitting); else ``"host"``.
 ``stack.last_generation`` holds the choice and its figures.
 
+The cache objects live in :mod:`xla_swap.kv_cache`, the token choice in :mod:`xla_swap.sampling`.
 The module imports torch, torchax (through :mod:`xla_swap.stack`) and jax.
 """
 from __future__ import annotations
@@ -49,12 +50,15 @@ import numpy as np
 import torch
 
 from xla_swap.executors.decode import StatefulStreamer, state_nbytes
-from xla_swap.hf import CausalLMFirst, CausalLMLast, _Capture, _is_const, _is_tensor_tree, _Stop, _Swapped
+from xla_swap.hf import CausalLMFirst, CausalLMLast
+from xla_swap.kv_cache import OFFSET, DecodeFirst, LayerKV, kv_cache_bytes, layer_kwargs
+from xla_swap.mixed_precision import stage_functions_in
+from xla_swap.sampling import next_token_step
+from xla_swap.stages import TIED, stage_signature
+from xla_swap.torch_bridge import module_fn
 
 __all__ = ["generate", "choose_batch", "release_generation", "kv_cache_bytes", "FROM_CONFIG"]
 
-#: carry key of the cache offset (int32 scalar: the cache slot of the step's first token).
-_OFFSET = "xla_swap.kv_offset"
 _PLACEMENTS = ("auto", "device", "host")
 
 
@@ -68,62 +72,6 @@ class _FromConfig:
 FROM_CONFIG = _FromConfig()
 
 
-def kv_cache_bytes(batch: int, kv_heads: int, head_dim: int, cache_len: int, itemsize: int) -> int:
-    """Bytes of one layer's KV cache: ``2 x batch x kv_heads x head_dim x cache_len x itemsize`` (keys and values)."""
-    return 2 * int(batch) * int(kv_heads) * int(head_dim) * int(cache_len) * int(itemsize)
-
-
-class _LayerKV:
-    """What a decoder layer gets as its cache inside a stage: its own keys and values.
-
-    ``update(key_states, value_states, ...)`` (``[batch, kv_heads, T, head_dim]`` torchax tensors)
-    writes them at slot ``offset`` of the ``[batch, kv_heads, cache_len, head_dim]`` cache and
-    returns the whole keys and values. ``get_mask_sizes`` / ``get_query_offset`` tell
-    ``transformers.masking_utils`` the key length (``cache_len``) and the query offset.
-    Without a cache (``kv=None``: the first stage, which only builds masks, and the trace that
-    finds the cache's shape) ``update`` starts from zeros.
-    """
-
-    is_compileable = True   # masking_utils: never skip the decode mask for SDPA's is_causal
-
-    def __init__(self, env, kv, offset, cache_len: int, n_layers: int):
-        self._env, self.kv, self.offset, self.cache_len = env, kv, offset, int(cache_len)
-        self.is_sliding = [False] * n_layers
-        self.is_linear = [False] * n_layers
-        self.is_dummy = [False] * n_layers
-        self.updated = False
-
-    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-        return self.cache_len, 0
-
-    def get_query_offset(self, layer_idx: int = 0):
-        return self.offset if isinstance(self.offset, int) else self._env.j2t_iso(self.offset)
-
-    def get_seq_length(self, layer_idx: int = 0):
-        return self.get_query_offset(layer_idx)
-
-    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return self.cache_len
-
-    def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
-        k, v = self._env.t2j_iso((key_states, value_states))
-        if self.kv is None:
-            shape = k.shape[:2] + (self.cache_len,) + k.shape[3:]
-            self.kv = (jnp.zeros(shape, k.dtype), jnp.zeros(v.shape[:2] + (self.cache_len,) + v.shape[3:], v.dtype))
-        ck, cv = self.kv
-        for name, new, old in (("keys", k, ck), ("values", v, cv)):
-            if new.ndim != 4 or new.shape[:2] != old.shape[:2] or new.shape[3:] != old.shape[3:] \
-                    or new.dtype != old.dtype:
-                raise ValueError(f"the layer gives its cache {name} of {new.shape} {new.dtype}, the cache holds "
-                                 f"{old.shape} {old.dtype}: not the [batch, kv_heads, T, head_dim] layout of "
-                                 "transformers' caches")
-        start = self.offset
-        self.kv = (jax.lax.dynamic_update_slice_in_dim(ck, k, start, axis=2),
-                   jax.lax.dynamic_update_slice_in_dim(cv, v, start, axis=2))
-        self.updated = True
-        return self._env.j2t_iso(self.kv)
-
-
 def _round_up(x: int, m: int) -> int:
     return -(-int(x) // int(m)) * int(m)
 
@@ -132,97 +80,38 @@ class _Generator:
     """The stage functions and the :class:`StatefulStreamer` of one (batch, cache length, placement)."""
 
     def __init__(self, stack, batch: int, cache_len: int, kv_cache: str, budget: int | None):
-        from xla_swap.stack import _TIED, _compute_in, _module_fn, _signature
-        first, last = stack.modules[0], stack.modules[-1]
-        env = stack._env
         rt = stack.runtime
-        n_layers = len(stack.modules) - 2
         self.batch, self.cache_len = batch, cache_len
         self.runtime = rt   # (not the stack: no reference cycle through stack._generators)
         self.matmul_precision = stack.matmul_precision
-        base_params = set(first._accepts)
-        cache_kw = "cache" if "cache" in base_params else "past_key_values"
-        self.cache_kw = cache_kw
-        layer_keys = list(first.layer_keys)
-        tied = dict(stack.tied)
-        tr_first = stack.transposed[0]
-        consts: dict[int, dict] = {}   # per group: the constant keyword values the model passes (found while tracing)
-        seen_kw: dict[str, str] = {}    # "cache": the keyword the model hands its layers the cache in (found while tracing)
+        self.cache_kw = "cache" if "cache" in set(stack.modules[0]._accepts) else "past_key_values"
+        self._stage_fns = _decode_stage_fns(stack, cache_len, self.cache_kw)
+        avals = self._cache_avals(stack)
+        #: per layer, bytes of its KV cache.
+        self.kv_nbytes = [state_nbytes(a) for a in avals[1:-1]]
+        self.kv_total = sum(self.kv_nbytes)
+        self.window = (rt.prefetch_depth + 1) * max(rt.stage_nbytes) + sum(
+            b for b, r in zip(rt.stage_nbytes, rt.resident) if r)
+        self.placement, self.explanation = self._placement(kv_cache, budget, rt.activation_sharding)
+        self.streamer = StatefulStreamer(self._stage_fns, rt.host_params, rt._dev_sh, state_avals=avals,
+                                         activation_sharding=rt.activation_sharding,
+                                         state_on_host=self.placement == "host",
+                                         prefetch_depth=rt.prefetch_depth, resident=rt.resident)
+        self._select_exes: dict = {}
 
-        ffn = _module_fn(_DecodeFirst(first, env, cache_kw, cache_len, n_layers, layer_keys, consts, seen_kw), env,
-                         tr_first)
-
-        def first_stage(w, inputs):
-            h, kw = ffn(w, tuple(inputs))
-            kw = dict(kw)
-            for nl, nf in tied.items():
-                kw[_TIED + nl] = jnp.swapaxes(w[nf], 0, 1) if nf in tr_first else w[nf]
-            return h, kw
-
-        fns = [first_stage]
-        shared: dict = {}
-        for i, m in enumerate(stack.modules[1:-1]):
-            key = (_signature(m), layer_keys[i])
-            if key not in shared:
-                lfn = _module_fn(m, env, stack.transposed[1 + i])
-
-                def layer_stage(w, x, lfn=lfn, g=layer_keys[i], cls=type(m).__name__):
-                    kv, (h, kw) = x
-                    cache = _LayerKV(env, kv, kw[_OFFSET], cache_len, n_layers)
-                    kwargs = _select(kw, g)
-                    kwargs.update(consts.get(g, {}))
-                    kwargs[seen_kw.get("cache", cache_kw)] = cache
-                    out = lfn(w, (h,), kwargs)
-                    if isinstance(out, (tuple, list)):
-                        out = out[0]
-                    if not cache.updated:
-                        name = seen_kw.get("cache", cache_kw)
-                        raise ValueError(f"{cls} did not call {name}.update(keys, values, ...): "
-                                         "generation needs decoder layers that keep a transformers-style KV cache")
-                    return (out, kw), cache.kv
-                shared[key] = layer_stage
-            fns.append(shared[key])
-        tr_last = stack.transposed[-1]
-        lastfn = _module_fn(last, env, tr_last)
-
-        def last_stage(w, carry):
-            h, kw = carry
-            if tied:
-                w = {**w, **{nl: kw[_TIED + nl] for nl in tied}}
-            logits = lastfn(w, (h[:, -1:],))
-            return logits[:, 0].astype(jnp.float32)
-        fns.append(last_stage)
-
-        if stack.param_dtype is not None:
-            wrapped: dict[int, Any] = {}
-            for i, f in enumerate(fns):
-                if id(f) not in wrapped:
-                    wrapped[id(f)] = _compute_in(f, frozenset(stack._trainable[i]), jnp.bfloat16, stack._cast_inputs)
-                fns[i] = wrapped[id(f)]
-        # the streamer's form: layers take (params, state, x)
-        stage_fns: list = []
-        adapted: dict[int, Any] = {}
-        for i, f in enumerate(fns):
-            if 0 < i < len(fns) - 1:
-                if id(f) not in adapted:
-                    adapted[id(f)] = (lambda p, s, x, f=f: f(p, (s, x)))
-                stage_fns.append(adapted[id(f)])
-            else:
-                stage_fns.append(f)
-        self._stage_fns = stage_fns
-
-        # the cache's shape and dtype: a trace of each distinct layer function from a zero cache
-        act = rt.activation_sharding
-        prefill_in = self._inputs_aval(1)
+    def _cache_avals(self, stack) -> list:
+        """Per stage, the shape and dtype of its KV cache (``None`` for the first and last): a trace of
+        each distinct layer function from a zero cache. Raises ValueError naming the stage that fails."""
+        stage_fns, rt = self._stage_fns, self.runtime
         pav = [jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), p) for p in rt.host_params]
         with jax.default_matmul_precision(stack.matmul_precision):
             try:
-                carry = jax.eval_shape(stage_fns[0], pav[0], prefill_in)
+                carry = jax.eval_shape(stage_fns[0], pav[0], self._inputs_aval(1))
             except ValueError:   # ours (names the base model and the keyword)
                 raise
             except Exception as e:  # noqa: BLE001 - re-raised naming the stage
-                raise ValueError(f"first ({type(first._base).__name__}.forward with a KV cache) does not trace: "
-                                 f"{type(e).__name__}: {e}") from e
+                raise ValueError(f"first ({type(stack.modules[0]._base).__name__}.forward with a KV cache) does not "
+                                 f"trace: {type(e).__name__}: {e}") from e
             avals: list = [None]
             seen: dict[int, Any] = {}
             for i in range(1, len(stage_fns) - 1):
@@ -237,30 +126,22 @@ class _Generator:
                                          f"KV cache: {type(e).__name__}: {e}") from e
                 avals.append(seen[id(f)])
             avals.append(None)
-        #: per layer, bytes of its KV cache.
-        self.kv_nbytes = [state_nbytes(a) for a in avals[1:-1]]
-        kv_total = sum(self.kv_nbytes)
-        window = (rt.prefetch_depth + 1) * max(rt.stage_nbytes) + sum(
-            b for b, r in zip(rt.stage_nbytes, rt.resident) if r)
-        if kv_cache == "auto":
-            free, source = budget, "device_budget_bytes"
-            if free is None:
-                stats = _memory_stats(act)
-                free = None if stats is None else stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-                source = "free device memory" if free is not None else "no memory statistics (CPU): fits"
-            fits = free is None or kv_total + window <= free
-            placement = "device" if fits else "host"
-            why = (f"KV cache {kv_total} B ({len(self.kv_nbytes)} layers x 2 x batch {batch} x cache_len {cache_len} "
-                   f"x kv_heads x head_dim x itemsize) + streaming window {window} B "
-                   f"{'<=' if fits else '>'} {source}" + (f" {free} B" if free is not None else ""))
-        else:
-            placement, why = kv_cache, f"kv_cache={kv_cache!r} given"
-        self.placement, self.explanation = placement, why
-        self.kv_total, self.window = kv_total, window
-        self.streamer = StatefulStreamer(stage_fns, rt.host_params, rt._dev_sh, state_avals=avals,
-                                         activation_sharding=act, state_on_host=placement == "host",
-                                         prefetch_depth=rt.prefetch_depth, resident=rt.resident)
-        self._select_exes: dict = {}
+        return avals
+
+    def _placement(self, kv_cache: str, budget: int | None, act) -> tuple[str, str]:
+        """``(placement, explanation)`` of the KV cache: ``kv_cache`` itself unless ``"auto"`` (module docstring)."""
+        if kv_cache != "auto":
+            return kv_cache, f"kv_cache={kv_cache!r} given"
+        free, source = budget, "device_budget_bytes"
+        if free is None:
+            stats = _memory_stats(act)
+            free = None if stats is None else stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+            source = "free device memory" if free is not None else "no memory statistics (CPU): fits"
+        fits = free is None or self.kv_total + self.window <= free
+        why = (f"KV cache {self.kv_total} B ({len(self.kv_nbytes)} layers x 2 x batch {self.batch} x cache_len "
+               f"{self.cache_len} x kv_heads x head_dim x itemsize) + streaming window {self.window} B "
+               f"{'<=' if fits else '>'} {source}" + (f" {free} B" if free is not None else ""))
+        return ("device" if fits else "host"), why
 
     def _inputs_aval(self, t: int):
         b, L = self.batch, self.cache_len
@@ -269,66 +150,78 @@ class _Generator:
                 jax.ShapeDtypeStruct((b, t), i32), jax.ShapeDtypeStruct((), i32))
 
     def select_exe(self, sampling: tuple, n_eos: int, max_new: int, pad: int):
-        """``(logits, state) -> state``: the next token, the rows still running and the next step's inputs."""
+        """``(logits, state) -> state``: the next token, the rows still running and the next step's inputs
+        (:func:`xla_swap.sampling.next_token_step`, compiled once per argument set)."""
         key = (sampling, n_eos, max_new, pad)
         exe = self._select_exes.get(key)
         if exe is None:
-            do_sample, temperature, top_k, top_p = sampling
-
-            def step(logits, st):
-                scores = logits
-                if do_sample:
-                    scores = _warp(scores, temperature, top_k, top_p)
-                    tok = jax.random.categorical(jax.random.fold_in(st["key"], st["step"]), scores, axis=-1)
-                else:
-                    tok = jnp.argmax(scores, axis=-1)
-                tok = tok.astype(jnp.int32)
-                running = st["running"]
-                tok = jnp.where(running, tok, pad)
-                if n_eos:
-                    running = running & ~jnp.isin(tok, st["eos"])
-                slot = st["offset"] + st["t"]
-                mask = jax.lax.dynamic_update_slice_in_dim(st["mask"], jnp.ones((tok.shape[0], 1), jnp.int32), slot,
-                                                           axis=1)
-                out = jax.lax.dynamic_update_slice_in_dim(st["out"], tok[:, None], st["step"], axis=1)
-                return dict(st, ids=tok[:, None], mask=mask, pos=st["pos"][:, -1:] + 1, offset=slot,
-                            t=jnp.int32(1), running=running, step=st["step"] + 1, out=out,
-                            any_running=jnp.any(running))
-            exe = jax.jit(step)
+            exe = jax.jit(next_token_step(sampling, n_eos, pad))
             self._select_exes[key] = exe
         return exe
 
 
-def _select(kw: dict, g) -> dict:
-    """The keyword tensors of a layer of group ``g`` from the decode carry."""
-    out = {}
-    for name, v in kw.items():
-        if name == _OFFSET or name.startswith("xla_swap.tied:"):
-            continue
-        base, _, grp = name.partition("@")
-        if not grp or grp == str(g):
-            out[base] = v
-    return out
+def _decode_stage_fns(stack, cache_len: int, cache_kw: str) -> list:
+    """The stage functions of a decode step, in the streamer's form: ``first(w, inputs) -> (h, carry)``,
+    each layer ``(w, kv, (h, carry)) -> ((h, carry), kv)``, ``last(w, (h, carry)) -> logits`` float32
+    ``[B, V]`` of the last position. Layers of one signature and group share one function."""
+    first, last, env = stack.modules[0], stack.modules[-1], stack._env
+    n_layers = len(stack.modules) - 2
+    layer_keys = list(first.layer_keys)
+    tied, first_transposed = dict(stack.tied), stack.transposed[0]
+    consts: dict[int, dict] = {}   # per group: the constant keyword values the model passes (found while tracing)
+    seen_kw: dict[str, str] = {}    # "cache": the keyword the model hands its layers the cache in (found while tracing)
+    first_fn = module_fn(DecodeFirst(first, env, cache_kw, cache_len, n_layers, layer_keys, consts, seen_kw), env,
+                         first_transposed)
 
+    def first_stage(w, inputs):
+        h, kw = first_fn(w, tuple(inputs))
+        kw = dict(kw)
+        for name_last, name_first in tied.items():
+            kw[TIED + name_last] = jnp.swapaxes(w[name_first], 0, 1) if name_first in first_transposed \
+                else w[name_first]
+        return h, kw
 
-def _warp(scores, temperature: float, top_k: int | None, top_p: float | None):
-    """``transformers``' temperature, top-k and top-p logits warpers, in that order (float32 ``[B, V]``)."""
-    if temperature != 1.0:
-        scores = scores / temperature
-    if top_k is not None:
-        k = min(int(top_k), scores.shape[-1])
-        kth = jax.lax.top_k(scores, k)[0][..., -1:]
-        scores = jnp.where(scores < kth, -jnp.inf, scores)
-    if top_p is not None and top_p < 1.0:
-        # ascending sort; drop the tokens whose cumulative probability is <= 1 - top_p (keep at least one)
-        order = jnp.argsort(scores, axis=-1)
-        s_sorted = jnp.take_along_axis(scores, order, axis=-1)
-        cum = jnp.cumsum(jax.nn.softmax(s_sorted, axis=-1), axis=-1)
-        remove_sorted = cum <= (1 - top_p)
-        remove_sorted = remove_sorted.at[..., -1].set(False)
-        remove = jnp.zeros_like(remove_sorted).at[jnp.arange(scores.shape[0])[:, None], order].set(remove_sorted)
-        scores = jnp.where(remove, -jnp.inf, scores)
-    return scores
+    fns = [first_stage]
+    shared: dict = {}
+    for i, m in enumerate(stack.modules[1:-1]):
+        key = (stage_signature(m), layer_keys[i])
+        if key not in shared:
+            layer_fn = module_fn(m, env, stack.transposed[1 + i])
+
+            def layer_stage(w, x, layer_fn=layer_fn, g=layer_keys[i], cls=type(m).__name__):
+                kv, (h, kw) = x
+                cache = LayerKV(env, kv, kw[OFFSET], cache_len, n_layers)
+                kwargs = layer_kwargs(kw, g)
+                kwargs.update(consts.get(g, {}))
+                kwargs[seen_kw.get("cache", cache_kw)] = cache
+                out = layer_fn(w, (h,), kwargs)
+                if isinstance(out, (tuple, list)):
+                    out = out[0]
+                if not cache.updated:
+                    name = seen_kw.get("cache", cache_kw)
+                    raise ValueError(f"{cls} did not call {name}.update(keys, values, ...): "
+                                     "generation needs decoder layers that keep a transformers-style KV cache")
+                return (out, kw), cache.kv
+            shared[key] = layer_stage
+        fns.append(shared[key])
+    last_fn = module_fn(last, env, stack.transposed[-1])
+
+    def last_stage(w, carry):
+        h, kw = carry
+        if tied:
+            w = {**w, **{n: kw[TIED + n] for n in tied}}
+        logits = last_fn(w, (h[:, -1:],))
+        return logits[:, 0].astype(jnp.float32)
+    fns.append(last_stage)
+    if stack.param_dtype is not None:
+        fns = stage_functions_in(fns, stack._trainable, jnp.bfloat16, stack._cast_inputs)
+    # the streamer's form: layers take (params, state, x)
+    adapted: dict[int, Any] = {}
+    for i, f in enumerate(fns[1:-1], start=1):
+        if id(f) not in adapted:
+            adapted[id(f)] = (lambda p, s, x, f=f: f(p, (s, x)))
+        fns[i] = adapted[id(f)]
+    return fns
 
 
 def _memory_stats(sharding) -> dict | None:
@@ -337,69 +230,6 @@ def _memory_stats(sharding) -> dict | None:
         return d.memory_stats()
     except Exception:  # noqa: BLE001 - a platform without statistics
         return None
-
-
-class _DecodeFirst(torch.nn.Module):
-    """The base model's forward up to the first decoder layer, with a cache: ``forward(input_ids [B, T],
-    attention_mask [B, cache_len], position_ids [B, T], offset [])`` returns ``(h, carry)``, the carry
-    holding the keyword tensors the model passes its layers (a key ``name@g`` for group ``g``'s
-    layers only) and the offset. Parameters are ``first``'s."""
-
-    def __init__(self, first: CausalLMFirst, env, cache_kw: str, cache_len: int, n_layers: int, layer_keys: list,
-                 consts: dict, seen_kw: dict):
-        super().__init__()
-        object.__setattr__(self, "_first", first)
-        object.__setattr__(self, "_env", env)
-        for name, child in first.named_children():
-            self.add_module(name, child)
-        self._cache_kw, self._cache_len, self._n = cache_kw, cache_len, n_layers
-        self._keys = layer_keys
-        object.__setattr__(self, "_consts", consts)
-        object.__setattr__(self, "_seen_kw", seen_kw)
-
-    def forward(self, input_ids, attention_mask, position_ids, offset):
-        first = self._first
-        record: list = []
-        n = len(first._signatures)
-        caps = torch.nn.ModuleList([_Capture(i, s, record, i == n - 1) for i, s in enumerate(first._signatures)])
-        cache = _LayerKV(self._env, None, self._env.t2j_iso(offset), self._cache_len, self._n)
-        kw = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-              self._cache_kw: cache}
-        if "use_cache" in first._accepts:
-            kw["use_cache"] = True
-        if "cache_position" in first._accepts:
-            kw["cache_position"] = torch.arange(input_ids.shape[1], dtype=torch.int32) + offset
-        with _Swapped((first._base, first._layer_attr, caps)):
-            try:
-                first._base(**kw)
-            except _Stop:
-                pass
-        if len(record) != n:
-            raise ValueError(f"{type(first._base).__name__}.forward called {len(record)} of its {n} decoder layers")
-        h = record[0][0]
-        groups: dict[int, list[int]] = {}
-        for i, g in enumerate(self._keys):
-            groups.setdefault(g, []).append(i)
-        carry: dict[str, Any] = {_OFFSET: offset}
-        for name in record[0][1]:
-            values = [k[name] for _, k in record]
-            if all(v is cache for v in values):   # the cache, under the layers' own name (past_key_values, layer_past)
-                self._seen_kw["cache"] = name
-                continue
-            if all(_is_const(v) for v in values):
-                for g, idx in groups.items():
-                    self._consts.setdefault(g, {})[name] = values[idx[0]]
-                continue
-            for i, v in enumerate(values):
-                if not (v is None or _is_tensor_tree(v)):
-                    raise ValueError(f"{type(first._base).__name__}.forward passes decoder layer {i} {name}= a "
-                                     f"{type(v).__name__} while generating: only tensors and constants are supported")
-            if all(v is values[0] for v in values):
-                carry[name] = values[0]
-                continue
-            for g, idx in groups.items():
-                carry[f"{name}@{g}"] = values[idx[0]]
-        return h, carry
 
 
 def _generator(stack, batch: int, cache_len: int, kv_cache: str, budget) -> _Generator:
@@ -603,52 +433,75 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         seed = int(torch.randint(0, 2 ** 31 - 1, ()).item())
     b, t0 = input_ids.shape
     ids_cpu = input_ids.detach().to("cpu", torch.int64)
+    mask, eos, pad, p_len, cache_len = _check_args(
+        stack, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
+        pad_token_id, seed, kv_cache, device_budget_bytes, max_cache_len, prompt_bucket)
+    if do_sample and seed is None:
+        seed = int(torch.randint(0, 2 ** 31 - 1, ()).item())
+    ids_cpu = input_ids.detach().to("cpu", torch.int64)
     with stack._torch_precision():
         stack.runtime.release_prefetched()   # the streamer prefetches its own first stages
-        gen = _generator(stack, b, cache_len, kv_cache, device_budget_bytes)
-        pad_left = p_len - t0
-        ids = np.zeros((b, p_len), np.int32)
-        ids[:, pad_left:] = ids_cpu.numpy()
-        full_mask = np.zeros((b, cache_len), np.int32)
-        full_mask[:, pad_left:p_len] = mask.numpy()
-        pos = np.cumsum(full_mask[:, :p_len], axis=1) - 1
-        pos = np.where(full_mask[:, :p_len] == 0, 0, pos).astype(np.int32)
-        act = stack.runtime.activation_sharding
+        gen = _generator(stack, input_ids.shape[0], cache_len, kv_cache, device_budget_bytes)
         sampling = (do_sample, float(temperature), top_k, None if top_p is None else float(top_p))
         select = gen.select_exe(sampling, len(eos), max_new_tokens, pad)
-        st = jax.device_put(dict(
-            mask=full_mask, pos=pos, offset=np.int32(0), t=np.int32(p_len), running=np.ones((b,), bool),
-            step=np.int32(0), out=np.full((b, max_new_tokens), pad, np.int32),
-            eos=np.asarray(eos or [0], np.int32), key=np.asarray(jax.random.PRNGKey(seed or 0)),
-            ids=np.zeros((b, 1), np.int32),
-            any_running=np.bool_(True)), act)
-        t_start = time.perf_counter()
-        x = (jax.device_put(ids, act), st["mask"], st["pos"], st["offset"])
-        done_s: list[float] = []
-        first_s = float("nan")
-        pending = None   # the previous step's any_running flag (read one step late: the device never waits)
-        n_done = max_new_tokens
-        for step in range(max_new_tokens):
-            logits = gen.streamer.run(x)
-            st = select(logits, st)
-            x = (st["ids"], st["mask"], st["pos"], st["offset"])
-            if step >= 1:   # step - 1 is done once its flag is read (after step is dispatched: no device idle)
-                alive = bool(pending)
-                if step >= 2:
-                    done_s.append(time.perf_counter() - t_start)
-                if not alive:
-                    n_done = step
-                    break
-            pending = st["any_running"]
-            if step == 0:   # the prefill's token: time to first token (the next step's weights are already in flight)
-                jax.block_until_ready(pending)
-                first_s = time.perf_counter() - t_start
-                done_s.append(first_s)
-        else:
-            jax.block_until_ready(st["out"])
-            done_s.append(time.perf_counter() - t_start)
-        out = np.asarray(st["out"])[:, :n_done]
+        st, prompt = _initial_state(ids_cpu, mask, p_len, cache_len, max_new_tokens, eos, pad, seed,
+                                    stack.runtime.activation_sharding)
+        out, n_done, first_s, done_s = _decode(gen, select, st, prompt, max_new_tokens)
     stack.last_generation = dict(placement=gen.placement, explanation=gen.explanation, kv_cache_bytes=gen.kv_total,
                                  kv_cache_bytes_per_layer=gen.kv_nbytes, cache_len=cache_len, prompt_len=p_len,
                                  new_tokens=int(n_done), first_token_s=first_s, step_done_s=done_s)
     return torch.cat([ids_cpu, torch.from_numpy(out.astype(np.int64))], dim=1)
+
+
+def _initial_state(ids_cpu: torch.Tensor, mask: torch.Tensor, p_len: int, cache_len: int, max_new_tokens: int,
+                   eos: list, pad: int, seed: int | None, act) -> tuple[dict, jax.Array]:
+    """``(state, prompt)`` on the devices of ``act``: the decode state (the mask over the cache,
+    position ids ``cumsum(mask) - 1`` as ``GenerationMixin`` builds them, and what
+    :func:`xla_swap.sampling.next_token_step` reads) and the prompt ids left-padded to ``p_len``."""
+    b, t0 = ids_cpu.shape
+    pad_left = p_len - t0
+    ids = np.zeros((b, p_len), np.int32)
+    ids[:, pad_left:] = ids_cpu.numpy()
+    full_mask = np.zeros((b, cache_len), np.int32)
+    full_mask[:, pad_left:p_len] = mask.numpy()
+    pos = np.cumsum(full_mask[:, :p_len], axis=1) - 1
+    pos = np.where(full_mask[:, :p_len] == 0, 0, pos).astype(np.int32)
+    st = jax.device_put(dict(
+        mask=full_mask, pos=pos, offset=np.int32(0), t=np.int32(p_len), running=np.ones((b,), bool),
+        step=np.int32(0), out=np.full((b, max_new_tokens), pad, np.int32),
+        eos=np.asarray(eos or [0], np.int32), key=np.asarray(jax.random.PRNGKey(seed or 0)),
+        ids=np.zeros((b, 1), np.int32),
+        any_running=np.bool_(True)), act)
+    return st, jax.device_put(ids, act)
+
+
+def _decode(gen: _Generator, select, st: dict, prompt: jax.Array, max_new_tokens: int) -> tuple:
+    """Prefill and decode steps until every row stopped or ``max_new_tokens``: ``(tokens int32 [B, n],
+    n, first_token_s, step_done_s)`` (seconds from the start; each step's flag is read one step late,
+    so the device never waits for the host)."""
+    t_start = time.perf_counter()
+    x = (prompt, st["mask"], st["pos"], st["offset"])
+    done_s: list[float] = []
+    first_s = float("nan")
+    pending = None   # the previous step's any_running flag (read one step late: the device never waits)
+    n_done = max_new_tokens
+    for step in range(max_new_tokens):
+        logits = gen.streamer.run(x)
+        st = select(logits, st)
+        x = (st["ids"], st["mask"], st["pos"], st["offset"])
+        if step >= 1:   # step - 1 is done once its flag is read (after step is dispatched: no device idle)
+            alive = bool(pending)
+            if step >= 2:
+                done_s.append(time.perf_counter() - t_start)
+            if not alive:
+                n_done = step
+                break
+        pending = st["any_running"]
+        if step == 0:   # the prefill's token: time to first token (the next step's weights are already in flight)
+            jax.block_until_ready(pending)
+            first_s = time.perf_counter() - t_start
+            done_s.append(first_s)
+    else:
+        jax.block_until_ready(st["out"])
+        done_s.append(time.perf_counter() - t_start)
+    return np.asarray(st["out"])[:, :n_done], n_done, first_s, done_s

@@ -1,0 +1,389 @@
+"""Checkpoints of the torch entry point: ``SwappedStack.state_dict`` / ``load_state_dict`` (torch's
+``get_state_dict`` form) and ``save_checkpoint`` / ``load_checkpoint`` (``torch.distributed.checkpoint``,
+DCP), as the mixin :class:`CheckpointMixin`.
+
+Saving streams: a DCP save planner (:func:`_streaming_save_planner`) copies each shard out of its
+``pinned_host`` buffer only when the writer asks for it. Loading checks every key, shape and dtype
+first, then restores one stage at a time (``StreamingRuntime.load_stage``).
+
+The module imports torch (``torch.distributed.checkpoint`` when used) and jax.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Callable
+
+import jax
+import torch
+
+from xla_swap.planning.optimizer import AdamW
+from xla_swap.torch_bridge import to_numpy, to_torch, torch_dtype
+
+__all__ = ["CheckpointMixin"]
+
+
+def _chunks(a: jax.Array, transposed: bool) -> list[tuple[tuple, tuple, Callable]]:
+    """The distinct shards of ``a`` held by this process, in torch's layout: ``[(offsets, sizes,
+    load)]`` where ``load()`` copies the shard into a CPU torch tensor (replicated shards once)."""
+    out, seen = [], set()
+    for sh in a.addressable_shards:
+        start = tuple(s.start or 0 for s in sh.index)
+        if start in seen:
+            continue
+        seen.add(start)
+        sizes = tuple(sh.data.shape)
+
+        def load(data=sh.data):
+            t = to_torch(data)
+            return t.t().contiguous() if transposed else t
+        out.append((start[::-1], sizes[::-1], load) if transposed else (start, sizes, load))
+    return out
+
+
+#: the torch optimizer's state key of each moment kind of ``SwappedStack._ckpt_layout``.
+_MOMENT_KEYS = {"m": "exp_avg", "v": "exp_avg_sq", "step": "step"}
+
+
+@contextlib.contextmanager
+def _single_process_dcp():
+    """Silence DCP's warnings that it runs in one process (``no_dist=True``: the stack's own choice) and
+    that its writer calls the deprecated ``tensor.storage()``."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")  # DCP's own writer calls it
+        yield
+
+
+def _streaming_save_planner(tensors: dict, objects: dict):
+    """A ``torch.distributed.checkpoint`` save planner whose tensors are copied from the host
+    buffers only when the writer asks for each one (``resolve_data``), one shard at a time.
+
+    Args:
+      tensors: ``{fqn: (global torch shape, torch dtype, [(offsets, sizes, load), ...])}``.
+      objects: ``{fqn: picklable object}`` (saved as bytes).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    class StreamingSavePlanner(dcp.DefaultSavePlanner):
+        def __init__(self, tensors: dict, objects: dict):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+            self._tensors, self._objects = tensors, objects
+            self._load = {}
+
+        def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+            self.state_dict, self.is_coordinator = self._objects, is_coordinator
+
+        def create_local_plan(self) -> dcp.SavePlan:
+            from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+            from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+            items = []
+            for fqn, (shape, dtype, chunks) in self._tensors.items():
+                for offsets, sizes, load in chunks:
+                    idx = MetadataIndex(fqn, torch.Size(offsets))
+                    self._load[(fqn, tuple(offsets))] = load
+                    items.append(WriteItem(
+                        index=idx, type=WriteItemType.SHARD if len(chunks) > 1 else WriteItemType.TENSOR,
+                        tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=torch.Size(offsets),
+                                                                               sizes=torch.Size(sizes)),
+                                                    properties=TensorProperties(dtype=dtype), size=torch.Size(shape))))
+            items += [WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO) for fqn in self._objects]
+            self.plan = dcp.SavePlan(items)
+            return self.plan
+
+        def resolve_data(self, write_item):
+            from torch.distributed.checkpoint.planner import WriteItemType
+            if write_item.type == WriteItemType.BYTE_IO:
+                return super().resolve_data(write_item)
+            return self._load[(write_item.index.fqn, tuple(write_item.index.offset))]()
+
+    return StreamingSavePlanner(tensors, objects)
+
+class CheckpointMixin:
+    """The checkpoint methods of :class:`xla_swap.stack.SwappedStack` (it inherits them).
+
+    They read the stack's ``runtime`` (host weights, optimizer state, step), ``stage_names``,
+    ``modules``, ``transposed``, ``optimizer`` / ``torch_optimizer`` and its trainable names.
+    """
+
+    def state_dict(self) -> dict:
+        """The whole training state as CPU torch tensors (copies), in torch's layout and names.
+
+        ``{"model": {fqn: weight}, "optim": {"state": {fqn: {"step", "exp_avg", "exp_avg_sq"}},
+        "param_groups": [...]}}``, the form of ``torch.distributed.checkpoint.state_dict
+        .get_state_dict``: ``fqn`` is the stage's name with the parameter's (``first.embed_tokens.weight``,
+        ``layers.0.self_attn.q_proj.weight``, ``last.lm_head.weight``); weights and moments are
+        ``[out, in]`` for ``nn.Linear`` weights as torch holds them, in the dtypes the stack holds
+        (moments: the optimizer's state dtype); ``step`` is a 0-d float32 tensor (the optimizer's
+        step count, as ``torch.optim.AdamW`` keeps it); each param group holds its options and its
+        parameters' fqns. Parameters with ``requires_grad=False`` have weights and no state;
+        without an optimizer only ``"model"`` is there. This is one copy of the whole state in host
+        memory: :meth:`save_checkpoint` writes it without one.
+
+        Raises: ValueError: accumulated micro-batches are pending (``train_step(accumulate=True)``
+          since the last update: their gradients are not part of the state; update first); the
+          stack spans several processes.
+        """
+        self._check_checkpointable("state_dict")
+        sd: dict = {"model": {}}
+        if self.optimizer is not None:
+            sd["optim"] = {"state": {}, "param_groups": self._param_groups_state()}
+        for i, stage_layout in enumerate(self._ckpt_layout()):
+            for key, (fqn, name, kind, j, _, _) in stage_layout.items():
+                t = self._ckpt_tensor(i, name, kind, j)
+                if kind == "w":
+                    sd["model"][fqn] = t
+                else:
+                    sd["optim"]["state"].setdefault(fqn, {})[_MOMENT_KEYS[kind]] = t
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore the training state from a :meth:`state_dict` (of this stack or another built the
+        same way): weights and moments are copied into the stack's host buffers, stage by stage,
+        with their shardings and memory kinds; the step count and the param groups' options (into
+        the torch optimizer's ``param_groups``, as ``optimizer.load_state_dict`` does) follow.
+
+        Raises (before anything changes): TypeError: ``state_dict`` is not a dict of that form.
+          ValueError: keys missing or unexpected (another model or config; the message names
+          them), a tensor of another shape or dtype (named), steps that differ between
+          parameters, param groups of other parameters or options AdamW refuses; accumulated
+          micro-batches are pending; the stack spans several processes.
+        """
+        self._check_checkpointable("load_state_dict")
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("model"), dict) or \
+                ("optim" in state_dict and not isinstance(state_dict["optim"], dict)):
+            raise TypeError("state_dict must be a dict {'model': {fqn: tensor}, 'optim': {...}} as "
+                            f"SwappedStack.state_dict() returns, got {type(state_dict).__name__}")
+        flat = {f"model.{k}": v for k, v in state_dict["model"].items()}
+        optim = state_dict.get("optim", {})
+        for fqn, st in (optim.get("state") or {}).items():
+            if not isinstance(st, dict):
+                raise TypeError(f"state_dict['optim']['state'][{fqn!r}] must be a dict, got {type(st).__name__}")
+            flat.update({f"optim.state.{fqn}.{k}": v for k, v in st.items()})
+        for k, v in flat.items():
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(f"state_dict: {k} must be a torch.Tensor, got {type(v).__name__}")
+        meta = {k: (tuple(v.shape), v.dtype) for k, v in flat.items()}
+        self._restore(meta, lambda keys: {k: flat[k] for k in keys}, optim.get("param_groups"), "state_dict")
+
+    def save_checkpoint(self, path, *, extra: dict | None = None) -> None:
+        """Write :meth:`state_dict` as a ``torch.distributed.checkpoint`` (DCP) checkpoint into the
+        folder ``path`` (created; files of an earlier checkpoint there are overwritten).
+
+        The keys are ``state_dict()``'s flattened as DCP flattens a nested dict (``model.<fqn>``,
+        ``optim.state.<fqn>.exp_avg``, ``optim.param_groups``, ``extra.<key>``), so
+        ``torch.distributed.checkpoint.load`` reads it into torch tensors of those shapes. A weight
+        sharded over several devices (``shard="fsdp"``) is written as one chunk per distinct shard,
+        each copied from its own host buffer when the writer reaches it and released once written:
+        the extra host memory is a few copies of the largest single shard (the shard read out of
+        its buffer, its ``[out, in]`` transpose, the writer's serialization; at most four), never
+        the model or one stage. Not measured: derived from the writer's one-item-at-a-time loop.
+
+        Args:
+          path: a folder (``str`` or ``os.PathLike``).
+          extra: ``None`` or a dict ``{str: picklable}`` saved beside the state, e.g.
+            ``{"scheduler": sched.state_dict()}`` (:meth:`load_checkpoint` returns it).
+
+        Raises: TypeError: ``path`` or ``extra`` of the wrong type. ValueError: as
+          :meth:`state_dict` (pending micro-batches; several processes).
+        """
+        import os
+
+        import torch.distributed.checkpoint as dcp
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike folder, got {type(path).__name__}")
+        if extra is not None and (not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra)):
+            raise TypeError(f"extra must be None or a dict with str keys, got {type(extra).__name__}")
+        self._check_checkpointable("save_checkpoint")
+        tensors = {}
+        for i, stage_layout in enumerate(self._ckpt_layout()):
+            for key, (fqn, name, kind, j, shape, dtype) in stage_layout.items():
+                if kind == "step":
+                    tensors[key] = (shape, dtype, [((), (), lambda: torch.tensor(float(self.runtime.step)))])
+                else:
+                    tensors[key] = (shape, dtype, _chunks(self._ckpt_source(i, name, kind, j),
+                                                          name in self.transposed[i]))
+        objects = {f"extra.{k}": v for k, v in (extra or {}).items()}
+        if self.optimizer is not None:
+            objects["optim.param_groups"] = self._param_groups_state()
+        os.makedirs(path, exist_ok=True)
+        # per_thread_copy_ahead=0: the writer resolves (copies) one shard, writes it, then the next
+        writer = dcp.FileSystemWriter(path, per_thread_copy_ahead=0)
+        with _single_process_dcp():
+            dcp.save({}, storage_writer=writer, planner=_streaming_save_planner(tensors, objects), no_dist=True)
+
+    def load_checkpoint(self, path) -> dict:
+        """Restore the training state from a :meth:`save_checkpoint` folder, as :meth:`load_state_dict`
+        does, reading one stage at a time (extra host memory: about three times one stage's
+        weights and moments).
+
+        The checkpoint's keys, shapes and dtypes (its metadata), its step counts and param groups
+        are checked before anything changes. Should reading a stage's data fail after that (a
+        truncated file), the error says which stages were restored already.
+
+        Returns: the ``extra`` dict given to :meth:`save_checkpoint` (``{}`` without one).
+
+        Raises: TypeError: ``path`` not a str / ``os.PathLike``. FileNotFoundError: no DCP
+          checkpoint in ``path``. ValueError: as :meth:`load_state_dict` (the message names the key).
+        """
+        import os
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike folder, got {type(path).__name__}")
+        self._check_checkpointable("load_checkpoint")
+        if not os.path.isfile(os.path.join(path, ".metadata")):
+            raise FileNotFoundError(f"path={os.fspath(path)!r} holds no torch.distributed.checkpoint checkpoint "
+                                    "(no .metadata file)")
+        md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        meta = {k: (tuple(v.size), v.properties.dtype) for k, v in md.items()
+                if isinstance(v, TensorStorageMetadata) and not k.startswith("extra.")}
+        meta.update({k: None for k, v in md.items() if not isinstance(v, TensorStorageMetadata)
+                     and not k.startswith("extra.") and k != "optim.param_groups"})
+        objects = {k: None for k in md if k.startswith("extra.") or k == "optim.param_groups"}
+        if objects:
+            with _single_process_dcp():
+                dcp.load(objects, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+
+        def read(keys):
+            sd = {k: torch.empty(meta[k][0], dtype=meta[k][1]) for k in keys}
+            with _single_process_dcp():
+                dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+            return sd
+        self._restore(meta, read, objects.get("optim.param_groups"), f"checkpoint {os.fspath(path)!r}")
+        return {k[len("extra."):]: v for k, v in objects.items() if k.startswith("extra.")}
+
+    def _check_checkpointable(self, what: str) -> None:
+        if self.runtime.grad_acc is not None:
+            raise ValueError(f"{what}: {self.runtime.micro_batches} accumulated micro-batches are pending (train_step("
+                             "accumulate=True) since the last update); their gradients are not part of the state: "
+                             "finish the accumulation with train_step(accumulate=False) first")
+        if jax.process_count() > 1:
+            raise ValueError(f"{what} is not implemented for a stack spanning {jax.process_count()} processes")
+
+    def _fqn(self, stage: int, name: str) -> str:
+        """torch-style name of parameter ``name`` of ``stage``: ``layers.3.mlp.up_proj.weight``."""
+        return f"{self.stage_names[stage].replace('[', '.').replace(']', '')}.{name}"
+
+    def _ckpt_layout(self) -> list[dict]:
+        """Per stage ``{flat key: (fqn, name, kind, j, torch shape, torch dtype)}``; ``kind`` is ``"w"``
+        (weight), ``"m"`` / ``"v"`` (moments of trainable leaf ``j``) or ``"step"``."""
+        rt, out = self.runtime, []
+        for i, names in enumerate(self._trainable):
+            host, layout = rt.host_params[i], {}
+
+            def torch_shape(a, n, i=i):
+                return tuple(a.shape)[::-1] if n in self.transposed[i] else tuple(a.shape)
+            for n in names:
+                fqn = self._fqn(i, n)
+                layout[f"model.{fqn}"] = (fqn, n, "w", None, torch_shape(host[n], n), torch_dtype(host[n].dtype))
+            if self.optimizer is not None:
+                name_of = {jax.tree_util.keystr((jax.tree_util.DictKey(n),)): n for n in names}
+                for j, path in enumerate(rt.trainable_paths(i)):
+                    n = name_of[path]
+                    fqn, moment = self._fqn(i, n), rt.optimizer_state[i][j][0]
+                    for kind in ("m", "v"):
+                        layout[f"optim.state.{fqn}.{_MOMENT_KEYS[kind]}"] = (fqn, n, kind, j, torch_shape(moment, n),
+                                                                            torch_dtype(moment.dtype))
+                    layout[f"optim.state.{fqn}.step"] = (fqn, n, "step", j, (), torch.float32)
+            out.append(layout)
+        return out
+
+    def _ckpt_source(self, stage: int, name: str, kind: str, j):
+        rt = self.runtime
+        return rt.host_params[stage][name] if kind == "w" else rt.optimizer_state[stage][j][0 if kind == "m" else 1]
+
+    def _ckpt_tensor(self, stage: int, name: str, kind: str, j) -> torch.Tensor:
+        if kind == "step":
+            return torch.tensor(float(self.runtime.step))
+        return self._torch_layout(stage, name, to_torch(self._ckpt_source(stage, name, kind, j)))
+
+    def _param_groups_state(self) -> list[dict]:
+        """The param groups' options and their parameters' fqns (``"params"``), as torch's
+        ``get_optimizer_state_dict`` gives them: the torch optimizer's groups, else the runtime's."""
+        import copy
+        fqn_of = {id(p): self._fqn(i, n) for i, m in enumerate(self.modules) for n, p in m.named_parameters()}
+        if self.torch_optimizer is not None:
+            return [{**copy.deepcopy({k: v for k, v in g.items() if k != "params"}),
+                     "params": [fqn_of[id(p)] for p in g["params"]]} for g in self.torch_optimizer.param_groups]
+        rt = self.runtime
+        members: list[list[str]] = [[] for _ in rt.param_groups]
+        for i, names in enumerate(self._trainable):
+            key_of = {jax.tree_util.keystr((jax.tree_util.DictKey(n),)): n for n in names}
+            for path, g in zip(rt.trainable_paths(i), rt.group_idx[i]):
+                members[g].append(self._fqn(i, key_of[path]))
+        return [{"lr": g.lr, "betas": g.betas, "eps": g.eps, "weight_decay": g.weight_decay, "params": ps}
+                for g, ps in zip(rt.param_groups, members)]
+
+    def _restore(self, meta: dict, read: Callable, groups, where: str) -> None:
+        """Check ``meta`` (``{flat key: (shape, torch dtype)}``) and ``groups`` against the stack, then
+        load each stage from ``read(keys) -> {key: tensor}`` and set the step and the groups.
+
+        Raises ValueError naming the key before anything changes (see :meth:`load_state_dict`).
+        """
+        layout = self._ckpt_layout()
+        want = {k: v for stage_layout in layout for k, v in stage_layout.items()}
+        missing, unexpected = sorted(set(want) - set(meta)), sorted(set(meta) - set(want))
+        if missing or unexpected:
+            raise ValueError(f"{where} does not match the stack (another model, config or optimizer?): "
+                             f"{len(missing)} keys missing {missing[:4]}, {len(unexpected)} unexpected {unexpected[:4]}")
+        for k, (_, _, _, _, shape, dtype) in want.items():
+            if meta[k] != (tuple(shape), dtype):
+                got = "an object" if meta[k] is None else f"shape {list(meta[k][0])} dtype {meta[k][1]}"
+                raise ValueError(f"{where}: {k} has {got}, the stack holds shape {list(shape)} dtype {dtype}")
+        step, new_groups = None, None
+        if self.optimizer is not None:
+            if groups is None:
+                raise ValueError(f"{where} has no optim.param_groups")
+            steps = read([k for k, v in want.items() if v[2] == "step"])
+            vals = {float(t) for t in steps.values()}
+            if len(vals) > 1 or (vals and (not float(next(iter(vals))).is_integer() or next(iter(vals)) < 0)):
+                raise ValueError(f"{where}: the parameters' steps differ or are not counts: {sorted(vals)[:4]}")
+            step = int(next(iter(vals))) if vals else self.runtime.step
+            new_groups = self._checked_groups_state(groups, where)
+        for i, stage_layout in enumerate(layout):
+            keys = [k for k, v in stage_layout.items() if v[2] != "step"]
+            try:
+                got = read(keys)
+            except Exception as e:
+                if i == 0:
+                    raise
+                raise RuntimeError(f"{where}: reading stage {self.stage_names[i]} failed after stages "
+                                   f"{self.stage_names[0]}..{self.stage_names[i - 1]} were restored; load again") from e
+            params, state = dict(self.runtime.host_params[i]), {}
+            for k in keys:
+                _, n, kind, j, _, _ = stage_layout[k]
+                t = got[k].detach().to("cpu")
+                a = to_numpy(t.t() if n in self.transposed[i] else t)
+                if kind == "w":
+                    params[n] = a
+                else:
+                    state.setdefault(j, [None, None])[0 if kind == "m" else 1] = a
+            self.runtime.load_stage(i, params, [tuple(state[j]) for j in sorted(state)]
+                                    if self.optimizer is not None else None)
+        if self.optimizer is not None:
+            self.runtime.step = step
+            if self.torch_optimizer is not None:
+                for g, saved in zip(self.torch_optimizer.param_groups, groups):
+                    g.update({k: v for k, v in saved.items() if k != "params"})
+            self.runtime.param_groups = new_groups
+
+    def _checked_groups_state(self, groups, where: str) -> list[AdamW]:
+        """The runtime's groups for saved ``groups`` (``_param_groups_state`` form); ValueError if they
+        hold other parameters than the stack's groups or options AdamW refuses."""
+        mine = self._param_groups_state()
+        if not isinstance(groups, list) or len(groups) != len(mine) or not all(isinstance(g, dict) for g in groups):
+            raise ValueError(f"{where}: optim.param_groups must be {len(mine)} dicts (the stack's groups), "
+                             f"got {type(groups).__name__} of {len(groups) if isinstance(groups, list) else '?'}")
+        out = []
+        for gi, (g, m) in enumerate(zip(groups, mine)):
+            if sorted(g.get("params", [])) != sorted(m["params"]):
+                raise ValueError(f"{where}: optim.param_groups[{gi}] holds other parameters than the stack's group "
+                                 f"{gi} ({len(g.get('params', []))} vs {len(m['params'])})")
+            try:
+                out.append(AdamW(lr=float(g["lr"]), betas=tuple(float(b) for b in g["betas"]), eps=float(g["eps"]),
+                                 weight_decay=float(g["weight_decay"]), state_dtype=self.optimizer.state_dtype))
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"{where}: optim.param_groups[{gi}]: {e!r}") from None
+        return out
