@@ -11,6 +11,7 @@ update pass's executables. Imports only jax (no torch).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import warnings
 from typing import Any
@@ -50,6 +51,14 @@ class Signature:
 class RuntimeCompilation:
     """The compilation part of :class:`xla_swap.executors.StreamingRuntime` (a base class of it,
     not used alone): the signature cache, the stage, loss and update executables."""
+
+    def _init_caches(self) -> None:
+        """Empty caches: signatures (with their executables), loss functions, update executables."""
+        self._sigs: collections.OrderedDict = collections.OrderedDict()  # input key -> Signature
+        self._last_sig: Signature | None = None
+        self._loss_jits: collections.OrderedDict = collections.OrderedDict()
+        self._loss_shapes: dict = {}
+        self._update_exes: dict = {}
 
     @property
     def num_executables(self) -> int:

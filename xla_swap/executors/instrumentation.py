@@ -37,6 +37,24 @@ class RuntimeInstrumentation:
     """The instrumentation part of :class:`xla_swap.executors.StreamingRuntime` (a base class of
     it, not used alone): residency tracking, memory reports and layer costs."""
 
+    def _init_instrumentation(self) -> None:
+        """The byte counts of the weights and optimizer state, and empty residency statistics."""
+        n = self.num_stages
+        #: bytes of each stage's weights (logical sizes), and their sum.
+        self.stage_nbytes: list[int] = [tree_nbytes(p) for p in self.host_params]
+        self.weight_nbytes: int = sum(self.stage_nbytes)
+        #: bytes of each stage's optimizer state (logical sizes).
+        self.optimizer_state_nbytes: list[int] = [tree_nbytes(s) for s in self.optimizer_state] or [0] * n
+        #: bytes of the residuals each stage keeps from its forward for its backward in
+        #: ``train_step`` beyond its input (0 with ``remat=True``); set by each training call.
+        self.residual_nbytes: list[int] = [0] * n
+        self._tracked: dict[int, tuple[weakref.ref, int]] = {}
+        #: highest number of stages with live device buffers seen at any step since the
+        #: last ``reset_stats()`` (only with ``track_residency``).
+        self.max_resident_stages: int = 0
+        #: ``[(pass_name, stage, resident_stages), ...]`` of the last call.
+        self.residency_trace: list[tuple[str, int, int]] = []
+
     def reset_stats(self) -> None:
         """Reset ``max_resident_stages`` and ``residency_trace``."""
         self.max_resident_stages = 0

@@ -5,16 +5,162 @@ Imports only jax (no torch).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Sharding
+from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from . import optim as _optim
-from ._stages import HOST_KIND, _leaf_name
+from ._stages import (DEVICE_KIND, HOST_KIND, _as_aval, _check_input_dtypes, _check_memory_kinds, _is_diff,
+                      _leaf_name)
 
-__all__ = ["RuntimePlacement", "checked_state"]
+__all__ = ["RuntimePlacement", "activation_shardings", "check_placement_args", "checked_state",
+           "flatten_stage_params", "leaf_sharding_rule", "leaf_shardings"]
+
+
+def flatten_stage_params(stage_params, shared: bool) -> list:
+    """Per stage ``(leaves_with_path, treedef)`` of ``stage_params``, every leaf checked to be an array
+    of a dtype jax keeps; with a ``shared`` stage function every stage must match stage 0's tree
+    structure, leaf shapes and dtypes.
+
+    Raises: TypeError: a leaf is not an array or has a dtype jax would narrow; ValueError: with
+      ``shared``, a stage differs from stage 0 (the message names the stage and leaf).
+    """
+    flat = []
+    for i, p in enumerate(stage_params):
+        leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(p)
+        for path, leaf in leaves_with_path:
+            _as_aval(leaf, f"stage_params[{i}]{_leaf_name(path)}")
+        _check_input_dtypes(p, f"stage_params[{i}]")
+        flat.append((leaves_with_path, treedef))
+    if shared:
+        leaves0, treedef0 = flat[0]
+        for i in range(1, len(flat)):
+            leaves_with_path, treedef = flat[i]
+            if treedef != treedef0:
+                raise ValueError(f"stage_params[{i}] has tree structure {treedef}, but stage_params[0] has "
+                                 f"{treedef0}; a shared stage_fn needs the same structure for every stage")
+            for (path, leaf), (_, leaf0) in zip(leaves_with_path, leaves0):
+                if tuple(leaf.shape) != tuple(leaf0.shape) or np.dtype(leaf.dtype) != np.dtype(leaf0.dtype):
+                    raise ValueError(
+                        f"stage_params[{i}]{_leaf_name(path)} has shape {tuple(leaf.shape)} dtype "
+                        f"{np.dtype(leaf.dtype)}, but stage_params[0]{_leaf_name(path)} has shape "
+                        f"{tuple(leaf0.shape)} dtype {np.dtype(leaf0.dtype)}; a shared stage_fn needs "
+                        "identical parameter shapes and dtypes in every stage")
+    return flat
+
+
+def check_placement_args(device, sharding, activation_sharding, batch_axis) -> None:
+    """Raise for the constructor's placement arguments of the wrong type, or ``device`` and
+    ``sharding`` both given (errors name the argument)."""
+    if device is not None and sharding is not None:
+        raise ValueError("give either device or sharding, not both")
+    if device is not None and not isinstance(device, jax.Device):
+        raise TypeError(f"device must be a jax.Device, got {type(device).__name__}")
+    if sharding is not None and not (isinstance(sharding, Sharding) or callable(sharding)):
+        raise TypeError(f"sharding must be a jax.sharding.Sharding or a callable, got {type(sharding).__name__}")
+    if batch_axis is not None and not isinstance(batch_axis, str):
+        raise TypeError(f"batch_axis must be a mesh axis name (str) or None, got {type(batch_axis).__name__}")
+    if activation_sharding is not None and not isinstance(activation_sharding, Sharding):
+        raise TypeError(f"activation_sharding must be a jax.sharding.Sharding, "
+                        f"got {type(activation_sharding).__name__}")
+
+
+def leaf_sharding_rule(device, sharding) -> tuple[Sharding | None, Callable]:
+    """``(base, rule)``: the one sharding every leaf gets (``None`` for a callable ``sharding``) and
+    ``rule(stage_index, leaf_path, leaf) -> Sharding``. Default: ``jax.devices()[0]``.
+
+    Raises: ValueError: a device has no ``pinned_host`` memory.
+    """
+    if callable(sharding) and not isinstance(sharding, Sharding):
+        return None, sharding
+    if sharding is None:
+        dev = device if device is not None else jax.devices()[0]
+        _check_memory_kinds(dev, "the streaming runtime")
+        base = SingleDeviceSharding(dev)
+    else:
+        base = sharding
+        for d in sharding.device_set:
+            _check_memory_kinds(d, "the streaming runtime")
+
+    def same_for_every_leaf(i, path, leaf):
+        return base
+    return base, same_for_every_leaf
+
+
+def activation_shardings(base, sharding, activation_sharding, batch_axis) -> tuple[Sharding, Sharding | None]:
+    """``(activation sharding, batch sharding or None)``, both of memory kind ``device``: the given
+    ``activation_sharding``, or by default ``base`` (one device) or ``base``'s mesh replicated; the
+    batch sharding splits the leading dimension over mesh axis ``batch_axis``.
+
+    Raises: ValueError: no default for a callable or another ``Sharding`` type; ``batch_axis`` not
+      an axis of a ``NamedSharding`` activation sharding.
+    """
+    if activation_sharding is None:
+        if isinstance(base, SingleDeviceSharding):
+            activation_sharding = base
+        elif isinstance(base, NamedSharding):
+            activation_sharding = NamedSharding(base.mesh, PartitionSpec())
+        else:
+            raise ValueError("activation_sharding is required when sharding is a callable or a "
+                             f"{type(sharding).__name__}")
+    act = activation_sharding.with_memory_kind(DEVICE_KIND)
+    batch_sh = None
+    if batch_axis is not None:
+        if not isinstance(act, NamedSharding) or batch_axis not in act.mesh.shape:
+            raise ValueError(f"batch_axis={batch_axis!r} needs a NamedSharding activation_sharding whose mesh has "
+                             f"that axis, got {activation_sharding}")
+        batch_sh = NamedSharding(act.mesh, PartitionSpec(batch_axis), memory_kind=DEVICE_KIND)
+    return act, batch_sh
+
+
+def _leaf_group(group_of, groups, i: int, path) -> int:
+    """The parameter group of stage ``i``'s trainable leaf at ``path``; ValueError naming it otherwise."""
+    group = 0 if group_of is None else group_of(i, path)
+    if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or not 0 <= group < len(groups):
+        raise ValueError(f"group_of({i}, {_leaf_name(path)}) returned {group!r}, not a group index in "
+                         f"[0, {len(groups)})")
+    return int(group)
+
+
+def leaf_shardings(flat: list, rule: Callable, resident: list, trainable, groups, group_of) -> tuple:
+    """Per stage: the weights' resident shardings (``pinned_host``, device memory for a ``resident``
+    stage), their device shardings (pytrees like the stage's params), the trainable flag of each
+    leaf and the parameter group of each trainable leaf.
+
+    Args: ``flat`` from :func:`flatten_stage_params`; ``rule`` from :func:`leaf_sharding_rule`;
+      ``trainable``, ``group_of``: the constructor's callables or ``None``; ``groups``: the
+      optimizer's parameter groups or ``None``.
+
+    Returns: ``(host_sh, dev_sh, train_mask, group_idx)``, lists of one entry per stage.
+
+    Raises: TypeError: ``rule`` returns no ``Sharding``; ValueError: a sharding does not split its
+      leaf evenly; ``group_of`` returns no valid group index (messages name the stage and leaf).
+    """
+    host_sh, dev_sh, train_mask, group_idx = [], [], [], []
+    for i, (leaves_with_path, treedef) in enumerate(flat):
+        host_leaf_sh, dev_leaf_sh, leaf_trainable, leaf_groups = [], [], [], []
+        for path, leaf in leaves_with_path:
+            s = rule(i, path, leaf)
+            if not isinstance(s, Sharding):
+                raise TypeError(f"sharding({i}, {_leaf_name(path)}) returned {type(s).__name__}, "
+                                "not a jax.sharding.Sharding")
+            try:
+                s.shard_shape(tuple(leaf.shape))
+            except ValueError as e:
+                raise ValueError(f"stage_params[{i}]{_leaf_name(path)}: sharding {s} does not split shape "
+                                 f"{tuple(leaf.shape)} evenly: {e}") from None
+            host_leaf_sh.append(s.with_memory_kind(DEVICE_KIND if resident[i] else HOST_KIND))
+            dev_leaf_sh.append(s.with_memory_kind(DEVICE_KIND))
+            leaf_trainable.append(_is_diff(leaf) and (trainable is None or bool(trainable(i, path))))
+            if leaf_trainable[-1] and groups is not None:
+                leaf_groups.append(_leaf_group(group_of, groups, i, path))
+        host_sh.append(jax.tree_util.tree_unflatten(treedef, host_leaf_sh))
+        dev_sh.append(jax.tree_util.tree_unflatten(treedef, dev_leaf_sh))
+        train_mask.append(leaf_trainable)
+        group_idx.append(tuple(leaf_groups))
+    return host_sh, dev_sh, train_mask, group_idx
 
 
 def checked_state(optimizer, state, avals: list, stage: int) -> list:
@@ -39,6 +185,71 @@ def checked_state(optimizer, state, avals: list, stage: int) -> list:
 class RuntimePlacement:
     """The placement part of :class:`xla_swap.executors.StreamingRuntime` (a base class of it, not
     used alone): where each array lives, and replacing a stage's weights in place."""
+
+    def _place_weights(self, stage_params, host_sh, dev_sh, train_mask, *, own_params: bool, copy: bool) -> None:
+        """Put each stage's weights where ``host_sh`` says (a copy unless ``own_params``; always a copy
+        for a resident stage or with ``copy``: updates never touch the caller's arrays)."""
+        self._host_sh = host_sh
+        self._dev_sh = dev_sh
+        self._train_mask = train_mask
+        #: per-stage pytrees of ``pinned_host`` arrays (device memory for ``resident`` stages):
+        #: the weights. With ``optimizer``, replaced by the updated weights after each step.
+        self.host_params: list = [jax.device_put(p, s, may_alias=None if own_params
+                                                 else (False if (copy or r) else None))
+                                  for p, s, r in zip(stage_params, host_sh, self.resident)]
+        self._param_avals = [jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), p)
+                             for p in self.host_params]
+
+    def _place_optimizer_state(self, optimizer, optimizer_state) -> None:
+        """The shardings of the gradients, accumulators and moments, and the moments themselves
+        (zeros, or copies of ``optimizer_state``).
+
+        Raises: ValueError: ``optimizer_state`` given without ``optimizer``, or not one list of
+          ``(m, v)`` pairs per stage as :func:`checked_state` wants them.
+        """
+        n = self.num_stages
+        if optimizer_state is not None and (optimizer is None or isinstance(optimizer_state, (str, bytes))
+                                            or not isinstance(optimizer_state, Sequence)
+                                            or len(optimizer_state) != n):
+            raise ValueError(f"optimizer_state must be None or, with an optimizer, one list of (m, v) pairs per "
+                             f"stage ({n} stages), got {type(optimizer_state).__name__}"
+                             + ("" if optimizer is not None else " without an optimizer"))
+        self._place_state_shardings(optimizer is not None)
+        states = []
+        for i in range(n if optimizer is not None else 0):
+            leaves = jax.tree_util.tree_leaves(self._param_avals[i])
+            trained = [leaves[j] for j, m in enumerate(self._train_mask[i]) if m]
+            if optimizer_state is None:
+                states.append(_optim.init_state(optimizer, trained))
+            else:
+                states.append(checked_state(optimizer, optimizer_state[i], trained, i))
+        #: per stage, the optimizer state: a list of ``(m, v)`` pairs, one per trainable leaf,
+        #: in ``pinned_host`` (or device memory); empty lists without an optimizer.
+        # copies (may_alias=False): a given state stays its owner's
+        self.optimizer_state: list = [jax.device_put(st, sh, may_alias=False if optimizer_state is not None
+                                                     else None)
+                                      for st, sh in zip(states, self._state_host_sh)]
+
+    def _place_state_shardings(self, has_optimizer: bool) -> None:
+        """Per stage, the shardings of the floating leaves' gradients and, with an optimizer, of the
+        trainable leaves' moments and accumulated gradients, on the device and between steps."""
+        grad_kind = HOST_KIND if self.grads_to_host else DEVICE_KIND
+        self._diff_dev_sh, self._diff_grad_sh = [], []
+        self._state_dev_sh, self._state_host_sh = [], []
+        self._acc_dev_sh, self._acc_host_sh = [], []
+        for i in range(self.num_stages):
+            leaves = jax.tree_util.tree_leaves(self._param_avals[i])
+            dev_leaf_sh = jax.tree_util.tree_leaves(self._dev_sh[i])
+            diff = [s for s, a in zip(dev_leaf_sh, leaves) if _is_diff(a)]
+            self._diff_dev_sh.append(diff)
+            self._diff_grad_sh.append([s.with_memory_kind(grad_kind) for s in diff])
+            trained = [j for j, m in enumerate(self._train_mask[i]) if m] if has_optimizer else []
+            state_kind = HOST_KIND if self.optimizer_state_on_host and not self.resident[i] else DEVICE_KIND
+            acc_kind = HOST_KIND if self.grads_to_host and not self.resident[i] else DEVICE_KIND
+            self._state_dev_sh.append([(dev_leaf_sh[j], dev_leaf_sh[j]) for j in trained])
+            self._acc_dev_sh.append([dev_leaf_sh[j] for j in trained])
+            self._acc_host_sh.append([dev_leaf_sh[j].with_memory_kind(acc_kind) for j in trained])
+            self._state_host_sh.append([(dev_leaf_sh[j].with_memory_kind(state_kind),) * 2 for j in trained])
 
     def trainable_paths(self, stage: int) -> list[str]:
         """The key paths (``jax.tree_util.keystr``, e.g. ``"['w']"``) of ``stage``'s trainable leaves,

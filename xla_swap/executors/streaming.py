@@ -38,13 +38,12 @@ The module imports only numpy and jax (no torch, no torch_xla).
 """
 from __future__ import annotations
 
-import collections
 import types
 from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+from jax.sharding import Sharding
 
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.planning.policy import OffloadPolicy
@@ -54,10 +53,11 @@ from . import optim as _optim
 from .compilation import DEFAULT_MAX_SIGNATURES, MAX_LOSS_FNS, RuntimeCompilation, Signature
 from .instrumentation import RuntimeInstrumentation
 from .loop import RuntimeLoop
-from .placement import RuntimePlacement, checked_state
+from .placement import (RuntimePlacement, activation_shardings, check_placement_args, flatten_stage_params,
+                        leaf_sharding_rule, leaf_shardings)
 from .trace import StageEvent, TraceRecorder
-from ._stages import (DEVICE_KIND, HOST_KIND, _aval_key, _as_aval, _check_input_dtypes, _check_memory_kinds,
-                      _describe, _is_diff, _leaf_name, _own_fns, _split_diff, _stage_fns, _tree_aval, tree_nbytes)
+from ._stages import (_aval_key, _check_input_dtypes, _describe, _own_fns, _split_diff, _stage_fns, _tree_aval,
+                      tree_nbytes)
 
 __all__ = ["StreamingRuntime", "StageEvent", "TraceRecorder", "tree_nbytes", "DEFAULT_MAX_SIGNATURES",
            "MAX_LOSS_FNS", "Signature"]
@@ -68,6 +68,42 @@ def _check_trace(trace) -> None:
     if trace is not None and not isinstance(trace, TraceRecorder):
         hint = " (trace=True was replaced by trace=TraceRecorder())" if isinstance(trace, bool) else ""
         raise TypeError(f"trace must be an xla_swap.executors.TraceRecorder or None, got {type(trace).__name__}{hint}")
+
+
+def _check_options(prefetch_depth, remat, trace, **flags) -> None:
+    """Raise unless ``prefetch_depth`` is an int >= 1, every one of ``flags`` a bool, ``remat`` a bool
+    or a checkpoint policy and ``trace`` a ``TraceRecorder`` or ``None`` (errors name the argument)."""
+    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, (int, np.integer)):
+        raise TypeError(f"prefetch_depth must be an int >= 1, got {type(prefetch_depth).__name__}")
+    if prefetch_depth < 1:
+        raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
+    for flag_name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{flag_name} must be a bool, got {type(flag).__name__}")
+    if not (isinstance(remat, bool) or callable(remat)) or isinstance(remat, (type, types.BuiltinFunctionType)):
+        raise TypeError(f"remat must be a bool or a jax.checkpoint_policies policy (a function), "
+                        f"got {remat!r}")
+    _check_trace(trace)
+
+
+def _num_stages(stage_params) -> int:
+    """``len(stage_params)``; ValueError unless it is a non-empty sequence."""
+    if isinstance(stage_params, (str, bytes, dict)) or not isinstance(stage_params, Sequence):
+        raise ValueError(f"stage_params must be a non-empty sequence (list/tuple) of per-stage pytrees, "
+                         f"got {type(stage_params).__name__}")
+    if len(stage_params) == 0:
+        raise ValueError("stage_params is empty: need at least one stage")
+    return len(stage_params)
+
+
+def _checked_resident(resident, n: int) -> list[bool]:
+    """``resident`` as ``n`` bools (``None``: none resident); ValueError otherwise."""
+    if resident is None:
+        resident = [False] * n
+    if isinstance(resident, (str, bytes)) or not isinstance(resident, Sequence) or len(resident) != n \
+            or not all(isinstance(r, (bool, np.bool_)) for r in resident):
+        raise ValueError(f"resident must be a sequence of {n} bools (one per stage), got {resident!r}")
+    return [bool(r) for r in resident]
 
 
 def _remat_from_policy(policy: OffloadPolicy):
@@ -267,24 +303,11 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
         prefetch_next_call: bool = True,
         own_params: bool = False,
     ):
-        # ---- validation, no state change before all of it passed ----
-        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, (int, np.integer)):
-            raise TypeError(f"prefetch_depth must be an int >= 1, got {type(prefetch_depth).__name__}")
-        if prefetch_depth < 1:
-            raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
-        for flag_name, flag in (("donate", donate), ("throttle", throttle),
-                                ("track_residency", track_residency),
-                                ("grads_to_host", grads_to_host),
-                                ("optimizer_state_on_host", optimizer_state_on_host),
-                                ("offload_activations", offload_activations),
-                                ("prefetch_next_call", prefetch_next_call),
-                                ("own_params", own_params)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{flag_name} must be a bool, got {type(flag).__name__}")
-        if not (isinstance(remat, bool) or callable(remat)) or isinstance(remat, (type, types.BuiltinFunctionType)):
-            raise TypeError(f"remat must be a bool or a jax.checkpoint_policies policy (a function), "
-                            f"got {remat!r}")
-        _check_trace(trace)
+        # validation first: no state changes before all of it passed
+        _check_options(prefetch_depth, remat, trace, donate=donate, throttle=throttle, track_residency=track_residency,
+                       grads_to_host=grads_to_host, optimizer_state_on_host=optimizer_state_on_host,
+                       offload_activations=offload_activations, prefetch_next_call=prefetch_next_call,
+                       own_params=own_params)
         groups = _optim.check_optimizer(optimizer)
         optimizer = groups[0] if groups else None
         if group_of is not None and not callable(group_of):
@@ -294,114 +317,44 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
                             f"got {type(trainable).__name__}")
         if isinstance(max_signatures, bool) or not isinstance(max_signatures, (int, np.integer)) or max_signatures < 1:
             raise ValueError(f"max_signatures must be an int >= 1, got {max_signatures!r}")
-        if isinstance(stage_params, (str, bytes, dict)) or not isinstance(stage_params, Sequence):
-            raise ValueError(f"stage_params must be a non-empty sequence (list/tuple) of per-stage pytrees, "
-                             f"got {type(stage_params).__name__}")
-        if len(stage_params) == 0:
-            raise ValueError("stage_params is empty: need at least one stage")
-        n = len(stage_params)
+        n = _num_stages(stage_params)
         fns, shared = _stage_fns(stage_fn, n)
-        if resident is None:
-            resident = [False] * n
-        if isinstance(resident, (str, bytes)) or not isinstance(resident, Sequence) or len(resident) != n \
-                or not all(isinstance(r, (bool, np.bool_)) for r in resident):
-            raise ValueError(f"resident must be a sequence of {n} bools (one per stage), got {resident!r}")
-        resident = [bool(r) for r in resident]
+        resident = _checked_resident(resident, n)
+        flat = flatten_stage_params(stage_params, shared)
+        check_placement_args(device, sharding, activation_sharding, batch_axis)
+        base, leaf_sharding = leaf_sharding_rule(device, sharding)
+        act, batch_sh = activation_shardings(base, sharding, activation_sharding, batch_axis)
+        host_sh, dev_sh, train_mask, group_idx = leaf_shardings(flat, leaf_sharding, resident, trainable,
+                                                                groups, group_of)
 
-        flat = []  # per stage: (leaves_with_path, treedef)
-        for i, p in enumerate(stage_params):
-            lp, treedef = jax.tree_util.tree_flatten_with_path(p)
-            for path, leaf in lp:
-                _as_aval(leaf, f"stage_params[{i}]{_leaf_name(path)}")
-            _check_input_dtypes(p, f"stage_params[{i}]")
-            flat.append((lp, treedef))
-        if shared:
-            lp0, td0 = flat[0]
-            for i in range(1, n):
-                lp, td = flat[i]
-                if td != td0:
-                    raise ValueError(f"stage_params[{i}] has tree structure {td}, but stage_params[0] has {td0}; "
-                                     "a shared stage_fn needs the same structure for every stage")
-                for (path, leaf), (_, leaf0) in zip(lp, lp0):
-                    if tuple(leaf.shape) != tuple(leaf0.shape) or np.dtype(leaf.dtype) != np.dtype(leaf0.dtype):
-                        raise ValueError(
-                            f"stage_params[{i}]{_leaf_name(path)} has shape {tuple(leaf.shape)} dtype "
-                            f"{np.dtype(leaf.dtype)}, but stage_params[0]{_leaf_name(path)} has shape "
-                            f"{tuple(leaf0.shape)} dtype {np.dtype(leaf0.dtype)}; a shared stage_fn needs "
-                            "identical parameter shapes and dtypes in every stage")
+        # state
+        self._set_options(n, prefetch_depth, donate=donate, throttle=throttle, track_residency=track_residency,
+                          trace=trace, remat=remat, resident=resident, grads_to_host=grads_to_host,
+                          optimizer_state_on_host=optimizer_state_on_host, max_signatures=max_signatures,
+                          offload_activations=offload_activations, prefetch_next_call=prefetch_next_call)
+        #: the configuration of parameter group 0 (its ``state_dtype`` is every group's), or ``None``.
+        self.optimizer: AdamW | None = optimizer
+        #: one ``AdamW`` per parameter group, read at every ``train_step`` (assign new ones between
+        #: steps: a schedule); ``None`` without an optimizer.
+        self.param_groups: list[AdamW] | None = groups
+        #: per stage, the parameter group of each trainable leaf (in leaf order).
+        self.group_idx: list[tuple[int, ...]] = group_idx
+        self.activation_sharding: Sharding = act
+        #: the mesh axis activations are split over (data parallelism), or ``None``.
+        self.batch_axis: str | None = batch_axis
+        self._batch_sh = batch_sh
+        self._set_stage_fns(fns)
+        self._place_weights(stage_params, host_sh, dev_sh, train_mask, own_params=own_params,
+                            copy=optimizer is not None)
+        self._place_optimizer_state(optimizer, optimizer_state)
+        self._init_step_state(groups)
+        self._init_caches()
+        self._init_instrumentation()
 
-        if device is not None and sharding is not None:
-            raise ValueError("give either device or sharding, not both")
-        if device is not None and not isinstance(device, jax.Device):
-            raise TypeError(f"device must be a jax.Device, got {type(device).__name__}")
-        if sharding is not None and not (isinstance(sharding, Sharding) or callable(sharding)):
-            raise TypeError(f"sharding must be a jax.sharding.Sharding or a callable, got {type(sharding).__name__}")
-        if batch_axis is not None and not isinstance(batch_axis, str):
-            raise TypeError(f"batch_axis must be a mesh axis name (str) or None, got {type(batch_axis).__name__}")
-        if activation_sharding is not None and not isinstance(activation_sharding, Sharding):
-            raise TypeError(f"activation_sharding must be a jax.sharding.Sharding, "
-                            f"got {type(activation_sharding).__name__}")
-        if sharding is None:
-            dev = device if device is not None else jax.devices()[0]
-            _check_memory_kinds(dev, "the streaming runtime")
-            base = SingleDeviceSharding(dev)
-
-            def leaf_sharding(i, path, leaf):
-                return base
-        elif isinstance(sharding, Sharding):
-            base = sharding
-            for d in sharding.device_set:
-                _check_memory_kinds(d, "the streaming runtime")
-
-            def leaf_sharding(i, path, leaf):
-                return base
-        else:
-            base = None
-            leaf_sharding = sharding
-        if activation_sharding is None:
-            if isinstance(base, SingleDeviceSharding):
-                activation_sharding = base
-            elif isinstance(base, NamedSharding):
-                activation_sharding = NamedSharding(base.mesh, PartitionSpec())
-            else:
-                raise ValueError("activation_sharding is required when sharding is a callable or a "
-                                 f"{type(sharding).__name__}")
-        act = activation_sharding.with_memory_kind(DEVICE_KIND)
-        batch_sh = None
-        if batch_axis is not None:
-            if not isinstance(act, NamedSharding) or batch_axis not in act.mesh.shape:
-                raise ValueError(f"batch_axis={batch_axis!r} needs a NamedSharding activation_sharding whose mesh has "
-                                 f"that axis, got {activation_sharding}")
-            batch_sh = NamedSharding(act.mesh, PartitionSpec(batch_axis), memory_kind=DEVICE_KIND)
-
-        host_sh, dev_sh, train_mask, group_idx = [], [], [], []
-        for i, (lp, treedef) in enumerate(flat):
-            hs_, ds_, tm_, gi_ = [], [], [], []
-            for path, leaf in lp:
-                s = leaf_sharding(i, path, leaf)
-                if not isinstance(s, Sharding):
-                    raise TypeError(f"sharding({i}, {_leaf_name(path)}) returned {type(s).__name__}, "
-                                    "not a jax.sharding.Sharding")
-                try:
-                    s.shard_shape(tuple(leaf.shape))
-                except ValueError as e:
-                    raise ValueError(f"stage_params[{i}]{_leaf_name(path)}: sharding {s} does not split shape "
-                                     f"{tuple(leaf.shape)} evenly: {e}") from None
-                hs_.append(s.with_memory_kind(DEVICE_KIND if resident[i] else HOST_KIND))
-                ds_.append(s.with_memory_kind(DEVICE_KIND))
-                tm_.append(_is_diff(leaf) and (trainable is None or bool(trainable(i, path))))
-                if tm_[-1] and groups is not None:
-                    gi = 0 if group_of is None else group_of(i, path)
-                    if isinstance(gi, bool) or not isinstance(gi, (int, np.integer)) or not 0 <= gi < len(groups):
-                        raise ValueError(f"group_of({i}, {_leaf_name(path)}) returned {gi!r}, not a group index in "
-                                         f"[0, {len(groups)})")
-                    gi_.append(int(gi))
-            host_sh.append(jax.tree_util.tree_unflatten(treedef, hs_))
-            dev_sh.append(jax.tree_util.tree_unflatten(treedef, ds_))
-            train_mask.append(tm_)
-            group_idx.append(tuple(gi_))
-
-        # ---- state ----
+    def _set_options(self, n: int, prefetch_depth: int, *, donate, throttle, track_residency, trace, remat,
+                     resident, grads_to_host, optimizer_state_on_host, max_signatures, offload_activations,
+                     prefetch_next_call) -> None:
+        """Store the constructor's checked options."""
         self.num_stages: int = n
         self.prefetch_depth: int = int(prefetch_depth)
         self.donate = donate
@@ -411,13 +364,6 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
         self.remat = remat
         self.resident: tuple[bool, ...] = tuple(resident)
         self.grads_to_host = grads_to_host
-        #: the configuration of parameter group 0 (its ``state_dtype`` is every group's), or ``None``.
-        self.optimizer: AdamW | None = optimizer
-        #: one ``AdamW`` per parameter group, read at every ``train_step`` (assign new ones between
-        #: steps: a schedule); ``None`` without an optimizer.
-        self.param_groups: list[AdamW] | None = groups
-        #: per stage, the parameter group of each trainable leaf (in leaf order).
-        self.group_idx: list[tuple[int, ...]] = group_idx
         self.optimizer_state_on_host = optimizer_state_on_host
         self.max_signatures = int(max_signatures)
         self.offload_activations = offload_activations
@@ -426,69 +372,25 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
         self._carry: dict[int, tuple[Any, Any]] = {}
         #: bytes of stage inputs and saved residuals the last ``train_step`` sent to ``pinned_host``.
         self.offloaded_activation_nbytes: int = 0
-        self.activation_sharding: Sharding = act
-        #: the mesh axis activations are split over (data parallelism), or ``None``.
-        self.batch_axis: str | None = batch_axis
-        self._batch_sh = batch_sh
+
+    def _set_stage_fns(self, fns: list) -> None:
+        """Keep the caller's stage functions, this runtime's own wrappers of them, and per stage the
+        index of its function among the distinct ones (by identity)."""
         self._fns = fns  # the caller's stage functions
         self._traced_fns = _own_fns(fns)  # what this runtime traces and compiles (see _own_fns)
         self._fn_ids: list[int] = []
-        uniq: list[Callable] = []
-        for f in fns:  # dedupe by identity
-            for j, u in enumerate(uniq):
-                if u is f:
+        distinct: list[Callable] = []
+        for f in fns:
+            for j, known in enumerate(distinct):
+                if known is f:
                     self._fn_ids.append(j)
                     break
             else:
-                uniq.append(f)
-                self._fn_ids.append(len(uniq) - 1)
-        self._host_sh = host_sh
-        self._dev_sh = dev_sh
-        self._train_mask = train_mask
-        #: per-stage pytrees of ``pinned_host`` arrays (device memory for ``resident`` stages):
-        #: the weights. With ``optimizer``, replaced by the updated weights after each step.
-        self.host_params: list = [jax.device_put(p, s, may_alias=None if own_params
-                                                 else (False if (optimizer or r) else None))
-                                  for p, s, r in zip(stage_params, host_sh, resident)]
-        self._param_avals = [jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), p)
-                             for p in self.host_params]
-        # per stage: shardings of the differentiable leaves (the gradients), as lists
-        gk = HOST_KIND if grads_to_host else DEVICE_KIND
-        self._diff_dev_sh, self._diff_grad_sh = [], []
-        #: per stage, the optimizer state: a list of ``(m, v)`` pairs, one per trainable leaf,
-        #: in ``pinned_host`` (or device memory); empty lists without an optimizer.
-        self.optimizer_state: list = []
-        self._state_dev_sh, self._state_host_sh = [], []
-        self._acc_dev_sh, self._acc_host_sh = [], []
-        if optimizer_state is not None and (optimizer is None or isinstance(optimizer_state, (str, bytes))
-                                            or not isinstance(optimizer_state, Sequence)
-                                            or len(optimizer_state) != n):
-            raise ValueError(f"optimizer_state must be None or, with an optimizer, one list of (m, v) pairs per "
-                             f"stage ({n} stages), got {type(optimizer_state).__name__}"
-                             + ("" if optimizer is not None else " without an optimizer"))
-        states = []
-        for i in range(n):
-            leaves = jax.tree_util.tree_leaves(self._param_avals[i])
-            ds = jax.tree_util.tree_leaves(dev_sh[i])
-            diff = [s_ for s_, a in zip(ds, leaves) if _is_diff(a)]
-            self._diff_dev_sh.append(diff)
-            self._diff_grad_sh.append([s_.with_memory_kind(gk) for s_ in diff])
-            sel = [j for j, m in enumerate(train_mask[i]) if m] if optimizer is not None else []
-            on_host = optimizer_state_on_host and not resident[i]
-            self._state_dev_sh.append([(ds[j], ds[j]) for j in sel])
-            self._acc_dev_sh.append([ds[j] for j in sel])
-            self._acc_host_sh.append([ds[j].with_memory_kind(HOST_KIND if grads_to_host and not resident[i]
-                                                             else DEVICE_KIND) for j in sel])
-            self._state_host_sh.append([(ds[j].with_memory_kind(HOST_KIND if on_host else DEVICE_KIND),) * 2
-                                        for j in sel])
-            if optimizer is not None:
-                if optimizer_state is None:
-                    states.append(_optim.init_state(optimizer, [leaves[j] for j in sel]))
-                else:
-                    states.append(checked_state(optimizer, optimizer_state[i], [leaves[j] for j in sel], i))
-        # copies (may_alias=False): a given state stays its owner's
-        self.optimizer_state = [jax.device_put(st, sh, may_alias=False if optimizer_state is not None else None)
-                                for st, sh in zip(states, self._state_host_sh)]
+                distinct.append(f)
+                self._fn_ids.append(len(distinct) - 1)
+
+    def _init_step_state(self, groups) -> None:
+        """The optimizer's step count, gradient accumulation and last update's figures, all empty."""
         #: number of optimizer steps applied so far.
         self.step: int = 0
         self._groups0 = list(groups) if groups else []
@@ -503,26 +405,7 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
         self.last_grad_norm: float | None = None
         #: whether the last update was skipped for a non-finite gradient (``skip_nonfinite``).
         self.last_step_skipped: bool = False
-        self._update_exes: dict = {}
         self._sumsq: list | None = None  # per stage, the last accumulating backward's sum of squares
-        #: bytes of each stage's weights (logical sizes), and their sum.
-        self.stage_nbytes: list[int] = [tree_nbytes(p) for p in self.host_params]
-        self.weight_nbytes: int = sum(self.stage_nbytes)
-        #: bytes of each stage's optimizer state (logical sizes).
-        self.optimizer_state_nbytes: list[int] = [tree_nbytes(s) for s in self.optimizer_state] or [0] * n
-        self._sigs: collections.OrderedDict = collections.OrderedDict()  # input key -> Signature
-        self._last_sig: Signature | None = None
-        #: bytes of the residuals each stage keeps from its forward for its backward in
-        #: ``train_step`` beyond its input (0 with ``remat=True``); set by each training call.
-        self.residual_nbytes: list[int] = [0] * n
-        self._loss_jits: collections.OrderedDict = collections.OrderedDict()
-        self._loss_shapes: dict = {}
-        self._tracked: dict[int, tuple[weakref.ref, int]] = {}
-        #: highest number of stages with live device buffers seen at any step since the
-        #: last ``reset_stats()`` (only with ``track_residency``).
-        self.max_resident_stages: int = 0
-        #: ``[(pass_name, stage, resident_stages), ...]`` of the last call.
-        self.residency_trace: list[tuple[str, int, int]] = []
 
     @classmethod
     def from_policy(cls, stage_fn, stage_params, policy: OffloadPolicy, *, optimizer: AdamW | None = None,
