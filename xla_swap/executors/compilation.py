@@ -25,8 +25,7 @@ from xla_swap.planning.optimizer import HYPER_WIDTH
 
 from ._stages import (_aval_key, _check_carry_dtypes, _check_input_dtypes, _describe, _merge_diff, _own_fns,
                       _split_diff, _tree_aval)
-from .stage_programs import (forward_save_fn, recompute_vjp, saved_vjp, update_only, with_accum,
-                             with_update)
+from .stage_programs import forward_save_fn, recompute_vjp, saved_vjp, with_accum, with_update
 
 __all__ = ["DEFAULT_MAX_SIGNATURES", "MAX_LOSS_FNS", "Signature", "RuntimeCompilation"]
 
@@ -268,32 +267,29 @@ class RuntimeCompilation:
             self._loss_jits.move_to_end(loss_fn)
         return jitted
 
-    def _update_exe_list(self) -> list:
-        """The update pass's executables, one per stage (compiled on first use, shared by stages of
-        equal parameter signature): ``(p, acc, state, hyper, coef) -> (new_p, new_state)``."""
-        exes = []
-        donate = self.donate
-        for i in range(self.num_stages):
-            key = (jax.tree_util.tree_structure(self._param_avals[i]),
-                   tuple((a.shape, str(a.dtype), sh) for a, sh in zip(jax.tree_util.tree_leaves(self._param_avals[i]),
-                                                                      jax.tree_util.tree_leaves(self._dev_sh[i]))),
-                   tuple(self._train_mask[i]), self.group_idx[i], donate)
-            exe = self._update_exes.get(key)
-            if exe is None:
-                act = self.activation_sharding
-                pspec = jax.tree_util.tree_map(self._spec, self._param_avals[i], self._dev_sh[i])
-                sel = [j for j, m in enumerate(self._train_mask[i]) if m]
-                leaves = jax.tree_util.tree_leaves(self._param_avals[i])
-                aspec = [jax.ShapeDtypeStruct(leaves[j].shape, leaves[j].dtype, sharding=sh)
-                         for j, sh in zip(sel, self._acc_dev_sh[i])]
-                st_spec = jax.tree_util.tree_map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                                                 self.optimizer_state[i], self._state_dev_sh[i])
-                hspec = jax.ShapeDtypeStruct((len(self._groups0), HYPER_WIDTH), np.float32, sharding=act)
-                cspec = jax.ShapeDtypeStruct((), np.float32, sharding=act)
-                exe = jax.jit(update_only(self._train_mask[i], self.group_idx[i]),
-                              out_shardings=(self._dev_sh[i], self._state_dev_sh[i]),
-                              donate_argnums=(0, 2) if donate else ()).lower(
-                                  pspec, aspec, st_spec, hspec, cspec).compile()
-                self._update_exes[key] = exe
-            exes.append(exe)
-        return exes
+    def _train_loss_exe(self, h, loss_fn, cotangent, loss_args):
+        """Check ``train_step``'s input, cotangent and loss arguments against ``h``'s signature (traced
+        and cached here); returns the jitted loss (``None`` with a ``cotangent``).
+
+        Raises: as ``train_step`` for its input, ``cotangent`` and ``loss_fn``.
+        """
+        if cotangent is not None:   # checked before h's signature is traced and cached
+            _tree_aval(cotangent, "cotangent")
+            _check_input_dtypes(cotangent, "cotangent")
+        for j, a in enumerate(loss_args):
+            _tree_aval(a, f"loss_args[{j}]")
+            _check_input_dtypes(a, f"loss_args[{j}]")
+        sig = self._signature(h)
+        if not any(_split_diff(a)[0] for a in self._param_avals):
+            raise TypeError("train_step: no stage has a floating parameter; nothing to differentiate")
+        out_aval = sig.chain[-1]
+        out_diff = _split_diff(out_aval)[0]
+        if not out_diff:
+            raise TypeError(f"train_step: the output ({_describe(out_aval)}) has no floating leaf; "
+                            "gradients need a floating output")
+        if cotangent is None:
+            return self._loss_exe(loss_fn, out_aval, loss_args)
+        given = _tree_aval(cotangent, "cotangent")
+        if _aval_key(given) != _aval_key(out_diff) and _aval_key(given) != _aval_key(out_aval):
+            raise ValueError(f"cotangent has {_describe(given)}, but the output has {_describe(out_aval)}")
+        return None

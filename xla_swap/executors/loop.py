@@ -58,40 +58,6 @@ class RuntimeLoop:
             if recorder is not None:
                 recorder.stop()
 
-    def _update_pass(self, hyper, coef, recorder) -> None:
-        """Apply the optimizer to every stage from ``grad_acc`` (scaled by ``coef``), streaming weights,
-        accumulated gradients and moments in ``prefetch_depth`` stages ahead, weights and moments out.
-
-        Stages 0..k come from the weights the backward left in device memory (``prefetch_next_call``).
-        """
-        exes = self._update_exe_list()
-        n, k = self.num_stages, self.prefetch_depth
-        act = self.activation_sharding
-        hyper_arr = jax.device_put(np.asarray(hyper, np.float32), act)
-        coef_arr = jax.device_put(np.asarray(coef, np.float32), act)
-        weights, states, accs = {}, {}, {}
-        for j in range(min(k, n)):
-            self._fetch(weights, j, "update", recorder, states, accs)
-        prev = None
-        for i in range(n):
-            ev = StageEvent("update", i, "compute", recorder.now()) if recorder is not None else None
-            new_p, new_s = exes[i](weights.pop(i), accs.pop(i), states.pop(i), hyper_arr, coef_arr)
-            if recorder is not None:
-                recorder.add(ev, new_p)
-            self._track((new_p, new_s), i)
-            self.host_params[i] = jax.device_put(new_p, self._host_sh[i])
-            self.optimizer_state[i] = jax.device_put(new_s, self._state_host_sh[i])
-            moved = (self.host_params[i], self.optimizer_state[i])
-            del new_p, new_s
-            if self.throttle and prev is not None:
-                jax.block_until_ready(prev)  # stage i-1's results are on the host
-            if i + k < n:
-                self._fetch(weights, i + k, "update", recorder, states, accs)
-            prev = moved
-        self._carry = {}  # what the backward left is consumed (donated)
-        self.grad_acc, self.micro_batches = None, 0
-        self.step += 1
-
     def _fetch(self, weights: dict, j: int, pass_name: str, recorder, states: dict | None = None,
                accs: dict | None = None) -> None:
         """Start moving stage j's weights (and, into ``states``, its optimizer state; into ``accs``, its

@@ -53,11 +53,11 @@ from . import optim as _optim
 from .compilation import DEFAULT_MAX_SIGNATURES, MAX_LOSS_FNS, RuntimeCompilation, Signature
 from .instrumentation import RuntimeInstrumentation
 from .loop import RuntimeLoop
+from .update_pass import RuntimeUpdatePass
 from .placement import (RuntimePlacement, activation_shardings, check_placement_args, flatten_stage_params,
                         leaf_sharding_rule, leaf_shardings)
 from .trace import StageEvent, TraceRecorder
-from ._stages import (_aval_key, _check_input_dtypes, _describe, _own_fns, _split_diff, _stage_fns, _tree_aval,
-                      tree_nbytes)
+from ._stages import _own_fns, _stage_fns, tree_nbytes
 
 __all__ = ["StreamingRuntime", "StageEvent", "TraceRecorder", "tree_nbytes", "DEFAULT_MAX_SIGNATURES",
            "MAX_LOSS_FNS", "Signature"]
@@ -106,6 +106,24 @@ def _checked_resident(resident, n: int) -> list[bool]:
     return [bool(r) for r in resident]
 
 
+def _check_train_args(loss_fn, cotangent, loss_args, trace, accumulate, skip_nonfinite, max_grad_norm) -> None:
+    """Raise for ``train_step`` arguments of the wrong type or value (errors name the argument)."""
+    if (loss_fn is None) == (cotangent is None):
+        raise ValueError("train_step needs exactly one of loss_fn and cotangent")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not isinstance(loss_args, tuple):
+        raise TypeError(f"loss_args must be a tuple, got {type(loss_args).__name__}")
+    _check_trace(trace)
+    for flag_name, flag in (("accumulate", accumulate), ("skip_nonfinite", skip_nonfinite)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{flag_name} must be a bool, got {type(flag).__name__}")
+    if max_grad_norm is not None:
+        if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float, np.floating, np.integer)) \
+                or not np.isfinite(max_grad_norm) or max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be a finite number > 0 or None, got {max_grad_norm!r}")
+
+
 def _remat_from_policy(policy: OffloadPolicy):
     """The ``remat`` argument of the runtime for a policy's ``remat`` and ``activations``."""
     host = policy.offloaded_activations
@@ -121,7 +139,8 @@ def _remat_from_policy(policy: OffloadPolicy):
     return True
 
 
-class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, RuntimeInstrumentation):
+class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, RuntimeUpdatePass,
+                       RuntimeInstrumentation):
     """Run a stack of stages with host-resident weights streamed to the device k stages ahead.
 
     Args:
@@ -532,10 +551,9 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
         with the same k-deep prefetch. Weight traffic per step: 2L-2k-2 stages in in a loop
         (the last k+1 stay on the device from the forward to the backward; with
         ``prefetch_next_call`` the call starts with stages 0..k, the backward keeps them for the
-        next call; 2L-k-1 in a cold call), and L
-        stages of gradients out (or, with ``optimizer``, L stages of weights and moments out
-        and the moments in). Gradients are taken w.r.t. the floating leaves of the
-        parameters and of ``h``; integer and bool leaves are constants.
+        next call; 2L-k-1 in a cold call), and L stages of gradients out (or, with ``optimizer``,
+        L stages of weights and moments out and the moments in). Gradients are taken w.r.t. the
+        floating leaves of the parameters and of ``h``; integer and bool leaves are constants.
 
         Args:
           h: input activation, as for ``forward``.
@@ -587,84 +605,17 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
             refused as in ``forward``, or a ``cotangent`` / ``loss_args`` leaf that jax would
             narrow (``float64`` with ``jax_enable_x64`` off).
         """
-        if (loss_fn is None) == (cotangent is None):
-            raise ValueError("train_step needs exactly one of loss_fn and cotangent")
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-        if not isinstance(loss_args, tuple):
-            raise TypeError(f"loss_args must be a tuple, got {type(loss_args).__name__}")
-        _check_trace(trace)
-        for flag_name, flag in (("accumulate", accumulate), ("skip_nonfinite", skip_nonfinite)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{flag_name} must be a bool, got {type(flag).__name__}")
-        if max_grad_norm is not None:
-            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float, np.floating, np.integer)) \
-                    or not np.isfinite(max_grad_norm) or max_grad_norm <= 0:
-                raise ValueError(f"max_grad_norm must be a finite number > 0 or None, got {max_grad_norm!r}")
-        hyper = None
-        if self.optimizer is not None:
-            hyper = _optim.hyper_rows(self._checked_groups(), self.step + 1, lr)  # ValueError for a bad lr
-        elif lr is not None:
-            raise ValueError("lr is only used with an optimizer; this runtime has none")
-        elif accumulate or max_grad_norm is not None or skip_nonfinite:
-            raise ValueError("accumulate, max_grad_norm and skip_nonfinite need an optimizer; without one the "
-                             "gradients are returned (add or clip them yourself)")
-        if cotangent is not None:   # checked before h's signature is traced and cached
-            _tree_aval(cotangent, "cotangent")
-            _check_input_dtypes(cotangent, "cotangent")
-        for j, a in enumerate(loss_args):
-            _tree_aval(a, f"loss_args[{j}]")
-            _check_input_dtypes(a, f"loss_args[{j}]")
-        sig = self._signature(h)
-        if not any(_split_diff(a)[0] for a in self._param_avals):
-            raise TypeError("train_step: no stage has a floating parameter; nothing to differentiate")
-        out_aval = sig.chain[-1]
-        out_diff = _split_diff(out_aval)[0]
-        if not out_diff:
-            raise TypeError(f"train_step: the output ({_describe(out_aval)}) has no floating leaf; "
-                            "gradients need a floating output")
-        if cotangent is not None:
-            c = _tree_aval(cotangent, "cotangent")
-            if _aval_key(c) != _aval_key(out_diff) and _aval_key(c) != _aval_key(out_aval):
-                raise ValueError(f"cotangent has {_describe(c)}, but the output has {_describe(out_aval)}")
-            loss_exe = None
-        else:
-            loss_exe = self._loss_exe(loss_fn, out_aval, loss_args)
-        if self.optimizer is None:
-            mode = None
-        elif accumulate or max_grad_norm is not None or skip_nonfinite:
-            mode = "accum"
-        else:
-            mode = "update"
-        two_pass = mode == "accum" and not accumulate
-        if two_pass:  # compile the update pass before anything moves
+        _check_train_args(loss_fn, cotangent, loss_args, trace, accumulate, skip_nonfinite, max_grad_norm)
+        separate_update = accumulate or max_grad_norm is not None or skip_nonfinite
+        hyper = self._step_hyper(lr, separate_update)
+        loss_exe = self._train_loss_exe(h, loss_fn, cotangent, loss_args)
+        mode = None if self.optimizer is None else ("accum" if separate_update else "update")
+        if mode == "accum" and not accumulate:  # compile the update pass before anything moves
             self._update_exe_list()
         out = self._run(h, train=True, loss_exe=loss_exe, cotangent=cotangent, loss_args=loss_args,
                         hyper=hyper if mode == "update" else None, trace=trace, mode=mode)
         if mode == "update":
             self.last_grad_norm, self.last_step_skipped = None, False
-        if two_pass:
-            sumsq = jax.device_get(self._sumsq)
-            self._sumsq = None
-            norm = float(np.sqrt(np.sum(np.asarray(sumsq, np.float64))))
-            self.last_grad_norm = norm
-            self.last_step_skipped = bool(skip_nonfinite and not np.isfinite(norm))
-            if self.last_step_skipped:
-                self.grad_acc, self.micro_batches = None, 0
-            else:
-                coef = np.float32(1.0)
-                if max_grad_norm is not None:  # clip_grad_norm_'s float32 arithmetic
-                    coef = np.minimum(np.float32(max_grad_norm) / (np.float32(norm) + np.float32(1e-6)),
-                                      np.float32(1.0))
-                self._update_pass(hyper, coef, None)  # not traced: a recorder covers one pass pair
+        elif mode == "accum" and not accumulate:
+            self._apply_accumulated_update(hyper, max_grad_norm, skip_nonfinite)
         return out
-
-    # ------------------------------------------------------------------ internals
-    def _checked_groups(self) -> list[AdamW]:
-        """``param_groups``, checked against what the executables were built for (count, state dtype)."""
-        groups = self.param_groups
-        if not isinstance(groups, (list, tuple)) or len(groups) != len(self._groups0) or \
-                not all(isinstance(g, AdamW) and g.state_dtype == self.optimizer.state_dtype for g in groups):
-            raise ValueError(f"param_groups must stay a list of {len(self._groups0)} xla_swap.planning.AdamW with "
-                             f"state_dtype={self.optimizer.state_dtype!r}, got {groups!r}")
-        return list(groups)
