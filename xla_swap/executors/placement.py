@@ -15,8 +15,28 @@ from . import optim as _optim
 from ._stages import (DEVICE_KIND, HOST_KIND, _as_aval, _check_input_dtypes, _check_memory_kinds, _is_diff,
                       _leaf_name)
 
-__all__ = ["RuntimePlacement", "activation_shardings", "check_placement_args", "checked_state",
-           "flatten_stage_params", "leaf_sharding_rule", "leaf_shardings"]
+__all__ = ["RuntimePlacement", "activation_shardings", "check_placement_args", "checked_resident", "checked_state",
+           "flatten_stage_params", "leaf_sharding_rule", "leaf_shardings", "num_stages_of"]
+
+
+def num_stages_of(stage_params) -> int:
+    """``len(stage_params)``; ValueError unless it is a non-empty sequence."""
+    if isinstance(stage_params, (str, bytes, dict)) or not isinstance(stage_params, Sequence):
+        raise ValueError(f"stage_params must be a non-empty sequence (list/tuple) of per-stage pytrees, "
+                         f"got {type(stage_params).__name__}")
+    if len(stage_params) == 0:
+        raise ValueError("stage_params is empty: need at least one stage")
+    return len(stage_params)
+
+
+def checked_resident(resident, n: int) -> list[bool]:
+    """``resident`` as ``n`` bools (``None``: none resident); ValueError otherwise."""
+    if resident is None:
+        resident = [False] * n
+    if isinstance(resident, (str, bytes)) or not isinstance(resident, Sequence) or len(resident) != n \
+            or not all(isinstance(r, (bool, np.bool_)) for r in resident):
+        raise ValueError(f"resident must be a sequence of {n} bools (one per stage), got {resident!r}")
+    return [bool(r) for r in resident]
 
 
 def flatten_stage_params(stage_params, shared: bool) -> list:

@@ -7,18 +7,10 @@ asynchronously (``jax.device_put`` to memory kind ``device`` returns at once; th
 which the host dispatches copies and executables is what makes them overlap). ``k`` is the
 prefetch depth.
 
-Why this shape (figures in ``docs/measured.md``, measured on one NVIDIA H200, jax 0.11.2):
-
-* pinned host<->device copies reach 54-55 GB/s each way and ~93 GB/s both ways at once;
-  pageable host memory only 8-14 GB/s. So host weights are kept in ``pinned_host``.
-* XLA:GPU overlaps host->device copies of *whole buffers* but not dynamic slices of one
-  stacked host buffer (stacked ``lax.scan`` offload: 240 ms vs a 159 ms floor for the
-  8-layer, 1 GiB/layer bf16 FFN stack at 8192 tokens). A Python loop over a per-layer
-  executable with an async ``device_put`` of the next layer ran in 167 ms (1.05x floor);
-  at 32768 tokens 438 ms vs a 419 ms floor. So stage weights are kept as separate buffers.
-* A naive streaming training step of the same stack (per-layer forward and ``vjp``
-  executables, gradients sent to ``pinned_host``) ran at 1.30x (8192 tokens) and 1.04x
-  (32768 tokens) of the on-device per-layer loop.
+Why this shape: docs/design.md, "One ``pinned_host`` buffer per layer" and "Streaming: one
+executable per stage, prefetch depth k" (figures in docs/measured.md, sections 4-6). The runtime's
+parts live in placement.py, compilation.py, stage_programs.py, loop.py, update_pass.py and
+instrumentation.py of this package; this module holds its constructor and entry points.
 
 What outlives a runtime: nothing of its own. Its executables (per input signature, at most
 ``max_signatures``), its jitted loss functions (at most :data:`MAX_LOSS_FNS`), its weights,
@@ -54,8 +46,8 @@ from .compilation import DEFAULT_MAX_SIGNATURES, MAX_LOSS_FNS, RuntimeCompilatio
 from .instrumentation import RuntimeInstrumentation
 from .loop import RuntimeLoop
 from .update_pass import RuntimeUpdatePass
-from .placement import (RuntimePlacement, activation_shardings, check_placement_args, flatten_stage_params,
-                        leaf_sharding_rule, leaf_shardings)
+from .placement import (RuntimePlacement, activation_shardings, check_placement_args, checked_resident,
+                        flatten_stage_params, leaf_sharding_rule, leaf_shardings, num_stages_of)
 from .trace import StageEvent, TraceRecorder
 from ._stages import _own_fns, _stage_fns, tree_nbytes
 
@@ -84,26 +76,6 @@ def _check_options(prefetch_depth, remat, trace, **flags) -> None:
         raise TypeError(f"remat must be a bool or a jax.checkpoint_policies policy (a function), "
                         f"got {remat!r}")
     _check_trace(trace)
-
-
-def _num_stages(stage_params) -> int:
-    """``len(stage_params)``; ValueError unless it is a non-empty sequence."""
-    if isinstance(stage_params, (str, bytes, dict)) or not isinstance(stage_params, Sequence):
-        raise ValueError(f"stage_params must be a non-empty sequence (list/tuple) of per-stage pytrees, "
-                         f"got {type(stage_params).__name__}")
-    if len(stage_params) == 0:
-        raise ValueError("stage_params is empty: need at least one stage")
-    return len(stage_params)
-
-
-def _checked_resident(resident, n: int) -> list[bool]:
-    """``resident`` as ``n`` bools (``None``: none resident); ValueError otherwise."""
-    if resident is None:
-        resident = [False] * n
-    if isinstance(resident, (str, bytes)) or not isinstance(resident, Sequence) or len(resident) != n \
-            or not all(isinstance(r, (bool, np.bool_)) for r in resident):
-        raise ValueError(f"resident must be a sequence of {n} bools (one per stage), got {resident!r}")
-    return [bool(r) for r in resident]
 
 
 def _check_train_args(loss_fn, cotangent, loss_args, trace, accumulate, skip_nonfinite, max_grad_norm) -> None:
@@ -336,9 +308,9 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
                             f"got {type(trainable).__name__}")
         if isinstance(max_signatures, bool) or not isinstance(max_signatures, (int, np.integer)) or max_signatures < 1:
             raise ValueError(f"max_signatures must be an int >= 1, got {max_signatures!r}")
-        n = _num_stages(stage_params)
+        n = num_stages_of(stage_params)
         fns, shared = _stage_fns(stage_fn, n)
-        resident = _checked_resident(resident, n)
+        resident = checked_resident(resident, n)
         flat = flatten_stage_params(stage_params, shared)
         check_placement_args(device, sharding, activation_sharding, batch_axis)
         base, leaf_sharding = leaf_sharding_rule(device, sharding)
@@ -582,17 +554,17 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
             With either of the two the update needs every gradient first, so it is not fused
             into the backward: the backward sends each stage's gradients to ``grad_acc`` and a
             third pass streams weights, gradients and moments in and weights and moments out
-            (beyond the fused step: the gradients out and in, one more pass of the weights in,
-            and one host sync for the norm, ``last_grad_norm``).
+            (beyond the fused step: the gradients out and in, one more pass of the weights in, and
+            one host sync for the norm, ``last_grad_norm``).
 
         Returns:
-          ``(loss_or_output, input_cotangent, grads)``: the scalar loss (``loss_fn`` given)
-          or the forward output (``cotangent`` given), as device arrays; the cotangent of
-          ``h`` (device, shaped like ``h``, ``None`` at integer leaves); a list of
-          ``num_stages`` pytrees shaped like ``stage_params[i]`` (``None`` at integer
-          leaves) in ``pinned_host`` (``grads_to_host``) or device memory, or ``None`` with
-          ``optimizer`` (the update is applied: ``host_params`` and ``optimizer_state``
-          hold the new values, ``step`` is incremented). All asynchronous.
+          ``(loss_or_output, input_cotangent, grads)``: the scalar loss (``loss_fn`` given) or the
+          forward output (``cotangent`` given), as device arrays; the cotangent of ``h`` (device,
+          shaped like ``h``, ``None`` at integer leaves); a list of ``num_stages`` pytrees shaped
+          like ``stage_params[i]`` (``None`` at integer leaves) in ``pinned_host``
+          (``grads_to_host``) or device memory, or ``None`` with ``optimizer`` (the update is
+          applied: ``host_params`` and ``optimizer_state`` hold the new values, ``step`` is
+          incremented). All asynchronous.
 
         Raises:
           ValueError: not exactly one of ``loss_fn`` / ``cotangent``; the cotangent's shape
@@ -614,8 +586,5 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
             self._update_exe_list()
         out = self._run(h, train=True, loss_exe=loss_exe, cotangent=cotangent, loss_args=loss_args,
                         hyper=hyper if mode == "update" else None, trace=trace, mode=mode)
-        if mode == "update":
-            self.last_grad_norm, self.last_step_skipped = None, False
-        elif mode == "accum" and not accumulate:
-            self._apply_accumulated_update(hyper, max_grad_norm, skip_nonfinite)
+        self._finish_step(mode, accumulate, hyper, max_grad_norm, skip_nonfinite)
         return out

@@ -47,6 +47,14 @@ class RuntimeUpdatePass:
                              "gradients are returned (add or clip them yourself)")
         return None
 
+    def _finish_step(self, mode, accumulate: bool, hyper, max_grad_norm, skip_nonfinite: bool) -> None:
+        """After a training call's backward: a fused update (``mode="update"``) computed no norm; the
+        last micro-batch of an ``"accum"`` step runs the separate update pass."""
+        if mode == "update":
+            self.last_grad_norm, self.last_step_skipped = None, False
+        elif mode == "accum" and not accumulate:
+            self._apply_accumulated_update(hyper, max_grad_norm, skip_nonfinite)
+
     def _apply_accumulated_update(self, hyper, max_grad_norm, skip_nonfinite: bool) -> None:
         """After the last micro-batch's backward: the global gradient norm (one host sync), then the
         update pass with the gradients clipped to ``max_grad_norm``, or skipped for a non-finite norm."""
