@@ -82,6 +82,56 @@ class RuntimeCompilation:
         self._loss_shapes.clear()
         self._update_exes.clear()
 
+    #: the kinds of stage executable :meth:`stage_executable` compiles.
+    STAGE_KINDS = ("forward", "forward-save", "backward", "backward-saved")
+
+    @property
+    def stage_fns(self) -> tuple:
+        """The caller's stage functions, one per stage (the same object repeated for a shared one)."""
+        return tuple(self._fns)
+
+    @property
+    def stage_fn_ids(self) -> tuple:
+        """Per stage, the index of its function among the distinct stage functions (by identity):
+        stages of equal index, parameter avals and input avals share their executables."""
+        return tuple(self._fn_ids)
+
+    def signature(self, h, what: str = "h") -> Signature:
+        """The :class:`Signature` of input ``h``: per stage the avals of its input (``chain``), traced
+        on first use and cached with its executables (at most ``max_signatures``).
+
+        Args:
+          h: an input of ``forward`` (array or pytree of arrays).
+          what: how error messages name ``h``.
+
+        Raises: as ``forward`` for a bad ``h`` (nothing changes then).
+        """
+        return self._signature(h, what)
+
+    def stage_executable(self, sig: Signature, kind: str, stage: int):
+        """Stage ``stage``'s compiled executable of ``kind`` for input signature ``sig``, as ``train_step``
+        or ``forward`` runs it but donating nothing (cached; compiled on first use).
+
+        Args:
+          sig: from :meth:`signature`.
+          kind: one of :attr:`STAGE_KINDS`: ``forward`` ``(p, x) -> y``; ``forward-save``
+            ``(p, x) -> (y, saved)``; ``backward`` ``(p, x, g, [state, hyper]) -> ...`` (recomputes the
+            forward); ``backward-saved`` ``(p, x, saved, g, [state, hyper]) -> ...``. With an optimizer
+            a backward returns ``(gx, new_params, new_state)``, else ``(gx, grads)``.
+          stage: the stage index.
+
+        Returns: a ``jax.stages.Compiled``.
+
+        Raises: TypeError: ``sig`` is not a :class:`Signature`; ValueError: ``kind`` not one of
+          :attr:`STAGE_KINDS`, ``stage`` not an int in ``[0, num_stages)``.
+        """
+        if not isinstance(sig, Signature):
+            raise TypeError(f"sig must be a Signature (from StreamingRuntime.signature), got {type(sig).__name__}")
+        if kind not in self.STAGE_KINDS:
+            raise ValueError(f"kind must be one of {self.STAGE_KINDS}, got {kind!r}")
+        self._check_stage(stage)
+        return self._exe(sig, kind, stage, False)
+
     def _signature(self, h, what: str = "h") -> Signature:
         """The cached signature of ``h`` (LRU), or a new one traced stage by stage (no state change on error).
 

@@ -189,7 +189,7 @@ class RuntimeInstrumentation:
         sig = self._signature(h)
         hin = sig.chain[stage]
         fwd = self._exe(sig, "forward", stage, False)
-        kw = self._stage_cost_bytes(sig, stage)
+        kw = self.stage_cost_bytes(sig, stage)
         if measure_reps:
             p = jax.device_put(self.host_params[stage], self._dev_sh[stage])
             x = jax.device_put(jax.tree_util.tree_map(_probe, hin), self._act(hin))
@@ -209,9 +209,17 @@ class RuntimeInstrumentation:
             kw.update(flops=flops, flops_per_s=flops_per_s)
         return LayerCost(**kw)
 
-    def _stage_cost_bytes(self, sig, stage: int) -> dict:
-        """The byte fields of :meth:`layer_cost` for ``stage`` under input signature ``sig``, from
-        the compiled executables alone (nothing runs, no clock is read)."""
+    def stage_cost_bytes(self, sig, stage: int) -> dict:
+        """The byte fields of :meth:`layer_cost` for ``stage`` under input signature ``sig`` (from
+        :meth:`signature`), from the compiled executables alone (nothing runs, no clock is read).
+
+        Returns: ``{"param_bytes", "grad_bytes", "optimizer_bytes", "carry_bytes",
+          "intermediate_bytes", "working_bytes"}`` (bytes; ``working_bytes`` ``None`` with an
+          optimizer or where the backend reports no temporaries), as :meth:`layer_cost` documents.
+
+        Raises: ValueError: ``stage`` not an int in ``[0, num_stages)``.
+        """
+        self._check_stage(stage)
         f, pav, hin = self._traced_fns[stage], self._param_avals[stage], sig.chain[stage]
         saved = jax.eval_shape(forward_save_fn(f, False, {}), pav, hin)[1]
         bwd = self._exe(sig, "backward", stage, False) if self.optimizer is None else None

@@ -271,6 +271,36 @@ class RuntimePlacement:
             self._acc_host_sh.append([dev_leaf_sh[j].with_memory_kind(acc_kind) for j in trained])
             self._state_host_sh.append([(dev_leaf_sh[j].with_memory_kind(state_kind),) * 2 for j in trained])
 
+    @property
+    def param_avals(self) -> tuple:
+        """Per stage, the weights' shapes and dtypes: a pytree of ``jax.ShapeDtypeStruct`` like
+        ``host_params[i]`` (read-only)."""
+        return tuple(self._param_avals)
+
+    @property
+    def device_shardings(self) -> tuple:
+        """Per stage, the shardings (memory kind ``device``) its weights get when streamed in: a
+        pytree of ``jax.sharding.Sharding`` like ``host_params[i]`` (read-only)."""
+        return tuple(self._dev_sh)
+
+    @property
+    def optimizer_state_device_shardings(self) -> tuple:
+        """Per stage, the device shardings of its optimizer state: a list of ``(m, v)`` sharding
+        pairs like ``optimizer_state[i]`` (a copy; empty lists without an optimizer)."""
+        return tuple(list(pairs) for pairs in self._state_dev_sh)
+
+    @property
+    def trainable_mask(self) -> tuple:
+        """Per stage, a tuple of bools, one per leaf of ``host_params[i]`` in leaf order: whether
+        the optimizer updates it (the floating leaves ``trainable`` selects)."""
+        return tuple(tuple(mask) for mask in self._train_mask)
+
+    def activation_sharding_of(self, aval):
+        """The device sharding of an activation with avals ``aval`` (a pytree of
+        ``jax.ShapeDtypeStruct``): ``activation_sharding``, or with ``batch_axis`` a pytree like
+        ``aval`` with the batch sharding on leaves whose leading dimension splits evenly."""
+        return self._act(aval)
+
     def trainable_paths(self, stage: int) -> list[str]:
         """The key paths (``jax.tree_util.keystr``, e.g. ``"['w']"``) of ``stage``'s trainable leaves,
         in the order of ``optimizer_state[stage]`` (and of ``grad_acc[stage]``).
