@@ -481,15 +481,7 @@ def autotune(runtime: StreamingRuntime, h, budget_bytes: int, *, training: bool 
     key = cache.key(sig[0], (sig[1], options), int(budget_bytes), training)
     choice = None if calibration is not None else cache.get(key)
     if choice is None:
-        if calibration is None:
-            cal = calibrate(runtime, h, reps=reps)
-        elif isinstance(calibration, Calibration):
-            cal = calibration
-        else:
-            cal = calibration(runtime, h)
-            if not isinstance(cal, Calibration):
-                raise TypeError(f"calibration returned a {type(cal).__name__}, expected a Calibration")
-            _check_calibration(cal, sig)
+        cal = _calibration_for(runtime, h, calibration, reps, sig)
         # a bool remat: the calibration's backward_factor excludes the recompute, so both settings
         # can be predicted; a checkpoint policy's figures are that policy's (cal.remat False)
         choosable = isinstance(runtime.remat, bool)
@@ -503,6 +495,20 @@ def autotune(runtime: StreamingRuntime, h, budget_bytes: int, *, training: bool 
     if choice.same_config(current):
         return runtime, choice
     return reconfigure(runtime, choice), choice
+
+
+def _calibration_for(runtime: StreamingRuntime, h, calibration, reps: int, sig) -> Calibration:
+    """:func:`autotune`'s calibration: measured (``calibration=None``), the one given, or the given
+    callable's (checked against ``sig``, ``runtime_signature(runtime, h)``)."""
+    if calibration is None:
+        return calibrate(runtime, h, reps=reps)
+    if isinstance(calibration, Calibration):
+        return calibration
+    cal = calibration(runtime, h)
+    if not isinstance(cal, Calibration):
+        raise TypeError(f"calibration returned a {type(cal).__name__}, expected a Calibration")
+    _check_calibration(cal, sig)
+    return cal
 
 
 def _check_calibration(cal: Calibration, sig) -> None:
