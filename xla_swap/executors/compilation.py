@@ -11,7 +11,6 @@ update pass's executables. Imports only jax (no torch).
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import warnings
 from typing import Any
@@ -21,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Sharding
 
+from xla_swap.planning.cache import LRUCache
 from xla_swap.planning.optimizer import HYPER_WIDTH
 
 from ._stages import (_aval_key, _check_carry_dtypes, _check_input_dtypes, _describe, _merge_diff, _own_fns,
@@ -53,11 +53,12 @@ class RuntimeCompilation:
 
     def _init_caches(self) -> None:
         """Empty caches: signatures (with their executables), loss functions, update executables."""
-        self._sigs: collections.OrderedDict = collections.OrderedDict()  # input key -> Signature
+        self._sigs = LRUCache(self.max_signatures)  # input key -> Signature
         self._last_sig: Signature | None = None
-        self._loss_jits: collections.OrderedDict = collections.OrderedDict()
+        self._loss_jits = LRUCache(MAX_LOSS_FNS)  # loss_fn -> its jitted value and gradient
         self._loss_shapes: dict = {}
-        self._update_exes: dict = {}
+        # parameter signature -> the update pass's executable (two per distinct stage at most: donating or not)
+        self._update_exes = LRUCache(2 * self.num_stages)
 
     @property
     def num_executables(self) -> int:
@@ -142,7 +143,6 @@ class RuntimeCompilation:
         key = _aval_key(a)
         sig = self._sigs.get(key)
         if sig is not None:
-            self._sigs.move_to_end(key)
             self._last_sig = sig
             return sig
         chain = [a]
@@ -159,9 +159,7 @@ class RuntimeCompilation:
             chain.append(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), out))
             _check_carry_dtypes(self._fns, self._param_avals, i, chain[-2], chain[-1], what)
         sig = Signature(a, chain)
-        self._sigs[key] = sig
-        while len(self._sigs) > self.max_signatures:
-            self._sigs.popitem(last=False)
+        self._sigs.put(key, sig)
         self._last_sig = sig
         return sig
 
@@ -259,8 +257,8 @@ class RuntimeCompilation:
         recorded as such in ``sig.saved_layout[base]`` and not returned, so the weights
         are not kept on the device between the passes.
         """
-        box = {}
-        fwd_save = forward_save_fn(f, self.remat, box)
+        layout_out = {}
+        fwd_save = forward_save_fn(f, self.remat, layout_out)
         try:
             exe = jax.jit(fwd_save, out_shardings=(out_sh, None)).lower(pspec, hspec).compile()
         except ValueError as e:
@@ -271,7 +269,7 @@ class RuntimeCompilation:
                 raise
             exe = jax.jit(fwd_save, out_shardings=(out_sh, self.activation_sharding)
                           ).lower(pspec, hspec).compile()
-        sig.saved_layout[base] = box["layout"]
+        sig.saved_layout[base] = layout_out["layout"]
         return exe
 
     def _loss_exe(self, loss_fn, out_aval, loss_args):
@@ -296,25 +294,22 @@ class RuntimeCompilation:
                 self._loss_shapes[skey] = True
         jitted = self._loss_jits.get(loss_fn) if skey is not None else None
         if jitted is None:
-            def vg(out, *args, loss_fn=loss_fn):
+            def value_and_grad(out, *args, loss_fn=loss_fn):
                 od, oc, os_ = _split_diff(out)
                 return jax.value_and_grad(lambda od: loss_fn(_merge_diff(od, oc, os_), *args))(od)
 
             # with batch_axis the gradient keeps the output's sharding (placed by the caller)
-            jitted = jax.jit(vg, out_shardings=(None, self.activation_sharding if self._batch_sh is None else None))
+            grad_sharding = self.activation_sharding if self._batch_sh is None else None
+            jitted = jax.jit(value_and_grad, out_shardings=(None, grad_sharding))
             if skey is not None:
-                self._loss_jits[loss_fn] = jitted
-                while len(self._loss_jits) > MAX_LOSS_FNS:
-                    evicted, _ = self._loss_jits.popitem(last=False)
+                for evicted, _ in self._loss_jits.put(loss_fn, jitted):
                     self._loss_shapes = {k: v for k, v in self._loss_shapes.items() if k[0] is not evicted}
                     if not getattr(self, "_warned_loss", False):
                         self._warned_loss = True
                         warnings.warn("StreamingRuntime.train_step: more than "
                                       f"{MAX_LOSS_FNS} distinct loss_fn objects; each new one compiles again. "
                                       "Pass per-step data through loss_args instead of a new closure.",
-                                      stacklevel=3)
-        else:
-            self._loss_jits.move_to_end(loss_fn)
+                                      stacklevel=4)
         return jitted
 
     def _train_loss_exe(self, h, loss_fn, cotangent, loss_args):

@@ -98,7 +98,7 @@ class RuntimeUpdatePass:
                               out_shardings=(self._dev_sh[i], self._state_dev_sh[i]),
                               donate_argnums=(0, 2) if donate else ()).lower(
                                   pspec, aspec, st_spec, hspec, cspec).compile()
-                self._update_exes[key] = exe
+                self._update_exes.put(key, exe)
             exes.append(exe)
         return exes
 
