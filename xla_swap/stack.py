@@ -59,7 +59,7 @@ import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xla_swap.executors._stages import _check_input_dtypes
-from xla_swap.executors.streaming import StreamingRuntime, _remat_from_policy
+from xla_swap.executors.streaming import StreamingRuntime, remat_from_policy
 from xla_swap.hf import causal_lm_stages  # noqa: F401  (re-exported: the entry point's splitter)
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.planning.policy import OffloadPolicy
@@ -935,7 +935,7 @@ class SwappedStack:
             rt = StreamingRuntime(fns, stage_params, prefetch_depth=k, resident=resident,
                                   grads_to_host=policy.grads == "host",
                                   optimizer_state_on_host=policy.optimizer_state == "host",
-                                  remat=_remat_from_policy(policy), **common)
+                                  remat=remat_from_policy(policy), **common)
         #: the :class:`~xla_swap.executors.StreamingRuntime` that runs the stages.
         self.runtime: StreamingRuntime = rt
         #: the policy in force (``budget_bytes`` given: ``params`` reads "host", see ``runtime.resident``

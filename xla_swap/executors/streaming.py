@@ -52,7 +52,7 @@ from .trace import StageEvent, TraceRecorder
 from ._stages import _own_fns, _stage_fns, tree_nbytes
 
 __all__ = ["StreamingRuntime", "StageEvent", "TraceRecorder", "tree_nbytes", "DEFAULT_MAX_SIGNATURES",
-           "MAX_LOSS_FNS", "Signature"]
+           "MAX_LOSS_FNS", "Signature", "remat_from_policy"]
 
 
 def _check_trace(trace) -> None:
@@ -96,8 +96,13 @@ def _check_train_args(loss_fn, cotangent, loss_args, trace, accumulate, skip_non
             raise ValueError(f"max_grad_norm must be a finite number > 0 or None, got {max_grad_norm!r}")
 
 
-def _remat_from_policy(policy: OffloadPolicy):
-    """The ``remat`` argument of the runtime for a policy's ``remat`` and ``activations``."""
+def remat_from_policy(policy: OffloadPolicy):
+    """The runtime's ``remat`` argument for a policy's ``remat`` and ``activations``: ``False``,
+    ``True``, or ``jax.checkpoint_policies.save_only_these_names`` of the activations named
+    ``"device"``.
+
+    Raises: ValueError: ``policy.activations`` offloads names to the host (not supported here).
+    """
     host = policy.offloaded_activations
     if host:
         raise ValueError(f"policy.activations offloads {list(host)} to the host by name; the streaming runtime "
@@ -438,7 +443,7 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
         resident = None if n is None or policy.params == "host" else [True] * n
         return cls(stage_fn, stage_params, prefetch_depth=policy.prefetch_depth, resident=resident,
                    grads_to_host=policy.grads == "host", optimizer=optimizer,
-                   optimizer_state_on_host=policy.optimizer_state == "host", remat=_remat_from_policy(policy),
+                   optimizer_state_on_host=policy.optimizer_state == "host", remat=remat_from_policy(policy),
                    **kwargs)
 
     # ------------------------------------------------------------------ public API
