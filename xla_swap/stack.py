@@ -1587,14 +1587,14 @@ class SwappedStack:
         if self.param_dtype is not None and self._cast_inputs and not self.has_first:
             x = _cast_floats(x, jnp.bfloat16)   # h as the layers compute it (the carry check wants it so)
         x = x if self.has_first else (x[0], {})
-        self.runtime._signature(x, "inputs")   # dtype checks (and the trace, cached) before anything runs
+        self.runtime.signature(x, "inputs")   # dtype checks (and the trace, cached) before anything runs
         return x
 
     def _input_sharding(self, shape: tuple, dtype) -> jax.sharding.Sharding | None:
         """Where the runtime places an input leaf of ``shape`` (``None``: on one device)."""
         if self.mesh is None:
             return None
-        return self.runtime._act(jax.ShapeDtypeStruct(shape, jnp.dtype(str(dtype).removeprefix("torch."))))
+        return self.runtime.activation_sharding_of(jax.ShapeDtypeStruct(shape, jnp.dtype(str(dtype).removeprefix("torch."))))
 
     def _out(self, y, device: torch.device | None):
         if isinstance(y, tuple) and len(y) == 2 and isinstance(y[1], dict):
