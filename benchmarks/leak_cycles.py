@@ -9,7 +9,10 @@ glibc each sample is taken after ``malloc_trim(0)``, so it counts memory in use 
 heap that malloc keeps for reuse (a one-off arena growth of the raw RSS is not a leak); the raw
 RSS and its slope are recorded too, and per cycle the Python heap's block count and the entries of
 jax's in-memory caches (``xla_swap._compat.jax.tracing_cache_entries``): they tell a leak of Python
-objects or of jax cache entries from native memory. Target: below 1 KiB per cycle for every case. Cases:
+objects or of jax cache entries from native memory; where it can be read (CPython 3.11 with libpython's
+symbols, ``leak_interned.interned_table_reader``), the size of CPython's interned-string table, whose
+one-time rebuild at twice its slots is a ~0.9 MiB RSS step with no string more alive (see
+``benchmarks/results/leak_cycles/README.md``). Target: below 1 KiB per cycle for every case. Cases:
 
 * ``runtime_forward``: ``StreamingRuntime`` of a 4-stage ``h + tanh(h @ a) @ b`` stack
   (module-level stage function, as a user writes it), one ``forward``.
@@ -33,6 +36,7 @@ case's RSS slope (and device slope, where measured) is below the target, else 1.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import gc
 import json
@@ -75,6 +79,36 @@ def trimmed_rss_bytes() -> int | None:
         return None
     _MALLOC_TRIM(0)
     return rss_bytes()
+
+
+class _Mallinfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (every field ``size_t``)."""
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _libc_mallinfo2():
+    """glibc's ``mallinfo2`` (glibc >= 2.33), or ``None`` elsewhere."""
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _Mallinfo2
+    return fn
+
+
+_MALLINFO2 = _libc_mallinfo2()
+
+
+def malloc_in_use_bytes() -> int | None:
+    """Bytes malloc has handed out and not had back, over all arenas (``mallinfo2``: ``uordblks``
+    + ``hblkhd``, the mmap'd chunks); ``None`` without glibc >= 2.33. Unlike the RSS it does not
+    move with fragmentation or with free memory malloc keeps; it does not count Python's small
+    objects (pymalloc's own arenas: ``python_blocks``) nor memory mapped without malloc."""
+    if _MALLINFO2 is None:
+        return None
+    m = _MALLINFO2()
+    return int(m.uordblks + m.hblkhd)
 
 
 def device_bytes_in_use() -> int | None:
@@ -173,6 +207,10 @@ def run_case(case: str, cycles: int) -> dict:
     ``rss_slope_kib_per_cycle`` (the figure the target applies to: the trimmed samples' slope where
     there are some, else the raw), ``python_blocks`` (``sys.getallocatedblocks()``) and
     ``jax_cache_entries`` (entries of jax's in-memory caches) per cycle with their slopes,
+    ``malloc_in_use_bytes`` (:func:`malloc_in_use_bytes`; ``None`` without glibc >= 2.33) and its
+    ``malloc_in_use_slope_kib_per_cycle``,
+    ``interned_live`` / ``interned_log2_slots`` (CPython's interned-string table per cycle: live
+    strings, log2 of its slots; ``None`` where it cannot be read),
     ``device_bytes_in_use`` / ``device_slope_kib_per_cycle`` (``None`` without
     memory statistics), ``alive_after_gc`` (dropped objects still alive: should be 0),
     ``freed_by_refcount`` (dropped objects dead before ``gc.collect()``), ``live_arrays_start`` /
@@ -182,7 +220,13 @@ def run_case(case: str, cycles: int) -> dict:
     import jax
     from xla_swap._compat.jax import tracing_cache_entries
     build, call = _make(case)
+    try:
+        from leak_interned import interned_table_reader
+        interned = interned_table_reader()
+    except (ImportError, RuntimeError):
+        interned = None
     rss, trimmed, dev, blocks, entries, refs, by_refcount = [], [], [], [], [], [], 0
+    table_live, table_log2, in_use = [], [], []
     live_start = None
     gc.collect()
     t0 = time.perf_counter()
@@ -196,21 +240,30 @@ def run_case(case: str, cycles: int) -> dict:
         refs.append(ref)
         rss.append(rss_bytes())
         trimmed.append(trimmed_rss_bytes())
+        in_use.append(malloc_in_use_bytes())
         dev.append(device_bytes_in_use())
         blocks.append(sys.getallocatedblocks())
         entries.append(tracing_cache_entries())
+        if interned is not None:
+            t = interned()
+            table_live.append(t["live"])
+            table_log2.append(t["log2_slots"])
         if c == 0:
             live_start = len(jax.live_arrays())
     seconds = time.perf_counter() - t0
     dev = None if any(d is None for d in dev) else dev
     trimmed = None if any(t is None for t in trimmed) else trimmed
+    in_use = None if any(m is None for m in in_use) else in_use
     return {"case": case, "cycles": cycles, "seconds": seconds,
             "rss_bytes": rss, "rss_first": rss[0], "rss_last": rss[-1],
             "raw_rss_slope_kib_per_cycle": slope_per_cycle(rss) / 1024,
             "trimmed_rss_bytes": trimmed,
             "rss_slope_kib_per_cycle": slope_per_cycle(trimmed if trimmed is not None else rss) / 1024,
+            "malloc_in_use_bytes": in_use,
+            "malloc_in_use_slope_kib_per_cycle": None if in_use is None else slope_per_cycle(in_use) / 1024,
             "python_blocks": blocks, "python_blocks_slope_per_cycle": slope_per_cycle(blocks),
             "jax_cache_entries": entries, "jax_cache_entries_slope_per_cycle": slope_per_cycle(entries),
+            "interned_live": table_live if interned else None, "interned_log2_slots": table_log2 if interned else None,
             "device_bytes_in_use": dev,
             "device_slope_kib_per_cycle": None if dev is None else slope_per_cycle(dev) / 1024,
             "alive_after_gc": sum(r() is not None for r in refs), "freed_by_refcount": by_refcount,
@@ -228,16 +281,21 @@ def passed(r: dict) -> bool:
 def table(results: list) -> str:
     """The printed summary: one row per case."""
     head = ("| case | cycles | s/cycle | RSS first -> last (MiB) | RSS slope, 2nd half (KiB/cycle) "
-            "| raw RSS slope | device slope (KiB/cycle) | Python blocks / cycle | jax cache entries (last; / cycle) "
-            "| alive after gc | freed by refcount | live arrays | pass |")
-    rows = [head, "|" + "---|" * 13]
+            "| raw RSS slope | malloc in use slope | device slope (KiB/cycle) | Python blocks / cycle | jax cache entries (last; / cycle) "
+            "| interned strings: slots first -> last (live last) | alive after gc | freed by refcount | live arrays | pass |")
+    rows = [head, "|" + "---|" * 15]
     for r in results:
         dslope = "-" if r["device_slope_kib_per_cycle"] is None else f"{r['device_slope_kib_per_cycle']:.2f}"
+        lg, live = r.get("interned_log2_slots"), r.get("interned_live")
+        mslope = r.get("malloc_in_use_slope_kib_per_cycle")
+        mslope = "-" if mslope is None else f"{mslope:.2f}"
+        table_s = "-" if not lg else f"2^{lg[0]} -> 2^{lg[-1]} ({live[-1]})"
         rows.append(f"| {r['case']} | {r['cycles']} | {r['seconds'] / r['cycles']:.3f} "
                     f"| {r['rss_first'] / 2 ** 20:.1f} -> {r['rss_last'] / 2 ** 20:.1f} "
-                    f"| {r['rss_slope_kib_per_cycle']:.2f} | {r['raw_rss_slope_kib_per_cycle']:.2f} | {dslope} "
+                    f"| {r['rss_slope_kib_per_cycle']:.2f} | {r['raw_rss_slope_kib_per_cycle']:.2f} | {mslope} | {dslope} "
                     f"| {r['python_blocks_slope_per_cycle']:.1f} "
-                    f"| {r['jax_cache_entries'][-1]}; {r['jax_cache_entries_slope_per_cycle']:.1f} | {r['alive_after_gc']} "
+                    f"| {r['jax_cache_entries'][-1]}; {r['jax_cache_entries_slope_per_cycle']:.1f} | {table_s} "
+                    f"| {r['alive_after_gc']} "
                     f"| {r['freed_by_refcount']}/{r['cycles']} | {r['live_arrays_start']} -> {r['live_arrays_end']} "
                     f"| {'yes' if passed(r) else 'NO'} |")
     return "\n".join(rows)

@@ -148,26 +148,9 @@ def stack_weights(model, values: Values):
 
 def measure_link(host_tree, reps: int = 3) -> dict:
     """Pinned-host bandwidths (bytes/s, best of ``reps``) moving ``host_tree`` (``pinned_host`` jax
-    arrays) to the device (``h2d``), a device copy back (``d2h``), and both at once (``both``: 2 x bytes)."""
-    import jax
-    leaves = jax.tree_util.tree_leaves(host_tree)
-    nbytes = sum(a.nbytes for a in leaves)
-    hsh = [a.sharding for a in leaves]
-    dsh = [s.with_memory_kind("device") for s in hsh]
-    on_dev = jax.block_until_ready(jax.device_put(leaves, dsh))
-    h2d, d2h, both = [], [], []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(jax.device_put(leaves, dsh))
-        h2d.append(nbytes / (time.perf_counter() - t))
-        t = time.perf_counter()
-        jax.block_until_ready(jax.device_put(on_dev, hsh))
-        d2h.append(nbytes / (time.perf_counter() - t))
-        t = time.perf_counter()
-        jax.block_until_ready((jax.device_put(leaves, dsh), jax.device_put(on_dev, hsh)))
-        both.append(2 * nbytes / (time.perf_counter() - t))
-    del on_dev
-    return {"h2d": max(h2d), "d2h": max(d2h), "both": max(both), "bytes": nbytes}
+    arrays): ``torch_stack.measure_bandwidth``'s ``h2d``, ``d2h`` and ``both`` (2 x bytes)."""
+    from torch_stack import measure_bandwidth
+    return measure_bandwidth(host_tree, reps)
 
 
 def floor_terms(w: int, link: dict) -> dict:

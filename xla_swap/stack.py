@@ -1077,6 +1077,19 @@ class SwappedStack:
 
     __call__ = forward
 
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """Generate tokens with a KV cache, as ``model.generate`` (a stack of ``causal_lm_stages(model)``).
+
+        ``input_ids`` int ``[batch, prompt]``, ``attention_mask`` ``None`` or left-padded 0/1 of its
+        shape; keywords ``max_new_tokens`` (required), ``do_sample``, ``temperature``, ``top_k``,
+        ``top_p``, ``eos_token_id``, ``pad_token_id``, ``seed``, ``kv_cache`` (``"auto"`` /
+        ``"device"`` / ``"host"``), ``device_budget_bytes``, ``max_cache_len``, ``prompt_bucket``.
+        Returns int64 ``[batch, prompt + n]`` on the CPU. Arguments, placement and errors:
+        :func:`xla_swap.generate.generate`.
+        """
+        from xla_swap.generate import generate
+        return generate(self, input_ids, attention_mask, **kwargs)
+
     # ------------------------------------------------------------------ training
     def train_step(self, inputs, targets=(), *, loss_fn: Callable | None = None, lr: float | None = None,
                    accumulate: bool = False) -> torch.Tensor:

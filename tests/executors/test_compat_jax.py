@@ -277,3 +277,8 @@ def test_tracing_cache_entries_counts_entries_of_a_live_function_only():
     del f
     gc.collect()
     assert cj.tracing_cache_entries() == before   # the weak-keyed entries went with the function
+
+
+def test_backends_initialized_after_jax_started():
+    jax.devices()
+    assert cj.backends_initialized() is True

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from xla_swap.executors import pjrt
+from xla_swap.executors import pjrt, pjrt_host_memory
 from xla_swap.executors.pjrt import (HOST_MEMORY_LIMIT_ENV, HostMemoryError, MemoryReport, ParameterPlacement,
                                      PjrtExecutor, compile_lowered)
 
@@ -290,7 +290,7 @@ def test_gpu_default_limit_comes_from_the_env_var(setup, monkeypatch):
     ex = compile_lowered(lower_host(layered, setup))
     assert ex.host_memory_limit_bytes is None                # CPU: unlimited by default
     monkeypatch.setenv(HOST_MEMORY_LIMIT_ENV, "2")
-    monkeypatch.setattr(pjrt, "_GPU_PLATFORMS", pjrt._GPU_PLATFORMS + ("cpu",))   # pretend CPU is a GPU
+    monkeypatch.setattr(pjrt_host_memory, "GPU_PLATFORMS", pjrt_host_memory.GPU_PLATFORMS + ("cpu",))  # CPU as a GPU
     ex = compile_lowered(lower_host(layered, setup))
     assert ex.host_memory_limit_bytes == 2 * 2**30
     with pytest.raises(ValueError, match="host_memory_limit_bytes: expected None, 'auto' or a non-negative int"):
@@ -577,11 +577,10 @@ def test_from_policy_places_weights_and_gradients(setup, num_devices):
 
 def test_negative_gpu_host_memory_limit_env_is_refused(monkeypatch):
     """A negative or non-finite XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB is an error naming the variable, not a negative pool."""
-    from xla_swap.executors import pjrt
-    gpu = next(iter(pjrt._GPU_PLATFORMS))
+    gpu = next(iter(pjrt_host_memory.GPU_PLATFORMS))
     for bad in ("-1", "nan", "inf"):
-        monkeypatch.setenv(pjrt.HOST_MEMORY_LIMIT_ENV, bad)
+        monkeypatch.setenv(pjrt_host_memory.HOST_MEMORY_LIMIT_ENV, bad)
         with pytest.raises(ValueError, match="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"):
-            pjrt._default_host_limit(gpu)
-    monkeypatch.setenv(pjrt.HOST_MEMORY_LIMIT_ENV, "2")
-    assert pjrt._default_host_limit(gpu) == 2 << 30
+            pjrt_host_memory.default_host_limit(gpu)
+    monkeypatch.setenv(pjrt_host_memory.HOST_MEMORY_LIMIT_ENV, "2")
+    assert pjrt_host_memory.default_host_limit(gpu) == 2 << 30

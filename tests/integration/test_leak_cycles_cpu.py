@@ -1,9 +1,15 @@
 """CPU smoke test of ``benchmarks/leak_cycles.py``: every case runs a few cycles and the JSON has the
 documented structure. The figures are not checked (a few cycles say nothing about a slope): that
-nothing dropped is alive after ``gc.collect()`` is, as it holds after any number of cycles."""
+nothing dropped is alive after ``gc.collect()`` is, as it holds after any number of cycles. The reader of
+CPython's interned-string table (``benchmarks/leak_interned.py``) is checked against ``sys.intern`` and
+its keys-object size against ``sys.getsizeof``."""
 import json
+import sys
+
+import pytest
 
 import leak_cycles  # benchmarks/ is on pytest's pythonpath
+import leak_interned
 
 
 def test_few_cycles_every_case_structure(tmp_path, capsys):
@@ -23,6 +29,9 @@ def test_few_cycles_every_case_structure(tmp_path, capsys):
         assert r["device_bytes_in_use"] is None and r["device_slope_kib_per_cycle"] is None   # CPU: no statistics
         assert r["alive_after_gc"] == 0 and 0 <= r["freed_by_refcount"] <= 2
         assert r["live_arrays_end"] == r["live_arrays_start"]
+        assert len(r["malloc_in_use_bytes"]) == 2 and all(m > 0 for m in r["malloc_in_use_bytes"])   # glibc
+        assert isinstance(r["malloc_in_use_slope_kib_per_cycle"], float)
+        assert r["interned_live"] is None or (len(r["interned_live"]) == 2 and len(r["interned_log2_slots"]) == 2)
     table = capsys.readouterr().out
     assert table.count("\n| runtime_") == 2 and "\n| stack | 2 |" in table and ("PASS" in table or "FAIL" in table)
 
@@ -33,3 +42,24 @@ def test_slope_is_least_squares_over_the_second_half():
     r = {"rss_slope_kib_per_cycle": 0.5, "alive_after_gc": 0, "device_slope_kib_per_cycle": None}
     assert leak_cycles.passed(r) and not leak_cycles.passed({**r, "alive_after_gc": 1})
     assert not leak_cycles.passed({**r, "device_slope_kib_per_cycle": 2.0})
+
+
+def test_interned_table_reader_counts_sys_intern_and_keys_size_matches_cpython():
+    try:
+        read = leak_interned.interned_table_reader()
+    except RuntimeError as e:             # not CPython 3.11 with libpython's symbols: the error names why
+        pytest.skip(str(e))
+    for log2 in (16, 17):                 # the formula against CPython's own size of a str-keyed dict
+        d = {f"k{i}": i for i in range(1 << (log2 - 1))}   # half of 2^log2 slots: built at 2^log2
+        assert sys.getsizeof(d) - sys.getsizeof({}) == leak_interned.keys_object_nbytes(log2)
+    with pytest.raises(ValueError, match="log2"):
+        leak_interned.keys_object_nbytes(8)
+    before = read()
+    fresh = [sys.intern("leak-interned-test-%d" % i) for i in range(3000)]
+    mid = read()
+    assert mid["live"] == before["live"] + 3000
+    assert mid["log2_slots"] != before["log2_slots"] or mid["free"] == before["free"] - 3000
+    del fresh
+    assert read()["live"] == before["live"]
+    rows = leak_interned.run([("runtime_forward", 2)], read)
+    assert [r["cycle"] for r in rows] == [0, 1] and all(r["live"] > 0 and r["trimmed_rss_kib"] > 0 for r in rows)

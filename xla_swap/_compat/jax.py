@@ -17,6 +17,8 @@ What is wrapped, by the part of xla_swap that needs it:
   :func:`compiled_memory_stats`, :func:`compiled_hlo_text`, :func:`output_memory_kinds`,
   :func:`output_hlo_shardings`, :func:`execute_sharded`.
 * jax's in-memory caches (tests that a dropped runtime releases them): :func:`tracing_cache_entries`.
+* Whether jax's backends (the PJRT clients) have started (:mod:`xla_swap.executors.host_pool`):
+  :func:`backends_initialized`.
 
 Verified versions (:data:`VERIFIED`): jax/jaxlib 0.10.2 on CPU (Python 3.11, ``make test``)
 and 0.11.2 on CPU (Python 3.12, ``make test-jax-only``) and on NVIDIA H200s with the CUDA 13
@@ -40,7 +42,8 @@ __all__ = ["VERIFIED", "MissingUpstreamAPI", "HloShardingLayout", "make_ir_conte
            "ir_element_type_factories", "hlo_to_stablehlo", "stablehlo_to_hlo_proto", "parse_hlo_sharding",
            "replicated_hlo_sharding", "hlo_sharding_layout", "sharding_to_hlo", "sharding_devices", "gspmd_sharding",
            "lowered_const_args", "enable_x64", "compile_spmd", "compiled_memory_stats", "compiled_hlo_text",
-           "output_memory_kinds", "output_hlo_shardings", "execute_sharded", "tracing_cache_entries"]
+           "output_memory_kinds", "output_hlo_shardings", "execute_sharded", "tracing_cache_entries",
+           "backends_initialized"]
 
 _LIB = "jax._src.lib"          # holds jaxlib's xla_client (an attribute, not a module)
 _XLA_CLIENT = f"{_LIB}.xla_client"
@@ -354,3 +357,14 @@ def tracing_cache_entries() -> int:
         if info is not None:
             total += int(getattr(info(), "currsize", 0) or 0)
     return total
+
+
+# ---------------------------------------------------------------------------------------
+# backend start-up (environment read by the PJRT clients when they are created)
+# ---------------------------------------------------------------------------------------
+def backends_initialized() -> bool:
+    """Whether jax has created its backends (PJRT clients) in this process: from then on an
+    environment variable read at client creation (``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``) has no
+    effect. Wraps ``jax._src.xla_bridge.backends_are_initialized``. Verified: jax 0.10.2 and 0.11.2 (CPU).
+    """
+    return bool(_lookup("jax._src.xla_bridge", "backends_are_initialized")())

@@ -24,7 +24,10 @@ by jax (its jit-parameter cache holds 2048 entries in jax 0.10; ``jnp.einsum``, 
 ``F.linear`` calls, adds entries there keyed on jax's own function, kept until evicted), and in
 ``xla_swap.planning`` the chooser's ``CHOICES`` (64 choices) and ``PrefetchSchedule``'s derived
 fields (256). ``tests/executors/test_release.py`` checks this; ``benchmarks/leak_cycles.py``
-measures RSS over construct / call / drop cycles.
+measures RSS over construct / call / drop cycles. With jax's persistent compilation cache on,
+every executable loaded from it interns its cache file name (``pathlib``) for the call: the
+live interned strings do not grow, but CPython's interned-string table is rebuilt once at twice
+its slots (about 0.9 MiB at 2^17; ``benchmarks/leak_interned.py``).
 
 The module imports only numpy and jax (no torch, no torch_xla).
 """

@@ -1,0 +1,74 @@
+"""``StatefulStreamer``: stages with a persistent per-stage state (a toy KV cache), weights streamed from
+``pinned_host``; results equal a plain jax loop, with the state in device memory and in ``pinned_host``."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from xla_swap.executors.decode import StatefulStreamer, state_nbytes
+
+D, L, N = 8, 6, 5
+
+
+def layer(p, s, x):
+    """Append x's rows at slot s['n'] of the cache, attend over the filled slots (a toy KV cache)."""
+    slot = s["n"]
+    k = jax.lax.dynamic_update_slice_in_dim(s["k"], x @ p["wk"], slot, axis=0)
+    mask = (jnp.arange(L) <= slot)[:, None]
+    y = x + jnp.tanh(jnp.sum(jnp.where(mask, k, 0), axis=0, keepdims=True) @ p["wo"])
+    return y, {"k": k, "n": slot + 1}
+
+
+def head(p, x):
+    return x @ p["w"]
+
+
+def _setup(on_host):
+    dev = jax.devices()[0]
+    host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    dsh = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+    rng = np.random.default_rng(0)
+    params = [{"wk": rng.standard_normal((D, D)).astype(np.float32) * 0.3,
+               "wo": rng.standard_normal((D, D)).astype(np.float32) * 0.3} for _ in range(N)]
+    params.append({"w": rng.standard_normal((D, 3)).astype(np.float32)})
+    host_params = [jax.device_put(p, host) for p in params]
+    shardings = [jax.tree_util.tree_map(lambda _: dsh, p) for p in params]
+    sav = {"k": jax.ShapeDtypeStruct((L, D), np.float32), "n": jax.ShapeDtypeStruct((), np.int32)}
+    fns = [layer] * N + [head]
+    st = StatefulStreamer(fns, host_params, shardings, state_avals=[sav] * N + [None], activation_sharding=dsh,
+                          state_on_host=on_host, prefetch_depth=2)
+    return st, params
+
+
+def _reference(params, xs):
+    states = [{"k": jnp.zeros((L, D)), "n": jnp.int32(0)} for _ in range(N)]
+    outs = []
+    for x in xs:
+        for i in range(N):
+            x, states[i] = layer(params[i], states[i], x)
+        outs.append(head(params[-1], x))
+    return outs
+
+
+@pytest.mark.parametrize("on_host", [False, True])
+def test_equals_a_plain_loop(on_host):
+    st, params = _setup(on_host)
+    xs = [np.random.default_rng(i).standard_normal((1, D)).astype(np.float32) for i in range(4)]
+    ref = _reference(params, xs)
+    for x, r in zip(xs, ref):
+        np.testing.assert_allclose(np.asarray(st.run(x)), np.asarray(r), rtol=1e-5, atol=1e-5)
+    kinds = {st.states[i]["k"].sharding.memory_kind for i in range(N)}
+    assert kinds == {"pinned_host" if on_host else "device"}
+    assert st.num_executables == 2          # one layer executable shared by every layer, one head
+    assert st.state_nbytes[:N] == [L * D * 4 + 4] * N
+    assert state_nbytes(st.state_avals[0]) == L * D * 4 + 4
+
+
+def test_state_avals_checked():
+    st, _ = _setup(False)
+    st.state_avals[0] = {"k": jax.ShapeDtypeStruct((L + 1, D), np.float32), "n": jax.ShapeDtypeStruct((), np.int32)}
+    with pytest.raises(ValueError, match="stage 0"):
+        st.run(np.zeros((1, D), np.float32))
+    with pytest.raises(TypeError, match="state_on_host"):
+        StatefulStreamer([head], [{}], [{}], state_avals=[None], activation_sharding=st.activation_sharding,
+                         state_on_host="yes")

@@ -1,0 +1,38 @@
+"""The generation benchmark (benchmarks/generate_gpu.py) in its CPU smoke mode: both build paths (a real
+model, and a meta-device model with random weights per stage), every row timed, the floor ratios present,
+the stack's greedy tokens equal to transformers' generate, the host KV cache giving the device cache's tokens."""
+import json
+
+import generate_gpu  # benchmarks/ is on pytest's pythonpath
+
+
+def test_cpu_smoke(tmp_path):
+    out = tmp_path / "gen.json"
+    assert generate_gpu.main(["--cpu-smoke", "--kv-host-70b", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["bandwidth"]["h2d_GBps"] > 0 and data["host_pool_GiB"] >= 1
+    s8, s70 = data["shapes"]["8b"], data["shapes"]["70b"]
+    assert s8["hf_tokens_equal"] is True
+    assert s8["accelerate"]["skipped"]          # no CUDA here
+    for s in (s8, s70):
+        assert set(s["rows"]) >= {"stack_b1", "stack_b2", "stack_b2_kvhost"}
+        for name, r in s["rows"].items():
+            assert r["decode_step_s"] > 0 and r["ttft_s"] > 0
+            if name.startswith("stack"):
+                assert r["ratio_to_floor"] > 0 and r["floor_s"] >= s["link_floor_s"]
+        assert s["rows"]["stack_b2_kvhost"]["placement"] == "host"
+        assert s["rows"]["stack_b2_kvhost"]["tokens_equal_device_cache"] is True
+        assert s["rows"]["stack_b2_kvhost"]["first_divergence_from_device_cache"] == [-1, -1]
+        assert s["rows"]["stack_b2_recompiled"]["tokens_equal_first_run"] is True
+    assert s8["rows"]["stack_b1"]["compute_floor_from"] == "resident stack"
+    assert s70["rows"]["stack_b1"]["compute_floor_from"] == "W / hbm"
+    assert "| 70b" in generate_gpu.render(data)
+
+
+def test_one_process_per_shape(tmp_path):
+    out = tmp_path / "gen.json"
+    generate_gpu._per_shape(["--cpu-smoke", "--no-kv-host", "--batches-70b", "1"], ["70b"], str(out))
+    data = json.loads(out.read_text())
+    rows = data["shapes"]["70b"]["rows"]
+    assert set(rows) == {"stack_b1"} and rows["stack_b1"]["decode_step_s"] > 0
+    assert data["shapes"]["70b"]["bandwidth"]["h2d_GBps"] > 0

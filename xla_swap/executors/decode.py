@@ -1,0 +1,249 @@
+"""Stages with per-stage state (a KV cache) streamed with their weights: the decode loop's runtime.
+
+A :class:`StatefulStreamer` runs stages ``0..n-1`` in order, as ``StreamingRuntime.forward`` does
+(weights copied from ``pinned_host`` to the device ``prefetch_depth`` stages ahead, the first
+stages of the next call prefetched at the tail of this one), and gives chosen stages a *state*
+that persists across calls: ``f(params, state, x) -> (y, new_state)``. The state (e.g. a decoder
+layer's KV cache) lives either
+
+* in device memory (``state_on_host=False``): updated in place (the old buffer is donated to
+  the stage's executable), never copied; or
+* in ``pinned_host`` memory (``state_on_host=True``): copied to the device ``prefetch_depth``
+  stages ahead next to the stage's weights, and the updated state copied back to
+  ``pinned_host`` once the stage has run (the activation offload of training, applied to the
+  cache). The link then carries ``2 x state bytes`` per stage and call beyond the weights.
+
+Both placements run the same executables on the same values: they give equal results.
+
+The module imports only numpy and jax (no torch).
+"""
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Sharding
+
+from ._stages import DEVICE_KIND, HOST_KIND, _aval_key, _tree_aval
+
+__all__ = ["StatefulStreamer", "state_nbytes"]
+
+
+def state_nbytes(avals) -> int:
+    """Bytes of a pytree of ``jax.ShapeDtypeStruct`` (or arrays): the sum of ``prod(shape) x itemsize``."""
+    return int(sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(avals)))
+
+
+class StatefulStreamer:
+    """Run stages in order with weights streamed from ``pinned_host`` and per-stage persistent state.
+
+    Args:
+      stage_fns: one callable per stage. A stage without state (``state_avals[i] is None``) is
+        ``f(params, x) -> y``; a stage with state is ``f(params, state, x) -> (y, new_state)``,
+        ``new_state`` of ``state_avals[i]``'s structure, shapes and dtypes. Stages given the same
+        callable object share compiled executables where their parameter, state and input
+        signatures agree.
+      host_params: the per-stage weights: a list of pytrees of ``jax.Array`` (``pinned_host``,
+        or device memory for ``resident`` stages), read at every call (a caller that replaces
+        an element, e.g. after an optimizer step, is followed; the prefetched copy of a replaced
+        element is not used).
+      param_shardings: per stage, a pytree like ``host_params[i]`` of device shardings (memory
+        kind ``device``) the weights are copied to.
+      state_avals: per stage, ``None`` or a pytree of ``jax.ShapeDtypeStruct``: the state's shapes
+        and dtypes (allocated as zeros by :meth:`reset_states`, or at the first call).
+      state_on_host: where the states live between stages: ``pinned_host`` (``True``) or device
+        memory (``False``, default). A bool for every stage, or one per stage.
+      activation_sharding: the device sharding of ``x``, of every stage's output and of the states.
+      prefetch_depth: ``k >= 1``: stages whose weights (and host states) are copied ahead.
+      resident: per stage, whether ``host_params[i]`` is already in device memory (not copied).
+      max_signatures: input signatures (shapes and dtypes of ``x``) whose executables stay cached.
+
+    Raises:
+      TypeError: a stage function is not callable; ``state_on_host`` not a bool or a sequence of bools.
+      ValueError: the per-stage sequences differ in length; ``prefetch_depth < 1``;
+        ``max_signatures < 1``.
+    """
+
+    def __init__(self, stage_fns: Sequence[Callable], host_params: list, param_shardings: Sequence[Any], *,
+                 state_avals: Sequence[Any], activation_sharding: Sharding, state_on_host: bool | Sequence[bool] = False,
+                 prefetch_depth: int = 2, resident: Sequence[bool] | None = None, max_signatures: int = 8):
+        n = len(stage_fns)
+        for i, f in enumerate(stage_fns):
+            if not callable(f):
+                raise TypeError(f"stage_fns[{i}] must be callable, got {type(f).__name__}")
+        if len(host_params) != n or len(param_shardings) != n or len(state_avals) != n:
+            raise ValueError(f"stage_fns ({n}), host_params ({len(host_params)}), param_shardings "
+                             f"({len(param_shardings)}) and state_avals ({len(state_avals)}) must have one entry per stage")
+        if isinstance(state_on_host, bool):
+            state_on_host = [state_on_host] * n
+        if isinstance(state_on_host, (str, bytes)) or not isinstance(state_on_host, Sequence) \
+                or len(state_on_host) != n or not all(isinstance(b, bool) for b in state_on_host):
+            raise TypeError(f"state_on_host must be a bool or {n} bools, got {state_on_host!r}")
+        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, (int, np.integer)) or prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth must be an int >= 1, got {prefetch_depth!r}")
+        if isinstance(max_signatures, bool) or not isinstance(max_signatures, (int, np.integer)) or max_signatures < 1:
+            raise ValueError(f"max_signatures must be an int >= 1, got {max_signatures!r}")
+        resident = [False] * n if resident is None else [bool(r) for r in resident]
+        if len(resident) != n:
+            raise ValueError(f"resident must have {n} entries, got {len(resident)}")
+        self.num_stages = n
+        self.prefetch_depth = int(prefetch_depth)
+        self.host_params = host_params
+        self.resident = tuple(resident)
+        self.state_avals = list(state_avals)
+        #: per stage, whether its state lives in ``pinned_host`` between calls.
+        self.state_on_host: tuple[bool, ...] = tuple(bool(b) and s is not None
+                                                     for b, s in zip(state_on_host, state_avals))
+        self.activation_sharding = activation_sharding
+        self.max_signatures = int(max_signatures)
+        self._fns = list(stage_fns)
+        self._fn_ids = []
+        uniq: list = []
+        for f in stage_fns:
+            j = next((j for j, u in enumerate(uniq) if u is f), None)
+            if j is None:
+                uniq.append(f)
+                j = len(uniq) - 1
+            self._fn_ids.append(j)
+        self._dev_sh = list(param_shardings)
+        self._dev_state_sh = activation_sharding.with_memory_kind(DEVICE_KIND)
+        self._host_state_sh = activation_sharding.with_memory_kind(HOST_KIND)
+        #: per stage, the state (``None`` for stateless stages, or before the first call).
+        self.states: list = [None] * n
+        self._sigs: collections.OrderedDict = collections.OrderedDict()
+        self._compiled: dict = {}
+        self._carry: dict[int, tuple[Any, Any]] = {}
+        #: bytes of each stage's state (0 without state).
+        self.state_nbytes: list[int] = [0 if s is None else state_nbytes(s) for s in state_avals]
+
+    # ---------------------------------------------------------------- public
+    @property
+    def num_executables(self) -> int:
+        """Distinct stage executables compiled so far (all input signatures)."""
+        return len(self._compiled)
+
+    def reset_states(self) -> None:
+        """(Re)allocate every state as zeros where it lives (``pinned_host`` or device memory)."""
+        for i, av in enumerate(self.state_avals):
+            if av is None:
+                continue
+            self.states[i] = None
+            sh = self._host_state_sh if self.state_on_host[i] else self._dev_state_sh
+            self.states[i] = jax.tree_util.tree_map(
+                lambda a, sh=sh: jax.device_put(np.zeros(a.shape, a.dtype), sh), av)
+
+    def release_prefetched(self) -> None:
+        """Drop the weights held in device memory for the next call."""
+        self._carry = {}
+
+    def output_aval(self, x):
+        """Shape and dtype of :meth:`run`'s output for ``x`` (traces on first use of a signature)."""
+        return self._signature(x)[-1]
+
+    def run(self, x):
+        """Run every stage once on ``x`` (a pytree of arrays); the states are updated in place.
+
+        Returns the last stage's output (device memory, ``activation_sharding``; asynchronous).
+
+        Raises: ValueError naming the stage when one fails to trace, or returns a state of another
+          structure, shape or dtype than ``state_avals`` says (before anything runs).
+        """
+        chain = self._signature(x)
+        n, k = self.num_stages, self.prefetch_depth
+        exes = [self._exe(i, chain[i]) for i in range(n)]   # every compile before the first transfer
+        if any(s is None and a is not None for s, a in zip(self.states, self.state_avals)):
+            self.reset_states()
+        x = jax.device_put(x, self.activation_sharding)
+        q: dict[int, Any] = {}
+        qs: dict[int, Any] = {}
+        for j in range(min(k, n)):
+            self._fetch(q, qs, j)
+        nxt: dict[int, tuple[Any, Any]] = {}
+        for i in range(n):
+            p = q.pop(i)
+            if self.state_avals[i] is None:
+                y = exes[i](p, x)
+            else:
+                s = qs.pop(i) if self.state_on_host[i] else self.states[i]
+                self.states[i] = None   # donated
+                y, s = exes[i](p, s, x)
+                self.states[i] = jax.device_put(s, self._host_state_sh) if self.state_on_host[i] else s
+                del s
+            jax.block_until_ready(x)   # stage i-1 done: its weights' (and state's) memory is free
+            if i + k < n:
+                self._fetch(q, qs, i + k)
+            else:   # the next call's first stages (weights only; host states are fetched then)
+                c = i + k - n
+                if c < min(k, n) and not self.resident[c]:
+                    tmp: dict[int, Any] = {}
+                    self._fetch(tmp, None, c)
+                    nxt[c] = (self.host_params[c], tmp[c])
+            del p
+            x = y
+        self._carry = nxt
+        return x
+
+    # ---------------------------------------------------------------- internals
+    def _fetch(self, q: dict, qs: dict | None, j: int) -> None:
+        if qs is not None and self.state_on_host[j]:
+            qs[j] = jax.device_put(self.states[j], self._dev_state_sh)
+        if self.resident[j]:
+            q[j] = self.host_params[j]
+            return
+        carried = self._carry.pop(j, None)
+        if carried is not None and carried[0] is self.host_params[j]:
+            q[j] = carried[1]
+            return
+        q[j] = jax.device_put(self.host_params[j], self._dev_sh[j])
+
+    def _signature(self, x) -> list:
+        a = _tree_aval(x, "x")
+        key = _aval_key(a)
+        chain = self._sigs.get(key)
+        if chain is not None:
+            self._sigs.move_to_end(key)
+            return chain
+        chain = [a]
+        for i, f in enumerate(self._fns):
+            pav = jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), self.host_params[i])
+            sav = self.state_avals[i]
+            try:
+                out = jax.eval_shape(f, pav, chain[-1]) if sav is None else jax.eval_shape(f, pav, sav, chain[-1])
+            except Exception as e:  # noqa: BLE001 - re-raised with the stage named
+                raise ValueError(f"stage {i} failed to trace: {type(e).__name__}: {e}") from e
+            if sav is not None:
+                out, new_s = out
+                if _aval_key(new_s) != _aval_key(sav):
+                    raise ValueError(f"stage {i} returns a state of {new_s}, not of its state_avals {sav}")
+            chain.append(jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), out))
+        self._sigs[key] = chain
+        while len(self._sigs) > self.max_signatures:
+            self._sigs.popitem(last=False)
+        return chain
+
+    def _exe(self, i: int, in_aval):
+        pav = self.host_params[i]
+        pkey = (jax.tree_util.tree_structure(pav),
+                tuple((tuple(v.shape), str(v.dtype), s) for v, s in zip(jax.tree_util.tree_leaves(pav),
+                                                                         jax.tree_util.tree_leaves(self._dev_sh[i]))))
+        sav = self.state_avals[i]
+        key = (self._fn_ids[i], pkey, None if sav is None else _aval_key(sav), _aval_key(in_aval))
+        exe = self._compiled.get(key)
+        if exe is not None:
+            return exe
+        spec = lambda av, sh: jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), av)
+        pspec = jax.tree_util.tree_map(lambda v, sh: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh),
+                                       pav, self._dev_sh[i])
+        act = self.activation_sharding
+        xspec = spec(in_aval, act)
+        f = self._fns[i]
+        if sav is None:
+            exe = jax.jit(lambda p, x: f(p, x), out_shardings=act).lower(pspec, xspec).compile()
+        else:
+            exe = jax.jit(lambda p, s, x: f(p, s, x), out_shardings=(act, self._dev_state_sh),
+                          donate_argnums=(1,)).lower(pspec, spec(sav, self._dev_state_sh), xspec).compile()
+        self._compiled[key] = exe
+        return exe
+
