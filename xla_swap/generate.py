@@ -257,7 +257,7 @@ class _Generator:
             placement, why = kv_cache, f"kv_cache={kv_cache!r} given"
         self.placement, self.explanation = placement, why
         self.kv_total, self.window = kv_total, window
-        self.streamer = StatefulStreamer(stage_fns, rt.host_params, rt._dev_sh, state_avals=avals,
+        self.streamer = StatefulStreamer(stage_fns, rt.host_params, rt.device_shardings, state_avals=avals,
                                          activation_sharding=act, state_on_host=placement == "host",
                                          prefetch_depth=rt.prefetch_depth, resident=rt.resident)
         self._select_exes: dict = {}
