@@ -120,8 +120,8 @@ def main(argv=None):
             row = f"{name}_{'resident' if resident else 'streamed'}"
             out["rows"][row] = _timeit(lambda: rt.forward(h), args.reps, jax.block_until_ready, 3)
             if not resident:
-                sig = rt._signature(h)
-                hlo = rt._exe(sig, "forward", 0, False).as_text()
+                sig = rt.signature(h)
+                hlo = rt.stage_executable(sig, "forward", 0).as_text()
                 out["ops"][name] = _op_counts(hlo)
                 if args.out_dir:
                     os.makedirs(args.out_dir, exist_ok=True)

@@ -93,7 +93,7 @@ class _Generator:
         self.window = (rt.prefetch_depth + 1) * max(rt.stage_nbytes) + sum(
             b for b, r in zip(rt.stage_nbytes, rt.resident) if r)
         self.placement, self.explanation = self._placement(kv_cache, budget, rt.activation_sharding)
-        self.streamer = StatefulStreamer(self._stage_fns, rt.host_params, rt._dev_sh, state_avals=avals,
+        self.streamer = StatefulStreamer(self._stage_fns, rt.host_params, rt.device_shardings, state_avals=avals,
                                          activation_sharding=rt.activation_sharding,
                                          state_on_host=self.placement == "host",
                                          prefetch_depth=rt.prefetch_depth, resident=rt.resident)

@@ -52,7 +52,7 @@ import torch
 
 from xla_swap.budget import AutotuneMixin, check_calibration_arg, resident_for_budget
 from xla_swap.checkpoint import CheckpointMixin
-from xla_swap.executors.streaming import StreamingRuntime, _remat_from_policy
+from xla_swap.executors.streaming import StreamingRuntime, remat_from_policy
 from xla_swap.hf import causal_lm_stages  # noqa: F401  (re-exported: the entry point's splitter)
 from xla_swap.mixed_precision import cast_floats, check_mixed_precision, stage_functions_in
 from xla_swap.planning.optimizer import AdamW
@@ -181,7 +181,7 @@ def _build_runtime(fns: list, stage_params: list, updated: list, policy: Offload
     return StreamingRuntime(fns, stage_params, prefetch_depth=k, resident=resident,
                             grads_to_host=policy.grads == "host",
                             optimizer_state_on_host=policy.optimizer_state == "host",
-                            remat=_remat_from_policy(policy), **common)
+                            remat=remat_from_policy(policy), **common)
 
 
 class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
@@ -550,14 +550,15 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
         if self.param_dtype is not None and self._cast_inputs and not self.has_first:
             x = cast_floats(x, jnp.bfloat16)   # h as the layers compute it (the carry check wants it so)
         x = x if self.has_first else (x[0], {})
-        self.runtime._signature(x, "inputs")   # dtype checks (and the trace, cached) before anything runs
+        self.runtime.signature(x, "inputs")   # dtype checks (and the trace, cached) before anything runs
         return x
 
     def _input_sharding(self, shape: tuple, dtype) -> jax.sharding.Sharding | None:
         """Where the runtime places an input leaf of ``shape`` (``None``: on one device)."""
         if self.mesh is None:
             return None
-        return self.runtime._act(jax.ShapeDtypeStruct(shape, jnp.dtype(str(dtype).removeprefix("torch."))))
+        aval = jax.ShapeDtypeStruct(shape, jnp.dtype(str(dtype).removeprefix("torch.")))
+        return self.runtime.activation_sharding_of(aval)
 
     def _out(self, y, device: torch.device | None):
         if isinstance(y, tuple) and len(y) == 2 and isinstance(y[1], dict):

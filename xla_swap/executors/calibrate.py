@@ -121,8 +121,8 @@ def runtime_signature(runtime: StreamingRuntime, h) -> tuple:
     """
     _check_runtime(runtime)
     stages = tuple((getattr(f, "__qualname__", type(f).__name__), _aval_key(a))
-                   for f, a in zip(runtime._fns, runtime._param_avals))
-    sig = runtime._signature(h)
+                   for f, a in zip(runtime.stage_fns, runtime.param_avals))
+    sig = runtime.signature(h)
     devices = tuple(sorted(d.id for d in runtime.activation_sharding.device_set))
     policy = None if isinstance(runtime.remat, bool) else runtime.remat
     return (stages, runtime.optimizer is not None, policy, devices), _aval_key(sig.in_aval)
@@ -166,7 +166,7 @@ def measure_link(runtime: StreamingRuntime, *, reps: int = 3) -> tuple[Link, dic
     reps = _check_reps(reps)
     i = max(range(runtime.num_stages), key=lambda j: runtime.stage_nbytes[j])
     nbytes = runtime.stage_nbytes[i]
-    dev_sh = runtime._dev_sh[i]
+    dev_sh = runtime.device_shardings[i]
     host_sh = jax.tree_util.tree_map(lambda s: s.with_memory_kind(HOST_KIND), dev_sh)
     src = jax.block_until_ready(jax.device_put(runtime.host_params[i], host_sh))
     on_dev = jax.block_until_ready(jax.device_put(src, dev_sh, may_alias=False))
@@ -226,7 +226,7 @@ def calibrate(runtime: StreamingRuntime, h, *, reps: int = 3) -> Calibration:
     reps = _check_reps(reps)
     t0 = time.perf_counter()
     rt = runtime
-    sig = rt._signature(h)        # raises for a bad input before anything runs
+    sig = rt.signature(h)        # raises for a bad input before anything runs
     key = runtime_signature(rt, h)
     link, samples = measure_link(rt, reps=max(reps, LINK_REPS))
 
@@ -275,7 +275,7 @@ def calibration_from_figures(runtime: StreamingRuntime, h, *, link: Link, forwar
             if b < f:
                 raise ValueError(f"backward_s[{i}]={b!r} is below forward_s[{i}]={f!r}: under remat=True the "
                                  "backward recomputes the forward, so it takes at least as long")
-    sig = runtime._signature(h)   # raises for a bad input before anything is compiled
+    sig = runtime.signature(h)   # raises for a bad input before anything is compiled
     key = runtime_signature(runtime, h)
     samples = {"h2d": [link.h2d_gbps], "d2h": [link.d2h_gbps], "both": [link.both_gbps]}
     return _assemble(runtime, sig, key, link, samples, lambda i: (fwd[i], bwd[i]), lambda: 0.0, per_stage=True)
@@ -308,15 +308,16 @@ def _assemble(rt: StreamingRuntime, sig, key, link: Link, samples: dict, times, 
     first member's figures for all); ``wall()`` gives ``wall_s`` once everything ran."""
     remat = rt.remat is True
     groups: dict[Any, list[int]] = {}
+    fn_ids, param_avals = rt.stage_fn_ids, rt.param_avals
     for i in range(rt.num_stages):
-        gkey = (rt._fn_ids[i], _aval_key(rt._param_avals[i]), _aval_key(sig.chain[i]), rt.resident[i])
-        groups.setdefault(gkey, []).append(i)
+        group_key = (fn_ids[i], _aval_key(param_avals[i]), _aval_key(sig.chain[i]), rt.resident[i])
+        groups.setdefault(group_key, []).append(i)
     fwd_s, bwd_s, costs = [0.0] * rt.num_stages, [0.0] * rt.num_stages, [None] * rt.num_stages
     fwd_temp: list = [None] * rt.num_stages
     for members in groups.values():
         i = members[0]
-        base = LayerCost(forward_s=1.0, **rt._stage_cost_bytes(sig, i))     # bytes; the time is set below
-        f_temp = _temp_bytes(rt._exe(sig, "forward", i, False))
+        base = LayerCost(forward_s=1.0, **rt.stage_cost_bytes(sig, i))     # bytes; the time is set below
+        f_temp = _temp_bytes(rt.stage_executable(sig, "forward", i))
         temp = _temp_bytes(_backward_exe(rt, sig, i))
         shared = None if per_stage else times(i)
         for j in members:
@@ -343,24 +344,24 @@ def _temp_bytes(exe) -> int | None:
 
 def _backward_exe(rt: StreamingRuntime, sig, i: int):
     """Stage ``i``'s backward executable as ``train_step`` runs it (saved residuals unless ``remat=True``)."""
-    return rt._exe(sig, "backward" if rt.remat is True else "backward-saved", i, False)
+    return rt.stage_executable(sig, "backward" if rt.remat is True else "backward-saved", i)
 
 
 def _backward_call(rt: StreamingRuntime, sig, i: int):
     """A call of stage ``i``'s backward as ``train_step`` runs it (weights on the device, no donation)."""
     save = rt.remat is not True
     exe = _backward_exe(rt, sig, i)
-    p = jax.device_put(rt.host_params[i], rt._dev_sh[i], may_alias=False)
+    p = jax.device_put(rt.host_params[i], rt.device_shardings[i], may_alias=False)
     hin, hout = sig.chain[i], sig.chain[i + 1]
-    x = jax.device_put(jax.tree_util.tree_map(_probe, hin), rt._act(hin))
+    x = jax.device_put(jax.tree_util.tree_map(_probe, hin), rt.activation_sharding_of(hin))
     gout = _split_diff(hout)[0]
-    g = jax.device_put([_probe(a, 1) for a in gout], rt._act(gout))
+    g = jax.device_put([_probe(a, 1) for a in gout], rt.activation_sharding_of(gout))
     args: tuple = (p, x)
     if save:
-        args += (rt._exe(sig, "forward-save", i, False)(p, x)[1],)
+        args += (rt.stage_executable(sig, "forward-save", i)(p, x)[1],)
     args += (g,)
     if rt.optimizer is not None:
-        state = jax.device_put(rt.optimizer_state[i], rt._state_dev_sh[i], may_alias=False)
+        state = jax.device_put(rt.optimizer_state[i], rt.optimizer_state_device_shardings[i], may_alias=False)
         hyper = jax.device_put(_optim.hyper_rows(rt.param_groups, 1), rt.activation_sharding)
         args += (state, hyper)
     return lambda: exe(*args)
@@ -394,19 +395,19 @@ def reconfigure(runtime: StreamingRuntime, choice: ScheduleChoice) -> StreamingR
         raise ValueError(f"the runtime holds the gradients of {rt.micro_batches} accumulated micro-batches; "
                          "reconfigure after the update (train_step with accumulate=False)")
     path_sh = [{jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_flatten_with_path(d)[0]}
-               for d in rt._dev_sh]
+               for d in rt.device_shardings]
     path_train = [{jax.tree_util.keystr(p): m for (p, _), m in
                    zip(jax.tree_util.tree_flatten_with_path(a)[0], mask)}
-                  for a, mask in zip(rt._param_avals, rt._train_mask)]
+                  for a, mask in zip(rt.param_avals, rt.trainable_mask)]
     path_group = [dict(zip([jax.tree_util.keystr(p) for (p, _), m in zip(jax.tree_util.tree_flatten_with_path(a)[0], mask)
                             if m], groups))
-                  for a, mask, groups in zip(rt._param_avals, rt._train_mask, rt.group_idx)]
+                  for a, mask, groups in zip(rt.param_avals, rt.trainable_mask, rt.group_idx)]
     kw = choice.runtime_kwargs()
     remat = kw.pop("remat", rt.remat)
     if remat is False and not isinstance(rt.remat, bool):
         remat = rt.remat
     new = StreamingRuntime(
-        list(rt._fns), list(rt.host_params),
+        list(rt.stage_fns), list(rt.host_params),
         sharding=lambda i, path, leaf: path_sh[i][jax.tree_util.keystr(path)].with_memory_kind(DEVICE_KIND),
         activation_sharding=rt.activation_sharding, batch_axis=rt.batch_axis, donate=rt.donate,
         throttle=rt.throttle, track_residency=rt.track_residency, trace=rt.trace, remat=remat,
@@ -480,15 +481,7 @@ def autotune(runtime: StreamingRuntime, h, budget_bytes: int, *, training: bool 
     key = cache.key(sig[0], (sig[1], options), int(budget_bytes), training)
     choice = None if calibration is not None else cache.get(key)
     if choice is None:
-        if calibration is None:
-            cal = calibrate(runtime, h, reps=reps)
-        elif isinstance(calibration, Calibration):
-            cal = calibration
-        else:
-            cal = calibration(runtime, h)
-            if not isinstance(cal, Calibration):
-                raise TypeError(f"calibration returned a {type(cal).__name__}, expected a Calibration")
-            _check_calibration(cal, sig)
+        cal = _calibration_for(runtime, h, calibration, reps, sig)
         # a bool remat: the calibration's backward_factor excludes the recompute, so both settings
         # can be predicted; a checkpoint policy's figures are that policy's (cal.remat False)
         choosable = isinstance(runtime.remat, bool)
@@ -502,6 +495,20 @@ def autotune(runtime: StreamingRuntime, h, budget_bytes: int, *, training: bool 
     if choice.same_config(current):
         return runtime, choice
     return reconfigure(runtime, choice), choice
+
+
+def _calibration_for(runtime: StreamingRuntime, h, calibration, reps: int, sig) -> Calibration:
+    """:func:`autotune`'s calibration: measured (``calibration=None``), the one given, or the given
+    callable's (checked against ``sig``, ``runtime_signature(runtime, h)``)."""
+    if calibration is None:
+        return calibrate(runtime, h, reps=reps)
+    if isinstance(calibration, Calibration):
+        return calibration
+    cal = calibration(runtime, h)
+    if not isinstance(cal, Calibration):
+        raise TypeError(f"calibration returned a {type(cal).__name__}, expected a Calibration")
+    _check_calibration(cal, sig)
+    return cal
 
 
 def _check_calibration(cal: Calibration, sig) -> None:

@@ -33,12 +33,21 @@ class LRUCache:
         self._entries.move_to_end(key)
         return self._entries[key]
 
-    def put(self, key: Hashable, value: Any) -> None:
-        """Keep ``value`` under ``key`` as the most recently used; drop the oldest beyond ``maxsize``."""
+    def put(self, key: Hashable, value: Any) -> list:
+        """Keep ``value`` under ``key`` as the most recently used; drop the oldest beyond ``maxsize``.
+
+        Returns: the dropped ``(key, value)`` pairs, oldest first (empty when nothing was dropped).
+        """
         self._entries[key] = value
         self._entries.move_to_end(key)
+        dropped = []
         while len(self._entries) > self.maxsize:
-            self._entries.popitem(last=False)
+            dropped.append(self._entries.popitem(last=False))
+        return dropped
+
+    def values(self) -> list:
+        """The values, least recently used first (reading them marks none as used)."""
+        return list(self._entries.values())
 
     def clear(self) -> None:
         """Forget every entry."""

@@ -1,0 +1,134 @@
+"""The jax functions a stage's executables trace: its forward with saved residuals, its vjp
+(recomputing the forward, or from saved residuals) and the optimizer update fused after it.
+
+Each builder takes the stage function (or a vjp ``core``) and returns a function of arrays for
+``jax.jit``; the runtime's compilation (``xla_swap.executors.compilation``) lowers them with
+shardings. Imports only jax (no torch).
+"""
+from __future__ import annotations
+
+import jax
+
+from . import optim as _optim
+from ._stages import _index_by_identity, _is_diff, _merge_diff, _split_diff
+
+__all__ = ["forward_save_fn", "recompute_vjp", "saved_vjp", "trainable_grads", "with_accum", "update_only",
+           "with_update"]
+
+
+def forward_save_fn(f, remat, layout_out: dict):
+    """``(p, x) -> (y, saved)``: a stage's output and its vjp residuals minus ``p`` and ``x``.
+
+    ``jax.vjp`` returns its residuals as the leaves of the vjp function (a pytree); while
+    tracing, residuals that *are* the traced weights or stage input (identity) are recorded as
+    such in ``layout_out["layout"] = (vjp treedef, sources)`` and not returned, so the weights are not
+    kept on the device between the passes. ``remat``: ``False`` keeps every residual, a
+    ``jax.checkpoint_policies`` policy those ``jax.checkpoint`` saves.
+    """
+    fs = f if remat is False else jax.checkpoint(f, policy=remat)
+
+    def fwd_save(p, x):
+        pd, pc, ps = _split_diff(p)
+        xd, xc, xs = _split_diff(x)
+
+        def on_floating(pd, xd):
+            yd, yc, ys = _split_diff(fs(_merge_diff(pd, pc, ps), _merge_diff(xd, xc, xs)))
+            return yd, (yc, ys)
+
+        yd, vjp, (yc, ys) = jax.vjp(on_floating, pd, xd, has_aux=True)
+        res, treedef = jax.tree_util.tree_flatten(vjp)
+        pl, xl = jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(x)
+        sources, saved = [], []
+        for r in res:
+            j = _index_by_identity(pl, r)
+            if j is not None:
+                sources.append(("p", j))
+                continue
+            j = _index_by_identity(xl, r)
+            if j is not None:
+                sources.append(("x", j))
+                continue
+            sources.append(("s", len(saved)))
+            saved.append(r)
+        layout_out["layout"] = (treedef, tuple(sources))
+        return _merge_diff(yd, yc, ys), saved
+    return fwd_save
+
+
+def recompute_vjp(f):
+    """``(p, x, g) -> (gx, gp)``: the stage's vjp by recomputing its forward, over floating leaves only."""
+    def core(p, x, g):
+        pd, pc, ps = _split_diff(p)
+        xd, xc, xs = _split_diff(x)
+
+        def on_floating(pd, xd):
+            return _split_diff(f(_merge_diff(pd, pc, ps), _merge_diff(xd, xc, xs)))[0]
+
+        _, vjp = jax.vjp(on_floating, pd, xd)
+        gp, gx = vjp(g)
+        return gx, gp
+    return core
+
+
+def saved_vjp(treedef, sources):
+    """``(p, x, saved, g) -> (gx, gp)``: the stage's vjp rebuilt from the forward's residuals."""
+    def core(p, x, saved, g):
+        src = {"p": jax.tree_util.tree_leaves(p), "x": jax.tree_util.tree_leaves(x), "s": saved}
+        vjp = jax.tree_util.tree_unflatten(treedef, [src[kind][j] for kind, j in sources])
+        gp, gx = vjp(g)
+        return gx, gp
+    return core
+
+
+def trainable_grads(p, gp, train_mask: list, acc) -> list:
+    """The gradients of the trainable leaves of ``p`` (from ``gp``, over the floating leaves), plus ``acc``."""
+    leaves = jax.tree_util.tree_leaves(p)
+    grad_of = dict(zip([j for j, a in enumerate(leaves) if _is_diff(a)], gp))
+    grads = [grad_of[j] for j, m in enumerate(train_mask) if m]
+    if acc is not None:
+        grads = [a + g for a, g in zip(acc, grads)]
+    return grads
+
+
+def with_accum(core, train_mask: list, has_acc: bool):
+    """Wrap a vjp ``core``: ``(..., [acc]) -> (gx, acc + grads of the trainable leaves, their sum of squares)``."""
+    def fn(*args):
+        core_args, acc = (args[:-1], args[-1]) if has_acc else (args, None)
+        gx, gp = core(*core_args)
+        grads = trainable_grads(core_args[0], gp, train_mask, acc)
+        return gx, grads, _optim.sum_squares(grads)
+    return fn
+
+
+def update_only(train_mask: list, groups: tuple):
+    """``(p, grads, state, hyper, coef) -> (new_p, new_state)``: AdamW on the trainable leaves with ``grads * coef``."""
+    def fn(p, grads, state, hyper, coef):
+        leaves, treedef = jax.tree_util.tree_flatten(p)
+        sel = [j for j, m in enumerate(train_mask) if m]
+        new_sel, new_state = _optim.apply_update([leaves[j] for j in sel], grads, state, hyper, list(groups),
+                                                 scale=coef)
+        new_leaves = list(leaves)
+        for j, v in zip(sel, new_sel):
+            new_leaves[j] = v
+        return jax.tree_util.tree_unflatten(treedef, new_leaves), new_state
+    return fn
+
+
+def with_update(core, train_mask: list, groups: tuple, has_acc: bool = False):
+    """Wrap a vjp ``core`` so that it also applies AdamW to the trainable leaves: ``(..., [acc], state, hyper) ->
+    (gx, new_params, new_state)`` (``groups``: each trainable leaf's row of ``hyper``; ``acc``: gradients
+    accumulated by earlier micro-batches, added first)."""
+    def fn(*args):
+        *core_args, state, hyper = args
+        acc = core_args.pop() if has_acc else None
+        gx, gp = core(*core_args)
+        p = core_args[0]
+        leaves, treedef = jax.tree_util.tree_flatten(p)
+        sel = [j for j, m in enumerate(train_mask) if m]
+        new_sel, new_state = _optim.apply_update([leaves[j] for j in sel], trainable_grads(p, gp, train_mask, acc),
+                                                 state, hyper, list(groups))
+        new_leaves = list(leaves)
+        for j, v in zip(sel, new_sel):
+            new_leaves[j] = v
+        return gx, jax.tree_util.tree_unflatten(treedef, new_leaves), new_state
+    return fn
