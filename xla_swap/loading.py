@@ -203,11 +203,11 @@ def load_stack(model: torch.nn.Module, checkpoint, *, dtype: torch.dtype | None 
        ``causal_lm_stages``' probe runs) are read into the model for the probe only
        (``torch.utils.swap_tensors``: the parameter objects stay the same, so an optimizer
        built over ``model.parameters()`` still matches) and put back on the meta device after;
-    With ``dtype`` and a model on the meta device, the model is cast first (``model.to(dtype)``:
-    no memory, the same parameter objects), since a forward reads its modules' dtype.
-
     4. ``SwappedStack(layers, first=first, last=last, weights=SafetensorsWeights(...))`` reads
        the checkpoint one stage at a time into ``pinned_host``.
+
+    With ``dtype`` and a model on the meta device, the model is cast first (``model.to(dtype)``:
+    no memory, the same parameter objects), since a forward reads its modules' dtype.
 
     Host memory (beyond the stack's own weights and optimizer state): the ends' weights during
     the probe (released before the stack is built), then one stage's tensors at a time.
@@ -235,7 +235,7 @@ def load_stack(model: torch.nn.Module, checkpoint, *, dtype: torch.dtype | None 
       (no ``initialize_weights``, or some parameters real); ``causal_lm_stages``' and
       ``SwappedStack``'s errors.
     """
-    from xla_swap.hf import causal_lm_stages, decoder_layers
+    from xla_swap.hf import decoder_layers
     from xla_swap.stack import SwappedStack
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -249,19 +249,35 @@ def load_stack(model: torch.nn.Module, checkpoint, *, dtype: torch.dtype | None 
     layers = decoder_layers(model, layers_attr)
     if dtype is not None and all(p.is_meta for p in model.parameters()):
         model.to(dtype)   # the modules' own dtype is what their forward reads (no memory on meta; same objects)
+    _compute_meta_buffers(model, src)
+    first, layer_list, last = _stages_with_real_ends(model, layers, src, layers_attr, norm_attr, experts)
+    return SwappedStack(layer_list, first=first, last=last, weights=src, **stack_kwargs)
+
+
+def _compute_meta_buffers(model: torch.nn.Module, src: "SafetensorsWeights") -> None:
+    """Non-persistent buffers on the meta device (rotary ``inv_freq``) computed in place on the CPU by
+    the model's own ``initialize_weights()``; a model that cannot is refused (``ValueError``)."""
     meta_buffers = [(n, b) for n, b in model.named_buffers() if b.is_meta and id(b) not in src.keys]
-    if meta_buffers:
-        init = getattr(model, "initialize_weights", None)
-        real = next((n for n, p in model.named_parameters() if not p.is_meta), None)
-        if not callable(init) or real is not None:
-            why = "the model has no initialize_weights()" if not callable(init) else \
-                f"the model's init would overwrite its real parameter {real}"
-            raise ValueError(f"buffer {meta_buffers[0][0]} is on the meta device and not in the checkpoint, and {why}; "
-                             "build the model with accelerate.init_empty_weights() (buffers stay real)")
-        for n, b in meta_buffers:   # only non-persistent buffers can be absent from a matching checkpoint
-            owner, _, bn = n.rpartition(".")
-            model.get_submodule(owner).register_buffer(bn, torch.empty_like(b, device="cpu"), persistent=False)
-        init()
+    if not meta_buffers:
+        return
+    init = getattr(model, "initialize_weights", None)
+    real = next((n for n, p in model.named_parameters() if not p.is_meta), None)
+    if not callable(init) or real is not None:
+        why = "the model has no initialize_weights()" if not callable(init) else \
+            f"the model's init would overwrite its real parameter {real}"
+        raise ValueError(f"buffer {meta_buffers[0][0]} is on the meta device and not in the checkpoint, and {why}; "
+                         "build the model with accelerate.init_empty_weights() (buffers stay real)")
+    for n, b in meta_buffers:   # only non-persistent buffers can be absent from a matching checkpoint
+        owner, _, bn = n.rpartition(".")
+        model.get_submodule(owner).register_buffer(bn, torch.empty_like(b, device="cpu"), persistent=False)
+    init()
+
+
+def _stages_with_real_ends(model: torch.nn.Module, layers, src: "SafetensorsWeights", layers_attr, norm_attr,
+                           experts: str) -> tuple:
+    """``causal_lm_stages(model, ...)`` with the parameters outside the decoder layers read from ``src``
+    for its probe (``torch.utils.swap_tensors``: the same parameter objects) and put back after."""
+    from xla_swap.hf import causal_lm_stages
     in_layers = {id(t) for m in layers for t in list(m.parameters()) + list(m.buffers())}
     ends = {n: t for n, t in list(model.named_parameters()) + list(model.named_buffers())
             if t.is_meta and id(t) not in in_layers}
@@ -272,9 +288,8 @@ def load_stack(model: torch.nn.Module, checkpoint, *, dtype: torch.dtype | None 
                 if isinstance(ends[n], torch.nn.Parameter) else t
             torch.utils.swap_tensors(ends[n], real)
             swapped.append((ends[n], real))
-        first, layer_list, last = causal_lm_stages(model, layers_attr, norm_attr, experts=experts)
+        return causal_lm_stages(model, layers_attr, norm_attr, experts=experts)
     finally:
         for t, real in reversed(swapped):
             torch.utils.swap_tensors(t, real)
         del swapped
-    return SwappedStack(layer_list, first=first, last=last, weights=src, **stack_kwargs)
