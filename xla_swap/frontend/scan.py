@@ -68,97 +68,17 @@ def policy_partition(policy: OffloadPolicy) -> Callable:
         if unknown:
             raise ValueError(f"policy.activations names {unknown} that no offload_name(t, name) in the scanned "
                              f"function tagged; tagged names: {sorted(tagged) or 'none'}")
-        # Backward = tangents and everything depending on them.
-        bwd = set()
-        for n in graph.nodes:
-            if (n.op == "placeholder" and n.name.startswith("tangents")) or (
-                    n.op == "call_function" and any(a in bwd for a in n.all_input_nodes)):
-                bwd.add(n)
+        bwd = _backward_nodes(graph)
         out_node = next(n for n in graph.nodes if n.op == "output")
         bwd_outputs = [a for a in out_node.args[0][num_fwd_outputs:] if isinstance(a, fx.Node)]
-
-        # Values computed from swapped weight slices alone (the slice on the device, its
-        # transposes and views) are recomputed in the backward from the host slice, never saved.
-        weight_only = set()
-        for n in graph.nodes:
-            if n.op == "call_function" and n not in bwd and n.all_input_nodes and (
-                    (n.target is PLACE_TO_DEVICE and all(a.op == "placeholder" for a in n.all_input_nodes))
-                    or all(a in weight_only for a in n.all_input_nodes)):
-                weight_only.add(n)
-
-        def recomputable(n: fx.Node) -> bool:
-            if n.op == "get_attr":
-                return True  # a constant of the traced function (e.g. torch.tensor([...])): both graphs hold it
-            if n.op != "call_function":
-                return False
-            if n in weight_only or n.target in _VIEW_OPS:
-                return True  # re-fetch from host / a free view of something else that is kept
-            tag = _tag_of(n)
-            if tag is not None and tag.args[1] in policy.activations:
-                return policy.activations[tag.args[1]] == "remat"
-            return policy.remat and n.target is not PLACE_TO_HOST
-
-        saved, seen, recomputed = [], set(), set()
-
-        def need(n: fx.Node):
-            if n in seen or n in bwd:
-                return
-            seen.add(n)
-            if recomputable(n):
-                recomputed.add(n)
-                for a in n.all_input_nodes:
-                    need(a)
-            else:
-                saved.append(n)
-
-        for n in graph.nodes:
-            if n not in bwd:
-                continue
-            for a in n.all_input_nodes:
-                need(a)
-        for n in bwd_outputs:
-            need(n)
+        recomputable = _recomputable(policy, _weight_only_nodes(graph, bwd))
+        saved, recomputed = _saved_and_recomputed(graph, bwd, bwd_outputs, recomputable)
         # Nodes the forward outputs need stay as they are; the rest of what reads a saved value
         # (backward nodes and forward-only values recomputed for the backward) may be redirected.
-        fwd_needed, stack = set(), [a for a in out_node.args[0][:num_fwd_outputs] if isinstance(a, fx.Node)]
-        while stack:
-            n = stack.pop()
-            if n not in fwd_needed:
-                fwd_needed.add(n)
-                stack.extend(n.all_input_nodes)
+        fwd_needed = _ancestors(a for a in out_node.args[0][:num_fwd_outputs] if isinstance(a, fx.Node))
         backward_side = bwd | (recomputed - fwd_needed)
-        # Tagged activations saved on the host: save place_to_host(t), bring back in the backward.
-        final, moved, mapping = [], {}, {}
-        for n in saved:
-            tag = _tag_of(n)
-            if tag is None or policy.activations.get(tag.args[1]) != "host":
-                final.append(n)
-                continue
-            if tag not in moved:
-                src = tag.args[0]  # offload_name is the identity: move its operand, defined before all readers
-                with graph.inserting_after(src):
-                    host = graph.call_function(PLACE_TO_HOST, (src, ""))
-                with graph.inserting_after(host):
-                    back = graph.call_function(PLACE_TO_DEVICE, (host, "", False))
-                for new in (host, back):
-                    new.meta.update({k: v for k, v in tag.meta.items() if k in ("val", "tensor_meta")})
-                moved[tag] = back
-                final.append(host)
-            mapping[n] = moved[tag]
-            for user in list(n.users):
-                if user in backward_side:
-                    user.replace_input_with(n, moved[tag])
-        # A recomputed view that the forward also uses (e.g. a reshape of the tagged tensor) is
-        # copied for the backward, reading the host copy, so the backward never needs the original.
-        for u in list(graph.nodes):
-            if u in recomputed and u in fwd_needed and any(a in mapping for a in u.all_input_nodes):
-                with graph.inserting_after(u):
-                    c = graph.node_copy(u, lambda a: mapping.get(a, a))
-                c.meta = dict(u.meta)
-                mapping[u] = c
-                for user in list(u.users):
-                    if user in backward_side:
-                        user.replace_input_with(u, c)
+        final, mapping = _offload_saved(graph, saved, policy, backward_side)
+        _copy_shared_views(graph, recomputed, fwd_needed, mapping, backward_side)
         # Graph order, so that saved slices of xs come in xs order: torch_xla's scan re-inserts
         # the activations that alias xs assuming that order (scan.py: alias_input).
         position = {n: i for i, n in enumerate(graph.nodes)}
@@ -172,6 +92,120 @@ def policy_partition(policy: OffloadPolicy) -> Callable:
 
     return partition
 
+
+
+def _backward_nodes(graph: fx.Graph) -> set:
+    """The backward: the tangent placeholders and every node depending on one."""
+    bwd = set()
+    for n in graph.nodes:
+        if (n.op == "placeholder" and n.name.startswith("tangents")) or (
+                n.op == "call_function" and any(a in bwd for a in n.all_input_nodes)):
+            bwd.add(n)
+    return bwd
+
+
+def _weight_only_nodes(graph: fx.Graph, bwd: set) -> set:
+    """Values computed from swapped weight slices alone (the slice on the device, its transposes
+    and views): recomputed in the backward from the host slice, never saved."""
+    weight_only = set()
+    for n in graph.nodes:
+        if n.op == "call_function" and n not in bwd and n.all_input_nodes and (
+                (n.target is PLACE_TO_DEVICE and all(a.op == "placeholder" for a in n.all_input_nodes))
+                or all(a in weight_only for a in n.all_input_nodes)):
+            weight_only.add(n)
+    return weight_only
+
+
+def _recomputable(policy: OffloadPolicy, weight_only: set) -> Callable:
+    """``node -> bool``: whether the backward recomputes a forward value (``policy_partition``'s rule)."""
+    def recomputable(n: fx.Node) -> bool:
+        if n.op == "get_attr":
+            return True  # a constant of the traced function (e.g. torch.tensor([...])): both graphs hold it
+        if n.op != "call_function":
+            return False
+        if n in weight_only or n.target in _VIEW_OPS:
+            return True  # re-fetch from host / a free view of something else that is kept
+        tag = _tag_of(n)
+        if tag is not None and tag.args[1] in policy.activations:
+            return policy.activations[tag.args[1]] == "remat"
+        return policy.remat and n.target is not PLACE_TO_HOST
+    return recomputable
+
+
+def _saved_and_recomputed(graph: fx.Graph, bwd: set, bwd_outputs: list, recomputable: Callable) -> tuple:
+    """``(saved, recomputed)``: the forward values the backward reads, saved (in first-need order) or
+    recomputed (with what they read, transitively)."""
+    saved, seen, recomputed = [], set(), set()
+
+    def need(n: fx.Node):
+        if n in seen or n in bwd:
+            return
+        seen.add(n)
+        if recomputable(n):
+            recomputed.add(n)
+            for a in n.all_input_nodes:
+                need(a)
+        else:
+            saved.append(n)
+
+    for n in graph.nodes:
+        if n in bwd:
+            for a in n.all_input_nodes:
+                need(a)
+    for n in bwd_outputs:
+        need(n)
+    return saved, recomputed
+
+
+def _ancestors(nodes) -> set:
+    """``nodes`` and every node they read, transitively."""
+    found, stack = set(), list(nodes)
+    while stack:
+        n = stack.pop()
+        if n not in found:
+            found.add(n)
+            stack.extend(n.all_input_nodes)
+    return found
+
+
+def _offload_saved(graph: fx.Graph, saved: list, policy: OffloadPolicy, backward_side: set) -> tuple:
+    """Tagged activations saved on the host: ``place_to_host(t)`` is saved and ``place_to_device`` brings
+    it back for the backward's readers. Returns ``(saved values, {saved node: its device copy})``."""
+    final, moved, mapping = [], {}, {}
+    for n in saved:
+        tag = _tag_of(n)
+        if tag is None or policy.activations.get(tag.args[1]) != "host":
+            final.append(n)
+            continue
+        if tag not in moved:
+            src = tag.args[0]  # offload_name is the identity: move its operand, defined before all readers
+            with graph.inserting_after(src):
+                host = graph.call_function(PLACE_TO_HOST, (src, ""))
+            with graph.inserting_after(host):
+                back = graph.call_function(PLACE_TO_DEVICE, (host, "", False))
+            for new in (host, back):
+                new.meta.update({k: v for k, v in tag.meta.items() if k in ("val", "tensor_meta")})
+            moved[tag] = back
+            final.append(host)
+        mapping[n] = moved[tag]
+        for user in list(n.users):
+            if user in backward_side:
+                user.replace_input_with(n, moved[tag])
+    return final, mapping
+
+
+def _copy_shared_views(graph: fx.Graph, recomputed: set, fwd_needed: set, mapping: dict, backward_side: set) -> None:
+    """A recomputed view that the forward also uses (e.g. a reshape of the tagged tensor) is copied for
+    the backward, reading the host copy, so the backward never needs the original."""
+    for u in list(graph.nodes):
+        if u in recomputed and u in fwd_needed and any(a in mapping for a in u.all_input_nodes):
+            with graph.inserting_after(u):
+                c = graph.node_copy(u, lambda a: mapping.get(a, a))
+            c.meta = dict(u.meta)
+            mapping[u] = c
+            for user in list(u.users):
+                if user in backward_side:
+                    user.replace_input_with(u, c)
 
 _VIEW_OPS = {torch.ops.aten.t.default, torch.ops.aten.permute.default, torch.ops.aten.view.default,
              torch.ops.aten._unsafe_view.default, torch.ops.aten.expand.default, torch.ops.aten.detach.default,
