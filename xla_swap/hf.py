@@ -48,12 +48,15 @@ _LAYER_NAMES = ("layers", "h", "blocks", "layer", "decoder_layers")
 _PROBE_T = 8
 
 
-class _Stop(Exception):
+class StopForward(Exception):
     """Raised by the last capture: the first stage needs nothing after the layers' inputs."""
 
 
-class _Capture(torch.nn.Module):
-    """Stands in for one decoder layer: records its arguments, returns the hidden state."""
+class LayerCapture(torch.nn.Module):
+    """Stands in for decoder layer ``index`` while the model's own forward runs: appends
+    ``(hidden_state, {argument name: value})`` to ``record`` (the layer's arguments bound to its
+    ``signature``, ``**kwargs`` flattened) and returns the hidden state unchanged, or raises
+    :class:`StopForward` when ``stop``. Raises ``TypeError`` when the call does not bind."""
 
     def __init__(self, index: int, signature: inspect.Signature, record: list, stop: bool):
         super().__init__()
@@ -69,15 +72,16 @@ class _Capture(torch.nn.Module):
         h = bound.pop(next(iter(self.signature.parameters)))
         self.record.append((h, bound))
         if self.stop:
-            raise _Stop
+            raise StopForward
         return h
 
 
-def _is_tensor_tree(v) -> bool:
+def is_tensor_tree(v) -> bool:
+    """Whether ``v`` is a tensor or a non-empty (nested) tuple / list of tensors only."""
     if isinstance(v, torch.Tensor):
         return True
     if isinstance(v, (tuple, list)) and v:
-        return all(_is_tensor_tree(x) for x in v)
+        return all(is_tensor_tree(x) for x in v)
     return False
 
 
@@ -85,12 +89,14 @@ def _leaves(v) -> list:
     return [v] if isinstance(v, torch.Tensor) else [t for x in v for t in _leaves(x)]
 
 
-def _is_const(v) -> bool:
+def is_const(v) -> bool:
+    """Whether ``v`` is a Python constant a stage can close over (``None``, bool, int, float, str)."""
     return v is None or isinstance(v, (bool, int, float, str))
 
 
-class _Swapped:
-    """Context manager: ``setattr(obj, name, value)`` for its duration."""
+class Swapped:
+    """Context manager: ``setattr(obj, name, value)`` for each ``(obj, name, value)`` triple for its
+    duration, the old values restored on exit (in reverse order, also when the body raises)."""
 
     def __init__(self, *triples):
         self.triples, self.old = triples, []
@@ -156,7 +162,7 @@ class CausalLMFirst(torch.nn.Module):
     def _run(self, input_ids, attention_mask, position_ids, stop: bool):
         record: list = []
         n = len(self._signatures)
-        caps = torch.nn.ModuleList([_Capture(i, s, record, stop and i == n - 1) for i, s in enumerate(self._signatures)])
+        caps = torch.nn.ModuleList([LayerCapture(i, s, record, stop and i == n - 1) for i, s in enumerate(self._signatures)])
         kw = {"input_ids": input_ids, "attention_mask": attention_mask}
         if position_ids is not None:
             if "position_ids" not in self._accepts:
@@ -165,10 +171,10 @@ class CausalLMFirst(torch.nn.Module):
         if "use_cache" in self._accepts:
             kw["use_cache"] = False
         out = None
-        with _Swapped((self._base, self._layer_attr, caps)):
+        with Swapped((self._base, self._layer_attr, caps)):
             try:
                 out = self._base(**kw)
-            except _Stop:
+            except StopForward:
                 pass
         if len(record) != n:
             raise ValueError(f"{type(self._base).__name__}.forward called {len(record)} of its {n} decoder layers")
@@ -200,7 +206,7 @@ class CausalLMFirst(torch.nn.Module):
                                  f"{list(kw)}, layer 0 {names}")
         for name in names:
             values = [kw[name] for _, kw in record]
-            if all(_is_const(v) for v in values) and not all(v is None for v in values):
+            if all(is_const(v) for v in values) and not all(v is None for v in values):
                 for g, idx in groups.items():
                     for i in idx:
                         if values[i] != self.constants[g].get(name, values[i]) or name not in self.constants[g]:
@@ -208,7 +214,7 @@ class CausalLMFirst(torch.nn.Module):
                                              f"{self.constants[g].get(name)!r} when the stages were built")
                 continue
             for i, v in enumerate(values):
-                if not (v is None or _is_tensor_tree(v)):
+                if not (v is None or is_tensor_tree(v)):
                     raise ValueError(f"{type(self._base).__name__}.forward passes decoder layer {i} {name}= a "
                                      f"{type(v).__name__}: only tensors, tuples of tensors and constants are supported")
                 if v is not None and any(t.is_complex() for t in _leaves(v)):
@@ -265,7 +271,7 @@ class CausalLMLast(torch.nn.Module):
             h = self.norm(h)
         self._stub.output = _hidden_state_output(h)
         try:
-            with _Swapped((self._model, self._prefix, self._stub)):
+            with Swapped((self._model, self._prefix, self._stub)):
                 out = self._model(use_cache=False) if _accepts(self._model, "use_cache") else self._model()
         finally:
             self._stub.output = None
@@ -463,7 +469,7 @@ def _probe(model, base, layers_attr: str, first: CausalLMFirst, last: CausalLMLa
         keys: dict[tuple, int] = {}
         layer_keys, constants = [], {}
         for i, (_, kw) in enumerate(record):
-            consts = {n: v for n, v in kw.items() if _is_const(v) and v is not None}
+            consts = {n: v for n, v in kw.items() if is_const(v) and v is not None}
             # a layer's group: its constants and, per other keyword, the first layer given that very object
             key = tuple(sorted(consts.items())) + tuple(
                 (n, next(j for j in range(len(record)) if record[j][1][n] is v)) for n, v in kw.items() if n not in consts)
@@ -474,7 +480,7 @@ def _probe(model, base, layers_attr: str, first: CausalLMFirst, last: CausalLMLa
         first.layer_keys, first.constants = layer_keys, constants
         # the model's own logits with identity layers, against last(first(...)) with the same
         ident = torch.nn.ModuleList([_Identity(s) for s in first._signatures])
-        with _Swapped((base, layers_attr, ident)):
+        with Swapped((base, layers_attr, ident)):
             ref = model(input_ids=ids, attention_mask=mask)
         ref = ref.logits if hasattr(ref, "logits") else ref[0]
         h, kw = first(ids, mask)

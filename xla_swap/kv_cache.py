@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from xla_swap.hf import CausalLMFirst, _Capture, _is_const, _is_tensor_tree, _Stop, _Swapped
+from xla_swap.hf import CausalLMFirst, LayerCapture, is_const, is_tensor_tree, StopForward, Swapped
 from xla_swap.stages import TIED
 
 __all__ = ["OFFSET", "kv_cache_bytes", "LayerKV", "layer_kwargs", "DecodeFirst"]
@@ -117,7 +117,7 @@ class DecodeFirst(torch.nn.Module):
         first = self._first
         record: list = []
         n = len(first._signatures)
-        caps = torch.nn.ModuleList([_Capture(i, s, record, i == n - 1) for i, s in enumerate(first._signatures)])
+        caps = torch.nn.ModuleList([LayerCapture(i, s, record, i == n - 1) for i, s in enumerate(first._signatures)])
         cache = LayerKV(self._env, None, self._env.t2j_iso(offset), self._cache_len, self._n)
         kw = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
               self._cache_kw: cache}
@@ -125,10 +125,10 @@ class DecodeFirst(torch.nn.Module):
             kw["use_cache"] = True
         if "cache_position" in first._accepts:
             kw["cache_position"] = torch.arange(input_ids.shape[1], dtype=torch.int32) + offset
-        with _Swapped((first._base, first._layer_attr, caps)):
+        with Swapped((first._base, first._layer_attr, caps)):
             try:
                 first._base(**kw)
-            except _Stop:
+            except StopForward:
                 pass
         if len(record) != n:
             raise ValueError(f"{type(first._base).__name__}.forward called {len(record)} of its {n} decoder layers")
@@ -142,12 +142,12 @@ class DecodeFirst(torch.nn.Module):
             if all(v is cache for v in values):   # the cache, under the layers' own name (past_key_values, layer_past)
                 self._seen_kw["cache"] = name
                 continue
-            if all(_is_const(v) for v in values):
+            if all(is_const(v) for v in values):
                 for g, idx in groups.items():
                     self._consts.setdefault(g, {})[name] = values[idx[0]]
                 continue
             for i, v in enumerate(values):
-                if not (v is None or _is_tensor_tree(v)):
+                if not (v is None or is_tensor_tree(v)):
                     raise ValueError(f"{type(first._base).__name__}.forward passes decoder layer {i} {name}= a "
                                      f"{type(v).__name__} while generating: only tensors and constants are supported")
             if all(v is values[0] for v in values):

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from xla_swap.executors._stages import _check_input_dtypes
+from xla_swap.executors._stages import check_input_dtypes
 from xla_swap.mixed_precision import is_float
 from xla_swap.torch_bridge import module_fn, to_numpy
 
@@ -229,7 +229,7 @@ def host_stages(names: list[str], modules: list[torch.nn.Module], transposed: li
       group_of: ``{id(parameter): torch param_group index}`` (missing: group 0).
 
     Raises: the errors of :func:`stage_tensors`; TypeError for a ``float64`` tensor with x64 off
-      (``_check_input_dtypes``); ValueError naming the tensor: a floating parameter that is not
+      (``check_input_dtypes``); ValueError naming the tensor: a floating parameter that is not
       float32 with ``compute_dtype``.
     """
     stage_params, trainable, updated, groups = [], [], [], []
@@ -238,7 +238,7 @@ def host_stages(names: list[str], modules: list[torch.nn.Module], transposed: li
         tensors = stage_tensors(name, m, pnames, weights)
         arrays = {n: to_numpy(t.t() if n in stage_transposed else t) for n, t in tensors.items()}
         del tensors
-        _check_input_dtypes(arrays, name)  # float64 weights would run as float32 without x64
+        check_input_dtypes(arrays, name)  # float64 weights would run as float32 without x64
         if compute_dtype is not None:
             for n in pnames:
                 if is_float(arrays[n].dtype) and arrays[n].dtype != np.float32:

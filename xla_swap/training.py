@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from xla_swap.executors._stages import _check_input_dtypes
+from xla_swap.executors._stages import check_input_dtypes
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.stages import meta_tensor
 from xla_swap.torch_bridge import inputs_to_jax, to_torch, torch_fn
@@ -89,7 +89,7 @@ class TrainingMixin:
     def _train_step(self, inputs, targets, loss_fn, lr, accumulate) -> torch.Tensor:
         jax_targets = () if targets is None or (isinstance(targets, tuple) and not targets) else \
             inputs_to_jax(targets if isinstance(targets, (tuple, list)) else (targets,), "targets")
-        _check_input_dtypes(jax_targets, "targets")
+        check_input_dtypes(jax_targets, "targets")
         if self.torch_optimizer is not None:
             self.runtime.param_groups = self._read_torch_groups()
         self._maybe_autotune(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), training=True)

@@ -336,9 +336,9 @@ def test_link_warm_up_stops_when_the_rate_stops_rising(monkeypatch):
 
 def test_timing_inputs_are_not_zeros():
     """Stages are timed on N(0, 1) floating inputs (zeros can time faster on a GPU); integer leaves stay 0."""
-    from xla_swap.executors._stages import _probe
-    f = _probe(jax.ShapeDtypeStruct((64, 32), jax.numpy.bfloat16))
+    from xla_swap.executors._stages import probe
+    f = probe(jax.ShapeDtypeStruct((64, 32), jax.numpy.bfloat16))
     assert f.dtype == jax.numpy.bfloat16 and f.shape == (64, 32) and 0.8 < float(np.std(f.astype(np.float32))) < 1.2
-    i = _probe(jax.ShapeDtypeStruct((4,), np.int32))
+    i = probe(jax.ShapeDtypeStruct((4,), np.int32))
     assert i.dtype == np.int32 and not i.any()
-    assert (_probe(jax.ShapeDtypeStruct((8,), np.float32), 1) != _probe(jax.ShapeDtypeStruct((8,), np.float32), 0)).any()
+    assert (probe(jax.ShapeDtypeStruct((8,), np.float32), 1) != probe(jax.ShapeDtypeStruct((8,), np.float32), 0)).any()

@@ -33,11 +33,11 @@ def tree_nbytes(tree) -> int:
     return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree)))
 
 
-def _leaf_name(path) -> str:
+def leaf_name(path) -> str:
     return jax.tree_util.keystr(path) or "<root>"
 
 
-def _as_aval(x, what: str) -> jax.ShapeDtypeStruct:
+def as_aval(x, what: str) -> jax.ShapeDtypeStruct:
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
         raise TypeError(f"{what}: expected an array (numpy or jax), got {type(x).__name__}")
     if isinstance(x, jax.Array) and x.is_deleted():
@@ -50,7 +50,7 @@ def _as_aval(x, what: str) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(x.shape), dtype)
 
 
-def _tree_aval(tree, what: str):
+def tree_aval(tree, what: str):
     """Pytree of ``ShapeDtypeStruct`` for a pytree of arrays (one array is a pytree too).
 
     Raises:
@@ -62,10 +62,10 @@ def _tree_aval(tree, what: str):
     if not leaves:
         raise TypeError(f"{what}: expected an array or a pytree of arrays, got {tree!r} (no array leaves)")
     return jax.tree_util.tree_unflatten(
-        treedef, [_as_aval(leaf, what + jax.tree_util.keystr(path)) for path, leaf in leaves])
+        treedef, [as_aval(leaf, what + jax.tree_util.keystr(path)) for path, leaf in leaves])
 
 
-def _check_input_dtypes(tree, what: str) -> None:
+def check_input_dtypes(tree, what: str) -> None:
     """Refuse leaves of ``tree`` that jax would silently compute in another dtype.
 
     With ``jax_enable_x64`` off, jax narrows 64-bit arrays to 32 bits: ``float64`` and
@@ -93,7 +93,7 @@ def _check_input_dtypes(tree, what: str) -> None:
                         f"pass {canon}, or enable x64 (jax.config.update('jax_enable_x64', True))")
 
 
-def _check_carry_dtypes(fns: list, param_avals: list, i: int, hin, hout, what: str) -> None:
+def check_carry_dtypes(fns: list, param_avals: list, i: int, hin, hout, what: str) -> None:
     """Stage ``i`` of a stack whose next stage runs the same ``stage_fn`` on parameters of the same
     signature must return the carry in the dtypes it got: otherwise jax promoted the input (an
     ``int32`` or ``float16`` ``h`` through ``float32`` layers) and the stack would compute in
@@ -105,7 +105,7 @@ def _check_carry_dtypes(fns: list, param_avals: list, i: int, hin, hout, what: s
 
     Raises: TypeError naming ``what`` (the leaf path), the dtype got and the one the stage computes in.
     """
-    if i + 1 >= len(fns) or fns[i] is not fns[i + 1] or _aval_key(param_avals[i]) != _aval_key(param_avals[i + 1]):
+    if i + 1 >= len(fns) or fns[i] is not fns[i + 1] or aval_key(param_avals[i]) != aval_key(param_avals[i + 1]):
         return
     lin, tin = jax.tree_util.tree_flatten_with_path(hin)
     lout, tout = jax.tree_util.tree_flatten(hout)
@@ -121,20 +121,20 @@ def _check_carry_dtypes(fns: list, param_avals: list, i: int, hin, hout, what: s
                 f"given; pass {comp}")
 
 
-def _aval_key(tree) -> tuple:
+def aval_key(tree) -> tuple:
     """Hashable (tree structure, leaf shapes and dtypes) of a pytree of avals."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     return treedef, tuple((tuple(a.shape), str(np.dtype(a.dtype))) for a in leaves)
 
 
-def _describe(tree) -> str:
+def describe(tree) -> str:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if treedef == jax.tree_util.tree_structure(0):
         return f"shape {tuple(leaves[0].shape)} dtype {np.dtype(leaves[0].dtype)}"
     return f"{treedef} with leaves " + ", ".join(f"{np.dtype(a.dtype)}{list(a.shape)}" for a in leaves)
 
 
-def _stage_fns(stage_fn, n: int) -> tuple[list, bool]:
+def stage_fns(stage_fn, n: int) -> tuple[list, bool]:
     """``stage_fn`` (one callable or one per stage) -> (list of n callables, shared?).
 
     Raises:
@@ -154,14 +154,14 @@ def _stage_fns(stage_fn, n: int) -> tuple[list, bool]:
     raise TypeError(f"stage_fn must be a callable or a sequence of callables, got {type(stage_fn).__name__}")
 
 
-def _wrap(f):
+def wrap(f):
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
         return f(*args, **kwargs)
     return wrapper
 
 
-def _own_fns(fns: list) -> list:
+def own_fns(fns: list) -> list:
     """Per-runtime wrappers of ``fns`` (one per distinct object; shared objects stay shared).
 
     jax's tracing caches hold their entries as long as the traced function object is alive
@@ -173,12 +173,12 @@ def _own_fns(fns: list) -> list:
     for f in fns:
         w = made.get(id(f))
         if w is None:
-            w = made[id(f)] = _wrap(f)
+            w = made[id(f)] = wrap(f)
         out.append(w)
     return out
 
 
-def _check_memory_kinds(dev, who: str) -> None:
+def check_memory_kinds(dev, who: str) -> None:
     """Raise ``ValueError`` unless ``dev`` has the ``pinned_host`` and ``device`` memory kinds."""
     kinds = {m.kind for m in dev.addressable_memories()}
     if HOST_KIND not in kinds or DEVICE_KIND not in kinds:
@@ -186,14 +186,14 @@ def _check_memory_kinds(dev, who: str) -> None:
                          f"{DEVICE_KIND!r}")
 
 
-def _index_by_identity(items, x):
+def index_by_identity(items, x):
     for j, item in enumerate(items):
         if item is x:
             return j
     return None
 
 
-def _probe(a, seed: int = 0) -> np.ndarray:
+def probe(a, seed: int = 0) -> np.ndarray:
     """A numpy array of aval ``a`` to time a stage with: N(0, 1) values for a floating dtype, zeros
     otherwise (indices, masks). Not zeros throughout: a GPU's matmul units draw less power on
     zeros, so an all-zero input can time faster than the data the runtime then runs on: with zeros
@@ -205,25 +205,25 @@ def _probe(a, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(a.shape, dtype=np.float32).astype(dt)
 
 
-def _is_diff(a) -> bool:
+def is_diff(a) -> bool:
     """True for leaves that get gradients: floating or complex dtypes."""
     return bool(jnp.issubdtype(a.dtype, jnp.inexact))
 
 
-def _split_diff(tree):
+def split_diff(tree):
     """Split a pytree into its differentiable leaves and its constant (integer/bool) leaves.
 
     Returns:
-      ``(diff, const, spec)``: two lists of leaves and the ``spec`` that ``_merge_diff``
+      ``(diff, const, spec)``: two lists of leaves and the ``spec`` that ``merge_diff``
       needs to rebuild the tree.
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    mask = tuple(_is_diff(x) for x in leaves)
+    mask = tuple(is_diff(x) for x in leaves)
     return ([x for x, m in zip(leaves, mask) if m], [x for x, m in zip(leaves, mask) if not m], (treedef, mask))
 
 
-def _merge_diff(diff, const, spec):
-    """Inverse of ``_split_diff``; ``const`` may be ``None`` (those leaves become ``None``)."""
+def merge_diff(diff, const, spec):
+    """Inverse of ``split_diff``; ``const`` may be ``None`` (those leaves become ``None``)."""
     treedef, mask = spec
     di, ci = iter(diff), iter(const if const is not None else [None] * (len(mask) - sum(mask)))
     return jax.tree_util.tree_unflatten(treedef, [next(di) if m else next(ci) for m in mask])

@@ -36,7 +36,7 @@ import numpy as np
 from xla_swap.planning.chooser import CHOICES, ChoiceCache, ScheduleChoice, choose_schedule
 from xla_swap.planning.planner import GB, LayerCost, Link
 
-from ._stages import DEVICE_KIND, HOST_KIND, _aval_key, _probe, _split_diff
+from ._stages import DEVICE_KIND, HOST_KIND, aval_key, probe, split_diff
 from . import optim as _optim
 from .streaming import StreamingRuntime
 
@@ -120,12 +120,12 @@ def runtime_signature(runtime: StreamingRuntime, h) -> tuple:
     Raises: TypeError: ``runtime`` is not a ``StreamingRuntime``; ``h`` is not an array pytree.
     """
     _check_runtime(runtime)
-    stages = tuple((getattr(f, "__qualname__", type(f).__name__), _aval_key(a))
+    stages = tuple((getattr(f, "__qualname__", type(f).__name__), aval_key(a))
                    for f, a in zip(runtime.stage_fns, runtime.param_avals))
     sig = runtime.signature(h)
     devices = tuple(sorted(d.id for d in runtime.activation_sharding.device_set))
     policy = None if isinstance(runtime.remat, bool) else runtime.remat
-    return (stages, runtime.optimizer is not None, policy, devices), _aval_key(sig.in_aval)
+    return (stages, runtime.optimizer is not None, policy, devices), aval_key(sig.in_aval)
 
 
 def _check_runtime(runtime) -> None:
@@ -310,7 +310,7 @@ def _assemble(rt: StreamingRuntime, sig, key, link: Link, samples: dict, times, 
     groups: dict[Any, list[int]] = {}
     fn_ids, param_avals = rt.stage_fn_ids, rt.param_avals
     for i in range(rt.num_stages):
-        group_key = (fn_ids[i], _aval_key(param_avals[i]), _aval_key(sig.chain[i]), rt.resident[i])
+        group_key = (fn_ids[i], aval_key(param_avals[i]), aval_key(sig.chain[i]), rt.resident[i])
         groups.setdefault(group_key, []).append(i)
     fwd_s, bwd_s, costs = [0.0] * rt.num_stages, [0.0] * rt.num_stages, [None] * rt.num_stages
     fwd_temp: list = [None] * rt.num_stages
@@ -353,9 +353,9 @@ def _backward_call(rt: StreamingRuntime, sig, i: int):
     exe = _backward_exe(rt, sig, i)
     p = jax.device_put(rt.host_params[i], rt.device_shardings[i], may_alias=False)
     hin, hout = sig.chain[i], sig.chain[i + 1]
-    x = jax.device_put(jax.tree_util.tree_map(_probe, hin), rt.activation_sharding_of(hin))
-    gout = _split_diff(hout)[0]
-    g = jax.device_put([_probe(a, 1) for a in gout], rt.activation_sharding_of(gout))
+    x = jax.device_put(jax.tree_util.tree_map(probe, hin), rt.activation_sharding_of(hin))
+    gout = split_diff(hout)[0]
+    g = jax.device_put([probe(a, 1) for a in gout], rt.activation_sharding_of(gout))
     args: tuple = (p, x)
     if save:
         args += (rt.stage_executable(sig, "forward-save", i)(p, x)[1],)

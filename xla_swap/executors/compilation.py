@@ -23,8 +23,8 @@ from jax.sharding import Sharding
 from xla_swap.planning.cache import LRUCache
 from xla_swap.planning.optimizer import HYPER_WIDTH
 
-from ._stages import (_aval_key, _check_carry_dtypes, _check_input_dtypes, _describe, _merge_diff, _own_fns,
-                      _split_diff, _tree_aval)
+from ._stages import (aval_key, check_carry_dtypes, check_input_dtypes, describe, merge_diff, own_fns,
+                      split_diff, tree_aval)
 from .stage_programs import forward_save_fn, recompute_vjp, saved_vjp, with_accum, with_update
 
 __all__ = ["DEFAULT_MAX_SIGNATURES", "MAX_LOSS_FNS", "Signature", "RuntimeCompilation"]
@@ -138,9 +138,9 @@ class RuntimeCompilation:
 
         ``what`` names ``h`` in error messages (``SwappedStack`` passes ``"inputs"``).
         """
-        a = _tree_aval(h, what)
-        _check_input_dtypes(h, what)
-        key = _aval_key(a)
+        a = tree_aval(h, what)
+        check_input_dtypes(h, what)
+        key = aval_key(a)
         sig = self._sigs.get(key)
         if sig is not None:
             self._last_sig = sig
@@ -150,14 +150,14 @@ class RuntimeCompilation:
             try:
                 out = jax.eval_shape(f, pav, chain[-1])
             except Exception as e:  # noqa: BLE001 - re-raised with the stage named
-                raise ValueError(f"stage {i}: stage_fn(params, h) failed to trace for h of {_describe(chain[-1])}: "
+                raise ValueError(f"stage {i}: stage_fn(params, h) failed to trace for h of {describe(chain[-1])}: "
                                  f"{type(e).__name__}: {e}") from e
             leaves = jax.tree_util.tree_leaves(out)
             if not leaves or not all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
                 raise TypeError(f"stage {i}: stage_fn must return an array or a pytree of arrays, "
                                 f"got {jax.tree_util.tree_structure(out)}")
             chain.append(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), out))
-            _check_carry_dtypes(self._fns, self._param_avals, i, chain[-2], chain[-1], what)
+            check_carry_dtypes(self._fns, self._param_avals, i, chain[-2], chain[-1], what)
         sig = Signature(a, chain)
         self._sigs.put(key, sig)
         self._last_sig = sig
@@ -188,18 +188,18 @@ class RuntimeCompilation:
                                                                    jax.tree_util.tree_leaves(self._dev_sh[i]))),
                 tuple(self._train_mask[i]), self.group_idx[i])
         hin, hout = sig.chain[i], sig.chain[i + 1]
-        base = (self._fn_ids[i], pkey, _aval_key(hin), _aval_key(hout))
+        base = (self._fn_ids[i], pkey, aval_key(hin), aval_key(hout))
         key = (base[0], key_stage[0]) + base[1:]
         exe = sig.compiled.get(key)
         if exe is None:
             act = self.activation_sharding
             pspec = jax.tree_util.tree_map(self._spec, self._param_avals[i], self._dev_sh[i])
             hspec = self._spec(hin, self._act(hin))
-            gout = _split_diff(hout)[0]
+            gout = split_diff(hout)[0]
             gspec = self._spec(gout, self._act(gout))
-            gin_sh = self._act(_split_diff(hin)[0])  # the input cotangent's
+            gin_sh = self._act(split_diff(hin)[0])  # the input cotangent's
             # the output cotangent may reuse the input cotangent's buffer (same avals)
-            same = _aval_key(_split_diff(hin)[0]) == _aval_key(_split_diff(hout)[0])
+            same = aval_key(split_diff(hin)[0]) == aval_key(split_diff(hout)[0])
             opt = self.optimizer
             if kind == "forward":
                 exe = jax.jit(f, out_shardings=self._act(hout)).lower(pspec, hspec).compile()
@@ -273,17 +273,17 @@ class RuntimeCompilation:
         return exe
 
     def _loss_exe(self, loss_fn, out_aval, loss_args):
-        args_aval = tuple(_tree_aval(a, f"loss_args[{j}]") for j, a in enumerate(loss_args))
-        skey = (loss_fn, _aval_key(out_aval), tuple(_aval_key(a) for a in args_aval))
+        args_aval = tuple(tree_aval(a, f"loss_args[{j}]") for j, a in enumerate(loss_args))
+        skey = (loss_fn, aval_key(out_aval), tuple(aval_key(a) for a in args_aval))
         try:
             known = self._loss_shapes.get(skey)
         except TypeError:  # an unhashable loss_fn
             known, skey = None, None
         if not known:
             try:
-                val = jax.eval_shape(_own_fns([loss_fn])[0], out_aval, *args_aval)  # see _own_fns
+                val = jax.eval_shape(own_fns([loss_fn])[0], out_aval, *args_aval)  # see own_fns
             except Exception as e:  # noqa: BLE001
-                raise ValueError(f"loss_fn(out, *loss_args) failed to trace for out of {_describe(out_aval)}: "
+                raise ValueError(f"loss_fn(out, *loss_args) failed to trace for out of {describe(out_aval)}: "
                                  f"{type(e).__name__}: {e}") from e
             if not isinstance(val, jax.ShapeDtypeStruct) or val.shape != () or \
                     not jnp.issubdtype(val.dtype, jnp.inexact):
@@ -295,8 +295,8 @@ class RuntimeCompilation:
         jitted = self._loss_jits.get(loss_fn) if skey is not None else None
         if jitted is None:
             def value_and_grad(out, *args, loss_fn=loss_fn):
-                od, oc, os_ = _split_diff(out)
-                return jax.value_and_grad(lambda od: loss_fn(_merge_diff(od, oc, os_), *args))(od)
+                od, oc, os_ = split_diff(out)
+                return jax.value_and_grad(lambda od: loss_fn(merge_diff(od, oc, os_), *args))(od)
 
             # with batch_axis the gradient keeps the output's sharding (placed by the caller)
             grad_sharding = self.activation_sharding if self._batch_sh is None else None
@@ -319,22 +319,22 @@ class RuntimeCompilation:
         Raises: as ``train_step`` for its input, ``cotangent`` and ``loss_fn``.
         """
         if cotangent is not None:   # checked before h's signature is traced and cached
-            _tree_aval(cotangent, "cotangent")
-            _check_input_dtypes(cotangent, "cotangent")
+            tree_aval(cotangent, "cotangent")
+            check_input_dtypes(cotangent, "cotangent")
         for j, a in enumerate(loss_args):
-            _tree_aval(a, f"loss_args[{j}]")
-            _check_input_dtypes(a, f"loss_args[{j}]")
+            tree_aval(a, f"loss_args[{j}]")
+            check_input_dtypes(a, f"loss_args[{j}]")
         sig = self._signature(h)
-        if not any(_split_diff(a)[0] for a in self._param_avals):
+        if not any(split_diff(a)[0] for a in self._param_avals):
             raise TypeError("train_step: no stage has a floating parameter; nothing to differentiate")
         out_aval = sig.chain[-1]
-        out_diff = _split_diff(out_aval)[0]
+        out_diff = split_diff(out_aval)[0]
         if not out_diff:
-            raise TypeError(f"train_step: the output ({_describe(out_aval)}) has no floating leaf; "
+            raise TypeError(f"train_step: the output ({describe(out_aval)}) has no floating leaf; "
                             "gradients need a floating output")
         if cotangent is None:
             return self._loss_exe(loss_fn, out_aval, loss_args)
-        given = _tree_aval(cotangent, "cotangent")
-        if _aval_key(given) != _aval_key(out_diff) and _aval_key(given) != _aval_key(out_aval):
-            raise ValueError(f"cotangent has {_describe(given)}, but the output has {_describe(out_aval)}")
+        given = tree_aval(cotangent, "cotangent")
+        if aval_key(given) != aval_key(out_diff) and aval_key(given) != aval_key(out_aval):
+            raise ValueError(f"cotangent has {describe(given)}, but the output has {describe(out_aval)}")
         return None

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from ._stages import DEVICE_KIND, HOST_KIND, _aval_key, _tree_aval
+from ._stages import DEVICE_KIND, HOST_KIND, aval_key, tree_aval
 
 __all__ = ["StatefulStreamer", "state_nbytes"]
 
@@ -199,8 +199,8 @@ class StatefulStreamer:
         q[j] = jax.device_put(self.host_params[j], self._dev_sh[j])
 
     def _signature(self, x) -> list:
-        a = _tree_aval(x, "x")
-        key = _aval_key(a)
+        a = tree_aval(x, "x")
+        key = aval_key(a)
         chain = self._sigs.get(key)
         if chain is not None:
             self._sigs.move_to_end(key)
@@ -215,7 +215,7 @@ class StatefulStreamer:
                 raise ValueError(f"stage {i} failed to trace: {type(e).__name__}: {e}") from e
             if sav is not None:
                 out, new_s = out
-                if _aval_key(new_s) != _aval_key(sav):
+                if aval_key(new_s) != aval_key(sav):
                     raise ValueError(f"stage {i} returns a state of {new_s}, not of its state_avals {sav}")
             chain.append(jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), out))
         self._sigs[key] = chain
@@ -229,7 +229,7 @@ class StatefulStreamer:
                 tuple((tuple(v.shape), str(v.dtype), s) for v, s in zip(jax.tree_util.tree_leaves(pav),
                                                                          jax.tree_util.tree_leaves(self._dev_sh[i]))))
         sav = self.state_avals[i]
-        key = (self._fn_ids[i], pkey, None if sav is None else _aval_key(sav), _aval_key(in_aval))
+        key = (self._fn_ids[i], pkey, None if sav is None else aval_key(sav), aval_key(in_aval))
         exe = self._compiled.get(key)
         if exe is not None:
             return exe

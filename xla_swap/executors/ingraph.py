@@ -25,8 +25,8 @@ import jax
 from jax.sharding import SingleDeviceSharding
 
 from .report import MemoryReport, compiled_report, entry_layout, stats_dict
-from ._stages import (DEVICE_KIND, HOST_KIND, _aval_key, _check_carry_dtypes, _check_input_dtypes, _check_memory_kinds,
-                      _describe, _stage_fns, _tree_aval, tree_nbytes)
+from ._stages import (DEVICE_KIND, HOST_KIND, aval_key, check_carry_dtypes, check_input_dtypes, check_memory_kinds,
+                      describe, stage_fns, tree_aval, tree_nbytes)
 
 __all__ = ["InGraphRuntime"]
 
@@ -67,16 +67,16 @@ class InGraphRuntime:
                 or len(stage_params) == 0:
             raise ValueError("stage_params must be a non-empty sequence (list/tuple) of per-stage pytrees")
         n = len(stage_params)
-        fns, shared = _stage_fns(stage_fn, n)
+        fns, shared = stage_fns(stage_fn, n)
         for i, p in enumerate(stage_params):
-            _tree_aval(p, f"stage_params[{i}]")
-            _check_input_dtypes(p, f"stage_params[{i}]")
+            tree_aval(p, f"stage_params[{i}]")
+            check_input_dtypes(p, f"stage_params[{i}]")
         if device is not None and not isinstance(device, jax.Device):
             raise TypeError(f"device must be a jax.Device, got {type(device).__name__}")
         if compiler_options is not None and not isinstance(compiler_options, dict):
             raise TypeError(f"compiler_options must be a dict of XLA debug options, got {type(compiler_options).__name__}")
         dev = device if device is not None else jax.devices()[0]
-        _check_memory_kinds(dev, "in-graph offload")
+        check_memory_kinds(dev, "in-graph offload")
         self.num_stages = n
         self.compiler_options = dict(compiler_options or {})
         self._fns = fns
@@ -94,15 +94,15 @@ class InGraphRuntime:
     def _program(self, params, h):
         for i, (f, p) in enumerate(zip(self._fns, params)):
             if i:
-                _check_carry_dtypes(self._fns, params, i - 1, h_in, h, "h")
+                check_carry_dtypes(self._fns, params, i - 1, h_in, h, "h")
             h_in = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), h)
             try:
                 h = f(jax.device_put(p, self._dev), h)
             except (TypeError, ValueError) as e:   # shape/dtype errors while tracing: name the stage
                 fn = "stage_fn" if self._shared_fn else f"stage_fn[{i}]"
                 raise (TypeError if isinstance(e, TypeError) else ValueError)(
-                    f"stage {i}: {fn}(stage_params[{i}], h) failed while tracing, with h of {_describe(h_in)} and "
-                    f"stage_params[{i}] of {_describe(p)}: {e}") from e
+                    f"stage {i}: {fn}(stage_params[{i}], h) failed while tracing, with h of {describe(h_in)} and "
+                    f"stage_params[{i}] of {describe(p)}: {e}") from e
         return h
 
     def _check_live(self) -> None:
@@ -127,17 +127,17 @@ class InGraphRuntime:
             leaf of ``h`` is a deleted jax array; a stage function raised a ValueError while
             tracing (named as above). Nothing is compiled or cached then.
         """
-        aval = _tree_aval(h, "h")
-        _check_input_dtypes(h, "h")
+        aval = tree_aval(h, "h")
+        check_input_dtypes(h, "h")
         if self._compiled is not None:
-            if _aval_key(aval) != self._in_key:
-                raise ValueError(f"h has {_describe(aval)}, but this runtime was compiled for "
-                                 f"{_describe(self._in_aval)}; make a new InGraphRuntime for another shape")
+            if aval_key(aval) != self._in_key:
+                raise ValueError(f"h has {describe(aval)}, but this runtime was compiled for "
+                                 f"{describe(self._in_aval)}; make a new InGraphRuntime for another shape")
             return self._compiled
         spec = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._dev), aval)
         lowered = jax.jit(self._program, out_shardings=self._dev).lower(self.host_params, spec)
         self._compiled = lowered.compile(compiler_options=self.compiler_options or None)
-        self._in_key, self._in_aval = _aval_key(aval), aval
+        self._in_key, self._in_aval = aval_key(aval), aval
         return self._compiled
 
     def forward(self, h):

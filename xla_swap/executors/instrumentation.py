@@ -13,7 +13,7 @@ import numpy as np
 
 from .report import MemoryReport, compiled_report, stats_dict
 from .stage_programs import forward_save_fn
-from ._stages import DEVICE_KIND, _probe, _split_diff, tree_nbytes
+from ._stages import DEVICE_KIND, probe, split_diff, tree_nbytes
 
 __all__ = ["RuntimeInstrumentation", "device_nbytes", "memory_analysis"]
 
@@ -192,7 +192,7 @@ class RuntimeInstrumentation:
         kw = self.stage_cost_bytes(sig, stage)
         if measure_reps:
             p = jax.device_put(self.host_params[stage], self._dev_sh[stage])
-            x = jax.device_put(jax.tree_util.tree_map(_probe, hin), self._act(hin))
+            x = jax.device_put(jax.tree_util.tree_map(probe, hin), self._act(hin))
             jax.block_until_ready(fwd(p, x))
             ts = []
             for _ in range(measure_reps):
@@ -227,7 +227,7 @@ class RuntimeInstrumentation:
             working = int(bwd.memory_analysis().temp_size_in_bytes) if bwd is not None else None
         except Exception:  # noqa: BLE001 - not every backend reports it
             working = None
-        return dict(param_bytes=self.stage_nbytes[stage], grad_bytes=tree_nbytes(_split_diff(pav)[0]),
+        return dict(param_bytes=self.stage_nbytes[stage], grad_bytes=tree_nbytes(split_diff(pav)[0]),
                     optimizer_bytes=self.optimizer_state_nbytes[stage], carry_bytes=tree_nbytes(hin),
                     intermediate_bytes=tree_nbytes(saved), working_bytes=working)
 

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from .trace import StageEvent
-from ._stages import HOST_KIND, _aval_key, _merge_diff, _split_diff, _tree_aval, tree_nbytes
+from ._stages import HOST_KIND, aval_key, merge_diff, split_diff, tree_aval, tree_nbytes
 
 __all__ = ["RuntimeLoop"]
 
@@ -105,7 +105,7 @@ class RuntimeLoop:
         host_grads = self._stream_backward(call, bwd, hyper, mode)
         if call.next_call is not None:
             self._carry = call.next_call
-        input_cotangent = _merge_diff(call.grad, None, _split_diff(sig.in_aval)[2])
+        input_cotangent = merge_diff(call.grad, None, split_diff(sig.in_aval)[2])
         return first, input_cotangent, host_grads
 
     def _stream_forward(self, call: "_Call", h, fwd: list, train: bool):
@@ -191,12 +191,12 @@ class RuntimeLoop:
         if cotangent is None:
             loss, grad = loss_exe(out, *loss_args)
             if self._batch_sh is not None:
-                grad = jax.device_put(grad, self._act(_split_diff(sig.chain[-1])[0]))
+                grad = jax.device_put(grad, self._act(split_diff(sig.chain[-1])[0]))
             first = loss
         else:
-            given = _split_diff(cotangent)[0] if _aval_key(_tree_aval(cotangent, "cotangent")) == \
-                _aval_key(sig.chain[-1]) else jax.tree_util.tree_leaves(cotangent)
-            grad = jax.device_put(given, self._act(_split_diff(sig.chain[-1])[0]), may_alias=False)
+            given = split_diff(cotangent)[0] if aval_key(tree_aval(cotangent, "cotangent")) == \
+                aval_key(sig.chain[-1]) else jax.tree_util.tree_leaves(cotangent)
+            grad = jax.device_put(given, self._act(split_diff(sig.chain[-1])[0]), may_alias=False)
             first = out
         call.grad = grad
         return first
@@ -279,7 +279,7 @@ class RuntimeLoop:
             (grads,) = results
             self._track(grads, i)
             host = jax.device_put(grads, self._diff_grad_sh[i])
-            call.host_grads[i] = _merge_diff(host, None, _split_diff(self._param_avals[i])[2])
+            call.host_grads[i] = merge_diff(host, None, split_diff(self._param_avals[i])[2])
             return grads, host
         acc, call.sumsq[i] = results
         self._track(acc, i)

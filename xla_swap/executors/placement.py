@@ -12,8 +12,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from . import optim as _optim
-from ._stages import (DEVICE_KIND, HOST_KIND, _as_aval, _check_input_dtypes, _check_memory_kinds, _is_diff,
-                      _leaf_name)
+from ._stages import (DEVICE_KIND, HOST_KIND, as_aval, check_input_dtypes, check_memory_kinds, is_diff,
+                      leaf_name)
 
 __all__ = ["RuntimePlacement", "activation_shardings", "check_placement_args", "checked_resident", "checked_state",
            "flatten_stage_params", "leaf_sharding_rule", "leaf_shardings", "num_stages_of"]
@@ -51,8 +51,8 @@ def flatten_stage_params(stage_params, shared: bool) -> list:
     for i, p in enumerate(stage_params):
         leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(p)
         for path, leaf in leaves_with_path:
-            _as_aval(leaf, f"stage_params[{i}]{_leaf_name(path)}")
-        _check_input_dtypes(p, f"stage_params[{i}]")
+            as_aval(leaf, f"stage_params[{i}]{leaf_name(path)}")
+        check_input_dtypes(p, f"stage_params[{i}]")
         flat.append((leaves_with_path, treedef))
     if shared:
         leaves0, treedef0 = flat[0]
@@ -64,8 +64,8 @@ def flatten_stage_params(stage_params, shared: bool) -> list:
             for (path, leaf), (_, leaf0) in zip(leaves_with_path, leaves0):
                 if tuple(leaf.shape) != tuple(leaf0.shape) or np.dtype(leaf.dtype) != np.dtype(leaf0.dtype):
                     raise ValueError(
-                        f"stage_params[{i}]{_leaf_name(path)} has shape {tuple(leaf.shape)} dtype "
-                        f"{np.dtype(leaf.dtype)}, but stage_params[0]{_leaf_name(path)} has shape "
+                        f"stage_params[{i}]{leaf_name(path)} has shape {tuple(leaf.shape)} dtype "
+                        f"{np.dtype(leaf.dtype)}, but stage_params[0]{leaf_name(path)} has shape "
                         f"{tuple(leaf0.shape)} dtype {np.dtype(leaf0.dtype)}; a shared stage_fn needs "
                         "identical parameter shapes and dtypes in every stage")
     return flat
@@ -97,12 +97,12 @@ def leaf_sharding_rule(device, sharding) -> tuple[Sharding | None, Callable]:
         return None, sharding
     if sharding is None:
         dev = device if device is not None else jax.devices()[0]
-        _check_memory_kinds(dev, "the streaming runtime")
+        check_memory_kinds(dev, "the streaming runtime")
         base = SingleDeviceSharding(dev)
     else:
         base = sharding
         for d in sharding.device_set:
-            _check_memory_kinds(d, "the streaming runtime")
+            check_memory_kinds(d, "the streaming runtime")
 
     def same_for_every_leaf(i, path, leaf):
         return base
@@ -139,7 +139,7 @@ def _leaf_group(group_of, groups, i: int, path) -> int:
     """The parameter group of stage ``i``'s trainable leaf at ``path``; ValueError naming it otherwise."""
     group = 0 if group_of is None else group_of(i, path)
     if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or not 0 <= group < len(groups):
-        raise ValueError(f"group_of({i}, {_leaf_name(path)}) returned {group!r}, not a group index in "
+        raise ValueError(f"group_of({i}, {leaf_name(path)}) returned {group!r}, not a group index in "
                          f"[0, {len(groups)})")
     return int(group)
 
@@ -164,16 +164,16 @@ def leaf_shardings(flat: list, rule: Callable, resident: list, trainable, groups
         for path, leaf in leaves_with_path:
             s = rule(i, path, leaf)
             if not isinstance(s, Sharding):
-                raise TypeError(f"sharding({i}, {_leaf_name(path)}) returned {type(s).__name__}, "
+                raise TypeError(f"sharding({i}, {leaf_name(path)}) returned {type(s).__name__}, "
                                 "not a jax.sharding.Sharding")
             try:
                 s.shard_shape(tuple(leaf.shape))
             except ValueError as e:
-                raise ValueError(f"stage_params[{i}]{_leaf_name(path)}: sharding {s} does not split shape "
+                raise ValueError(f"stage_params[{i}]{leaf_name(path)}: sharding {s} does not split shape "
                                  f"{tuple(leaf.shape)} evenly: {e}") from None
             host_leaf_sh.append(s.with_memory_kind(DEVICE_KIND if resident[i] else HOST_KIND))
             dev_leaf_sh.append(s.with_memory_kind(DEVICE_KIND))
-            leaf_trainable.append(_is_diff(leaf) and (trainable is None or bool(trainable(i, path))))
+            leaf_trainable.append(is_diff(leaf) and (trainable is None or bool(trainable(i, path))))
             if leaf_trainable[-1] and groups is not None:
                 leaf_groups.append(_leaf_group(group_of, groups, i, path))
         host_sh.append(jax.tree_util.tree_unflatten(treedef, host_leaf_sh))
@@ -260,7 +260,7 @@ class RuntimePlacement:
         for i in range(self.num_stages):
             leaves = jax.tree_util.tree_leaves(self._param_avals[i])
             dev_leaf_sh = jax.tree_util.tree_leaves(self._dev_sh[i])
-            diff = [s for s, a in zip(dev_leaf_sh, leaves) if _is_diff(a)]
+            diff = [s for s, a in zip(dev_leaf_sh, leaves) if is_diff(a)]
             self._diff_dev_sh.append(diff)
             self._diff_grad_sh.append([s.with_memory_kind(grad_kind) for s in diff])
             trained = [j for j, m in enumerate(self._train_mask[i]) if m] if has_optimizer else []
@@ -342,7 +342,7 @@ class RuntimePlacement:
             for (path, leaf), (_, a) in zip(lp, ref_lp):
                 shape, dtype = tuple(getattr(leaf, "shape", ())), getattr(leaf, "dtype", None)
                 if shape != tuple(a.shape) or dtype is None or np.dtype(dtype) != np.dtype(a.dtype):
-                    raise ValueError(f"stage_params[{stage}]{_leaf_name(path)}: got shape {shape} dtype {dtype}, "
+                    raise ValueError(f"stage_params[{stage}]{leaf_name(path)}: got shape {shape} dtype {dtype}, "
                                      f"the stage holds shape {tuple(a.shape)} dtype {np.dtype(a.dtype)}")
         if state is not None:
             if self.optimizer is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 
 from . import optim as _optim
-from ._stages import _index_by_identity, _is_diff, _merge_diff, _split_diff
+from ._stages import index_by_identity, is_diff, merge_diff, split_diff
 
 __all__ = ["forward_save_fn", "recompute_vjp", "saved_vjp", "trainable_grads", "with_accum", "update_only",
            "with_update"]
@@ -28,11 +28,11 @@ def forward_save_fn(f, remat, layout_out: dict):
     fs = f if remat is False else jax.checkpoint(f, policy=remat)
 
     def fwd_save(p, x):
-        pd, pc, ps = _split_diff(p)
-        xd, xc, xs = _split_diff(x)
+        pd, pc, ps = split_diff(p)
+        xd, xc, xs = split_diff(x)
 
         def on_floating(pd, xd):
-            yd, yc, ys = _split_diff(fs(_merge_diff(pd, pc, ps), _merge_diff(xd, xc, xs)))
+            yd, yc, ys = split_diff(fs(merge_diff(pd, pc, ps), merge_diff(xd, xc, xs)))
             return yd, (yc, ys)
 
         yd, vjp, (yc, ys) = jax.vjp(on_floating, pd, xd, has_aux=True)
@@ -40,29 +40,29 @@ def forward_save_fn(f, remat, layout_out: dict):
         pl, xl = jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(x)
         sources, saved = [], []
         for r in res:
-            j = _index_by_identity(pl, r)
+            j = index_by_identity(pl, r)
             if j is not None:
                 sources.append(("p", j))
                 continue
-            j = _index_by_identity(xl, r)
+            j = index_by_identity(xl, r)
             if j is not None:
                 sources.append(("x", j))
                 continue
             sources.append(("s", len(saved)))
             saved.append(r)
         layout_out["layout"] = (treedef, tuple(sources))
-        return _merge_diff(yd, yc, ys), saved
+        return merge_diff(yd, yc, ys), saved
     return fwd_save
 
 
 def recompute_vjp(f):
     """``(p, x, g) -> (gx, gp)``: the stage's vjp by recomputing its forward, over floating leaves only."""
     def core(p, x, g):
-        pd, pc, ps = _split_diff(p)
-        xd, xc, xs = _split_diff(x)
+        pd, pc, ps = split_diff(p)
+        xd, xc, xs = split_diff(x)
 
         def on_floating(pd, xd):
-            return _split_diff(f(_merge_diff(pd, pc, ps), _merge_diff(xd, xc, xs)))[0]
+            return split_diff(f(merge_diff(pd, pc, ps), merge_diff(xd, xc, xs)))[0]
 
         _, vjp = jax.vjp(on_floating, pd, xd)
         gp, gx = vjp(g)
@@ -83,7 +83,7 @@ def saved_vjp(treedef, sources):
 def trainable_grads(p, gp, train_mask: list, acc) -> list:
     """The gradients of the trainable leaves of ``p`` (from ``gp``, over the floating leaves), plus ``acc``."""
     leaves = jax.tree_util.tree_leaves(p)
-    grad_of = dict(zip([j for j, a in enumerate(leaves) if _is_diff(a)], gp))
+    grad_of = dict(zip([j for j, a in enumerate(leaves) if is_diff(a)], gp))
     grads = [grad_of[j] for j, m in enumerate(train_mask) if m]
     if acc is not None:
         grads = [a + g for a, g in zip(acc, grads)]

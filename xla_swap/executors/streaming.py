@@ -52,7 +52,7 @@ from .update_pass import RuntimeUpdatePass
 from .placement import (RuntimePlacement, activation_shardings, check_placement_args, checked_resident,
                         flatten_stage_params, leaf_sharding_rule, leaf_shardings, num_stages_of)
 from .trace import StageEvent, TraceRecorder
-from ._stages import _own_fns, _stage_fns, tree_nbytes
+from ._stages import own_fns, stage_fns, tree_nbytes
 
 __all__ = ["StreamingRuntime", "StageEvent", "TraceRecorder", "tree_nbytes", "DEFAULT_MAX_SIGNATURES",
            "MAX_LOSS_FNS", "Signature", "remat_from_policy"]
@@ -317,7 +317,7 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
         if isinstance(max_signatures, bool) or not isinstance(max_signatures, (int, np.integer)) or max_signatures < 1:
             raise ValueError(f"max_signatures must be an int >= 1, got {max_signatures!r}")
         n = num_stages_of(stage_params)
-        fns, shared = _stage_fns(stage_fn, n)
+        fns, shared = stage_fns(stage_fn, n)
         resident = checked_resident(resident, n)
         flat = flatten_stage_params(stage_params, shared)
         check_placement_args(device, sharding, activation_sharding, batch_axis)
@@ -376,7 +376,7 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
         """Keep the caller's stage functions, this runtime's own wrappers of them, and per stage the
         index of its function among the distinct ones (by identity)."""
         self._fns = fns  # the caller's stage functions
-        self._traced_fns = _own_fns(fns)  # what this runtime traces and compiles (see _own_fns)
+        self._traced_fns = own_fns(fns)  # what this runtime traces and compiles (see own_fns)
         self._fn_ids: list[int] = []
         distinct: list[Callable] = []
         for f in fns:
