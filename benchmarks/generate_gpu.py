@@ -35,9 +35,11 @@ bytes in and out.
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -186,6 +188,101 @@ def _divergence(a: list, b: list) -> list[int]:
     """Per row, the index of the first token where ``a`` and ``b`` differ (-1: equal)."""
     return [next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), -1 if len(ra) == len(rb) else min(len(ra), len(rb)))
             for ra, rb in zip(a, b)]
+
+
+#: HLO opcodes that move, name or group values without computing: left out of :func:`hlo_arithmetic`.
+PLUMBING = frozenset({"parameter", "copy", "copy-start", "copy-done", "bitcast", "tuple", "get-tuple-element",
+                      "fusion", "call", "async-start", "async-update", "async-done", "opt-barrier"})
+#: custom-call targets that only move a value between memory spaces (``pinned_host`` <-> device).
+MEMORY_SPACE_CALLS = frozenset({"MoveToHost", "MoveToDevice", "annotate_device_placement"})
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*")
+_LAYOUT = re.compile(r"\]\{[^}]*\}")           # the layout after a shape, memory space (S(5)) included
+_KEPT_ATTRS = re.compile(r"\b((?:lhs_|rhs_)?(?:batch|contracting)_dims|dimensions|custom_call_target|"
+                         r"comparison_direction|operand_precision|slice|padding|window|dim_labels|"
+                         r"feature_group_count|batch_group_count|iota_dimension|exponent_bits|mantissa_bits|"
+                         r"distribution|is_stable|largest|k)=(\{[^}]*\}|\"[^\"]*\"|[\w.\-]+)")
+
+
+def hlo_arithmetic(hlo_text: str) -> collections.Counter:
+    """The arithmetic of an HLO module as a multiset: ``Counter`` of ``"opcode type attrs"`` strings.
+
+    Every instruction of every computation (fused ones included) counts once, written as its opcode,
+    its result type without layouts or memory spaces (``f32[4,64]``, not ``f32[4,64]{1,0:S(5)}``) and
+    the attributes that change what it computes (dimensions, contracting dims, precision, comparison,
+    custom-call target; not names, metadata or ``backend_config``). Plumbing (:data:`PLUMBING`:
+    parameters, copies, bitcasts, tuples, fusion wrappers) and copies between memory spaces
+    (:data:`MEMORY_SPACE_CALLS`) are left out. Two executables computing the same values in the same
+    operations give equal multisets, whatever their names, layouts or kernels chosen (``as_text()``
+    of a GPU executable names its GEMM algorithm in ``backend_config``, which is not counted).
+
+    Args: hlo_text: ``jax.stages.Compiled.as_text()`` (or any HLO module text).
+    Returns: ``collections.Counter`` of ``str`` (empty for a text without instructions).
+    """
+    ops: collections.Counter = collections.Counter()
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if m is None:
+            continue
+        rest = line[m.end():]
+        if rest.startswith("("):              # a tuple type: up to its closing parenthesis
+            depth, end = 0, 0
+            for end, ch in enumerate(rest):
+                depth += ch == "("
+                depth -= ch == ")"
+                if depth == 0:
+                    break
+            typ, rest = rest[:end + 1], rest[end + 1:].lstrip()
+        else:
+            typ, _, rest = rest.partition(" ")
+        opcode = rest.split("(", 1)[0].strip()
+        if not opcode or opcode in PLUMBING:
+            continue
+        attrs = " ".join(f"{k}={v}" for k, v in _KEPT_ATTRS.findall(rest.split("metadata=", 1)[0]))
+        if opcode == "custom-call" and any(f'"{t}"' in attrs for t in MEMORY_SPACE_CALLS):
+            continue
+        ops[f"{opcode} {_LAYOUT.sub(']', typ)} {attrs}".strip()] += 1
+    return ops
+
+
+def hlo_without_names(hlo_text: str) -> str:
+    """``hlo_text`` without metadata, stack-frame tables and instruction / computation names: equal for two
+    compilations that chose the same kernels (``backend_config`` kept, so a GEMM algorithm picked by
+    autotuning shows)."""
+    text = re.sub(r",?\s*metadata=\{[^}]*\}", "", hlo_text)
+    text = re.split(r"\n\s*FileNames\s*\n", text)[0]
+    text = re.sub(r"%[\w.\-]+", "%_", text)
+    return re.sub(r"^HloModule \S+", "HloModule _", text)
+
+
+def decode_hlo(stack, batch: int, cache_len: int) -> list[str]:
+    """``as_text()`` of the executables of the stack's current generator for a decode step (``batch`` rows,
+    ``cache_len`` slots), one per distinct stage executable in stage order."""
+    import jax
+    import jax.numpy as jnp
+    gen = next(iter(stack._generators.values()))
+    i32 = jnp.int32
+    x = (jax.ShapeDtypeStruct((batch, 1), i32), jax.ShapeDtypeStruct((batch, cache_len), i32),
+         jax.ShapeDtypeStruct((batch, 1), i32), jax.ShapeDtypeStruct((), i32))
+    out, seen = [], set()
+    for exe in gen.streamer.executables(x):
+        if id(exe) not in seen:
+            seen.add(id(exe))
+            out.append(exe.as_text())
+    return out
+
+
+def compare_hlo(a: list[str], b: list[str]) -> dict:
+    """Two runs' :func:`decode_hlo`: whether their arithmetic (:func:`hlo_arithmetic`) and their texts without
+    names (:func:`hlo_without_names`, kernels' ``backend_config`` included) are equal, and the lines that differ."""
+    same_ops = len(a) == len(b) and all(hlo_arithmetic(x) == hlo_arithmetic(y) for x, y in zip(a, b))
+    diff = []
+    for x, y in zip(a, b):
+        lx, ly = hlo_without_names(x).splitlines(), hlo_without_names(y).splitlines()
+        diff += [f"- {u}\n+ {v}" for u, v in zip(lx, ly) if u != v]
+        if len(lx) != len(ly):
+            diff.append(f"line counts {len(lx)} != {len(ly)}")
+    return {"arithmetic_equal": same_ops, "text_equal": len(a) == len(b) and not diff,
+            "differing_lines": len(diff), "first_differences": diff[:8]}
 
 
 def time_accelerate(model, batch: int, prompt: int, new: int, vocab: int) -> dict:
