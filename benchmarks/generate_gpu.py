@@ -27,7 +27,11 @@ of ``--bw-mib`` MiB, median of 5); decode compute: the resident stack's step (``
 ``W / hbm`` (one read of the weights at the device bandwidth measured by a copy: a lower bound).
 With ``--kv-host`` (default on) the largest of ``--batches`` also runs with the KV cache in
 ``pinned_host`` at the 8b shape (``--kv-host-70b``: at the 70b shape too); its floor adds the cache's
-bytes in and out.
+bytes in and out. Then the device cache runs again, compiled again (``_recompiled``, the control).
+Both rows compare their tokens and their decode executables' HLO with the first device-cache run
+(:func:`compare_hlo`: the same arithmetic, and the same text with the kernels XLA chose);
+``--xla-deterministic`` compiles with GEMM autotuning off (:func:`deterministic_xla_flags`), so
+every compilation of a computation picks the same kernels.
 
     PYTHONPATH=/tmp/site:. python3 benchmarks/generate_gpu.py --out $OUT/generate_gpu.json
     python -m benchmarks.generate_gpu --cpu-smoke --out /tmp/gen.json    # tiny config on the CPU
@@ -181,7 +185,8 @@ def time_stack(stack, batch: int, prompt: int, new: int, vocab: int, kv_cache: s
     return {"batch": batch, "new_tokens": new, "ttft_s": info["first_token_s"], "decode_step_s": step,
             "decode_steps_s": steps, "total_s": total, "tokens_per_s": batch / step,
             "placement": info["placement"], "placement_why": info["explanation"],
-            "kv_cache_bytes": info["kv_cache_bytes"], "tokens": out[:, prompt:].tolist()}
+            "kv_cache_bytes": info["kv_cache_bytes"], "tokens": out[:, prompt:].tolist(),
+            "hlo": decode_hlo(stack, batch, info["cache_len"])}
 
 
 def _divergence(a: list, b: list) -> list[int]:
@@ -363,7 +368,7 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
         for b in batches:
             r = time_stack(res_stack, b, args.prompt, min(new, args.resident_new_tokens), args.vocab)
             compute[b] = r["decode_step_s"]
-            res["rows"][f"resident_b{b}"] = {k: v for k, v in r.items() if k != "tokens"}
+            res["rows"][f"resident_b{b}"] = {k: v for k, v in r.items() if k not in ("tokens", "hlo")}
         del res_stack
         gc.collect()
     for b in batches:
@@ -382,12 +387,16 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
         first_run = res["rows"][f"stack_b{b}"]["tokens"]
         r["tokens_equal_device_cache"] = r["tokens"] == first_run
         r["first_divergence_from_device_cache"] = _divergence(r["tokens"], first_run)
+        # the same arithmetic (expected: the executables take the cache in device memory either way); the same
+        # text too unless the compilations chose other kernels (GEMM algorithms in backend_config)
+        r["hlo_vs_device_cache"] = compare_hlo(r["hlo"], res["rows"][f"stack_b{b}"]["hlo"])
         res["rows"][f"stack_b{b}_kvhost"] = r
         # control: the device cache again, its executables compiled again (the host row replaced them): on a
         # GPU, XLA's autotuning may pick other kernels per compilation, which can flip a near-tied bf16 argmax
         c = time_stack(stack, b, args.prompt, new, args.vocab)
         c["tokens_equal_first_run"] = c["tokens"] == first_run
         c["first_divergence_from_first_run"] = _divergence(c["tokens"], first_run)
+        c["hlo_vs_first_run"] = compare_hlo(c["hlo"], res["rows"][f"stack_b{b}"]["hlo"])
         c["floor_s"] = res["rows"][f"stack_b{b}"]["floor_s"]
         c["ratio_to_floor"] = c["decode_step_s"] / c["floor_s"]
         res["rows"][f"stack_b{b}_recompiled"] = c
@@ -419,6 +428,7 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
         res["hf_tokens_equal"] = ref[:, args.prompt:].tolist() == res["rows"][f"stack_b{b}"]["tokens"]
     for r in res["rows"].values():
         r.pop("tokens", None)
+        r.pop("hlo", None)
     return res
 
 
@@ -438,6 +448,15 @@ def render(data: dict) -> str:
             lines.append(f"| {name} ({s['weight_bytes'] / 1e9:.1f} GB) | {row} | {r['batch']} | {r['ttft_s']:.3f} | "
                          f"{r['decode_step_s']:.4f} | {floor} | {ratio} | {r['tokens_per_s']:.1f} | "
                          f"{r.get('placement', '')} |")
+        for row, r in s["rows"].items():   # the host-cache question: tokens, arithmetic, kernels
+            for key, what in (("hlo_vs_device_cache", "tokens_equal_device_cache"),
+                              ("hlo_vs_first_run", "tokens_equal_first_run")):
+                if key in r:
+                    h = r[key]
+                    lines.append(f"{name} {row}: {what} {r[what]}, HLO arithmetic equal {h['arithmetic_equal']}, "
+                                 f"HLO text equal {h['text_equal']} ({h['differing_lines']} lines differ)")
+    if data.get("xla_flags"):
+        lines.append(f"XLA_FLAGS={data['xla_flags']}")
     return "\n".join(lines)
 
 
@@ -466,6 +485,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-accelerate", action="store_true")
     ap.add_argument("--no-resident", action="store_true")
     ap.add_argument("--check-hf", action="store_true", help="compare the stack's tokens with transformers' generate")
+    ap.add_argument("--xla-deterministic", action="store_true",
+                    help="compile with GEMM autotuning off (XLA_FLAGS += --xla_gpu_autotune_level=0): every "
+                         "compilation of a computation picks the same kernels (the control for the host-cache row)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "generate_gpu.json"))
     ap.add_argument("--in-process", action="store_true",
                     help="run every shape in this process (default: one subprocess per shape when several are asked "
@@ -488,9 +510,12 @@ def main(argv=None) -> int:
     args.batches = [int(b) for b in args.batches.split(",")]
     args.batches_70b = [int(b) for b in args.batches_70b.split(",")]
     args.accel_batches = [int(b) for b in args.accel_batches.split(",")]
+    if args.xla_deterministic:   # before jax starts its backend (XLA reads the flags once)
+        os.environ["XLA_FLAGS"] = deterministic_xla_flags(os.environ.get("XLA_FLAGS", ""))
     import torch
     args.dtype = torch.float32 if args.cpu_smoke else torch.bfloat16
-    data: dict = {"args": {k: (str(v) if k == "dtype" else v) for k, v in vars(args).items()}, "shapes": {}}
+    data: dict = {"args": {k: (str(v) if k == "dtype" else v) for k, v in vars(args).items()}, "shapes": {},
+                  "xla_flags": os.environ.get("XLA_FLAGS", "")}
     # the pinned pool from the largest plan, before jax starts (PJRT GPU caps it at 64 GiB otherwise)
     from xla_swap.executors.host_pool import ensure_host_memory_limit
     need = {}
@@ -522,6 +547,15 @@ def main(argv=None) -> int:
             json.dump(data, f, indent=1)
     print(render(data))
     return 0 if all("skipped" not in s or "needs" in s["skipped"] for s in data["shapes"].values()) else 1
+
+
+def deterministic_xla_flags(flags: str) -> str:
+    """``flags`` (an ``XLA_FLAGS`` value) with GEMM and convolution autotuning off (``--xla_gpu_autotune_level=0``,
+    "0 = off" in the flag's help of jaxlib 0.11.2; an earlier level given in ``flags`` is replaced): XLA then takes
+    each GEMM's default algorithm instead of the fastest measured one, so two compilations of one computation run
+    the same kernels (and round the same way). Returns the new value (str)."""
+    kept = [f for f in flags.split() if not f.startswith("--xla_gpu_autotune_level")]
+    return " ".join(kept + ["--xla_gpu_autotune_level=0"])
 
 
 def _per_shape(raw: list, shapes: list, out: str) -> int:
