@@ -2,7 +2,7 @@
 executables of a bf16 Llama stack compute the same multiset of operations (``hlo_arithmetic`` of
 benchmarks/generate_gpu.py: opcodes, result types and dims, without names, layouts, memory spaces or
 copies) for ``kv_cache="host"`` as for ``kv_cache="device"``; on the CPU their optimized HLO is also equal
-apart from names. A GPU run that gives other tokens for the two placements therefore differs in how
+apart from names, and the caches hold the same bits after the run. A GPU run that gives other tokens for the two placements therefore differs in how
 XLA compiled the same computation (its kernels), not in what the host path computes."""
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,13 @@ def test_host_and_device_kv_cache_compute_the_same_ops():
         assert gen.streamer.state_on_host[1] is (placement == "host")
         streamers[placement] = gen.streamer
     assert torch.equal(tokens["host"], tokens["device"])
+    # the values the cache carries back from pinned_host: every layer's keys and values bit for bit
+    for i in range(1, 1 + len(layers)):
+        dev, host = streamers["device"].states[i], streamers["host"].states[i]
+        assert {a.sharding.memory_kind for a in jax.tree_util.tree_leaves(host)} == {"pinned_host"}
+        for a, b in zip(jax.tree_util.tree_leaves(dev), jax.tree_util.tree_leaves(host)):
+            assert a.dtype == b.dtype == jnp.bfloat16
+            assert (jax.device_get(a).view("uint16") == jax.device_get(b).view("uint16")).all(), i
     compiled = {p: s.num_executables for p, s in streamers.items()}
     p_len = stack.last_generation["prompt_len"]
     for t in (1, p_len):   # the decode step and the prefill
