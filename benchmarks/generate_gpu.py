@@ -278,16 +278,21 @@ def decode_hlo(stack, batch: int, cache_len: int) -> list[str]:
 
 def compare_hlo(a: list[str], b: list[str]) -> dict:
     """Two runs' :func:`decode_hlo`: whether their arithmetic (:func:`hlo_arithmetic`) and their texts without
-    names (:func:`hlo_without_names`, kernels' ``backend_config`` included) are equal, and the lines that differ."""
-    same_ops = len(a) == len(b) and all(hlo_arithmetic(x) == hlo_arithmetic(y) for x, y in zip(a, b))
+    names (:func:`hlo_without_names`, kernels' ``backend_config`` included) are equal, the operations only one
+    of them has (``-`` in ``a``, ``+`` in ``b``: on a GPU a GEMM that autotuning gave to cuBLAS in one and to a
+    Triton fusion in the other shows here as a ``custom-call`` against a ``dot``) and the first differing lines."""
+    ops_diff = [] if len(a) == len(b) else [f"executables {len(a)} != {len(b)}"]
+    for x, y in zip(a, b):
+        ox, oy = hlo_arithmetic(x), hlo_arithmetic(y)
+        ops_diff += [f"- {n} x {op}" for op, n in (ox - oy).items()] + [f"+ {n} x {op}" for op, n in (oy - ox).items()]
     diff = []
     for x, y in zip(a, b):
         lx, ly = hlo_without_names(x).splitlines(), hlo_without_names(y).splitlines()
         diff += [f"- {u}\n+ {v}" for u, v in zip(lx, ly) if u != v]
         if len(lx) != len(ly):
             diff.append(f"line counts {len(lx)} != {len(ly)}")
-    return {"arithmetic_equal": same_ops, "text_equal": len(a) == len(b) and not diff,
-            "differing_lines": len(diff), "first_differences": diff[:8]}
+    return {"arithmetic_equal": not ops_diff, "arithmetic_differences": ops_diff[:16],
+            "text_equal": len(a) == len(b) and not diff, "differing_lines": len(diff), "first_differences": diff[:8]}
 
 
 def time_accelerate(model, batch: int, prompt: int, new: int, vocab: int) -> dict:

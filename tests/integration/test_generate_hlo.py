@@ -93,3 +93,21 @@ ENTRY %main.3 (x.1: f32[4,8], w.2: f32[8,4]) -> f32[4,4] {
     c = a.replace("rhs_contracting_dims={0}", "rhs_contracting_dims={1}")
     assert generate_gpu.hlo_arithmetic(a) != generate_gpu.hlo_arithmetic(c)
     assert generate_gpu.hlo_arithmetic(a) != generate_gpu.hlo_arithmetic(a.replace("f32[4,4]{1,0} dot", "bf16[4,4]{1,0} dot"))
+
+
+def test_compare_hlo_names_what_differs():
+    a = """HloModule m
+ENTRY %e (x: f32[4,8], w: f32[8,4]) -> f32[4,4] {
+  %x = f32[4,8]{1,0} parameter(0)
+  %w = f32[8,4]{1,0} parameter(1)
+  ROOT %d = f32[4,4]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}, backend_config={"alg":1}
+}
+"""
+    same = generate_gpu.compare_hlo([a], [a.replace("%d", "%dot.9")])
+    assert same["arithmetic_equal"] and same["text_equal"] and same["arithmetic_differences"] == []
+    kernel = generate_gpu.compare_hlo([a], [a.replace('"alg":1', '"alg":7')])   # another GEMM algorithm
+    assert kernel["arithmetic_equal"] and not kernel["text_equal"] and kernel["differing_lines"] == 1
+    ops = generate_gpu.compare_hlo([a], [a.replace("f32[4,4]{1,0} dot", "bf16[4,4]{1,0} dot")])
+    assert not ops["arithmetic_equal"] and ops["arithmetic_differences"] == [
+        "- 1 x dot f32[4,4] lhs_contracting_dims={1} rhs_contracting_dims={0}",
+        "+ 1 x dot bf16[4,4] lhs_contracting_dims={1} rhs_contracting_dims={0}"]
