@@ -27,7 +27,11 @@ of ``--bw-mib`` MiB, median of 5); decode compute: the resident stack's step (``
 ``W / hbm`` (one read of the weights at the device bandwidth measured by a copy: a lower bound).
 With ``--kv-host`` (default on) the largest of ``--batches`` also runs with the KV cache in
 ``pinned_host`` at the 8b shape (``--kv-host-70b``: at the 70b shape too); its floor adds the cache's
-bytes in and out.
+bytes in and out. Then the device cache runs again, compiled again (``_recompiled``, the control).
+Both rows compare their tokens and their decode executables' HLO with the first device-cache run
+(:func:`compare_hlo`: the same arithmetic, and the same text with the kernels XLA chose);
+``--xla-deterministic`` compiles with GEMM autotuning off (:func:`deterministic_xla_flags`), so
+every compilation of a computation picks the same kernels.
 
     PYTHONPATH=/tmp/site:. python3 benchmarks/generate_gpu.py --out $OUT/generate_gpu.json
     python -m benchmarks.generate_gpu --cpu-smoke --out /tmp/gen.json    # tiny config on the CPU
@@ -35,9 +39,11 @@ bytes in and out.
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -179,13 +185,114 @@ def time_stack(stack, batch: int, prompt: int, new: int, vocab: int, kv_cache: s
     return {"batch": batch, "new_tokens": new, "ttft_s": info["first_token_s"], "decode_step_s": step,
             "decode_steps_s": steps, "total_s": total, "tokens_per_s": batch / step,
             "placement": info["placement"], "placement_why": info["explanation"],
-            "kv_cache_bytes": info["kv_cache_bytes"], "tokens": out[:, prompt:].tolist()}
+            "kv_cache_bytes": info["kv_cache_bytes"], "tokens": out[:, prompt:].tolist(),
+            "hlo": decode_hlo(stack, batch, info["cache_len"])}
 
 
 def _divergence(a: list, b: list) -> list[int]:
     """Per row, the index of the first token where ``a`` and ``b`` differ (-1: equal)."""
     return [next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), -1 if len(ra) == len(rb) else min(len(ra), len(rb)))
             for ra, rb in zip(a, b)]
+
+
+#: HLO opcodes that move, name or group values without computing: left out of :func:`hlo_arithmetic`.
+PLUMBING = frozenset({"parameter", "copy", "copy-start", "copy-done", "bitcast", "tuple", "get-tuple-element",
+                      "fusion", "call", "async-start", "async-update", "async-done", "opt-barrier"})
+#: custom-call targets that only move a value between memory spaces (``pinned_host`` <-> device).
+MEMORY_SPACE_CALLS = frozenset({"MoveToHost", "MoveToDevice", "annotate_device_placement"})
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*")
+_LAYOUT = re.compile(r"\]\{[^}]*\}")           # the layout after a shape, memory space (S(5)) included
+_KEPT_ATTRS = re.compile(r"\b((?:lhs_|rhs_)?(?:batch|contracting)_dims|dimensions|custom_call_target|"
+                         r"comparison_direction|operand_precision|slice|padding|window|dim_labels|"
+                         r"feature_group_count|batch_group_count|iota_dimension|exponent_bits|mantissa_bits|"
+                         r"distribution|is_stable|largest|k)=(\{[^}]*\}|\"[^\"]*\"|[\w.\-]+)")
+
+
+def hlo_arithmetic(hlo_text: str) -> collections.Counter:
+    """The arithmetic of an HLO module as a multiset: ``Counter`` of ``"opcode type attrs"`` strings.
+
+    Every instruction of every computation (fused ones included) counts once, written as its opcode,
+    its result type without layouts or memory spaces (``f32[4,64]``, not ``f32[4,64]{1,0:S(5)}``) and
+    the attributes that change what it computes (dimensions, contracting dims, precision, comparison,
+    custom-call target; not names, metadata or ``backend_config``). Plumbing (:data:`PLUMBING`:
+    parameters, copies, bitcasts, tuples, fusion wrappers) and copies between memory spaces
+    (:data:`MEMORY_SPACE_CALLS`) are left out. Two executables computing the same values in the same
+    operations give equal multisets, whatever their names, layouts or kernels chosen (``as_text()``
+    of a GPU executable names its GEMM algorithm in ``backend_config``, which is not counted).
+
+    Args: hlo_text: ``jax.stages.Compiled.as_text()`` (or any HLO module text).
+    Returns: ``collections.Counter`` of ``str`` (empty for a text without instructions).
+    """
+    ops: collections.Counter = collections.Counter()
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if m is None:
+            continue
+        rest = line[m.end():]
+        if rest.startswith("("):              # a tuple type: up to its closing parenthesis
+            depth, end = 0, 0
+            for end, ch in enumerate(rest):
+                depth += ch == "("
+                depth -= ch == ")"
+                if depth == 0:
+                    break
+            typ, rest = rest[:end + 1], rest[end + 1:].lstrip()
+        else:
+            typ, _, rest = rest.partition(" ")
+        opcode = rest.split("(", 1)[0].strip()
+        if not opcode or opcode in PLUMBING:
+            continue
+        attrs = " ".join(f"{k}={v}" for k, v in _KEPT_ATTRS.findall(rest.split("metadata=", 1)[0]))
+        if opcode == "custom-call" and any(f'"{t}"' in attrs for t in MEMORY_SPACE_CALLS):
+            continue
+        ops[f"{opcode} {_LAYOUT.sub(']', typ)} {attrs}".strip()] += 1
+    return ops
+
+
+def hlo_without_names(hlo_text: str) -> str:
+    """``hlo_text`` without metadata, stack-frame tables and instruction / computation names: equal for two
+    compilations that chose the same kernels (``backend_config`` kept, so a GEMM algorithm picked by
+    autotuning shows)."""
+    text = re.sub(r",?\s*metadata=\{[^}]*\}", "", hlo_text)
+    text = re.split(r"\n\s*FileNames\s*\n", text)[0]
+    text = re.sub(r"%[\w.\-]+", "%_", text)
+    return re.sub(r"^HloModule \S+", "HloModule _", text)
+
+
+def decode_hlo(stack, batch: int, cache_len: int) -> list[str]:
+    """``as_text()`` of the executables of the stack's current generator for a decode step (``batch`` rows,
+    ``cache_len`` slots), one per distinct stage executable in stage order."""
+    import jax
+    import jax.numpy as jnp
+    gen = next(iter(stack._generators.values()))
+    i32 = jnp.int32
+    x = (jax.ShapeDtypeStruct((batch, 1), i32), jax.ShapeDtypeStruct((batch, cache_len), i32),
+         jax.ShapeDtypeStruct((batch, 1), i32), jax.ShapeDtypeStruct((), i32))
+    out, seen = [], set()
+    for exe in gen.streamer.executables(x):
+        if id(exe) not in seen:
+            seen.add(id(exe))
+            out.append(exe.as_text())
+    return out
+
+
+def compare_hlo(a: list[str], b: list[str]) -> dict:
+    """Two runs' :func:`decode_hlo`: whether their arithmetic (:func:`hlo_arithmetic`) and their texts without
+    names (:func:`hlo_without_names`, kernels' ``backend_config`` included) are equal, the operations only one
+    of them has (``-`` in ``a``, ``+`` in ``b``: on a GPU a GEMM that autotuning gave to cuBLAS in one and to a
+    Triton fusion in the other shows here as a ``custom-call`` against a ``dot``) and the first differing lines."""
+    ops_diff = [] if len(a) == len(b) else [f"executables {len(a)} != {len(b)}"]
+    for x, y in zip(a, b):
+        ox, oy = hlo_arithmetic(x), hlo_arithmetic(y)
+        ops_diff += [f"- {n} x {op}" for op, n in (ox - oy).items()] + [f"+ {n} x {op}" for op, n in (oy - ox).items()]
+    diff = []
+    for x, y in zip(a, b):
+        lx, ly = hlo_without_names(x).splitlines(), hlo_without_names(y).splitlines()
+        diff += [f"- {u}\n+ {v}" for u, v in zip(lx, ly) if u != v]
+        if len(lx) != len(ly):
+            diff.append(f"line counts {len(lx)} != {len(ly)}")
+    return {"arithmetic_equal": not ops_diff, "arithmetic_differences": ops_diff[:16],
+            "text_equal": len(a) == len(b) and not diff, "differing_lines": len(diff), "first_differences": diff[:8]}
 
 
 def time_accelerate(model, batch: int, prompt: int, new: int, vocab: int) -> dict:
@@ -266,7 +373,7 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
         for b in batches:
             r = time_stack(res_stack, b, args.prompt, min(new, args.resident_new_tokens), args.vocab)
             compute[b] = r["decode_step_s"]
-            res["rows"][f"resident_b{b}"] = {k: v for k, v in r.items() if k != "tokens"}
+            res["rows"][f"resident_b{b}"] = {k: v for k, v in r.items() if k not in ("tokens", "hlo")}
         del res_stack
         gc.collect()
     for b in batches:
@@ -285,12 +392,16 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
         first_run = res["rows"][f"stack_b{b}"]["tokens"]
         r["tokens_equal_device_cache"] = r["tokens"] == first_run
         r["first_divergence_from_device_cache"] = _divergence(r["tokens"], first_run)
+        # the same arithmetic (expected: the executables take the cache in device memory either way); the same
+        # text too unless the compilations chose other kernels (GEMM algorithms in backend_config)
+        r["hlo_vs_device_cache"] = compare_hlo(r["hlo"], res["rows"][f"stack_b{b}"]["hlo"])
         res["rows"][f"stack_b{b}_kvhost"] = r
         # control: the device cache again, its executables compiled again (the host row replaced them): on a
         # GPU, XLA's autotuning may pick other kernels per compilation, which can flip a near-tied bf16 argmax
         c = time_stack(stack, b, args.prompt, new, args.vocab)
         c["tokens_equal_first_run"] = c["tokens"] == first_run
         c["first_divergence_from_first_run"] = _divergence(c["tokens"], first_run)
+        c["hlo_vs_first_run"] = compare_hlo(c["hlo"], res["rows"][f"stack_b{b}"]["hlo"])
         c["floor_s"] = res["rows"][f"stack_b{b}"]["floor_s"]
         c["ratio_to_floor"] = c["decode_step_s"] / c["floor_s"]
         res["rows"][f"stack_b{b}_recompiled"] = c
@@ -322,6 +433,7 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
         res["hf_tokens_equal"] = ref[:, args.prompt:].tolist() == res["rows"][f"stack_b{b}"]["tokens"]
     for r in res["rows"].values():
         r.pop("tokens", None)
+        r.pop("hlo", None)
     return res
 
 
@@ -341,6 +453,15 @@ def render(data: dict) -> str:
             lines.append(f"| {name} ({s['weight_bytes'] / 1e9:.1f} GB) | {row} | {r['batch']} | {r['ttft_s']:.3f} | "
                          f"{r['decode_step_s']:.4f} | {floor} | {ratio} | {r['tokens_per_s']:.1f} | "
                          f"{r.get('placement', '')} |")
+        for row, r in s["rows"].items():   # the host-cache question: tokens, arithmetic, kernels
+            for key, what in (("hlo_vs_device_cache", "tokens_equal_device_cache"),
+                              ("hlo_vs_first_run", "tokens_equal_first_run")):
+                if key in r:
+                    h = r[key]
+                    lines.append(f"{name} {row}: {what} {r[what]}, HLO arithmetic equal {h['arithmetic_equal']}, "
+                                 f"HLO text equal {h['text_equal']} ({h['differing_lines']} lines differ)")
+    if data.get("xla_flags"):
+        lines.append(f"XLA_FLAGS={data['xla_flags']}")
     return "\n".join(lines)
 
 
@@ -369,6 +490,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-accelerate", action="store_true")
     ap.add_argument("--no-resident", action="store_true")
     ap.add_argument("--check-hf", action="store_true", help="compare the stack's tokens with transformers' generate")
+    ap.add_argument("--xla-deterministic", action="store_true",
+                    help="compile with GEMM autotuning off (XLA_FLAGS += --xla_gpu_autotune_level=0): every "
+                         "compilation of a computation picks the same kernels (the control for the host-cache row)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "generate_gpu.json"))
     ap.add_argument("--in-process", action="store_true",
                     help="run every shape in this process (default: one subprocess per shape when several are asked "
@@ -391,9 +515,12 @@ def main(argv=None) -> int:
     args.batches = [int(b) for b in args.batches.split(",")]
     args.batches_70b = [int(b) for b in args.batches_70b.split(",")]
     args.accel_batches = [int(b) for b in args.accel_batches.split(",")]
+    if args.xla_deterministic:   # before jax starts its backend (XLA reads the flags once)
+        os.environ["XLA_FLAGS"] = deterministic_xla_flags(os.environ.get("XLA_FLAGS", ""))
     import torch
     args.dtype = torch.float32 if args.cpu_smoke else torch.bfloat16
-    data: dict = {"args": {k: (str(v) if k == "dtype" else v) for k, v in vars(args).items()}, "shapes": {}}
+    data: dict = {"args": {k: (str(v) if k == "dtype" else v) for k, v in vars(args).items()}, "shapes": {},
+                  "xla_flags": os.environ.get("XLA_FLAGS", "")}
     # the pinned pool from the largest plan, before jax starts (PJRT GPU caps it at 64 GiB otherwise)
     from xla_swap.executors.host_pool import ensure_host_memory_limit
     need = {}
@@ -425,6 +552,15 @@ def main(argv=None) -> int:
             json.dump(data, f, indent=1)
     print(render(data))
     return 0 if all("skipped" not in s or "needs" in s["skipped"] for s in data["shapes"].values()) else 1
+
+
+def deterministic_xla_flags(flags: str) -> str:
+    """``flags`` (an ``XLA_FLAGS`` value) with GEMM and convolution autotuning off (``--xla_gpu_autotune_level=0``,
+    "0 = off" in the flag's help of jaxlib 0.11.2; an earlier level given in ``flags`` is replaced): XLA then takes
+    each GEMM's default algorithm instead of the fastest measured one, so two compilations of one computation run
+    the same kernels (and round the same way). Returns the new value (str)."""
+    kept = [f for f in flags.split() if not f.startswith("--xla_gpu_autotune_level")]
+    return " ".join(kept + ["--xla_gpu_autotune_level=0"])
 
 
 def _per_shape(raw: list, shapes: list, out: str) -> int:

@@ -72,3 +72,23 @@ def test_state_avals_checked():
     with pytest.raises(TypeError, match="state_on_host"):
         StatefulStreamer([head], [{}], [{}], state_avals=[None], activation_sharding=st.activation_sharding,
                          state_on_host="yes")
+
+
+@pytest.mark.parametrize("on_host", [False, True])
+def test_executables_read_only(on_host):
+    """``executables(x)``: the compiled stage executables of x's signature, shared where stages share one; nothing runs."""
+    st, params = _setup(on_host)
+    x = np.ones((1, D), np.float32)
+    st.run(x)
+    before = [jax.device_get(s) for s in st.states[:N]]
+    exes = st.executables(jax.ShapeDtypeStruct((1, D), np.float32))
+    assert len(exes) == N + 1 and all(e is exes[0] for e in exes[:N]) and exes[-1] is not exes[0]
+    assert st.num_executables == 2                    # the run's executables, none compiled again
+    for s, b in zip(st.states[:N], before):           # the states are untouched (not donated, not advanced)
+        np.testing.assert_array_equal(np.asarray(s["k"]), b["k"])
+        assert int(s["n"]) == int(b["n"]) == 1
+    assert "dot" in exes[0].as_text()
+    st.executables(np.ones((2, D), np.float32))       # a new signature compiles, still runs nothing
+    assert st.num_executables == 4 and int(st.states[0]["n"]) == 1
+    with pytest.raises(TypeError, match="x"):
+        st.executables({})

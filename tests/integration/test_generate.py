@@ -171,3 +171,56 @@ def test_bad_arguments_refused_before_running():
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, eos_token_id=None,
                          pad_token_id=0)
     assert torch.equal(stack.generate(ids, mask, max_new_tokens=4, eos_token_id=None, pad_token_id=0), ref)
+
+
+def _params_to_bf16(model):
+    """A copy of ``model`` with its parameters in bf16 and its buffers (rotary ``inv_freq``) as built: what
+    ``param_dtype=torch.bfloat16`` computes with (it casts parameters, as FSDP2's ``MixedPrecisionPolicy``;
+    ``model.to(torch.bfloat16)`` would also round ``inv_freq``, another model)."""
+    import copy
+    bf = copy.deepcopy(model)
+    for p in bf.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    return bf
+
+
+def _teacher_forced_logits(model, seq, mask):
+    """float32 ``[B, new, V]``: ``model``'s logits predicting each generated token of ``seq`` (prompt then new)."""
+    full = torch.cat([mask, torch.ones(seq.shape[0], seq.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+    with torch.no_grad():
+        return model(seq, attention_mask=full).logits[:, mask.shape[1] - 1:-1].float()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_bf16_param_dtype_generates_the_bf16_models_tokens(family):
+    """Mixed precision (float32 masters, ``param_dtype=torch.bfloat16``) generates exactly the tokens of the stack of
+    the model whose parameters are bf16 (the same computation), with the KV cache on the device and in
+    ``pinned_host``. Against ``transformers``' generate of that bf16 model the tokens cannot be equal by construction:
+    XLA and torch round bf16 arithmetic differently, and these random models' bf16 logits have exact ties (a top-2
+    margin of 0). So each row either equals Hugging Face's tokens or first differs where the stack's token's
+    Hugging Face logit is within ``2 delta`` of the top one, ``delta`` the largest bf16-vs-float32 difference of
+    Hugging Face's own logits on the same sequences (the size of bf16 rounding here)."""
+    model = _model(family)
+    bf = _params_to_bf16(model)
+    ids, mask = _prompts()
+    kw = dict(max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
+    first, layers, last = xla_swap.causal_lm_stages(model)
+    mixed = xla_swap.SwappedStack(layers, first=first, last=last, param_dtype=torch.bfloat16)
+    got = mixed.generate(ids, mask, **kw)
+    assert torch.equal(mixed.generate(ids, mask, kv_cache="host", **kw), got)
+    assert torch.equal(_stack(bf).generate(ids, mask, **kw), got)
+    ref = bf.generate(ids, attention_mask=mask, do_sample=False, **kw)
+    hf_bf16 = _teacher_forced_logits(bf, ref, mask)
+    delta = float((hf_bf16 - _teacher_forced_logits(model, ref, mask)).abs().max())
+    assert 0 < delta < 1, delta
+    p = ids.shape[1]
+    rows_equal = 0
+    for r in range(ids.shape[0]):
+        diff = (got[r, p:] != ref[r, p:]).nonzero()
+        if len(diff) == 0:
+            rows_equal += 1
+            continue
+        s = int(diff[0])   # the same prefix up to s: Hugging Face's logits at s are those of the stack's sequence
+        gap = float(hf_bf16[r, s].max() - hf_bf16[r, s, got[r, p + s]])
+        assert gap <= 2 * delta, (family, r, s, gap, delta)
+    assert rows_equal >= 1

@@ -1,6 +1,6 @@
 """The generation benchmark (benchmarks/generate_gpu.py) in its CPU smoke mode: both build paths (a real
 model, and a meta-device model with random weights per stage), every row timed, the floor ratios present,
-the stack's greedy tokens equal to transformers' generate, the host KV cache giving the device cache's tokens."""
+the stack's greedy tokens equal to transformers' generate, the host KV cache giving the device cache's tokens and compiling the same HLO."""
 import json
 
 import generate_gpu  # benchmarks/ is on pytest's pythonpath
@@ -24,6 +24,9 @@ def test_cpu_smoke(tmp_path):
         assert s["rows"]["stack_b2_kvhost"]["tokens_equal_device_cache"] is True
         assert s["rows"]["stack_b2_kvhost"]["first_divergence_from_device_cache"] == [-1, -1]
         assert s["rows"]["stack_b2_recompiled"]["tokens_equal_first_run"] is True
+        for row, key in (("stack_b2_kvhost", "hlo_vs_device_cache"), ("stack_b2_recompiled", "hlo_vs_first_run")):
+            h = s["rows"][row][key]   # the CPU compiles both placements alike: same ops, same text
+            assert h["arithmetic_equal"] is True and h["text_equal"] is True, h
     assert s8["rows"]["stack_b1"]["compute_floor_from"] == "resident stack"
     assert s70["rows"]["stack_b1"]["compute_floor_from"] == "W / hbm"
     assert "| 70b" in generate_gpu.render(data)
@@ -36,3 +39,9 @@ def test_one_process_per_shape(tmp_path):
     rows = data["shapes"]["70b"]["rows"]
     assert set(rows) == {"stack_b1"} and rows["stack_b1"]["decode_step_s"] > 0
     assert data["shapes"]["70b"]["bandwidth"]["h2d_GBps"] > 0
+
+
+def test_deterministic_xla_flags():
+    flags = generate_gpu.deterministic_xla_flags("--xla_gpu_autotune_level=4 --xla_dump_to=/tmp/d")
+    assert flags.split() == ["--xla_dump_to=/tmp/d", "--xla_gpu_autotune_level=0"]
+    assert generate_gpu.deterministic_xla_flags("") == "--xla_gpu_autotune_level=0"

@@ -124,6 +124,28 @@ class StatefulStreamer:
         """Distinct stage executables compiled so far (all input signatures)."""
         return len(self._compiled)
 
+    def executables(self, x) -> list:
+        """The compiled executables a :meth:`run` on ``x``'s signature runs, one per stage, in order.
+
+        Read-only: nothing runs and no state changes; an executable not compiled yet is compiled
+        (and cached, as :meth:`run` would). Both state placements compile the same function per
+        stage (the state enters and leaves it in device memory; the copies to and from
+        ``pinned_host`` are separate transfers), so their ``as_text()`` differ only in names.
+
+        Args:
+          x: a pytree of arrays or ``jax.ShapeDtypeStruct`` with the shapes and dtypes ``run``
+            gets (e.g. a decode step's inputs).
+
+        Returns: a list of ``num_stages`` ``jax.stages.Compiled`` (stages that share an executable
+          give the same object): ``as_text()`` is its optimized HLO, ``memory_analysis()`` its
+          buffer sizes in bytes.
+
+        Raises: TypeError: ``x`` has no array leaves. ValueError naming the stage when one fails
+          to trace or returns a state unlike ``state_avals`` (as :meth:`run`).
+        """
+        chain = self._signature(x)
+        return [self._exe(i, chain[i]) for i in range(self.num_stages)]
+
     def reset_states(self) -> None:
         """(Re)allocate every state as zeros where it lives (``pinned_host`` or device memory)."""
         for i, av in enumerate(self.state_avals):
