@@ -431,13 +431,6 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         pad_token_id, seed, kv_cache, device_budget_bytes, max_cache_len, prompt_bucket)
     if do_sample and seed is None:
         seed = int(torch.randint(0, 2 ** 31 - 1, ()).item())
-    b, t0 = input_ids.shape
-    ids_cpu = input_ids.detach().to("cpu", torch.int64)
-    mask, eos, pad, p_len, cache_len = _check_args(
-        stack, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
-        pad_token_id, seed, kv_cache, device_budget_bytes, max_cache_len, prompt_bucket)
-    if do_sample and seed is None:
-        seed = int(torch.randint(0, 2 ** 31 - 1, ()).item())
     ids_cpu = input_ids.detach().to("cpu", torch.int64)
     with stack._torch_precision():
         stack.runtime.release_prefetched()   # the streamer prefetches its own first stages
