@@ -1,54 +1,24 @@
 """Mixture-of-experts layers of Hugging Face models inside the stages: dense dispatch or sorted segments, traced.
 
-``transformers`` 5 computes the experts of its MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE,
-OLMoE, ...) in a module decorated with ``@use_experts_implementation``, whose forward
-``(hidden_states [N, D], top_k_index [N, k], top_k_weights [N, k]) -> [N, D]`` dispatches
-by the model's experts implementation (``model.set_experts_implementation``). None of the
-library's implementations runs in the stages: ``"eager"`` loops over the experts hit, with
-data-dependent shapes (``nonzero``, ``torch.where``); ``"grouped_mm"`` (the default) calls
-``torch._grouped_mm``, which torchax does not lower; ``"batched_mm"`` traces but gathers one
-copy of an expert's weights per (token, expert) pair (``[N k, 2 I, D]``: terabytes at
-Mixtral's sizes).
+``transformers`` 5 computes the experts of its MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, ...)
+in a ``@use_experts_implementation`` module, ``(hidden_states [N, D], top_k_index [N, k],
+top_k_weights [N, k]) -> [N, D]``; none of the library's own implementations traces into the
+stages (data-dependent shapes, ``torch._grouped_mm``, or an expert weight copied per routed token).
+Two traceable implementations, equal to the eager one in values and gradients, are registered in
+``transformers``' ``ExpertsInterface`` and picked by name (``causal_lm_stages(model,
+experts="dense" | "sorted")``, :data:`FORMS`):
 
-Two traceable implementations, both equal to the eager one (values and gradients), are
-registered in ``transformers``' ``ExpertsInterface``; the user picks one by name
-(``causal_lm_stages(model, experts="dense" | "sorted")``, :data:`FORMS`):
+* ``"dense"`` (:func:`dense_experts_forward`, the default): every expert computes every token, the
+  outputs summed with the routing weights; ``E / k`` times the routed expert FLOPs;
+* ``"sorted"`` (:func:`sorted_experts_forward`): the (token, expert) pairs sorted by expert, each
+  expert's matmuls over its segment with ``jax.lax.ragged_dot_general``; the routed FLOPs only, as
+  fast as the backend's ragged-dot kernel.
 
-* ``"dense"``, :func:`dense_experts_forward`: every expert computes every token, and the outputs
-  are summed with the routing weights scattered to ``[N, E]`` (zero for an expert the token is
-  not routed to; an unrouted expert's output is selected away, not multiplied by zero, so it
-  adds exactly nothing and gets no gradient). Cost per layer: ``E / k`` times the routed expert
-  FLOPs (``2 N E (in_proj + out_proj)`` multiply-adds x 2 instead of ``2 N k (...)``), and
-  activations ``[E, N, 2 I]`` + ``[E, N, D]`` in the compute dtype (kept for the backward).
-  Plain einsums: any XLA backend, any sharding.
-* ``"sorted"``, :func:`sorted_experts_forward`: the ``N k`` (token, expert) pairs sorted by expert
-  (a stable argsort of the routed expert ids), the tokens gathered in that order (``[N k, D]``),
-  each expert's two matmuls over its contiguous segment with ``jax.lax.ragged_dot_general`` (group
-  sizes: a count of the routed ids per expert, ``[E]`` int32: static shapes, ``N k`` rows), the
-  outputs scaled by their routing weights, put back in token order and summed over the ``k``
-  experts of each token, as ``transformers``' ``grouped_mm`` implementation does. Cost: the
-  routed expert FLOPs only, activations ``[N k, 2 I]`` + ``[N k, D]`` (``E / k`` times less than
-  dense), plus the gather / un-sort (``N k D`` elements each way). Its speed is the backend's
-  ragged-dot kernel's: XLA in jax 0.11.2 on an H100 ran one Mixtral ``gate_up`` projection (4096
-  tokens, top-2 of 8) 1.7x (forward) and 1.9x (forward and backward) slower this way than as dense
-  dispatch's einsum, i.e. not as a grouped GEMM (``benchmarks/moe_ragged_dot.py``,
-  ``benchmarks/results/moe_gpu/README.md``). Gradients come from ``jax``'s VJP of ``ragged_dot_general`` (to the expert
-  weights and the hidden states) and the torch ops around it (to the routing weights).
-
-Which form is faster on the GPU is measured by ``benchmarks/moe_gpu.py``
-(``benchmarks/results/moe_gpu/README.md``): on an H100 at 4096 tokens, a 2-layer Mixtral-shaped
-AdamW step through the stack took 0.558 s dense and 0.641 s sorted, so ``"dense"`` is the default.
-
-The routing itself (softmax, top-k, normalisation, shared experts) stays the model's own code.
-The expert weights are parameters of their decoder layer, so they stream with it.
-
-:func:`experts_while_traced` installs a form on a causal LM's decoder layers for the time the
-stages are traced only: a forward pre-hook on each layer that holds experts switches the model
-to that implementation (``set_experts_implementation``) when the layer is called with torchax
-tensors, and a forward hook switches it back. Eager torch calls of the model keep its own
-implementation.
-
-The module imports torch; ``transformers``, ``torchax`` and ``jax`` where called.
+The routing (softmax, top-k, normalisation, shared experts) stays the model's own code; the expert
+weights are parameters of their decoder layer and stream with it. :func:`experts_while_traced`
+switches the model to a form while the stages are traced only. Costs, the measured choice between
+the forms and the hooks: ``docs/moe.md``. The module imports torch; ``transformers``, ``torchax``
+and ``jax`` where called.
 """
 from __future__ import annotations
 

@@ -1,15 +1,17 @@
 """The shape rules of the PJRT executor's modules (``xla_swap/executors/pjrt*.py``), checked on the source with ``ast``:
 
 * no module over 600 lines, no function or method over 80 (decorators, signature and docstring
-  included), no module docstring over 40 lines (the rules of tests/planning/test_module_shape.py);
+  included), no module docstring over 40 lines (the rules of tests/executors/shape_rules.py);
 * no module of ``xla_swap`` imports a private (``_``-prefixed) name from one of them;
 * ``xla_swap.executors.pjrt`` still offers every public name it offered before it was split.
 """
 from __future__ import annotations
 
 import ast
-import importlib.util
+import importlib
 import pathlib
+
+from shape_rules import shape_violations
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXECUTORS = ROOT / "xla_swap" / "executors"
@@ -21,18 +23,6 @@ PJRT_MODULES = ("pjrt.py", "pjrt_buffers.py", "pjrt_host_memory.py", "pjrt_modul
 PJRT_PUBLIC_NAMES = ("PjrtExecutor", "ParameterPlacement", "ParameterInfo", "MemoryReport", "HostMemoryError",
                      "PolicyPlacements", "placements_for_policy", "compile_lowered", "MEMORY_KINDS", "DEVICE",
                      "PINNED_HOST", "HOST_MEMORY_LIMIT_ENV", "HOST_MEMORY_SPACE", "DEFAULT_GPU_HOST_MEMORY_LIMIT_GB")
-
-
-def _load_planning_shape_test():
-    """tests/planning/test_module_shape.py, whose checkers (and limits) this test reuses."""
-    path = ROOT / "tests" / "planning" / "test_module_shape.py"
-    spec = importlib.util.spec_from_file_location("_planning_module_shape", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-SHAPE = _load_planning_shape_test()
 
 
 def _private_pjrt_imports(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
@@ -53,7 +43,7 @@ def test_pjrt_modules_are_small():
     files = [EXECUTORS / name for name in PJRT_MODULES]
     missing = [str(p) for p in files if not p.exists()]
     assert not missing, missing
-    bad = [v for p in files for v in SHAPE._shape_violations(p)]
+    bad = [v for p in files for v in shape_violations(p)]
     assert not bad, "xla_swap/executors/pjrt*.py: one idea per module, short functions:\n" + "\n".join(bad)
 
 

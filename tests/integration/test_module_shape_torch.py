@@ -1,10 +1,11 @@
-"""The shape rules of tests/planning/test_module_shape.py (no module over 600 lines, no function over
+"""The shape rules of tests/executors/shape_rules.py (no module over 600 lines, no function over
 80, no module docstring over 40) on the torch front end's modules: the entry point ``SwappedStack``
 split into one idea per module (docs/design.md lists them) and the generation modules."""
 from __future__ import annotations
 
-import importlib.util
 import pathlib
+
+from shape_rules import shape_violations
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -13,19 +14,10 @@ FRONT_END = ("stack.py", "torch_bridge.py", "stages.py", "sharding.py", "mixed_p
              "training.py", "budget.py", "generate.py", "kv_cache.py", "sampling.py", "hf.py", "torch_attention.py")
 
 
-def _planning_rules():
-    spec = importlib.util.spec_from_file_location("_planning_module_shape",
-                                                  ROOT / "tests" / "planning" / "test_module_shape.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_front_end_modules_are_small():
-    rules = _planning_rules()
     files = [ROOT / "xla_swap" / name for name in FRONT_END]
     assert all(p.is_file() for p in files), [str(p) for p in files if not p.is_file()]
-    bad = [v for p in files for v in rules._shape_violations(p)]
+    bad = [v for p in files for v in shape_violations(p)]
     assert not bad, "the torch front end: one idea per module, short functions:\n" + "\n".join(bad)
 
 

@@ -11,34 +11,11 @@ from __future__ import annotations
 import ast
 import pathlib
 
+from shape_rules import MAX_FUNCTION_LINES, MAX_MODULE_DOCSTRING_LINES, MAX_MODULE_LINES
+from shape_rules import shape_violations as _shape_violations
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PLANNING = ROOT / "xla_swap" / "planning"
-
-MAX_MODULE_LINES = 600
-MAX_FUNCTION_LINES = 80
-MAX_MODULE_DOCSTRING_LINES = 40
-
-
-def _shape_violations(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
-    """``"file: what"`` for every rule of the module docstring that ``path`` breaks."""
-    text = path.read_text()
-    tree = ast.parse(text, filename=str(path))
-    rel = path.relative_to(root)
-    found = []
-    lines = len(text.splitlines())
-    if lines > MAX_MODULE_LINES:
-        found.append(f"{rel}: {lines} lines (at most {MAX_MODULE_LINES})")
-    doc = ast.get_docstring(tree, clean=False)
-    if doc is not None and len(doc.splitlines()) > MAX_MODULE_DOCSTRING_LINES:
-        found.append(f"{rel}: module docstring of {len(doc.splitlines())} lines "
-                     f"(at most {MAX_MODULE_DOCSTRING_LINES}; the rest belongs in docs/)")
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            start = min([node.lineno] + [d.lineno for d in node.decorator_list])
-            length = node.end_lineno - start + 1
-            if length > MAX_FUNCTION_LINES:
-                found.append(f"{rel}:{node.lineno} {node.name} is {length} lines (at most {MAX_FUNCTION_LINES})")
-    return found
 
 
 def _private_planning_imports(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:

@@ -1,0 +1,58 @@
+"""The shape rules of ``xla_swap/`` (issue 24 of the project's tracker: one idea per module), checked
+on the source with ``ast`` by the ``test_*module_shape*`` / ``test_package_shape`` tests:
+
+* no module over :data:`MAX_MODULE_LINES` lines, no function or method over :data:`MAX_FUNCTION_LINES`
+  (its decorators, signature and docstring included), no module docstring over
+  :data:`MAX_MODULE_DOCSTRING_LINES` lines (descriptions and run history live in ``docs/``);
+* no module imports a private (``_``-prefixed) name of another ``xla_swap`` module.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "xla_swap"
+
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+MAX_MODULE_DOCSTRING_LINES = 40
+
+
+def shape_violations(path: pathlib.Path, root: pathlib.Path = ROOT, max_lines: int = MAX_MODULE_LINES) -> list[str]:
+    """``"file: what"`` for every size rule of the module docstring that ``path`` breaks."""
+    text = path.read_text()
+    tree = ast.parse(text, filename=str(path))
+    rel = path.relative_to(root)
+    found = []
+    lines = len(text.splitlines())
+    if lines > max_lines:
+        found.append(f"{rel}: {lines} lines (at most {max_lines})")
+    doc = ast.get_docstring(tree, clean=False)
+    if doc is not None and len(doc.splitlines()) > MAX_MODULE_DOCSTRING_LINES:
+        found.append(f"{rel}: module docstring of {len(doc.splitlines())} lines "
+                     f"(at most {MAX_MODULE_DOCSTRING_LINES}; the rest belongs in docs/)")
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            length = node.end_lineno - start + 1
+            if length > MAX_FUNCTION_LINES:
+                found.append(f"{rel}:{node.lineno} {node.name} is {length} lines (at most {MAX_FUNCTION_LINES})")
+    return found
+
+
+def private_imports(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
+    """``"file:line module.name"`` for every ``from xla_swap... import _name`` (absolute or relative) in
+    ``path``; ``xla_swap._compat`` is exempt (it exists to hold the private upstream APIs)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        module = node.module or ""
+        if not (node.level or module == "xla_swap" or module.startswith("xla_swap.")):
+            continue
+        if module.startswith("xla_swap._compat") or (node.level and "_compat" in path.parts):
+            continue
+        found += [f"{path.relative_to(root)}:{node.lineno} {'.' * node.level}{module}.{a.name}"
+                  for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
