@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import ast
-import importlib
 import pathlib
 
 from shape_rules import shape_violations
