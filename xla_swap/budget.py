@@ -9,6 +9,8 @@ The module imports torch (for the inputs' shapes in messages).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 __all__ = ["check_calibration_arg", "resident_for_budget", "AutotuneMixin"]
@@ -108,6 +110,9 @@ class AutotuneMixin:
             self.runtime, choice = autotune(self.runtime, x, budget_bytes, training=training, reps=reps,
                                             calibration=cal, **choose_kwargs)
         self.schedule = choice
+        if isinstance(self.runtime.remat, bool):   # the policy in force follows the choice
+            self.policy = dataclasses.replace(self.policy, remat=self.runtime.remat,
+                                              prefetch_depth=self.runtime.prefetch_depth)
         return choice
 
     def _maybe_autotune(self, inputs: tuple, training: bool) -> None:

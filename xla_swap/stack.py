@@ -418,8 +418,8 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
         """The attributes of a stack running ``rt`` (the constructor's arguments, checked)."""
         #: the :class:`~xla_swap.executors.StreamingRuntime` that runs the stages.
         self.runtime: StreamingRuntime = rt
-        #: the policy in force (``budget_bytes`` given: ``params`` reads "host", see ``runtime.resident``
-        #: and, once chosen, ``runtime.remat``).
+        #: the policy in force (``budget_bytes`` given: ``params`` reads "host", see ``runtime.resident``;
+        #: ``remat`` and ``prefetch_depth`` follow ``autotune``'s choice).
         self.policy: OffloadPolicy = policy
         #: the optimizer's configuration (group 0's with a torch optimizer), or ``None``.
         self.optimizer: AdamW | None = rt.optimizer

@@ -215,6 +215,7 @@ def test_budget_picks_residual_offload_on_a_rich_link_and_trains_as_torch(monkey
                 monkeypatch.setattr(time, "perf_counter", _perf_counter)
                 ch = stack.schedule
                 assert ch.remat is want_remat and stack.runtime.remat is want_remat, (name, ch.describe())
+                assert stack.policy.remat is want_remat and stack.policy.prefetch_depth == ch.prefetch_depth
                 _same_choice(ch, cals[name], budget)        # the stack's first runtime is the probe's
                 if not want_remat:
                     assert ch.offload_activations and stack.runtime.offload_activations
