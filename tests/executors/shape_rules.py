@@ -4,7 +4,8 @@ on the source with ``ast`` by the ``test_*module_shape*`` / ``test_package_shape
 * no module over :data:`MAX_MODULE_LINES` lines, no function or method over :data:`MAX_FUNCTION_LINES`
   (its decorators, signature and docstring included), no module docstring over
   :data:`MAX_MODULE_DOCSTRING_LINES` lines (descriptions and run history live in ``docs/``);
-* no module imports a private (``_``-prefixed) name of another ``xla_swap`` module.
+* no module imports a private (``_``-prefixed) name of another ``xla_swap`` module, nor reads a private
+  attribute of an object other than ``self`` / ``cls`` (``private_attribute_reads``).
 """
 from __future__ import annotations
 
@@ -55,4 +56,30 @@ def private_imports(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
             continue
         found += [f"{path.relative_to(root)}:{node.lineno} {'.' * node.level}{module}.{a.name}"
                   for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def _is_exempt_base(node: ast.expr) -> bool:
+    """``self`` / ``cls`` / ``super()`` and ``torch.ops...`` (aten op names such as ``_unsafe_view``)."""
+    if isinstance(node, ast.Name):
+        return node.id in ("self", "cls")
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super":
+        return True
+    while isinstance(node, ast.Attribute):
+        if node.attr == "ops" and isinstance(node.value, ast.Name) and node.value.id == "torch":
+            return True
+        node = node.value
+    return False
+
+
+def private_attribute_reads(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
+    """``"file:line expr._name"`` for every ``x._name`` in ``path`` with ``x`` not ``self`` / ``cls`` /
+    ``super()``; ``xla_swap/_compat`` (the private upstream APIs) and ``torch.ops.*`` are exempt."""
+    if "_compat" in path.relative_to(root).parts:
+        return []
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and not _is_exempt_base(node.value)):
+            found.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}")
     return found

@@ -3,7 +3,24 @@ function over 80, no module docstring over 40, no private name of another module
 from __future__ import annotations
 
 from shape_rules import (MAX_FUNCTION_LINES, MAX_MODULE_DOCSTRING_LINES, MAX_MODULE_LINES, PACKAGE,
-                         private_imports, shape_violations)
+                         private_attribute_reads, private_imports, shape_violations)
+
+# The private reads of another object's attributes that remain (issue 24, part A, under way): each is to
+# become a documented public property / method of the owning class; the test fails on any read not listed
+# here and on any entry listed here that no longer occurs, so the list only shrinks.
+REMAINING_PRIVATE_READS = {
+    ("xla_swap/frontend/lowering.py", "lowered._run"), ("xla_swap/frontend/lowering.py", "ctx.lowered._rng_state"),
+    ("xla_swap/frontend/lowering.py", "ctx.lowered._call_fn"),
+    ("xla_swap/generate.py", "stack.modules[0]._vocab"), ("xla_swap/generate.py", "stack._env"),
+    ("xla_swap/generate.py", "stack.modules[0]._model"), ("xla_swap/generate.py", "stack._trainable"),
+    ("xla_swap/generate.py", "stack._cast_inputs"), ("xla_swap/generate.py", "stack._torch_precision"),
+    ("xla_swap/generate.py", "streamer._signature"), ("xla_swap/generate.py", "streamer._exe"),
+    ("xla_swap/generate.py", "stack.modules[0]._accepts"), ("xla_swap/generate.py", "stack.modules[0]._base"),
+    ("xla_swap/hf.py", "first._vocab"), ("xla_swap/hf.py", "first._run"), ("xla_swap/hf.py", "first._signatures"),
+    ("xla_swap/kv_cache.py", "first._signatures"), ("xla_swap/kv_cache.py", "first._accepts"),
+    ("xla_swap/kv_cache.py", "first._base"), ("xla_swap/kv_cache.py", "first._layer_attr"),
+    ("xla_swap/moe.py", "layer._xla_swap_experts"), ("xla_swap/moe.py", "mod._xla_swap_experts"),
+}
 
 
 def _modules():
@@ -22,12 +39,22 @@ def test_no_private_name_of_another_module_is_imported():
     assert not bad, "import public names:\n" + "\n".join(bad)
 
 
+def test_no_private_attribute_of_another_object_is_read():
+    found = {(f.split(":")[0], f.split(" ", 1)[1]) for p in _modules() for f in private_attribute_reads(p)}
+    new = sorted(found - REMAINING_PRIVATE_READS)
+    gone = sorted(REMAINING_PRIVATE_READS - found)
+    assert not new, "read public properties / methods, not another object's _name:\n" + "\n".join(map(str, new))
+    assert not gone, "no longer read; drop from REMAINING_PRIVATE_READS:\n" + "\n".join(map(str, gone))
+
+
 def test_the_rules_flag_what_they_look_for(tmp_path):
     probe = tmp_path / "probe.py"
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
     doc = "\n".join(["doc"] * (MAX_MODULE_DOCSTRING_LINES + 1))
     probe.write_text(f'"""{doc}"""\nfrom xla_swap.hf import _hidden\nfrom ._stages import ok\n'
+                     'x = other._hidden + self._mine + cls._c + super()._s + torch.ops.aten._unsafe_view\n'
                      f'def long():\n{body}\n' + "\n" * MAX_MODULE_LINES)
     found = shape_violations(probe, root=tmp_path)
-    assert [f.split(" ")[0] for f in found] == ["probe.py:", "probe.py:", f"probe.py:{MAX_MODULE_DOCSTRING_LINES + 4}"]
+    assert [f.split(" ")[0] for f in found] == ["probe.py:", "probe.py:", f"probe.py:{MAX_MODULE_DOCSTRING_LINES + 5}"]
     assert private_imports(probe, root=tmp_path) == [f"probe.py:{MAX_MODULE_DOCSTRING_LINES + 2} xla_swap.hf._hidden"]
+    assert private_attribute_reads(probe, root=tmp_path) == [f"probe.py:{MAX_MODULE_DOCSTRING_LINES + 4} other._hidden"]
