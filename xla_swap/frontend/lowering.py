@@ -160,7 +160,7 @@ class _RecomputeVJP(torch.autograd.Function):
     def forward(ctx, lowered, num_inputs, *tensors):
         ctx.lowered, ctx.num_inputs = lowered, num_inputs
         ctx.save_for_backward(*tensors)
-        return tuple(lowered._run(tensors[:num_inputs]))
+        return tuple(lowered.run_graph(tensors[:num_inputs]))
 
     @staticmethod
     def backward(ctx, *grad_outputs):
@@ -169,8 +169,8 @@ class _RecomputeVJP(torch.autograd.Function):
         needs = ctx.needs_input_grad[2:]
         inputs = [x.detach().requires_grad_(need) for x, need in zip(saved[:n], needs[:n])]
         captured = list(saved[n:])  # the user's own leaves: fn reads them, so differentiate w.r.t. them
-        with torch.enable_grad(), _rng_state(ctx.lowered._rng_state):
-            outs = ctx.lowered._call_fn(inputs)
+        with torch.enable_grad(), _rng_state(ctx.lowered.rng_state):
+            outs = ctx.lowered.call_fn(inputs)
         targets = [x for x in inputs if x.requires_grad] + [c for c, need in zip(captured, needs[n:]) if need]
         pairs = [(o, g) for o, g in zip(outs, grad_outputs)
                  if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
@@ -344,14 +344,21 @@ class LoweredComputation:
                              f"torch_xla runtime of this process cannot compile; run its hlo_proto with "
                              f"xla_swap.executors.PjrtExecutor, or lower it without emit_annotations(True)")
 
-    def _run(self, inputs) -> list:
+    @property
+    def rng_state(self):
+        """torch_xla's running RNG state (an ``int`` seed) when the function was traced, or ``None`` (read-only)."""
+        return self._rng_state
+
+    def run_graph(self, inputs) -> list:
+        """Queue the lowered HLO on ``inputs`` (XLA tensors, checked by the caller); returns its lazy outputs."""
         captured = self._captured_args()
         args = [captured.get(p.id, p.tensor) for p in self.parameters]
         for p in self.input_parameters:
             args[p.id] = inputs[p.input_index]
         return _ctx.user_computation(f"xla_swap::{self.name}", args, self._computation)
 
-    def _call_fn(self, inputs):
+    def call_fn(self, inputs) -> list:
+        """Run the traced function (:func:`lower_fn`'s ``fn``) eagerly on ``inputs``; returns its outputs as a list."""
         outs = self._fn(*inputs)
         return list(outs) if isinstance(outs, (list, tuple)) else [outs]
 
@@ -387,7 +394,7 @@ class LoweredComputation:
         trainable = [t for t in self._leaves if t.requires_grad] if grad_on else []
         needs_grad = grad_on and (any(x.requires_grad for x in inputs) or bool(trainable))
         if not needs_grad:
-            return list(self._run(inputs))
+            return list(self.run_graph(inputs))
         if self._fn is None:
             raise ValueError("inputs: an input requires grad, but this computation was lowered from tensors "
                              "(forward-only); lower it with lower_fn(fn, *inputs) to get gradients")
