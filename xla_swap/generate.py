@@ -84,7 +84,7 @@ class _Generator:
         self.batch, self.cache_len = batch, cache_len
         self.runtime = rt   # (not the stack: no reference cycle through stack._generators)
         self.matmul_precision = stack.matmul_precision
-        self.cache_kw = "cache" if "cache" in set(stack.modules[0]._accepts) else "past_key_values"
+        self.cache_kw = "cache" if "cache" in set(stack.modules[0].base_keywords) else "past_key_values"
         self._stage_fns = _decode_stage_fns(stack, cache_len, self.cache_kw)
         avals = self._cache_avals(stack)
         #: per layer, bytes of its KV cache.
@@ -110,7 +110,7 @@ class _Generator:
             except ValueError:   # ours (names the base model and the keyword)
                 raise
             except Exception as e:  # noqa: BLE001 - re-raised naming the stage
-                raise ValueError(f"first ({type(stack.modules[0]._base).__name__}.forward with a KV cache) does not "
+                raise ValueError(f"first ({type(stack.modules[0].base_module).__name__}.forward with a KV cache) does not "
                                  f"trace: {type(e).__name__}: {e}") from e
             avals: list = [None]
             seen: dict[int, Any] = {}
@@ -320,7 +320,7 @@ def _check_args(stack, input_ids, attention_mask, max_new_tokens, do_sample, tem
             or input_ids.dtype == torch.bool or input_ids.numel() == 0:
         raise TypeError(f"input_ids must be a non-empty integer torch.Tensor [batch, seq], got "
                         f"{type(input_ids).__name__}{tuple(getattr(input_ids, 'shape', ()))}")
-    vocab = stack.modules[0]._vocab
+    vocab = stack.modules[0].vocab_size
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
         raise ValueError(f"input_ids holds ids outside [0, {vocab})")
     if attention_mask is None:
@@ -348,7 +348,7 @@ def _check_args(stack, input_ids, attention_mask, max_new_tokens, do_sample, tem
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
         raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
-    gen_cfg = getattr(stack.modules[0]._model, "generation_config", None)
+    gen_cfg = getattr(stack.modules[0].causal_lm, "generation_config", None)
     if eos_token_id is FROM_CONFIG:
         eos_token_id = getattr(gen_cfg, "eos_token_id", None)
     eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))

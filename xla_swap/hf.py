@@ -159,7 +159,45 @@ class CausalLMFirst(torch.nn.Module):
         #: per group, the constant (non-tensor) keyword arguments the model passes those layers.
         self.constants: dict[int, dict[str, Any]] = {}
 
-    def _run(self, input_ids, attention_mask, position_ids, stop: bool):
+    @property
+    def base_module(self) -> torch.nn.Module:
+        """The model's base module (the one holding the decoder layers), read-only."""
+        return self._base
+
+    @property
+    def causal_lm(self) -> torch.nn.Module:
+        """The whole causal LM this stage was cut from, read-only."""
+        return self._model
+
+    @property
+    def layer_attr(self) -> str:
+        """The name of the base module's attribute holding the decoder layers (a ``ModuleList``)."""
+        return self._layer_attr
+
+    @property
+    def layer_signatures(self) -> list:
+        """Per decoder layer, the ``inspect.Signature`` of its ``forward``."""
+        return list(self._signatures)
+
+    @property
+    def base_keywords(self) -> frozenset:
+        """The parameter names of the base module's ``forward`` (``str``)."""
+        return frozenset(self._accepts)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output embedding (the vocabulary size; 2 where the head has no weight tensor)."""
+        return self._vocab
+
+    def run_layers(self, input_ids, attention_mask, position_ids, stop: bool):
+        """Run the base module's forward with each decoder layer replaced by a recorder.
+
+        Args: ``input_ids`` int ``[batch, seq]``, ``attention_mask`` ``[batch, seq]`` or ``None``,
+        ``position_ids`` int ``[batch or 1, seq]`` or ``None``; ``stop``: end the forward after the
+        last layer. Returns ``(record, out)``: per layer ``(hidden, kwargs)`` and the base's output
+        (``None`` when stopped). Raises ``TypeError`` for ``position_ids`` the base does not take,
+        ``ValueError`` when the base skips a layer or changes the hidden state between layers.
+        """
         record: list = []
         n = len(self._signatures)
         caps = torch.nn.ModuleList([LayerCapture(i, s, record, stop and i == n - 1) for i, s in enumerate(self._signatures)])
@@ -191,9 +229,9 @@ class CausalLMFirst(torch.nn.Module):
             # traced. Told so, it builds what it builds in eager torch: no mask where SDPA's is_causal
             # does the same (full-attention layers), the window mask where one is needed.
             with _one_sequence_per_row():
-                record, _ = self._run(input_ids, None, None, stop=True)
+                record, _ = self.run_layers(input_ids, None, None, stop=True)
         else:
-            record, _ = self._run(input_ids, attention_mask, position_ids, stop=True)
+            record, _ = self.run_layers(input_ids, attention_mask, position_ids, stop=True)
         h = record[0][0]
         groups: dict[int, list[int]] = {}
         for i, g in enumerate(self.layer_keys):
@@ -463,9 +501,9 @@ def _refuse_unsupported(model, name: str, prefix: str, layers_attr: str, layers)
 def _probe(model, base, layers_attr: str, first: CausalLMFirst, last: CausalLMLast) -> None:
     """Group the layers by the keyword values the model gives them, and check the ends against the model's forward."""
     name = type(model).__name__
-    ids, mask = _probe_inputs(first._vocab)
+    ids, mask = _probe_inputs(first.vocab_size)
     with torch.no_grad():
-        record, _ = first._run(ids, mask, None, stop=False)
+        record, _ = first.run_layers(ids, mask, None, stop=False)
         keys: dict[tuple, int] = {}
         layer_keys, constants = [], {}
         for i, (_, kw) in enumerate(record):
@@ -479,7 +517,7 @@ def _probe(model, base, layers_attr: str, first: CausalLMFirst, last: CausalLMLa
             layer_keys.append(keys[key])
         first.layer_keys, first.constants = layer_keys, constants
         # the model's own logits with identity layers, against last(first(...)) with the same
-        ident = torch.nn.ModuleList([_Identity(s) for s in first._signatures])
+        ident = torch.nn.ModuleList([_Identity(s) for s in first.layer_signatures])
         with Swapped((base, layers_attr, ident)):
             ref = model(input_ids=ids, attention_mask=mask)
         ref = ref.logits if hasattr(ref, "logits") else ref[0]

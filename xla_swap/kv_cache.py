@@ -116,22 +116,22 @@ class DecodeFirst(torch.nn.Module):
     def forward(self, input_ids, attention_mask, position_ids, offset):
         first = self._first
         record: list = []
-        n = len(first._signatures)
-        caps = torch.nn.ModuleList([LayerCapture(i, s, record, i == n - 1) for i, s in enumerate(first._signatures)])
+        n = len(first.layer_signatures)
+        caps = torch.nn.ModuleList([LayerCapture(i, s, record, i == n - 1) for i, s in enumerate(first.layer_signatures)])
         cache = LayerKV(self._env, None, self._env.t2j_iso(offset), self._cache_len, self._n)
         kw = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
               self._cache_kw: cache}
-        if "use_cache" in first._accepts:
+        if "use_cache" in first.base_keywords:
             kw["use_cache"] = True
-        if "cache_position" in first._accepts:
+        if "cache_position" in first.base_keywords:
             kw["cache_position"] = torch.arange(input_ids.shape[1], dtype=torch.int32) + offset
-        with Swapped((first._base, first._layer_attr, caps)):
+        with Swapped((first.base_module, first.layer_attr, caps)):
             try:
-                first._base(**kw)
+                first.base_module(**kw)
             except StopForward:
                 pass
         if len(record) != n:
-            raise ValueError(f"{type(first._base).__name__}.forward called {len(record)} of its {n} decoder layers")
+            raise ValueError(f"{type(first.base_module).__name__}.forward called {len(record)} of its {n} decoder layers")
         h = record[0][0]
         groups: dict[int, list[int]] = {}
         for i, g in enumerate(self._keys):
@@ -148,7 +148,7 @@ class DecodeFirst(torch.nn.Module):
                 continue
             for i, v in enumerate(values):
                 if not (v is None or is_tensor_tree(v)):
-                    raise ValueError(f"{type(first._base).__name__}.forward passes decoder layer {i} {name}= a "
+                    raise ValueError(f"{type(first.base_module).__name__}.forward passes decoder layer {i} {name}= a "
                                      f"{type(v).__name__} while generating: only tensors and constants are supported")
             if all(v is values[0] for v in values):
                 carry[name] = values[0]
