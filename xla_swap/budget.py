@@ -106,7 +106,7 @@ class AutotuneMixin:
         check_calibration_arg(calibration)
         x = self._carry_in(inputs if isinstance(inputs, (tuple, list)) else (inputs,))
         cal = self.calibration if calibration is None else calibration
-        with self._torch_precision():
+        with self.torch_precision():
             self.runtime, choice = autotune(self.runtime, x, budget_bytes, training=training, reps=reps,
                                             calibration=cal, **choose_kwargs)
         self.schedule = choice

@@ -270,7 +270,7 @@ class CheckpointMixin:
         """Per stage ``{flat key: (fqn, name, kind, j, torch shape, torch dtype)}``; ``kind`` is ``"w"``
         (weight), ``"m"`` / ``"v"`` (moments of trainable leaf ``j``) or ``"step"``."""
         rt, out = self.runtime, []
-        for i, names in enumerate(self._trainable):
+        for i, names in enumerate(self.trainable_names):
             host, layout = rt.host_params[i], {}
 
             def torch_shape(a, n, i=i):
@@ -309,7 +309,7 @@ class CheckpointMixin:
                      "params": [fqn_of[id(p)] for p in g["params"]]} for g in self.torch_optimizer.param_groups]
         rt = self.runtime
         members: list[list[str]] = [[] for _ in rt.param_groups]
-        for i, names in enumerate(self._trainable):
+        for i, names in enumerate(self.trainable_names):
             key_of = {jax.tree_util.keystr((jax.tree_util.DictKey(n),)): n for n in names}
             for path, g in zip(rt.trainable_paths(i), rt.group_idx[i]):
                 members[g].append(self._fqn(i, key_of[path]))

@@ -164,7 +164,7 @@ def _decode_stage_fns(stack, cache_len: int, cache_kw: str) -> list:
     """The stage functions of a decode step, in the streamer's form: ``first(w, inputs) -> (h, carry)``,
     each layer ``(w, kv, (h, carry)) -> ((h, carry), kv)``, ``last(w, (h, carry)) -> logits`` float32
     ``[B, V]`` of the last position. Layers of one signature and group share one function."""
-    first, last, env = stack.modules[0], stack.modules[-1], stack._env
+    first, last, env = stack.modules[0], stack.modules[-1], stack.torch_env
     n_layers = len(stack.modules) - 2
     layer_keys = list(first.layer_keys)
     tied, first_transposed = dict(stack.tied), stack.transposed[0]
@@ -214,7 +214,7 @@ def _decode_stage_fns(stack, cache_len: int, cache_kw: str) -> list:
         return logits[:, 0].astype(jnp.float32)
     fns.append(last_stage)
     if stack.param_dtype is not None:
-        fns = stage_functions_in(fns, stack._trainable, jnp.bfloat16, stack._cast_inputs)
+        fns = stage_functions_in(fns, stack.trainable_names, jnp.bfloat16, stack.cast_inputs)
     # the streamer's form: layers take (params, state, x)
     adapted: dict[int, Any] = {}
     for i, f in enumerate(fns[1:-1], start=1):
@@ -282,14 +282,13 @@ def choose_batch(stack, prompt_len: int, max_new_tokens: int, *, device_budget_b
     ids = torch.zeros((1, prompt_len), dtype=torch.int64)
     _, _, _, p_len, cache_len = _check_args(stack, ids, None, max_new_tokens, False, 1.0, None, None, None, None,
                                             None, "device", device_budget_bytes, None, prompt_bucket)
-    with stack._torch_precision():
+    with stack.torch_precision():
         gen = _Generator(stack, 1, cache_len, "device", device_budget_bytes)
         streamer = gen.streamer
-        chain = streamer._signature((np.zeros((1, p_len), np.int32), np.zeros((1, cache_len), np.int32),
+        exes = streamer.executables((np.zeros((1, p_len), np.int32), np.zeros((1, cache_len), np.int32),
                                      np.zeros((1, p_len), np.int32), np.int32(0)))
         temp = 0
-        for i in range(streamer.num_stages):
-            exe = streamer._exe(i, chain[i])
+        for exe in exes:
             mem = exe.memory_analysis()
             temp = max(temp, int(getattr(mem, "temp_size_in_bytes", 0) or 0) + int(
                 getattr(mem, "output_size_in_bytes", 0) or 0))
@@ -432,7 +431,7 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     if do_sample and seed is None:
         seed = int(torch.randint(0, 2 ** 31 - 1, ()).item())
     ids_cpu = input_ids.detach().to("cpu", torch.int64)
-    with stack._torch_precision():
+    with stack.torch_precision():
         stack.runtime.release_prefetched()   # the streamer prefetches its own first stages
         gen = _generator(stack, input_ids.shape[0], cache_len, kv_cache, device_budget_bytes)
         sampling = (do_sample, float(temperature), top_k, None if top_p is None else float(top_p))

@@ -371,7 +371,8 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
         self.modules: list[torch.nn.Module] = modules
         self.stage_names: list[str] = names
         self.has_first, self.has_last = first is not None, last is not None
-        self._env = env
+        #: the torchax environment the stages are traced in (``xla_swap.torch_attention.torchax_env``).
+        self.torch_env = env
         #: per stage, the names of the ``nn.Linear`` weights held as ``[in, out]`` on the host
         #: and the device (``transpose_linear``).
         self.transposed: list[frozenset[str]] = [linear_weights(m) if transpose_linear else frozenset()
@@ -389,13 +390,15 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
         self.mesh = placement.mesh
         stage_params, trainable, updated, groups = host_stages(names, modules, self.transposed, tied, weights,
                                                                placement.host, compute_dtype, group_of)
-        self._trainable = trainable
+        #: per stage, the names of the parameters the optimizer updates (``requires_grad``).
+        self.trainable_names: list = trainable
         #: the dtype the stages compute in (``param_dtype``): each stage casts its floating parameters
         #: (and with ``cast_forward_inputs`` its floating inputs) to it; ``None``: as held.
         self.param_dtype: torch.dtype | None = compute_dtype
         if compute_dtype is not None:   # one wrapper per distinct stage function (shared layers stay shared)
             fns = stage_functions_in(fns, trainable, jnp.bfloat16, cast_inputs)
-        self._cast_inputs = cast_inputs
+        #: with ``param_dtype``: whether the stages also cast their floating inputs (``cast_forward_inputs``).
+        self.cast_inputs: bool = cast_inputs
         if data_parallel is None:
             data_parallel = shard == "fsdp"
         #: whether activations are split over the devices on their leading dimension.
@@ -452,7 +455,7 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
         Raises: ValueError naming the stage and its module when a stage fails to trace.
         """
         try:
-            with self._torch_precision():
+            with self.torch_precision():
                 self.runtime.output_aval(self._carry_in(tuple(inputs)))
         except (ValueError, TypeError) as e:
             msg = str(e)
@@ -461,8 +464,9 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
             raise ValueError(f"{where} does not trace with torchax on an example input: {msg}") from e
 
     @contextlib.contextmanager
-    def _torch_precision(self):
-        """Trace and run under torch's fp32 matmul setting; a changed setting compiles again."""
+    def torch_precision(self):
+        """Context manager: trace and run under torch's fp32 matmul setting (``torch_matmul_precision()``,
+        read on entry); a setting changed since the last call clears the compiled executables."""
         p = torch_matmul_precision()
         if p != self.matmul_precision:
             self.runtime.clear_executables()
@@ -487,7 +491,7 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
             several stages): the message names ``inputs[i]``, the dtype got and the one expected.
           ValueError: a stage fails to trace (the message names it).
         """
-        with self._torch_precision():
+        with self.torch_precision():
             self._maybe_autotune(tuple(inputs), training=False)
             x = self._carry_in(inputs)
             out_dev = next((t.device for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"),
@@ -516,7 +520,7 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
         With several processes every process must call it (the sharded weights are gathered).
         """
         return [{n: self._torch_layout(i, n, to_torch(p[n])) for n in names}
-                for i, (p, names) in enumerate(zip(self.runtime.host_params, self._trainable))]
+                for i, (p, names) in enumerate(zip(self.runtime.host_params, self.trainable_names))]
 
     def _torch_layout(self, stage: int, name: str, t: torch.Tensor) -> torch.Tensor:
         """A host-layout tensor of ``name`` in stage ``stage`` in torch's layout (``transposed`` ones back to ``[out, in]``)."""
@@ -547,7 +551,7 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
         if not self.has_first and len(inputs) != 1:
             raise TypeError(f"without a `first` stage the layers take one input (h), got {len(inputs)}")
         x = inputs_to_jax(tuple(inputs), "inputs", self._input_sharding)
-        if self.param_dtype is not None and self._cast_inputs and not self.has_first:
+        if self.param_dtype is not None and self.cast_inputs and not self.has_first:
             x = cast_floats(x, jnp.bfloat16)   # h as the layers compute it (the carry check wants it so)
         x = x if self.has_first else (x[0], {})
         self.runtime.signature(x, "inputs")   # dtype checks (and the trace, cached) before anything runs

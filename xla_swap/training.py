@@ -83,7 +83,7 @@ class TrainingMixin:
         if accumulate and self.optimizer is None:
             raise ValueError("accumulate=True needs an optimizer; without one train_step adds the gradients to "
                              ".grad already (accumulate_grads)")
-        with self._torch_precision():
+        with self.torch_precision():
             return self._train_step(inputs, targets, loss_fn, lr, accumulate)
 
     def _train_step(self, inputs, targets, loss_fn, lr, accumulate) -> torch.Tensor:
@@ -113,7 +113,7 @@ class TrainingMixin:
         :data:`MAX_LOSS_FUNCTIONS` latest kept)."""
         jax_loss = self._jax_losses.get(loss_fn)
         if jax_loss is None:
-            loss_in_jax = torch_fn(loss_fn, self._env)
+            loss_in_jax = torch_fn(loss_fn, self.torch_env)
 
             def jax_loss(out, *targets):
                 if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
@@ -146,7 +146,7 @@ class TrainingMixin:
             opt.step()
 
     def _accumulate_grads(self, grads) -> None:
-        for i, (m, g, names) in enumerate(zip(self.modules, grads, self._trainable)):
+        for i, (m, g, names) in enumerate(zip(self.modules, grads, self.trainable_names)):
             params = dict(m.named_parameters())
             for n in names:
                 if g.get(n) is None:
