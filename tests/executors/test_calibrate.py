@@ -155,6 +155,17 @@ def test_calibration_from_figures_has_the_runtimes_bytes(params, x):
         calibration_from_figures("rt", x, link=SLOW_LINK, forward_s=FWD_S, backward_s=BWD_S)
 
 
+def _check_grads_against_jax(rt, params, x):
+    """``rt`` (no optimizer): a ``train_step``'s loss and per-stage gradients equal ``jax.value_and_grad``
+    of the monolithic model."""
+    loss, _, grads = rt.train_step(x, loss_fn)
+    ref_loss, ref_g = jax.value_and_grad(mono_loss)(stacked(params), x)
+    check_close(loss, ref_loss, rtol=1e-5)
+    for i, g in enumerate(grads):
+        for name in ("a", "b"):
+            check_close(g[name], ref_g[name][i], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("resident, offload, moments_on_host", [
     ([False] * 8, True, True), ([False, True] * 4, True, False), ([False] * 5 + [True] * 3, False, True)])
 def test_schedule_equals_reference(params, x, resident, offload, moments_on_host):
@@ -180,12 +191,7 @@ def test_schedule_equals_reference(params, x, resident, offload, moments_on_host
     assert rt.step == ref.step == 3
     # without an optimizer: gradients against the monolithic jax reference
     plain = reconfigure(StreamingRuntime(layer, params, prefetch_depth=2), choice)
-    loss, _, grads = plain.train_step(x, loss_fn)
-    ref_loss, ref_g = jax.value_and_grad(mono_loss)(stacked(params), x)
-    check_close(loss, ref_loss, rtol=1e-5)
-    for i, g in enumerate(grads):
-        for name in ("a", "b"):
-            check_close(g[name], ref_g[name][i], rtol=1e-5, atol=1e-6)
+    _check_grads_against_jax(plain, params, x)
 
 
 def test_remat_or_residual_offload_chosen_per_link_and_run(params, x, monkeypatch):
@@ -233,12 +239,7 @@ def test_remat_or_residual_offload_chosen_per_link_and_run(params, x, monkeypatc
             check_close(p[name], q[name], rtol=1e-5, atol=1e-6)
     plain = reconfigure(StreamingRuntime(layer, params, prefetch_depth=2), c_rich)
     assert plain.remat is False
-    loss, _, grads = plain.train_step(x, loss_fn)
-    ref_loss, ref_g = jax.value_and_grad(mono_loss)(stacked(params), x)
-    check_close(loss, ref_loss, rtol=1e-5)
-    for i, g in enumerate(grads):
-        for name in ("a", "b"):
-            check_close(g[name], ref_g[name][i], rtol=1e-5, atol=1e-6)
+    _check_grads_against_jax(plain, params, x)
 
 
 def test_reconfigure_carries_optimizer_state(params, x):
