@@ -64,6 +64,7 @@ class LayerCapture(torch.nn.Module):
         object.__setattr__(self, "record", record)
 
     def forward(self, *args, **kwargs):
+        """Record ``(hidden_state, arguments)`` and return the hidden state (raise ``StopForward`` when ``stop``)."""
         bound = self.signature.bind(*args, **kwargs).arguments
         extra = bound.pop(next(n for n, p in self.signature.parameters.items()
                                if p.kind == p.VAR_KEYWORD), {}) if any(
@@ -223,6 +224,7 @@ class CausalLMFirst(torch.nn.Module):
         return record, out
 
     def forward(self, input_ids, attention_mask=None, position_ids=None):
+        """The first layer's input and every layer's keyword arguments, as the model computes them (class docstring)."""
         if attention_mask is None and position_ids is None:
             # No mask and the model's own positions: one sequence per row, which transformers finds by
             # reading the position ids (find_packed_sequence_indices) in eager torch but cannot while
@@ -305,6 +307,7 @@ class CausalLMLast(torch.nn.Module):
         self._stub = _BaseOutput(base)
 
     def forward(self, h):
+        """Logits of hidden states ``h`` ``[batch, seq, hidden]`` by the model's own final norm and head."""
         if self._norm_attr is not None:
             h = self.norm(h)
         self._stub.output = _hidden_state_output(h)

@@ -53,18 +53,27 @@ class LayerKV:
         self.updated = False
 
     def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        """``(cache_len, 0)``: the masks span the whole fixed-size cache (``transformers`` Cache interface)."""
         return self.cache_len, 0
 
     def get_query_offset(self, layer_idx: int = 0):
+        """The position of the first new token in the cache (an int, or a 0-d torchax tensor while traced)."""
         return self.offset if isinstance(self.offset, int) else self._env.j2t_iso(self.offset)
 
     def get_seq_length(self, layer_idx: int = 0):
+        """Tokens already in the cache: :meth:`get_query_offset` (``transformers`` Cache interface)."""
         return self.get_query_offset(layer_idx)
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        """``cache_len``, the fixed cache length (``transformers`` Cache interface)."""
         return self.cache_len
 
     def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
+        """Write ``key_states`` / ``value_states`` ``[batch, kv_heads, new, head_dim]`` into the cache at the
+        query offset (a dynamic-update-slice) and return the whole cache ``(keys, values)``, as
+        ``transformers``' ``Cache.update`` does. Raises ValueError when their shape or dtype differs
+        from the cache's.
+        """
         k, v = self._env.t2j_iso((key_states, value_states))
         if self.kv is None:
             shape = k.shape[:2] + (self.cache_len,) + k.shape[3:]
@@ -114,6 +123,8 @@ class DecodeFirst(torch.nn.Module):
         object.__setattr__(self, "_seen_kw", seen_kw)
 
     def forward(self, input_ids, attention_mask, position_ids, offset):
+        """The model's own first stage for a prefill or decode step at cache ``offset``: the first layer's
+        input and the keyword arguments each layer gets (``CausalLMFirst.run_layers`` with the cache)."""
         first = self._first
         record: list = []
         n = len(first.layer_signatures)

@@ -57,6 +57,7 @@ def check_mixed_precision(param_dtype, mp_policy, n_devices: int) -> tuple[torch
 
 
 def is_float(dt) -> bool:
+    """Whether dtype ``dt`` is a floating dtype (``jnp.issubdtype(dt, jnp.floating)``)."""
     return jnp.issubdtype(dt, jnp.floating)
 
 

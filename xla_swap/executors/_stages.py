@@ -34,10 +34,16 @@ def tree_nbytes(tree) -> int:
 
 
 def leaf_name(path) -> str:
+    """The name of a pytree leaf at ``path`` (``jax.tree_util.keystr``; ``"<root>"`` for the root)."""
     return jax.tree_util.keystr(path) or "<root>"
 
 
 def as_aval(x, what: str) -> jax.ShapeDtypeStruct:
+    """``x``'s shape and dtype as a ``jax.ShapeDtypeStruct``.
+
+    Raises: TypeError naming ``what``: ``x`` is not an array or its dtype is not numpy's; ValueError:
+    ``x`` is a deleted (donated or freed) jax array.
+    """
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
         raise TypeError(f"{what}: expected an array (numpy or jax), got {type(x).__name__}")
     if isinstance(x, jax.Array) and x.is_deleted():
@@ -128,6 +134,8 @@ def aval_key(tree) -> tuple:
 
 
 def describe(tree) -> str:
+    """A pytree of arrays in words for error messages: ``"shape (2, 3) dtype float32"`` for one array,
+    else its tree structure and each leaf's dtype and shape."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if treedef == jax.tree_util.tree_structure(0):
         return f"shape {tuple(leaves[0].shape)} dtype {np.dtype(leaves[0].dtype)}"
@@ -155,6 +163,7 @@ def stage_fns(stage_fn, n: int) -> tuple[list, bool]:
 
 
 def wrap(f):
+    """A new function object calling ``f`` (``functools.wraps``): its own identity for jax's caches."""
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
         return f(*args, **kwargs)
@@ -187,6 +196,7 @@ def check_memory_kinds(dev, who: str) -> None:
 
 
 def index_by_identity(items, x):
+    """The index of the first element of ``items`` that *is* ``x`` (not ``==``), or ``None``."""
     for j, item in enumerate(items):
         if item is x:
             return j
