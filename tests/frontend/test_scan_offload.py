@@ -287,11 +287,11 @@ torch_xla.sync()
 '''
 
 # torch_xla 2.9's CPU backend has no host offloader: after partitioning, it cannot emit XLA's
-# internal host-offload custom calls and raises this, or (about half the runs at 8 devices) aborts
-# with heap corruption in its error path (docs/measured.md section 9). The partitioned module is
-# dumped before either; any other failure fails the test.
+# internal host-offload custom calls and raises this, or (about a third of the runs at 8 devices)
+# crashes with heap corruption in its error path: SIGABRT, now and then SIGSEGV (docs/measured.md
+# section 9). The partitioned module is dumped before any of these; any other failure fails the test.
 _CPU_BACKEND_REFUSAL = "No registered implementation for untyped custom call to MoveToHost for Host"
-_SIGABRT = -6
+_HEAP_CORRUPTION_SIGNALS = (-6, -11)            # SIGABRT, SIGSEGV
 
 
 def _torch_xla_partition(tmp_path, annotate: bool):
@@ -332,7 +332,7 @@ def test_named_activation_annotations_get_their_own_sharding_in_torch_xla_spmd(t
     sharding propagation each annotation carries its operand's sharding, tiled over the mesh, and the
     partitioned module has exactly the collectives of the same step without annotations."""
     r, propagated, partitioned = _torch_xla_partition(tmp_path, annotate=True)
-    assert r.returncode in (0, _SIGABRT) or _CPU_BACKEND_REFUSAL in r.stderr, r.stderr[-1500:]
+    assert r.returncode in (0, *_HEAP_CORRUPTION_SIGNALS) or _CPU_BACKEND_REFUSAL in r.stderr, r.stderr[-1500:]
     assert "spmd_partitioner" not in r.stderr and "RET_CHECK" not in r.stderr, r.stderr[-1500:]
     shardings = dict(re.findall(r"%(\S+) = [^\n]*?sharding=(\{[^}]*\})", propagated))
     moves = re.findall(r"custom-call\(%(\S+)\), custom_call_target=\"(MoveTo\w+)\", sharding=(\{[^}]*\})",
