@@ -1,11 +1,12 @@
 """The shape rules of ``xla_swap/`` (issue 24 of the project's tracker: one idea per module), checked
-on the source with ``ast`` by the ``test_*module_shape*`` / ``test_package_shape`` tests:
+on the source by ``test_package_shape``:
 
 * no module over :data:`MAX_MODULE_LINES` lines, no function or method over :data:`MAX_FUNCTION_LINES`
   (its decorators, signature and docstring included), no module docstring over
   :data:`MAX_MODULE_DOCSTRING_LINES` lines (descriptions and run history live in ``docs/``);
 * no module imports a private (``_``-prefixed) name of another ``xla_swap`` module, nor reads a private
-  attribute of an object other than ``self`` / ``cls`` (``private_attribute_reads``).
+  attribute of an object other than ``self`` / ``cls`` (``private_attribute_reads``);
+* no run of six code lines stands to the letter in two places (``repeated_blocks``).
 """
 from __future__ import annotations
 
@@ -82,4 +83,48 @@ def private_attribute_reads(path: pathlib.Path, root: pathlib.Path = ROOT) -> li
         if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
                 and not _is_exempt_base(node.value)):
             found.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+
+def _code_lines(path: pathlib.Path) -> list[tuple[int, str]]:
+    """``(line number, text with white space folded)`` of each code line of ``path``; blank,
+    comment-only, import and lone-punctuation lines, and every line of a docstring, are left out."""
+    text = path.read_text()
+    doc_lines: set[int] = set()
+    for node in ast.walk(ast.parse(text, filename=str(path))):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            doc_lines.update(range(body[0].lineno, body[0].end_lineno + 1))
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        folded = " ".join(line.split("#", 1)[0].split()) if "'" not in line and '"' not in line \
+            else " ".join(line.split())
+        if n in doc_lines or not any(c.isalnum() for c in folded) or folded.startswith(("import ", "from ")):
+            continue
+        out.append((n, folded))
+    return out
+
+
+def repeated_blocks(paths, root: pathlib.Path = ROOT, min_lines: int = 6) -> list[str]:
+    """``"a.py:10-15 ~ b.py:40-45"`` for every run of ``min_lines`` code lines (``_code_lines``: white
+    space folded, comments, imports and docstrings left out) that stands to the letter in two places
+    among ``paths``; the overlapping windows of one run are reported once."""
+    seen: dict[tuple, tuple] = {}
+    found, last = [], {}
+    for path in paths:
+        lines = _code_lines(path)
+        rel = path.relative_to(root)
+        for i in range(len(lines) - min_lines + 1):
+            here = (rel, lines[i][0], lines[i + min_lines - 1][0])
+            first = seen.setdefault(tuple(t for _, t in lines[i:i + min_lines]), here)
+            if first is here or (first[0] == rel and first[2] >= here[1]):
+                continue
+            pair = (first[0], rel)
+            if last.get(pair, -2) >= i - 1:     # the same run, one line further
+                last[pair] = i
+                continue
+            last[pair] = i
+            found.append(f"{first[0]}:{first[1]}-{first[2]} ~ {rel}:{here[1]}-{here[2]}")
     return found

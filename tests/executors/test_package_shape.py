@@ -1,9 +1,10 @@
 """Every module of ``xla_swap/`` holds the shape rules of ``shape_rules`` (no module over 600 lines, no
-function over 80, no module docstring over 40, no private name of another module imported)."""
+function over 80, no module docstring over 40, no private name of another module imported, no run of six
+code lines written twice)."""
 from __future__ import annotations
 
 from shape_rules import (MAX_FUNCTION_LINES, MAX_MODULE_DOCSTRING_LINES, MAX_MODULE_LINES, PACKAGE,
-                         private_attribute_reads, private_imports, shape_violations)
+                         private_attribute_reads, private_imports, repeated_blocks, shape_violations)
 
 # The private reads of another object's attributes that remain (issue 24, part A, under way): each is to
 # become a documented public property / method of the owning class; the test fails on any read not listed
@@ -35,6 +36,25 @@ def test_no_private_attribute_of_another_object_is_read():
     gone = sorted(REMAINING_PRIVATE_READS - found)
     assert not new, "read public properties / methods, not another object's _name:\n" + "\n".join(map(str, new))
     assert not gone, "no longer read; drop from REMAINING_PRIVATE_READS:\n" + "\n".join(map(str, gone))
+
+
+def test_no_block_of_six_lines_is_written_twice():
+    bad = repeated_blocks(_modules())
+    assert not bad, "one piece of code where the logic is the same:\n" + "\n".join(bad)
+
+
+def test_repeated_blocks_flags_a_copied_run(tmp_path):
+    """Six code lines copied (comments, blank lines and indentation aside) are found, in one file or
+    two; five are not, nor a docstring or imports written twice."""
+    run = [f"v{i} = f(v{i - 1}, {i})" for i in range(1, 7)]
+    doc = '"""doc\nline"""\nimport os\n'
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text(doc + "\n".join(run) + "\n\ndef g():\n    " + doc.replace("\n", "\n    ").rstrip() + "\n"
+                 + "\n".join(f"    {r}  # moved" for r in run[:5]) + "\n")
+    b.write_text(doc + "x = 0\n\n" + "\n".join(run) + "\n")
+    assert repeated_blocks([a], root=tmp_path) == []
+    assert repeated_blocks([a, b], root=tmp_path) == ["a.py:4-9 ~ b.py:6-11"]
+    assert repeated_blocks([a], root=tmp_path, min_lines=5) == ["a.py:4-8 ~ a.py:15-19"]
 
 
 def test_the_rules_flag_what_they_look_for(tmp_path):

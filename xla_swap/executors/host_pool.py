@@ -57,15 +57,7 @@ def ensure_host_memory_limit(nbytes: int, *, headroom: float = 1.1, environ: Mut
         from xla_swap._compat.jax import backends_initialized as initialized
     need = max(1, math.ceil(nbytes * headroom / (1 << 30)))
     value = env.get(HOST_MEMORY_LIMIT_ENV)
-    if value is None:
-        current = float(DEFAULT_GPU_HOST_MEMORY_LIMIT_GB)
-    else:
-        try:
-            current = float(value)
-        except ValueError:
-            raise ValueError(f"{HOST_MEMORY_LIMIT_ENV}={value!r} is not a number of GiB") from None
-        if not current >= 0 or not math.isfinite(current):
-            raise ValueError(f"{HOST_MEMORY_LIMIT_ENV}={value!r} must be a finite number of GiB >= 0")
+    current = _pool_gib(value)
     if current >= need:
         return int(current)
     if initialized():
@@ -76,3 +68,17 @@ def ensure_host_memory_limit(nbytes: int, *, headroom: float = 1.1, environ: Mut
             "before the first jax.devices() / array of the process)")
     env[HOST_MEMORY_LIMIT_ENV] = str(need)
     return need
+
+
+def _pool_gib(value: str | None) -> float:
+    """The pinned host pool, in GiB, that ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=value`` gives PJRT GPU
+    (its default when unset). Raises ValueError: not a finite number >= 0."""
+    if value is None:
+        return float(DEFAULT_GPU_HOST_MEMORY_LIMIT_GB)
+    try:
+        gib = float(value)
+    except ValueError:
+        raise ValueError(f"{HOST_MEMORY_LIMIT_ENV}={value!r} is not a number of GiB") from None
+    if gib >= 0 and math.isfinite(gib):
+        return gib
+    raise ValueError(f"{HOST_MEMORY_LIMIT_ENV}={value!r} must be a finite number of GiB >= 0")

@@ -102,10 +102,7 @@ def simulate_shared_link(rows: list[tuple[float, int, int]], k: int, link: Link)
         while started:                         # start whatever is ready at time t
             started = False
             if copy_in is None and next_in < n and done(in_end, next_in - 1) and done(compute_end, next_in - k - 1):
-                if rows[next_in][1]:
-                    copy_in = [next_in, float(rows[next_in][1])]
-                else:
-                    in_end[next_in] = t
+                copy_in = _start_copy(rows[next_in][1], next_in, in_end, t)
                 next_in += 1
                 started = True
             if next_compute < n and done(compute_end, next_compute - 1) and done(in_end, next_compute) \
@@ -114,10 +111,7 @@ def simulate_shared_link(rows: list[tuple[float, int, int]], k: int, link: Link)
                 next_compute += 1
                 started = True
             if copy_out is None and next_out < n and done(compute_end, next_out) and done(out_end, next_out - 1):
-                if rows[next_out][2]:
-                    copy_out = [next_out, float(rows[next_out][2])]
-                else:
-                    out_end[next_out] = t
+                copy_out = _start_copy(rows[next_out][2], next_out, out_end, t)
                 next_out += 1
                 started = True
         if next_out == n and copy_out is None and next_compute == n:
@@ -127,6 +121,15 @@ def simulate_shared_link(rows: list[tuple[float, int, int]], k: int, link: Link)
             copy_in = None
         if copy_out is not None and out_end[copy_out[0]] is not None:
             copy_out = None
+
+
+def _start_copy(nbytes, row: int, ends: list, t: float):
+    """Row ``row``'s copy of ``nbytes`` starts at ``t``: ``[row, bytes left]``, or ``None`` with the
+    copy's end set to ``t`` when nothing moves."""
+    if nbytes:
+        return [row, float(nbytes)]
+    ends[row] = t
+    return None
 
 
 def _advance(t: float, link: Link, copy_in, copy_out, compute_end: list, in_end: list, out_end: list) -> float:
