@@ -33,7 +33,7 @@ def resident_for_budget(stage_params: list[dict], trainable: list, optimizer, bu
       stage_params: per stage, ``{name: array}`` of its host weights (``nbytes``, ``itemsize``).
       trainable: per stage, the names the optimizer updates (their state counts).
       optimizer: an ``AdamW`` (``state_bytes``) or ``None``.
-      budget: bytes; k: the prefetch depth.
+      budget: bytes, an int > 0 (``check_budget_bytes``'s result); k: the prefetch depth.
 
     Raises: ValueError naming ``budget_bytes``: the window alone exceeds ``budget``.
     """
@@ -100,7 +100,8 @@ class AutotuneMixin:
         peak_bytes)`` records measured figures beside the prediction).
 
         Raises: ``xla_swap.planning.InfeasibleBudgetError`` (a ``ValueError``) when nothing fits,
-          ``ValueError`` / ``TypeError`` for bad arguments; the stack is unchanged then.
+          ``ValueError`` / ``TypeError`` for bad arguments (a bad ``budget_bytes`` as
+          ``xla_swap.planning.units.check_budget_bytes`` words it); the stack is unchanged then.
         """
         from xla_swap.executors.calibrate import autotune
         check_calibration_arg(calibration)

@@ -53,6 +53,7 @@ from xla_swap.executors.decode import StatefulStreamer, state_nbytes
 from xla_swap.hf import CausalLMFirst, CausalLMLast
 from xla_swap.kv_cache import OFFSET, DecodeFirst, LayerKV, kv_cache_bytes, layer_kwargs
 from xla_swap.mixed_precision import stage_functions_in
+from xla_swap.planning.units import check_budget_bytes
 from xla_swap.sampling import next_token_step
 from xla_swap.stages import TIED, stage_signature
 from xla_swap.torch_bridge import module_fn
@@ -273,15 +274,16 @@ def choose_batch(stack, prompt_len: int, max_new_tokens: int, *, device_budget_b
 
     Raises:
       ValueError: a bad argument; no budget given on a platform without memory statistics (the CPU).
-      TypeError: ``stack`` not built from ``causal_lm_stages``.
+      TypeError: ``stack`` not built from ``causal_lm_stages``; ``device_budget_bytes`` a bool or not a number.
     """
     for name, v in (("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens), ("max_batch", max_batch),
                     ("prompt_bucket", prompt_bucket)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     ids = torch.zeros((1, prompt_len), dtype=torch.int64)
-    _, _, _, p_len, cache_len = _check_args(stack, ids, None, max_new_tokens, False, 1.0, None, None, None, None,
-                                            None, "device", device_budget_bytes, None, prompt_bucket)
+    _, _, _, p_len, cache_len, device_budget_bytes = _check_args(
+        stack, ids, None, max_new_tokens, False, 1.0, None, None, None, None, None, "device", device_budget_bytes,
+        None, prompt_bucket)
     with stack.torch_precision():
         gen = _Generator(stack, 1, cache_len, "device", device_budget_bytes)
         streamer = gen.streamer
@@ -363,9 +365,7 @@ def _check_args(stack, input_ids, attention_mask, max_new_tokens, do_sample, tem
         raise TypeError(f"seed must be None or an int, got {type(seed).__name__}")
     if kv_cache not in _PLACEMENTS:
         raise ValueError(f"kv_cache must be one of {_PLACEMENTS}, got {kv_cache!r}")
-    if device_budget_bytes is not None and (isinstance(device_budget_bytes, bool)
-                                            or not isinstance(device_budget_bytes, int) or device_budget_bytes <= 0):
-        raise ValueError(f"device_budget_bytes must be None or a positive int (bytes), got {device_budget_bytes!r}")
+    device_budget_bytes = check_budget_bytes(device_budget_bytes, "device_budget_bytes", optional=True)
     if isinstance(prompt_bucket, bool) or not isinstance(prompt_bucket, int) or prompt_bucket < 1:
         raise ValueError(f"prompt_bucket must be an int >= 1, got {prompt_bucket!r}")
     p_len = _round_up(input_ids.shape[1], prompt_bucket)
@@ -375,7 +375,7 @@ def _check_args(stack, input_ids, attention_mask, max_new_tokens, do_sample, tem
     elif isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < need:
         raise ValueError(f"max_cache_len must be an int >= the bucketed prompt ({p_len}) + max_new_tokens "
                          f"({max_new_tokens}) = {need}, got {max_cache_len!r}")
-    return mask, eos, pad_token_id, p_len, max_cache_len
+    return mask, eos, pad_token_id, p_len, max_cache_len, device_budget_bytes
 
 
 def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
@@ -421,11 +421,12 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
       ValueError: an id outside the vocabulary; ``attention_mask`` of another shape, not 0/1, right
         padded or with an empty row; ``max_new_tokens < 1``; ``temperature <= 0``; ``top_k < 1``;
         ``top_p`` outside (0, 1]; bad ``eos_token_id`` / ``pad_token_id``; unknown ``kv_cache``;
-        ``device_budget_bytes <= 0``; ``max_cache_len`` below the bucketed prompt plus
+        ``device_budget_bytes`` not None or an int > 0 (TypeError for a bool or a non-number);
+        ``max_cache_len`` below the bucketed prompt plus
         ``max_new_tokens``; ``prompt_bucket < 1``; a decoder layer that does not keep a
         ``transformers``-style KV cache (message names it).
     """
-    mask, eos, pad, p_len, cache_len = _check_args(
+    mask, eos, pad, p_len, cache_len, device_budget_bytes = _check_args(
         stack, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
         pad_token_id, seed, kv_cache, device_budget_bytes, max_cache_len, prompt_bucket)
     if do_sample and seed is None:

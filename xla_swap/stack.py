@@ -57,6 +57,7 @@ from xla_swap.hf import causal_lm_stages  # noqa: F401  (re-exported: the entry 
 from xla_swap.mixed_precision import cast_floats, check_mixed_precision, stage_functions_in
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.planning.policy import OffloadPolicy
+from xla_swap.planning.units import check_budget_bytes
 from xla_swap.sharding import StageSharding, check_shard
 from xla_swap.stages import host_stages, linear_weights, meta_tensor, stage_functions, tied_parameters
 from xla_swap.torch_attention import torchax_env
@@ -89,15 +90,14 @@ def _checked_layers(layers, first, last) -> list[torch.nn.Module]:
 
 
 def _check_options(*, policy, budget_bytes, data_parallel, accumulate_grads, transpose_linear, autotune,
-                   fused_attention, calibration, loss_fn, skip_nonfinite, max_grad_norm, optimizer) -> None:
-    """The scalar options of ``SwappedStack`` checked; raises TypeError / ValueError naming the argument."""
+                   fused_attention, calibration, loss_fn, skip_nonfinite, max_grad_norm, optimizer) -> int | None:
+    """The scalar options of ``SwappedStack`` checked; returns ``budget_bytes`` as an int (or ``None``).
+    Raises TypeError / ValueError naming the argument."""
     if policy is not None and budget_bytes is not None:
         raise ValueError("give either policy or budget_bytes, not both")
     if policy is not None and not isinstance(policy, OffloadPolicy):
         raise TypeError(f"policy must be an xla_swap.planning.OffloadPolicy, got {type(policy).__name__}")
-    if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
-                                     or budget_bytes <= 0):
-        raise ValueError(f"budget_bytes must be a positive int (bytes), got {budget_bytes!r}")
+    budget_bytes = check_budget_bytes(budget_bytes, optional=True)
     if data_parallel is not None and not isinstance(data_parallel, bool):
         raise TypeError(f"data_parallel must be a bool or None, got {type(data_parallel).__name__}")
     for name, value in (("accumulate_grads", accumulate_grads), ("transpose_linear", transpose_linear),
@@ -117,6 +117,7 @@ def _check_options(*, policy, budget_bytes, data_parallel, accumulate_grads, tra
     if optimizer is None and (max_grad_norm is not None or skip_nonfinite):
         raise ValueError("max_grad_norm and skip_nonfinite need an optimizer; without one train_step fills .grad "
                          "(clip it with torch.nn.utils.clip_grad_norm_)")
+    return budget_bytes
 
 
 def _optimizer_config(optimizer) -> tuple:
@@ -316,8 +317,10 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
         ``optimizer``, ``loss_fn``, ``devices``, ``shard`` or ``calibration`` has the wrong type; a
         parameter or buffer is ``float64`` with ``jax_enable_x64`` off (it would run as ``float32``;
         the message names the stage and the tensor).
-      ValueError: ``layers`` is empty; both ``policy`` and ``budget_bytes``; a bad budget (below
-        the streaming window of weights and optimizer state);
+      ValueError: ``layers`` is empty; both ``policy`` and ``budget_bytes``; a ``budget_bytes`` that is
+        not an int > 0 (a bool or a non-number: TypeError; the words of
+        ``xla_swap.planning.units.check_budget_bytes``) or is below the streaming window of weights
+        and optimizer state (``autotune=False`` and ``True`` alike);
         a parameter shared by two stages other than ``first`` and ``last`` (tied embeddings: held once
         by ``first``, carried to ``last``; ``tied``); a stage that fails to trace on
         ``first.example_inputs()`` (when ``first`` has it: the message names the stage's module); a torch
@@ -349,10 +352,11 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
                  param_dtype: torch.dtype | None = None, mp_policy=None):
         # ---- validation (no state changes) ----
         layers = _checked_layers(layers, first, last)
-        _check_options(policy=policy, budget_bytes=budget_bytes, data_parallel=data_parallel,
-                       accumulate_grads=accumulate_grads, transpose_linear=transpose_linear, autotune=autotune,
-                       fused_attention=fused_attention, calibration=calibration, loss_fn=loss_fn,
-                       skip_nonfinite=skip_nonfinite, max_grad_norm=max_grad_norm, optimizer=optimizer)
+        budget_bytes = _check_options(policy=policy, budget_bytes=budget_bytes, data_parallel=data_parallel,
+                                      accumulate_grads=accumulate_grads, transpose_linear=transpose_linear,
+                                      autotune=autotune, fused_attention=fused_attention, calibration=calibration,
+                                      loss_fn=loss_fn, skip_nonfinite=skip_nonfinite, max_grad_norm=max_grad_norm,
+                                      optimizer=optimizer)
         torch_optimizer, optimizer = _optimizer_config(optimizer)
         check_shard(shard)
         devices = _checked_devices(devices)

@@ -92,3 +92,20 @@ def forbid_clock(monkeypatch) -> None:
     for name in ("calibrate", "measure_link", "_median_time", "_warm_up"):
         monkeypatch.setattr(cal_mod, name, refuse)
     monkeypatch.setattr(StreamingRuntime, "layer_cost", refuse)
+
+
+def count_runtime_builds(monkeypatch) -> list:
+    """Wrap ``StreamingRuntime.__init__`` for the rest of the test: every runtime construction
+    from now on (direct, by ``from_policy``, ``reconfigure`` or a ``SwappedStack``) appends the
+    runtime to the returned list as it starts (a constructor that raises counts too)."""
+    from xla_swap.executors import StreamingRuntime
+
+    built = []
+    init = StreamingRuntime.__init__
+
+    def counting_init(self, *args, **kwargs):
+        built.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(StreamingRuntime, "__init__", counting_init)
+    return built

@@ -7,13 +7,14 @@ transferred: counted in a ``TraceRecorder``'s events); a training step with the 
 in values and gradients, and with AdamW equals the same steps with every stage resident.
 """
 import dataclasses
+import functools
 import math
 
 import jax
 import numpy as np
 import pytest
 
-from streaming_cases import check_close, forbid_clock, layer, loss_fn, mono_loss, stacked
+from streaming_cases import check_close, count_runtime_builds, forbid_clock, layer, loss_fn, mono_loss, stacked
 from xla_swap.executors import StreamingRuntime, TraceRecorder
 from xla_swap.executors.calibrate import (Calibration, autotune, calibrate, calibration_from_figures, measure_link,
                                           peak_bytes_in_use, reconfigure, runtime_signature)
@@ -302,6 +303,29 @@ def test_bad_arguments_leave_the_runtime_usable(params, x):
         autotune(rt, np.zeros((4, 16), np.float32), 1 << 30, calibration=cal)
     check_close(rt.forward(x), jax.jit(lambda s, h: jax.lax.scan(lambda c, p: (layer(p, c), None), h, s)[0])(
         stacked(params), x), rtol=1e-5)
+
+
+def test_one_runtime_built_per_choice(params, x, monkeypatch):
+    """Choosing builds no runtime; ``autotune`` builds exactly one, the runtime that runs the choice
+    (the calibration reads the runtime given, it builds none); a choice the runtime already runs,
+    or a cached one, builds none; ``reconfigure`` builds one."""
+    rt = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=AdamW(lr=1e-3))
+    cal = calibration_from_figures(rt, x, link=SLOW_LINK, forward_s=FWD_S, backward_s=BWD_S)
+    stream = evaluate_choice(list(cal.costs), SLOW_LINK, prefetch_depth=2)
+    full = evaluate_choice(list(cal.costs), SLOW_LINK, prefetch_depth=2, resident=[True] * 8)
+    budget = (stream.device_bytes + full.device_bytes) // 2
+    forbid_clock(monkeypatch)
+    built = count_runtime_builds(monkeypatch)
+    choice = choose_schedule(cal.costs_for(True), cal.link, budget, allow_no_remat=True)   # autotune's default
+    assert built == [] and 0 < choice.num_resident < 8
+    cache = ChoiceCache()
+    figures = functools.partial(calibration_from_figures, link=SLOW_LINK, forward_s=FWD_S, backward_s=BWD_S)
+    rt2, got = autotune(rt, x, budget, cache=cache, calibration=figures)
+    assert built == [rt2] and rt2 is not rt and got.runtime_kwargs() == choice.runtime_kwargs()
+    assert autotune(rt2, x, budget, cache=cache) == (rt2, got) and built == [rt2]             # cached, already run
+    assert autotune(rt2, x, budget, cache=cache, calibration=cal)[0] is rt2 and built == [rt2]  # chosen again
+    rt3 = reconfigure(rt, choice)
+    assert built == [rt2, rt3] and rt3.resident == choice.resident
 
 
 def test_costs_for_a_forward_take_the_forward_temporaries(params, x):

@@ -35,6 +35,7 @@ import numpy as np
 
 from xla_swap.planning.chooser import CHOICES, ChoiceCache, ScheduleChoice, choose_schedule
 from xla_swap.planning.planner import GB, LayerCost, Link
+from xla_swap.planning.units import check_budget_bytes
 
 from ._stages import DEVICE_KIND, HOST_KIND, aval_key, probe, split_diff
 from . import optim as _optim
@@ -456,7 +457,8 @@ def autotune(runtime: StreamingRuntime, h, budget_bytes: int, *, training: bool 
       ``choice.observe(...)`` recorded them, the measured figures).
 
     Raises: the errors of :func:`calibrate` and of ``choose_schedule`` (``InfeasibleBudgetError``
-      when nothing fits; ``ValueError`` for a bad budget); ``TypeError`` for a ``calibration`` that
+      when nothing fits); ``TypeError`` / ``ValueError`` for a bad budget (the words of
+      :func:`~xla_swap.planning.units.check_budget_bytes`); ``TypeError`` for a ``calibration`` that
       is neither a ``Calibration`` nor callable, or a callable that returns no ``Calibration``;
       ``ValueError`` for a calibration of another runtime or input signature; ``TypeError`` for an
       ``allow_no_remat`` that is not a bool; all before the runtime changes.
@@ -464,8 +466,7 @@ def autotune(runtime: StreamingRuntime, h, budget_bytes: int, *, training: bool 
     _check_runtime(runtime)
     if not isinstance(allow_no_remat, bool):
         raise TypeError(f"allow_no_remat must be a bool, got {type(allow_no_remat).__name__}")
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, np.integer)) or budget_bytes <= 0:
-        raise ValueError(f"budget_bytes must be a positive int (bytes), got {budget_bytes!r}")
+    budget_bytes = check_budget_bytes(budget_bytes)
     if not isinstance(training, bool):
         raise TypeError(f"training must be a bool, got {type(training).__name__}")
     if not isinstance(cache, ChoiceCache):
@@ -478,14 +479,14 @@ def autotune(runtime: StreamingRuntime, h, budget_bytes: int, *, training: bool 
         _check_calibration(calibration, sig)
     # the chooser's options are part of the input's key: a choice made with other options is another choice
     options = tuple(sorted({**choose_kwargs, "allow_no_remat": allow_no_remat}.items()))
-    key = cache.key(sig[0], (sig[1], options), int(budget_bytes), training)
+    key = cache.key(sig[0], (sig[1], options), budget_bytes, training)
     choice = None if calibration is not None else cache.get(key)
     if choice is None:
         cal = _calibration_for(runtime, h, calibration, reps, sig)
         # a bool remat: the calibration's backward_factor excludes the recompute, so both settings
         # can be predicted; a checkpoint policy's figures are that policy's (cal.remat False)
         choosable = isinstance(runtime.remat, bool)
-        choice = choose_schedule(cal.costs_for(training), cal.link, int(budget_bytes), training=training,
+        choice = choose_schedule(cal.costs_for(training), cal.link, budget_bytes, training=training,
                                  remat=choosable or cal.remat, allow_no_remat=allow_no_remat and choosable,
                                  **choose_kwargs)
         cache.put(key, choice)

@@ -25,7 +25,7 @@ from xla_swap.planning.costs import LayerCost, Link
 from xla_swap.planning.planner import evaluate
 from xla_swap.planning.policy import OffloadPolicy, check_bool, check_flags
 from xla_swap.planning.result import InfeasibleBudgetError, Plan
-from xla_swap.planning.units import REL_TIE, GiB, as_bytes, as_prefetch_depth
+from xla_swap.planning.units import REL_TIE, GiB, as_bytes, as_prefetch_depth, check_budget_bytes
 
 __all__ = ["ScheduleChoice", "evaluate_choice", "choose_schedule", "ChoiceCache", "CHOICES",
            "STAGE_INPUT", "STAGE_RESIDUALS", "DEFAULT_MAX_PREFETCH_DEPTH"]
@@ -321,13 +321,13 @@ def choose_schedule(costs: Sequence[LayerCost], link: Link, budget_bytes: int, *
     Raises:
       InfeasibleBudgetError: no candidate's predicted peak fits; ``.min_budget_bytes`` is the
         smallest predicted peak (bytes) of the search space.
-      TypeError / ValueError: bad arguments, naming them.
+      TypeError / ValueError: bad arguments, naming them; a bad ``budget_bytes`` as
+        :func:`~xla_swap.planning.units.check_budget_bytes` words it.
     """
     costs = _check_costs(costs)
     if not isinstance(link, Link):
         raise TypeError(f"link must be a Link, got {type(link).__name__}")
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Integral) or budget_bytes <= 0:
-        raise ValueError(f"budget_bytes must be a positive int (bytes), got {budget_bytes!r}")
+    budget_bytes = check_budget_bytes(budget_bytes)
     kmax = as_prefetch_depth("max_prefetch_depth", max_prefetch_depth)
     for name, v in (("training", training), ("remat", remat), ("allow_offload", allow_offload),
                     ("allow_device_optimizer_state", allow_device_optimizer_state), ("allow_no_remat", allow_no_remat)):
@@ -356,8 +356,8 @@ def choose_schedule(costs: Sequence[LayerCost], link: Link, budget_bytes: int, *
                             best = s
     if best is None:
         pol = smallest.plan.policy
-        raise InfeasibleBudgetError(int(budget_bytes), smallest.device_bytes, pol)
-    best.budget_bytes, best.candidates, best.best_step_s_by_remat = int(budget_bytes), n, by_remat
+        raise InfeasibleBudgetError(budget_bytes, smallest.device_bytes, pol)
+    best.budget_bytes, best.candidates, best.best_step_s_by_remat = budget_bytes, n, by_remat
     return best
 
 

@@ -24,7 +24,7 @@ from xla_swap.planning.result import InfeasibleBudgetError, Plan
 from xla_swap.planning.rows import OPTIMIZER_MODES, optimizer_modes_of, phase_rows, schedule_for
 from xla_swap.planning.search import MAX_NAMED_ACTIVATIONS, complexity, fastest_fitting, search_space
 from xla_swap.planning.timing import per_layer_times, phase_times, time_offloaded_optimizer, traffic_floor
-from xla_swap.planning.units import GB, MAX_BYTES, GiB, as_bytes
+from xla_swap.planning.units import GB, MAX_BYTES, GiB, check_budget_bytes
 
 __all__ = [
     "GB", "GiB", "Link", "H200_PINNED", "LayerCost", "Plan", "InfeasibleBudgetError",
@@ -252,7 +252,7 @@ def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
     Args:
       layers: one :class:`LayerCost` repeated ``num_layers`` times, or a sequence, one per layer.
       num_layers: number of layers (required with a single LayerCost; must match a sequence).
-      budget_bytes: device-memory budget in bytes (required).
+      budget_bytes: device-memory budget in bytes, an int > 0 (required).
       link: host link bandwidths in GB/s; default :data:`H200_PINNED` (54/54/93 GB/s, docs/measured.md).
       training: True for forward + backward + optimizer step, False for inference (forward only:
         no gradients, optimizer state or saved activations; the policy's activations are empty).
@@ -275,7 +275,8 @@ def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
     Raises:
       InfeasibleBudgetError: no policy fits; ``.min_budget_bytes`` is the exact minimum (bytes),
         stated in the message in bytes and GiB.
-      TypeError / ValueError: invalid arguments, naming them.
+      TypeError / ValueError: invalid arguments, naming them; a bad ``budget_bytes`` as
+        :func:`~xla_swap.planning.units.check_budget_bytes` words it.
     """
     n_dev = _check_num_devices(num_devices)
     layers = _per_device(_resolve_layers(layers, num_layers), n_dev)
@@ -285,9 +286,7 @@ def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
     mode = _check_optimizer_mode(optimizer_mode) if training else _check_optimizer_mode(optimizer_mode) and None
     overlap = _check_host_overlap(host_overlap)
     steady = _check_steady_state(steady_state)
-    if budget_bytes is None:
-        raise ValueError("budget_bytes is required (device-memory budget in bytes)")
-    budget = as_bytes("plan", "budget_bytes", budget_bytes)
+    budget = check_budget_bytes(budget_bytes)
     space = search_space(layers, training, max_prefetch_depth, target)
     if mode is not None:
         space = [c for c in space if optimizer_modes_of(c[1], mode)]

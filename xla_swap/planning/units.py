@@ -10,7 +10,7 @@ import math
 import numbers
 from typing import Mapping
 
-__all__ = ["GB", "GiB", "MAX_BYTES", "REL_TIE", "MAX_PREFETCH_DEPTH", "as_prefetch_depth", "as_bytes", "as_float", "as_amount", "from_dict", "gib"]
+__all__ = ["GB", "GiB", "MAX_BYTES", "REL_TIE", "MAX_PREFETCH_DEPTH", "as_prefetch_depth", "as_bytes", "check_budget_bytes", "as_float", "as_amount", "from_dict", "gib"]
 
 #: Bytes per GB (link bandwidths are in GB/s, as in docs/measured.md).
 GB = 1_000_000_000
@@ -69,6 +69,39 @@ def as_bytes(owner: str, field: str, value) -> int:
     if value > MAX_BYTES:
         raise ValueError(f"{owner}.{field} must be <= 2**63 - 1 bytes, got a number with {len(str(value))} digits")
     return value
+
+
+def check_budget_bytes(value, name: str = "budget_bytes", *, optional: bool = False) -> int | None:
+    """``value`` as a device-memory budget: an ``int`` number of bytes in ``1..MAX_BYTES``.
+
+    The one check of every entry point that takes a budget (``plan``, ``choose_schedule``,
+    ``xla_swap.executors.calibrate.autotune``, ``SwappedStack(budget_bytes=...)`` and its
+    ``autotune``, ``generate``'s ``device_budget_bytes``), so a bad value fails alike at each.
+
+    Args:
+      value: the budget; any integral number (``numpy.int64`` too), not a bool or a float.
+      name: the argument's name in messages.
+      optional: ``None`` is accepted (and returned) instead of a budget.
+
+    Returns: ``int(value)``, bytes (``None`` for ``None`` when ``optional``).
+
+    Raises: the message names ``name`` and what it must be:
+      TypeError: a bool, or not a real number (``"1GB"``).
+      ValueError: ``None`` when not ``optional`` (required); a real number that is not a whole
+        ``int`` > 0 (``0``, ``-1``, ``1.5``, ``2.0``); above ``MAX_BYTES``.
+    """
+    what = f"{name} must be a positive int (bytes), got {value!r}"   # the same words, optional or not
+    if value is None:
+        if optional:
+            return None
+        raise ValueError(f"{name} is required: a positive int (bytes), got None")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(what)
+    if not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(what)
+    if value > MAX_BYTES:
+        raise ValueError(f"{name} must be <= 2**63 - 1 bytes, got a number with {len(str(int(value)))} digits")
+    return int(value)
 
 
 def as_float(owner: str, field: str, value, *, positive: bool) -> float:
