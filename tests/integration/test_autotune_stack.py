@@ -19,32 +19,14 @@ import jax
 import pytest
 import torch
 
+from ffn_cases import D, FFN, FIGURES, L, T, loss
 from streaming_cases import forbid_clock
 from xla_swap.executors.calibrate import calibration_from_figures
 from xla_swap.planning import AdamW, InfeasibleBudgetError, Link
 from xla_swap.planning.chooser import ChoiceCache, choose_schedule, evaluate_choice
 from xla_swap.stack import SwappedStack
 
-D, F, L, T = 16, 32, 6, 8
 _perf_counter = time.perf_counter
-#: Injected figures: streaming a stage's weights and moments over this link takes longer than its
-#: compute, so every resident stage shortens the predicted step.
-FIGURES = functools.partial(calibration_from_figures, link=Link(h2d_gbps=1e-3, d2h_gbps=1e-3, both_gbps=1.5e-3),
-                            forward_s=1e-3, backward_s=2.5e-3)
-
-
-class FFN(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Linear(D, F, bias=False)
-        self.b = torch.nn.Linear(F, D, bias=False)
-
-    def forward(self, h):
-        return h + self.b(torch.nn.functional.gelu(self.a(h), approximate="tanh"))
-
-
-def loss(o):
-    return (o ** 2).mean()
 
 
 def _torch_step(ref, opt_ref, x) -> float:

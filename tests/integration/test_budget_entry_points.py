@@ -11,39 +11,21 @@ the same budget builds none; ``autotune=False`` builds one. A bad budget (0, -1,
 
 Every choice is made from injected figures (``calibration_from_figures``) with the clock made to raise.
 """
-import copy
-import functools
 import time
 
 import jax
 import pytest
 import torch
 
+from ffn_cases import D, FFN, FIGURES, L, T, loss
 from streaming_cases import count_runtime_builds, forbid_clock
-from xla_swap.executors.calibrate import autotune, calibration_from_figures
-from xla_swap.planning import AdamW, LayerCost, Link, plan
+from xla_swap.executors.calibrate import autotune
+from xla_swap.planning import AdamW, LayerCost, plan
 from xla_swap.planning.chooser import ChoiceCache, choose_schedule, evaluate_choice
 from xla_swap.planning.units import check_budget_bytes
 from xla_swap.stack import SwappedStack
 
-D, F, L, T = 16, 32, 6, 8
 _perf_counter = time.perf_counter
-FIGURES = functools.partial(calibration_from_figures, link=Link(h2d_gbps=1e-3, d2h_gbps=1e-3, both_gbps=1.5e-3),
-                            forward_s=1e-3, backward_s=2.5e-3)
-
-
-class FFN(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Linear(D, F, bias=False)
-        self.b = torch.nn.Linear(F, D, bias=False)
-
-    def forward(self, h):
-        return h + self.b(torch.nn.functional.gelu(self.a(h), approximate="tanh"))
-
-
-def loss(o):
-    return (o ** 2).mean()
 
 
 def _layers(seed=0):
