@@ -108,8 +108,9 @@ class AutotuneMixin:
         x = self._carry_in(inputs if isinstance(inputs, (tuple, list)) else (inputs,))
         cal = self.calibration if calibration is None else calibration
         with self.torch_precision():
+            # the stack drops its old runtime: the new one takes its weights and moments, no copy
             self.runtime, choice = autotune(self.runtime, x, budget_bytes, training=training, reps=reps,
-                                            calibration=cal, **choose_kwargs)
+                                            calibration=cal, own_params=True, **choose_kwargs)
         self.schedule = choice
         if isinstance(self.runtime.remat, bool):   # the policy in force follows the choice
             self.policy = dataclasses.replace(self.policy, remat=self.runtime.remat,

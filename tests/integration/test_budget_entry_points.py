@@ -109,3 +109,27 @@ def test_a_bad_budget_is_refused_alike_everywhere_before_anything_is_built(bad, 
             call()
         assert type(got.value) is type(want.value) and str(got.value) == str(want.value), name
     assert built == [] and stack.runtime is runtime and stack.schedule is None
+
+
+def test_the_chosen_runtime_takes_the_weights_and_moments_without_a_copy(monkeypatch):
+    """The stack's autotune hands its runtime's host arrays to the runtime of the choice: a streamed
+    stage's weights and moments are the same arrays (host memory holds them once), a stage made
+    resident gets device copies of both; the old runtime's arrays are not deleted by the hand-over."""
+    import xla_swap.executors.calibrate as cal_mod
+    monkeypatch.setattr(cal_mod, "CHOICES", ChoiceCache())
+    x = torch.randn(T, D)
+    stack = _stack(_layers())
+    old = stack.runtime
+    stack.train_step(x)                     # moments exist and are not zeros
+    forbid_clock(monkeypatch)
+    choice = stack.autotune(x, budget_bytes=_middle_budget(x), calibration=FIGURES)
+    new = stack.runtime
+    assert new is not old and 0 < choice.num_resident < L
+    for i in range(L):
+        same = [a is b for a, b in zip(jax.tree_util.tree_leaves(new.host_params[i]),
+                                       jax.tree_util.tree_leaves(old.host_params[i]))]
+        state = [a is b for a, b in zip(jax.tree_util.tree_leaves(new.optimizer_state[i]),
+                                        jax.tree_util.tree_leaves(old.optimizer_state[i]))]
+        assert same and all(same) == (not new.resident[i]) and not any(same) == new.resident[i], (i, same)
+        assert state and all(state) == (not new.resident[i]) and not any(state) == new.resident[i], (i, state)
+    assert not any(a.is_deleted() for a in jax.tree_util.tree_leaves(old.host_params))

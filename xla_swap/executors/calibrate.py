@@ -368,7 +368,7 @@ def _backward_call(rt: StreamingRuntime, sig, i: int):
     return lambda: exe(*args)
 
 
-def reconfigure(runtime: StreamingRuntime, choice: ScheduleChoice) -> StreamingRuntime:
+def reconfigure(runtime: StreamingRuntime, choice: ScheduleChoice, *, own_params: bool = False) -> StreamingRuntime:
     """A new ``StreamingRuntime`` running ``choice`` over ``runtime``'s stages: the same stage
     functions, current weights, shardings, optimizer (its state and step count carried over),
     trainable leaves and flags; ``prefetch_depth``, ``resident``, ``offload_activations``,
@@ -377,16 +377,21 @@ def reconfigure(runtime: StreamingRuntime, choice: ScheduleChoice) -> StreamingR
     choice with ``remat=False`` when ``runtime.remat`` is a ``jax.checkpoint_policies`` policy
     (its calibration's figures are that policy's: :func:`autotune` does not choose ``remat`` for it).
 
-    ``runtime`` is left as it was (its buffers stay until it is dropped): while both exist, host
-    memory holds the weights (and optimizer state) twice. The optimizer state is copied straight
+    ``own_params=False``: ``runtime`` is left as it was (its buffers stay until it is dropped):
+    while both exist, host memory holds the weights (and optimizer state) twice. ``own_params=True``:
+    the new runtime takes ``runtime``'s weights and optimizer state where they already sit
+    (``StreamingRuntime(own_params=True)``), with no copy; ``runtime`` must not be called afterwards
+    (the new runtime's updates may donate what they share). The optimizer state is placed straight
     into its new place (``StreamingRuntime(optimizer_state=...)``): no zero state is allocated
     first, so a choice with the moments in device memory holds them there once.
 
-    Raises: TypeError: ``runtime`` not a ``StreamingRuntime`` or ``choice`` not a
-      ``ScheduleChoice``; ValueError: ``choice.resident`` has another number of stages; the runtime
-      holds accumulated gradients (``grad_acc``: update first).
+    Raises: TypeError: ``runtime`` not a ``StreamingRuntime``, ``choice`` not a
+      ``ScheduleChoice`` or ``own_params`` not a bool; ValueError: ``choice.resident`` has another
+      number of stages; the runtime holds accumulated gradients (``grad_acc``: update first).
     """
     _check_runtime(runtime)
+    if not isinstance(own_params, bool):
+        raise TypeError(f"own_params must be a bool, got {type(own_params).__name__}")
     if not isinstance(choice, ScheduleChoice):
         raise TypeError(f"choice must be an xla_swap.planning.chooser.ScheduleChoice, got {type(choice).__name__}")
     rt = runtime
@@ -416,7 +421,7 @@ def reconfigure(runtime: StreamingRuntime, choice: ScheduleChoice) -> StreamingR
         trainable=lambda i, path: path_train[i][jax.tree_util.keystr(path)],
         group_of=lambda i, path: path_group[i][jax.tree_util.keystr(path)], max_signatures=rt.max_signatures,
         prefetch_next_call=rt.prefetch_next_call,
-        optimizer_state=rt.optimizer_state if rt.optimizer is not None else None, **kw)
+        optimizer_state=rt.optimizer_state if rt.optimizer is not None else None, own_params=own_params, **kw)
     new.step = rt.step
     return new
 
@@ -424,7 +429,8 @@ def reconfigure(runtime: StreamingRuntime, choice: ScheduleChoice) -> StreamingR
 def autotune(runtime: StreamingRuntime, h, budget_bytes: int, *, training: bool = True, reps: int = 3,
              cache: ChoiceCache = CHOICES,
              calibration: "Calibration | Callable[[StreamingRuntime, Any], Calibration] | None" = None,
-             allow_no_remat: bool = True, **choose_kwargs) -> tuple[StreamingRuntime, ScheduleChoice]:
+             allow_no_remat: bool = True, own_params: bool = False,
+             **choose_kwargs) -> tuple[StreamingRuntime, ScheduleChoice]:
     """Choose a schedule for ``runtime`` and input ``h`` under ``budget_bytes``, and the runtime that runs it.
 
     Without ``calibration`` the choice is looked up in ``cache`` under
@@ -450,6 +456,8 @@ def autotune(runtime: StreamingRuntime, h, budget_bytes: int, *, training: bool 
         when the choice offloads): default ``True``; ``False`` keeps ``remat=True``. A runtime whose
         ``remat`` is a ``jax.checkpoint_policies`` policy keeps it either way (its calibration
         measured that policy's backward).
+      own_params: a new runtime takes ``runtime``'s weights and optimizer state without a copy
+        (:func:`reconfigure`); ``runtime`` must then not be called again. Default ``False``.
       **choose_kwargs: ``max_prefetch_depth``, ``allow_offload``, ``allow_device_optimizer_state``.
 
     Returns: ``(runtime to use, choice)``: ``runtime`` itself when it already runs the choice, else
@@ -461,11 +469,12 @@ def autotune(runtime: StreamingRuntime, h, budget_bytes: int, *, training: bool 
       :func:`~xla_swap.planning.units.check_budget_bytes`); ``TypeError`` for a ``calibration`` that
       is neither a ``Calibration`` nor callable, or a callable that returns no ``Calibration``;
       ``ValueError`` for a calibration of another runtime or input signature; ``TypeError`` for an
-      ``allow_no_remat`` that is not a bool; all before the runtime changes.
+      ``allow_no_remat`` or ``own_params`` that is not a bool; all before the runtime changes.
     """
     _check_runtime(runtime)
-    if not isinstance(allow_no_remat, bool):
-        raise TypeError(f"allow_no_remat must be a bool, got {type(allow_no_remat).__name__}")
+    for name, flag in (("allow_no_remat", allow_no_remat), ("own_params", own_params)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     budget_bytes = check_budget_bytes(budget_bytes)
     if not isinstance(training, bool):
         raise TypeError(f"training must be a bool, got {type(training).__name__}")
@@ -495,7 +504,7 @@ def autotune(runtime: StreamingRuntime, h, budget_bytes: int, *, training: bool 
                "optimizer_state_on_host": runtime.optimizer_state_on_host, "remat": runtime.remat is True}
     if choice.same_config(current):
         return runtime, choice
-    return reconfigure(runtime, choice), choice
+    return reconfigure(runtime, choice, own_params=own_params), choice
 
 
 def _calibration_for(runtime: StreamingRuntime, h, calibration, reps: int, sig) -> Calibration:

@@ -220,9 +220,10 @@ class RuntimePlacement:
         self._param_avals = [jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), p)
                              for p in self.host_params]
 
-    def _place_optimizer_state(self, optimizer, optimizer_state) -> None:
+    def _place_optimizer_state(self, optimizer, optimizer_state, own_state: bool = False) -> None:
         """The shardings of the gradients, accumulators and moments, and the moments themselves
-        (zeros, or copies of ``optimizer_state``).
+        (zeros, or copies of ``optimizer_state``; with ``own_state`` its arrays as they are where
+        they are already placed).
 
         Raises: ValueError: ``optimizer_state`` given without ``optimizer``, or not one list of
           ``(m, v)`` pairs per stage as :func:`checked_state` wants them.
@@ -245,9 +246,9 @@ class RuntimePlacement:
                 states.append(checked_state(optimizer, optimizer_state[i], trained, i))
         #: per stage, the optimizer state: a list of ``(m, v)`` pairs, one per trainable leaf,
         #: in ``pinned_host`` (or device memory); empty lists without an optimizer.
-        # copies (may_alias=False): a given state stays its owner's
-        self.optimizer_state: list = [jax.device_put(st, sh, may_alias=False if optimizer_state is not None
-                                                     else None)
+        # copies (may_alias=False): a given state stays its owner's, unless handed over (own_state)
+        alias = None if optimizer_state is None or own_state else False
+        self.optimizer_state: list = [jax.device_put(st, sh, may_alias=alias)
                                       for st, sh in zip(states, self._state_host_sh)]
 
     def _place_state_shardings(self, has_optimizer: bool) -> None:

@@ -171,7 +171,7 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
         (which otherwise copies it, so that its updates never touch the caller's arrays). The
         caller must not use those arrays afterwards. A caller that places each stage in
         ``pinned_host`` as it reads it (``SwappedStack``) thus holds the weights once, not twice.
-        Default ``False``.
+        The same holds for the arrays of a given ``optimizer_state``. Default ``False``.
       throttle: bound device memory for real, not only the runtime's references: after
         dispatching stage i's computation, the host waits until stage i-1's computation
         (forward) or the copy of stage i+1's gradients to host (backward) is complete
@@ -345,7 +345,7 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
         self._set_stage_fns(fns)
         self._place_weights(stage_params, host_sh, dev_sh, train_mask, own_params=own_params,
                             copy=optimizer is not None)
-        self._place_optimizer_state(optimizer, optimizer_state)
+        self._place_optimizer_state(optimizer, optimizer_state, own_state=own_params)
         self._init_step_state(groups)
         self._init_caches()
         self._init_instrumentation()
