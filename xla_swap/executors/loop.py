@@ -59,9 +59,8 @@ class RuntimeLoop:
 
     def _call_schedule(self, train: bool, mode) -> PrefetchSchedule:
         """The schedule of this call: cold, steady, or from the stages actually carried in (a carried
-        copy of weights replaced since is stale and dropped here)."""
-        self._carry = {j: c for j, c in self._carry.items() if c[0] is self.host_params[j]}
-        carried = tuple(sorted(self._carry))
+        copy of weights replaced since is stale: not carried in)."""
+        carried = tuple(sorted(j for j, c in self._carry.items() if c[0] is self.host_params[j]))
         optimizer = train and (mode == "update" or (mode is not None and self.grad_acc is not None))
         sched = self.schedule(train, steady_state=bool(carried), optimizer=optimizer)
         if sched.carried_in != carried:
@@ -180,6 +179,7 @@ class RuntimeLoop:
         cotangent) and the backward in reverse; returns ``(output,)`` or ``(loss or output, input
         cotangent, gradients or None)``."""
         n = self.num_stages
+        self._carry = {j: self._carry[j] for j in call.schedule.carried_in}  # a stale copy is dropped
         if call.offload and call.save:
             call.residual_dev_sh = [list(e.output_shardings[1]) for e in fwd]
         call.offloaded = [False] * n

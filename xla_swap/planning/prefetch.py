@@ -66,8 +66,9 @@ class ScheduleStep:
       release: stages whose weights this call drops after this step (held on only by ``keep_next``).
       offload: stages whose kept input (and saved residuals) go to host memory after this step.
       fetch_activations: stages whose offloaded input comes back to the device at this step.
-      fetch_state: stages whose optimizer state (and accumulated gradients) is copied host ->
-        device at this step, ahead of their backward (``optimizer``; resident stages too).
+      fetch_state: stages whose optimizer state (and accumulated gradients) is brought to the
+        device at this step, ahead of their backward (``optimizer``; resident stages too): a copy
+        host -> device where it lives in host memory (``optimizer_state_on_host``).
     """
 
     pass_name: str
