@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from xla_swap.planning import PrefetchSchedule, ScheduleStep
-from xla_swap.planning.prefetch import PASSES
+from xla_swap.planning.prefetch import EVENT_KINDS, PASSES
 
 
 def test_inference_steady_state_moves_every_stage_once_and_keeps_k():
@@ -19,7 +19,7 @@ def test_inference_steady_state_moves_every_stage_once_and_keeps_k():
     assert s.next_call_fetches == (0, 1) and s.carried_out == (0, 1)
     assert s.num_fetches == 6
     assert [len(st.live) for st in s.steps] == [3] * 6
-    assert s.steps[-1] == ScheduleStep("forward", 5, (), (1,), (0, 1, 5))
+    assert s.steps[-1] == ScheduleStep("forward", 5, (), (1,), (0, 1, 5), keep_next=(1,), release=(5,))
 
 
 def test_training_steady_state_moves_2L_minus_2k_minus_2():
@@ -114,3 +114,66 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="'forward', 'backward'"):
         PrefetchSchedule(3, 1).fetched("optimizer")
     assert PASSES == ("forward", "backward")
+
+
+def test_events_of_a_training_step_with_offload_and_optimizer():
+    s = PrefetchSchedule(5, 1, training=True, offload_activations=True, optimizer=True)
+    assert s.carried_in == (0, 1) and s.carried_out == (0, 1)
+    pro_f, pro_b = s.prologues
+    assert (pro_f.stage, pro_f.take, pro_f.fetch) == (None, (0,), ())
+    fwd, bwd = s.steps[:5], s.steps[5:]
+    assert [st.take + st.fetch for st in fwd] == [(1,), (2,), (3,), (4,), ()]
+    assert [st.fetch for st in fwd] == [(), (2,), (3,), (4,), ()]          # stage 1 came with the carry
+    assert [st.offload for st in fwd] == [(0,), (1,), (2,), (), ()]         # the last k+1 inputs stay
+    assert [st.release for st in fwd] == [(0,), (1,), (2,), (), ()]
+    assert (pro_b.take, pro_b.fetch_state) == ((4,), (4,))
+    assert [st.stage for st in bwd] == [4, 3, 2, 1, 0]
+    assert [st.take + st.fetch for st in bwd] == [(3,), (2,), (1,), (0,), ()]
+    assert [st.fetch for st in bwd] == [(), (2,), (1,), (0,), ()]
+    assert [st.fetch_state for st in bwd] == [(3,), (2,), (1,), (0,), ()]
+    assert [st.fetch_activations for st in bwd] == [(), (2,), (1,), (0,), ()]
+    assert [st.keep_next for st in bwd] == [(), (), (), (1,), (0,)]
+    assert [st.release for st in bwd] == [(4,), (3,), (2,), (1,), (0,)]
+    assert s.events()[:2] == (("forward", None, "take", 0), ("forward", 0, "take", 1))
+    assert ("backward", 3, "fetch_state", 2) in s.events()
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 10), k=st.integers(1, 12), training=st.booleans(), cyclic=st.booleans(),
+       steady=st.booleans(), offload=st.booleans(), data=st.data())
+def test_event_invariants(n, k, training, cyclic, steady, offload, data):
+    res = tuple(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    opt = training and data.draw(st.booleans())
+    s = PrefetchSchedule(n, k, training=training, resident=res, prefetch_next_call=cyclic, steady_state=steady,
+                         offload_activations=offload, optimizer=opt)
+    streamed = {j for j in range(n) if not res[j]}
+    for name in PASSES[:2 if training else 1]:   # every streamed stage: acquired once, released once per pass
+        timeline = [t for t in s.timeline if t.pass_name == name]
+        acquired = [j for t in timeline for j in t.fetch + t.take]
+        assert sorted(acquired) == sorted(streamed) and len(set(acquired)) == len(acquired)
+        assert sorted(j for t in timeline for j in t.release) == sorted(j for j in streamed if not (
+            name == "forward" and training and j >= n - k - 1))
+        assert [j for t in timeline for j in t.fetch] == list(s.fetched(name))
+    assert sorted(j for t in s.timeline for j in t.keep_next) == list(s.carried_out)
+    assert set(s.next_call_fetches) <= set(s.carried_out)
+    offloaded = [j for t in s.steps for j in t.offload]
+    assert offloaded == (list(range(max(0, n - k - 1))) if training and offload else [])
+    assert sorted(j for t in s.timeline for j in t.fetch_activations) == offloaded
+    assert sorted(j for t in s.timeline for j in t.fetch_state) == (list(range(n)) if opt else [])
+    assert len(s.events()) == sum(len(getattr(t, kind)) for t in s.timeline for kind in EVENT_KINDS)
+
+
+def test_carry_and_optimizer_arguments():
+    s = PrefetchSchedule(5, 2, training=True, carry=[1, 0])
+    assert s.carry == (0, 1) and s.carried_in == (0, 1) and s.steps[0].fetch == (2,)
+    assert PrefetchSchedule(5, 2, carry=(0, 1, 2)).steps[0].take == (2,)
+    with pytest.raises(ValueError, match="optimizer=True needs training"):
+        PrefetchSchedule(3, 1, optimizer=True)
+    with pytest.raises(ValueError, match="carry must be distinct streamed stages below 3"):
+        PrefetchSchedule(3, 1, resident=(True, False, False), carry=(0,))
+    with pytest.raises(ValueError, match="carry must be distinct"):
+        PrefetchSchedule(3, 1, carry=(3,))
+    with pytest.raises(TypeError, match=r"carry\[0\]"):
+        PrefetchSchedule(3, 1, carry=("0",))
+    with pytest.raises(TypeError, match="optimizer"):
+        PrefetchSchedule(3, 1, training=True, optimizer=1)

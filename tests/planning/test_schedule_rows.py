@@ -12,7 +12,7 @@ import itertools
 import pytest
 
 from xla_swap.planning import LayerCost, OffloadPolicy, PrefetchSchedule, evaluate
-from xla_swap.planning.rows import fetched_for, offloaded_rows, phase_rows, schedule_for
+from xla_swap.planning.rows import fetched_for, offloaded_rows, phase_rows, schedule_for, state_fetched_for
 
 
 def _layers(n):
@@ -73,6 +73,14 @@ def test_offloaded_rows_are_the_schedule_steps(num_layers, k, mode, steady):
     rows = offloaded_rows(policy, layers, mode, steady, schedule)
     _check_rows(rows, schedule, layers, ("forward", "backward"))
     assert [r.stage for r in rows[2 * num_layers:]] == list(schedule.next_call_fetches)
+    # the "streamed" mode's schedule brings each layer's moments beside its weights; the rows time them
+    assert schedule.optimizer == (mode == "streamed")
+    assert state_fetched_for(schedule) == (set(range(num_layers)) if mode == "streamed" else set())
+    if mode == "streamed":
+        fetched = fetched_for(schedule, "backward")
+        for r in rows[num_layers:2 * num_layers]:
+            assert r.in_bytes == layers[r.stage].optimizer_bytes + (
+                layers[r.stage].param_bytes if r.stage in fetched else 0), r
     plan = evaluate(policy, layers, optimizer_mode=mode, steady_state=steady)
     assert plan.schedule == schedule and plan.optimizer_mode == mode
     assert plan.schedule.prefetch_next_call == (steady and mode != "host")
@@ -94,3 +102,13 @@ def test_a_changed_schedule_changes_the_timed_rows():
     cold_in = [r.in_bytes for r in phase_rows(policy, layers, False, True, cold)["forward"]]
     steady_in = [r.in_bytes for r in phase_rows(policy, layers, False, True, steady)["forward"]]
     assert cold_in[:2] == [1000, 2000] and steady_in[:2] == [0, 0]
+
+
+def test_the_streamed_rows_move_the_moments_the_schedule_fetches():
+    layers = _layers(3)
+    policy = OffloadPolicy(params="host", grads="host", optimizer_state="host", prefetch_depth=1)
+    with_state = PrefetchSchedule(3, 1, training=True, optimizer=True)
+    without = PrefetchSchedule(3, 1, training=True)
+    a = [r.in_bytes for r in offloaded_rows(policy, layers, "streamed", True, with_state)[3:6]]
+    b = [r.in_bytes for r in offloaded_rows(policy, layers, "streamed", True, without)[3:6]]
+    assert [x - y for x, y in zip(a, b)] == [layers[i].optimizer_bytes for i in (2, 1, 0)]

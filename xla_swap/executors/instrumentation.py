@@ -54,6 +54,10 @@ class RuntimeInstrumentation:
         self.max_resident_stages: int = 0
         #: ``[(pass_name, stage, resident_stages), ...]`` of the last call.
         self.residency_trace: list[tuple[str, int, int]] = []
+        #: the schedule the last call executed (an ``xla_swap.planning.PrefetchSchedule``), and its
+        #: events as executed: ``(pass_name, step's stage or None, kind, stage)``, = ``events()``.
+        self.last_schedule = None
+        self.executed_events: list[tuple[str, int | None, str, int]] = []
 
     def reset_stats(self) -> None:
         """Reset ``max_resident_stages`` and ``residency_trace``."""

@@ -42,7 +42,6 @@ from jax.sharding import Sharding
 
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.planning.policy import OffloadPolicy
-from xla_swap.planning.prefetch import PrefetchSchedule
 
 from . import optim as _optim
 from .compilation import DEFAULT_MAX_SIGNATURES, MAX_LOSS_FNS, RuntimeCompilation, Signature
@@ -454,26 +453,6 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
     def prefetched_stages(self) -> list[int]:
         """Stages whose weights are held in device memory for the next call (``prefetch_next_call``), sorted."""
         return sorted(self._carry)
-
-    def schedule(self, training: bool = False, *, steady_state: bool = True) -> PrefetchSchedule:
-        """This runtime's weight schedule for one call, with its predicted live set per step.
-
-        Args:
-          training: ``False`` for ``forward``, ``True`` for ``train_step``.
-          steady_state: the call follows one of the same kind (it starts with the stages that
-            call left in device memory, ``prefetch_next_call``); ``False``: a cold call (the
-            first, or after ``release_prefetched()``).
-
-        Returns: an ``xla_swap.planning.PrefetchSchedule`` over ``num_stages``, ``prefetch_depth``,
-          ``resident`` and ``prefetch_next_call``: which stage's weights are copied at which step,
-          and the stages live at each step. With ``track_residency`` the runtime's
-          ``residency_trace`` of such a call equals ``[(s.pass_name, s.stage, len(s.live)) for s in
-          schedule.steps]`` and ``max_resident_stages`` its ``max_live_stages``.
-
-        Raises: TypeError: a flag is not a bool.
-        """
-        return PrefetchSchedule(self.num_stages, self.prefetch_depth, training=training, resident=self.resident,
-                                prefetch_next_call=self.prefetch_next_call, steady_state=steady_state)
 
     def release_prefetched(self) -> None:
         """Drop the weights held in device memory for the next call (frees up to k stages' weights;

@@ -1,10 +1,10 @@
 """The prefetch schedule of the streaming runtime, as data: which stage's weights move when, and the live set.
 
-Pure Python (no torch, no jax): the one description of ``StreamingRuntime``'s weight traffic and
-of how many stages' weights its device memory holds, read by the runtime (``StreamingRuntime.schedule()``,
-``memory_report()``) and by the planner (its memory model's weight window and its time model's
-per-layer copies). ``tests/executors/test_schedule_residency.py`` checks the runtime's measured
-residency against it step by step.
+Pure Python (no torch, no jax): the one description of a ``StreamingRuntime`` call, which its loop
+executes event by event (``RuntimeLoop``: ``executed_events`` records them), the planner times
+(its rows are the steps) and the memory model sums (``max_live_stages``).
+``tests/executors/test_schedule_residency.py`` checks the runtime's measured residency against it,
+``tests/executors/test_schedule_one_object.py`` its executed events.
 
 The schedule (``L`` stages, prefetch depth ``k``; docs/design.md, "Streaming" and "The schedule is
 cyclic across calls"):
@@ -12,15 +12,15 @@ cyclic across calls"):
 * forward: before stage 0 computes, stages ``0..min(k, L)-1`` are fetched (the prologue); after
   stage ``i``'s computation is dispatched, stage ``i+k`` is fetched. In inference with
   ``prefetch_next_call``, where ``i+k`` is past the last stage, the next call's stage ``i+k-L``
-  is fetched instead (a live copy when its weights are still on the device). In training the last
-  ``k+1`` stages stay on the device for the backward (once the forward fetches nothing more, the
-  window has room for them).
-* backward (training): stages in reverse; after stage ``i``'s backward is dispatched, stage ``i-k``
-  is fetched; with ``prefetch_next_call`` the stages ``0..k`` are kept for the next call (the
-  copy the backward used, or the updated weights): ``k+1`` stages, stage ``k`` in the window slot
-  that stage ``-1`` would have used.
-* ``resident`` stages live in device memory for good: never fetched, never counted as live.
-* a fetch of a stage that the previous call left on the device (``carried_in``) moves nothing.
+  is kept for it (copied when its weights are no longer on the device). In training the last
+  ``k+1`` stages stay on the device for the backward; with ``offload_activations`` the other
+  stages' inputs go to host memory after their forward.
+* backward (training): stages in reverse; its prologue takes the last ``min(k, L)`` stages; after
+  stage ``i``'s backward is dispatched, stage ``i-k`` is fetched (with ``optimizer``, its optimizer
+  state beside it; its offloaded input comes back); with ``prefetch_next_call`` the stages
+  ``0..k`` are kept for the next call: ``k+1`` stages, stage ``k`` in the slot stage ``-1`` would use.
+* ``resident`` stages live in device memory for good: never fetched, taken, released or live.
+* a fetch of a stage on the device (carried in from the previous call, or kept) is a ``take``.
 
 A step's ``live`` set is what the runtime's ``track_residency`` counts after the step: the streamed
 stages with weights (or their gradients / updated weights) in device memory once the step's fetches
@@ -34,35 +34,59 @@ from typing import Sequence
 
 from xla_swap.planning.policy import as_int, check_bool, check_flags
 
-__all__ = ["PASSES", "ScheduleStep", "PrefetchSchedule"]
+__all__ = ["PASSES", "EVENT_KINDS", "ScheduleStep", "PrefetchSchedule"]
 
 #: The passes of a call, in order (``ScheduleStep.pass_name``); inference has only the first.
 PASSES = ("forward", "backward")
 
+#: The events of a step, in the order the runtime performs them (the :class:`ScheduleStep` fields of
+#: that name): a forward step has either ``fetch`` / ``take`` or ``fetch_next`` / ``keep_next``.
+EVENT_KINDS = ("fetch_next", "keep_next", "fetch_state", "fetch", "take", "fetch_activations", "offload",
+               "release")
+
 
 @dataclasses.dataclass(frozen=True)
 class ScheduleStep:
-    """One stage's computation in a call, and the weight copies issued right after it is dispatched.
+    """One stage's computation in a call (or a pass's prologue), and the events issued right after it.
+
+    The event fields are tuples of stage indices, in the order issued (:data:`EVENT_KINDS`).
 
     Attributes:
       pass_name: ``"forward"`` or ``"backward"`` (:data:`PASSES`).
-      stage: the stage computed (0-based).
-      fetch: stages whose weights are copied host -> device at this step for this call (at most one).
+      stage: the stage computed (0-based); ``None`` for a prologue (the events before the pass's
+        first stage computes).
+      fetch: stages whose weights are copied host -> device at this step for this call.
       fetch_next: stages copied host -> device at this step for the next call (cyclic schedule).
       live: the streamed stages holding device memory at this step (sorted): the stage computed,
         the window fetched ahead, the stages kept (for the backward, or for the next call).
+      take: stages whose weights this call acquires at this step without a copy: carried in from
+        the previous call, or still on the device (kept from the forward for the backward).
+      keep_next: stages whose device weights are held for the next call from this step on (a live
+        copy; those in ``fetch_next``; in the backward the copy it used, or the updated weights).
+      release: stages whose weights this call drops after this step (held on only by ``keep_next``).
+      offload: stages whose kept input (and saved residuals) go to host memory after this step.
+      fetch_activations: stages whose offloaded input comes back to the device at this step.
+      fetch_state: stages whose optimizer state (and accumulated gradients) is brought to the
+        device at this step, ahead of their backward (``optimizer``; resident stages too): a copy
+        host -> device where it lives in host memory (``optimizer_state_on_host``).
     """
 
     pass_name: str
-    stage: int
+    stage: int | None
     fetch: tuple[int, ...]
     fetch_next: tuple[int, ...]
     live: tuple[int, ...]
+    take: tuple[int, ...] = ()
+    keep_next: tuple[int, ...] = ()
+    release: tuple[int, ...] = ()
+    offload: tuple[int, ...] = ()
+    fetch_activations: tuple[int, ...] = ()
+    fetch_state: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class PrefetchSchedule:
-    """The weight schedule of one ``StreamingRuntime`` call, with its predicted live set per step.
+    """The schedule of one ``StreamingRuntime`` call: its events step by step, with the live set per step.
 
     Args:
       num_stages: ``L >= 1``.
@@ -75,10 +99,20 @@ class PrefetchSchedule:
       steady_state: the call follows one of the same kind, so it starts with that call's
         ``carried_out`` in device memory (``carried_in``); ``False``: a cold call (the first of a
         loop). Without ``prefetch_next_call`` both are the same.
+      offload_activations: in training, the stage inputs not kept for the backward (all but the
+        last ``k+1``) go to host memory after their forward and come back ``k`` stages ahead of
+        their backward (``StreamingRuntime(offload_activations=True)``); no effect in inference.
+      optimizer: the backward copies each stage's optimizer state (moments, accumulated gradients)
+        to the device beside its weights (``train_step`` with an optimizer). Needs ``training``.
+      carry: the streamed stages the previous call left in device memory, where they are not what
+        ``steady_state`` implies (a ``train_step`` after a ``forward``, a stage whose weights were
+        replaced): a sequence of distinct stage indices, not resident; default ``None``.
 
     Derived attributes (computed at construction):
       carried_in: streamed stages on the device when the call starts (sorted).
       prologue: stages fetched before stage 0 computes (host -> device copies, in order).
+      prologues: one :class:`ScheduleStep` per pass (``stage=None``): the events before its first
+        stage computes.
       steps: the :class:`ScheduleStep` of every stage computation, in execution order (``L``
         forward steps, then in training ``L`` backward steps, stage ``L-1`` first).
       carried_out: streamed stages left in device memory for the next call (sorted).
@@ -86,9 +120,10 @@ class PrefetchSchedule:
     Units: stages (counts and indices); :meth:`peak_live_bytes` turns them into bytes.
 
     Raises:
-      TypeError: ``num_stages`` / ``prefetch_depth`` not an int; a flag not a bool; ``resident``
-        not a sequence of bools.
-      ValueError: ``num_stages < 1``; ``prefetch_depth < 1``; ``resident`` not of length ``L``.
+      TypeError: ``num_stages`` / ``prefetch_depth`` / a ``carry`` entry not an int; a flag not a
+        bool; ``resident`` not a sequence of bools.
+      ValueError: ``num_stages < 1``; ``prefetch_depth < 1``; ``resident`` not of length ``L``;
+        ``optimizer`` without ``training``; ``carry`` not distinct streamed stages below ``L``.
     """
 
     num_stages: int
@@ -97,28 +132,48 @@ class PrefetchSchedule:
     resident: tuple[bool, ...] | None = None
     prefetch_next_call: bool = True
     steady_state: bool = True
+    offload_activations: bool = False
+    optimizer: bool = False
+    carry: tuple[int, ...] | None = None
     carried_in: tuple[int, ...] = dataclasses.field(init=False)
     prologue: tuple[int, ...] = dataclasses.field(init=False)
+    prologues: tuple[ScheduleStep, ...] = dataclasses.field(init=False, repr=False)
     steps: tuple[ScheduleStep, ...] = dataclasses.field(init=False, repr=False)
     carried_out: tuple[int, ...] = dataclasses.field(init=False)
 
     def __post_init__(self):
         n = as_int("num_stages", self.num_stages, 1)
         k = as_int("prefetch_depth", self.prefetch_depth, 1)
-        for name in ("training", "prefetch_next_call", "steady_state"):
+        names = ("training", "prefetch_next_call", "steady_state", "offload_activations", "optimizer")
+        for name in names:
             check_bool(name, getattr(self, name))
         res = check_flags("resident", self.resident, n)
-        flags = tuple(bool(getattr(self, f)) for f in ("training", "prefetch_next_call", "steady_state"))
-        built = _build(n, k, flags[0], res, flags[1], flags[2])
-        for name, value in (("num_stages", n), ("prefetch_depth", k), ("resident", res),
-                            ("training", flags[0]), ("prefetch_next_call", flags[1]), ("steady_state", flags[2])) \
-                + tuple(built.items()):
+        flags = tuple(bool(getattr(self, f)) for f in names)
+        if flags[4] and not flags[0]:
+            raise ValueError("optimizer=True needs training=True (the optimizer state moves in the backward)")
+        carry = _checked_carry(self.carry, n, res)
+        built = _build(n, k, res, carry, *flags)
+        for name, value in (("num_stages", n), ("prefetch_depth", k), ("resident", res), ("carry", carry)) \
+                + tuple(zip(names, flags)) + tuple(built.items()):
             object.__setattr__(self, name, value)
 
     @property
     def max_live_stages(self) -> int:
         """The most streamed stages holding device memory at any step (``min(k+1, L)`` without resident stages)."""
         return max((len(s.live) for s in self.steps), default=0)
+
+    @property
+    def timeline(self) -> tuple[ScheduleStep, ...]:
+        """The prologues and the steps in execution order (the forward's prologue first)."""
+        fwd = tuple(s for s in self.steps if s.pass_name == "forward")
+        return (self.prologues[0],) + fwd + self.prologues[1:] + self.steps[len(fwd):]
+
+    def events(self) -> tuple[tuple[str, int | None, str, int], ...]:
+        """Every event of the call in execution order: ``(pass_name, step's stage or None, kind, stage)``
+        tuples, ``kind`` one of :data:`EVENT_KINDS` (in that order within a step). A
+        ``StreamingRuntime`` call's ``executed_events`` equal them."""
+        return tuple((s.pass_name, s.stage, kind, j) for s in self.timeline for kind in EVENT_KINDS
+                     for j in getattr(s, kind))
 
     def fetched(self, pass_name: str) -> tuple[int, ...]:
         """Stages whose weights cross host -> device during ``pass_name`` for this call, in order.
@@ -159,59 +214,113 @@ class PrefetchSchedule:
         return max((sum(b[j] for j in s.live) for s in self.steps), default=0)
 
 
+def _checked_carry(carry, n: int, res: tuple) -> tuple[int, ...] | None:
+    """``carry`` as a sorted tuple of distinct streamed stage indices (``None`` stays ``None``)."""
+    if carry is None:
+        return None
+    if isinstance(carry, (str, bytes)) or not isinstance(carry, Sequence):
+        raise ValueError(f"carry must be a sequence of stage indices, got {carry!r}")
+    out = [as_int(f"carry[{i}]", j, 0) for i, j in enumerate(carry)]
+    if len(set(out)) != len(out) or any(j >= n or res[j] for j in out):
+        raise ValueError(f"carry must be distinct streamed stages below {n}, got {carry!r}")
+    return tuple(sorted(out))
+
+
+class _State:
+    """The schedule being built: the live set, the carried stages not taken yet, the next call's keeps."""
+
+    def __init__(self, res: tuple, carried_in: set):
+        self.res, self.live, self.waiting, self.nxt = res, set(carried_in), set(carried_in), set()
+
+    def acquire(self, j: int, ev: dict) -> None:
+        """Stage j's weights for this call: a copy (``fetch``), or a ``take`` when on the device."""
+        if self.res[j]:
+            return
+        if j in self.waiting or j in self.live:   # carried in by the previous call, or kept
+            self.waiting.discard(j)
+            self.live.add(j)
+            ev["take"].append(j)
+            return
+        self.live.add(j)
+        ev["fetch"].append(j)
+
+    def step(self, pass_name: str, stage: int | None, ev: dict) -> ScheduleStep:
+        """The step of these events, its live set as it is now."""
+        return ScheduleStep(pass_name, stage, tuple(ev["fetch"]), tuple(ev["fetch_next"]), tuple(sorted(self.live)),
+                            **{kind: tuple(ev[kind]) for kind in EVENT_KINDS if kind not in ("fetch", "fetch_next")})
+
+
+def _events() -> dict:
+    return {kind: [] for kind in EVENT_KINDS}
+
+
 @functools.lru_cache(maxsize=256)
-def _build(n: int, k: int, training: bool, res: tuple, cyclic: bool, steady: bool) -> dict:
+def _build(n: int, k: int, res: tuple, carry: tuple | None, training: bool, cyclic: bool, steady: bool,
+           offload: bool, optimizer: bool) -> dict:
     """The derived fields of :class:`PrefetchSchedule` (cached: the planner asks for the same ones often)."""
     nc = min(k, n)
-    streamed = [j for j in range(n) if not res[j]]
-    carried_in: set[int] = set()
-    if cyclic and steady:           # what a call of the same kind leaves (see carried_out below)
-        carried_in = {j for j in streamed if j < nc or (training and j == k)}
-    live = set(carried_in)
-    waiting = set(carried_in)       # carried in, not fetched yet
-
-    def fetch(j: int) -> bool:
-        """Bring stage j's weights to the device; True when that is a copy."""
-        if res[j]:
-            return False
-        if j in waiting:            # carried in by the previous call
-            waiting.discard(j)
-            live.add(j)
-            return False
-        if j in live:               # still on the device (kept across the turn)
-            return False
-        live.add(j)
-        return True
-
-    prologue = tuple(j for j in range(nc) if fetch(j))
-    steps: list[ScheduleStep] = []
-    nxt: set[int] = set()
+    if carry is not None:
+        carried_in = set(carry)
+    elif cyclic and steady:         # what a call of the same kind leaves (see carried_out below)
+        carried_in = {j for j in range(n) if not res[j] and (j < nc or (training and j == k))}
+    else:
+        carried_in = set()
+    st = _State(res, carried_in)
+    ev = _events()
+    for j in range(nc):
+        st.acquire(j, ev)
+    prologues, steps = [st.step("forward", None, ev)], []
     keep = set(range(max(0, n - k - 1), n)) if training else set()
     for i in range(n):
-        own, ahead = (), []
+        ev = _events()
         if i + k < n:
-            own = (i + k,) if fetch(i + k) else ()
+            st.acquire(i + k, ev)
         elif cyclic and not training:
             for c in range(min(i + k - n + 1, nc)):
-                if c in nxt or res[c]:
+                if c in st.nxt or res[c]:
                     continue
-                if c not in live:
-                    live.add(c)
-                    ahead.append(c)
-                nxt.add(c)
-        steps.append(ScheduleStep("forward", i, own, tuple(ahead), tuple(sorted(live))))
-        if i not in keep and i not in nxt:
-            live.discard(i)
-    live -= waiting                 # a carried copy the forward did not use is dropped
+                if c not in st.live:
+                    st.live.add(c)
+                    ev["fetch_next"].append(c)
+                ev["keep_next"].append(c)
+                st.nxt.add(c)
+        if training and offload and i not in keep:
+            ev["offload"].append(i)
+        if not res[i] and i not in keep:
+            ev["release"].append(i)
+        steps.append(st.step("forward", i, ev))
+        if i not in keep and i not in st.nxt:
+            st.live.discard(i)
+    st.live -= st.waiting           # a carried copy the forward did not use is dropped
     if training:
-        for i in range(n - 1, -1, -1):
-            own = ()
-            if cyclic and i <= k and not res[i]:
-                nxt.add(i)          # kept (the updated or streamed weights) for the next call
-            if i - k >= 0:
-                own = (i - k,) if fetch(i - k) else ()
-            steps.append(ScheduleStep("backward", i, own, (), tuple(sorted(live))))
-            if i not in nxt:
-                live.discard(i)
-    return {"carried_in": tuple(sorted(carried_in)), "prologue": prologue, "steps": tuple(steps),
-            "carried_out": tuple(sorted(nxt)) if cyclic else ()}
+        _build_backward(n, k, res, cyclic, offload, optimizer, keep, st, prologues, steps)
+    return {"carried_in": tuple(sorted(carried_in)), "prologue": prologues[0].fetch, "prologues": tuple(prologues),
+            "steps": tuple(steps), "carried_out": tuple(sorted(st.nxt)) if cyclic else ()}
+
+
+def _build_backward(n: int, k: int, res: tuple, cyclic: bool, offload: bool, optimizer: bool, keep: set,
+                    st: _State, prologues: list, steps: list) -> None:
+    """Append the backward's prologue and steps (``keep``: the stages the forward kept for it)."""
+    def bring(j: int, ev: dict) -> None:
+        if optimizer:
+            ev["fetch_state"].append(j)
+        st.acquire(j, ev)
+        if offload and j not in keep:
+            ev["fetch_activations"].append(j)
+
+    ev = _events()
+    for j in range(n - 1, max(-1, n - 1 - k), -1):
+        bring(j, ev)
+    prologues.append(st.step("backward", None, ev))
+    for i in range(n - 1, -1, -1):
+        ev = _events()
+        if cyclic and i <= k and not res[i]:
+            st.nxt.add(i)           # kept (the updated or streamed weights) for the next call
+            ev["keep_next"].append(i)
+        if i - k >= 0:
+            bring(i - k, ev)
+        if not res[i]:
+            ev["release"].append(i)
+        steps.append(st.step("backward", i, ev))
+        if i not in st.nxt:
+            st.live.discard(i)

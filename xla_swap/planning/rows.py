@@ -15,7 +15,8 @@ from xla_swap.planning.memory import activation_placements
 from xla_swap.planning.policy import OffloadPolicy
 from xla_swap.planning.prefetch import PrefetchSchedule, ScheduleStep
 
-__all__ = ["OPTIMIZER_MODES", "Row", "optimizer_modes_of", "schedule_for", "fetched_for", "phase_rows",
+__all__ = ["OPTIMIZER_MODES", "Row", "optimizer_modes_of", "schedule_for", "fetched_for", "state_fetched_for",
+           "phase_rows",
            "offloaded_rows", "recompute_s", "activation_traffic"]
 
 #: Where and how the optimizer step runs (docs/planner.md, "Optimizer modes"): ``"device"`` - the
@@ -57,10 +58,17 @@ def schedule_for(policy: OffloadPolicy, num_layers: int, training: bool, mode: s
                  steady_state: bool) -> PrefetchSchedule:
     """The runtime's schedule of one call of ``policy``: every layer streamed when ``params="host"``
     (else every layer resident: nothing moves), cyclic in the steady state except in the ``"host"``
-    optimizer mode, whose CPU update rewrites the weights after the backward."""
+    optimizer mode, whose CPU update rewrites the weights after the backward; in the ``"streamed"``
+    mode the backward fetches each layer's optimizer state beside its weights (``optimizer``)."""
     cyclic = steady_state and not (training and mode == "host")
     return PrefetchSchedule(num_layers, policy.prefetch_depth, training=training,
-                            resident=(policy.params != "host",) * num_layers, prefetch_next_call=cyclic)
+                            resident=(policy.params != "host",) * num_layers, prefetch_next_call=cyclic,
+                            optimizer=training and mode == "streamed")
+
+
+def state_fetched_for(schedule: PrefetchSchedule) -> set[int]:
+    """The stages whose optimizer state ``schedule`` brings to the device (its ``fetch_state`` events)."""
+    return {j for s in schedule.timeline for j in s.fetch_state}
 
 
 def fetched_for(schedule: PrefetchSchedule, pass_name: str) -> set[int]:
@@ -134,18 +142,20 @@ def offloaded_rows(policy: OffloadPolicy, layers: list[LayerCost], mode: str, st
                    schedule: PrefetchSchedule | None = None) -> list[Row]:
     """The rows of a training step whose optimizer state lives in host memory: the forward's and the
     backward's steps of ``schedule`` (default :func:`schedule_for` in ``mode``; in ``"streamed"`` a
-    backward step carries its fused update), then the copies for the next step."""
+    backward step carries its fused update, and its layer's moments in where the schedule fetches
+    them: ``fetch_state``), then the copies for the next step."""
     schedule = schedule or schedule_for(policy, len(layers), True, mode, steady_state)
     grads_on_host = policy.grads == "host"
     activation_bytes, remat_names = activation_traffic(policy, layers, True)
     rows = _forward_rows(schedule, layers, activation_bytes)
+    state_in = state_fetched_for(schedule)
     for s, fetched in _steps(schedule, "backward"):   # the last k stay across the turn
         layer = layers[s.stage]
         compute = layer.backward_time_s + recompute_s(layer, policy, remat_names)
         weights_in = layer.param_bytes if fetched else 0
         if mode == "streamed":   # moments in; new weights + moments out; the gradient stays on the device
-            rows.append(Row(s.stage, compute + layer.optimizer_s,
-                            weights_in + activation_bytes[s.stage] + layer.optimizer_bytes,
+            rows.append(Row(s.stage, compute + layer.optimizer_s, weights_in + activation_bytes[s.stage]
+                            + (layer.optimizer_bytes if s.stage in state_in else 0),
                             layer.param_bytes + layer.optimizer_bytes, s))
         else:                    # the gradient goes to host memory; the update runs on the CPU
             rows.append(Row(s.stage, compute, weights_in + activation_bytes[s.stage],

@@ -7,7 +7,8 @@ from __future__ import annotations
 from xla_swap.planning.costs import LayerCost, Link
 from xla_swap.planning.policy import OffloadPolicy
 from xla_swap.planning.prefetch import PrefetchSchedule
-from xla_swap.planning.rows import activation_traffic, fetched_for, offloaded_rows, recompute_s, schedule_for
+from xla_swap.planning.rows import (activation_traffic, fetched_for, offloaded_rows, recompute_s, schedule_for,
+                                   state_fetched_for)
 from xla_swap.planning.units import GB
 
 __all__ = ["simulate_phase", "phase_times", "link_floor_s", "traffic_floor", "shared_rates", "simulate_shared_link", "per_layer_times",
@@ -223,7 +224,7 @@ def offloaded_floor(policy: OffloadPolicy, layers: list[LayerCost], link: Link, 
     weights_in += sum(layers[i].param_bytes for i in backward_in)    # backward: all but the last k
     weights_in += sum(layers[i].param_bytes for i in tail)           # and the next step's first layers
     if streamed:
-        total_in = weights_in + activations + sum(layer.optimizer_bytes for layer in layers)
+        total_in = weights_in + activations + sum(layers[i].optimizer_bytes for i in state_fetched_for(schedule))
         total_out = activations + sum(layer.param_bytes + layer.optimizer_bytes for layer in layers)
         host = 0.0
     else:
