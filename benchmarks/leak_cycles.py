@@ -230,6 +230,19 @@ def _make(case: str):
     raise ValueError(f"case must be one of {CASES}, got {case!r}")
 
 
+def _sample(samples: dict, c: int, interned) -> None:
+    """Write cycle ``c``'s samples into ``samples``' arrays (left at -1 where one is not available)."""
+    from xla_swap._compat.jax import tracing_cache_entries
+    for k, v in (("rss", rss_bytes()), ("trimmed", trimmed_rss_bytes()), ("in_use", malloc_in_use_bytes()),
+                 ("dev", device_bytes_in_use()), ("blocks", sys.getallocatedblocks()),
+                 ("entries", tracing_cache_entries())):
+        if v is not None:
+            samples[k][c] = v
+    if interned is not None:
+        t = interned()
+        samples["table_live"][c], samples["table_log2"][c] = t["live"], t["log2_slots"]
+
+
 def run_case(case: str, cycles: int, settle_interned: bool = True) -> dict:
     """``cycles`` build / call / drop cycles of ``case``; RSS (and device memory) after each.
 
@@ -255,7 +268,6 @@ def run_case(case: str, cycles: int, settle_interned: bool = True) -> dict:
     ``interned_settle`` and ``seconds``.
     """
     import jax
-    from xla_swap._compat.jax import tracing_cache_entries
     build, call = _make(case)
     from leak_interned import interned_table_reader, settle_interned_table
     try:
@@ -263,9 +275,11 @@ def run_case(case: str, cycles: int, settle_interned: bool = True) -> dict:
     except RuntimeError:
         interned = None
     settle = None
-    rss, trimmed, dev, blocks, entries, refs, by_refcount = [], [], [], [], [], [], 0
-    table_live, table_log2, in_use = [], [], []
-    live_start = None
+    # Samples go to arrays allocated before the cycles (-1: not available), so that sampling allocates
+    # nothing per cycle; a dropped object's weak reference is kept only while the object is alive.
+    names = ("rss", "trimmed", "in_use", "dev", "blocks", "entries", "table_live", "table_log2")
+    samples = {k: np.full(cycles, -1, np.int64) for k in names}
+    alive, by_refcount, live_start = [], 0, None
     gc.collect()
     t0 = time.perf_counter()
     for c in range(cycles):
@@ -275,26 +289,19 @@ def run_case(case: str, cycles: int, settle_interned: bool = True) -> dict:
         del obj
         by_refcount += ref() is None
         gc.collect()
-        refs.append(ref)
-        rss.append(rss_bytes())
-        trimmed.append(trimmed_rss_bytes())
-        in_use.append(malloc_in_use_bytes())
-        dev.append(device_bytes_in_use())
-        blocks.append(sys.getallocatedblocks())
-        entries.append(tracing_cache_entries())
-        if interned is not None:
-            t = interned()
-            table_live.append(t["live"])
-            table_log2.append(t["log2_slots"])
+        if ref() is not None:
+            alive.append(ref)
+        del ref
+        _sample(samples, c, interned)
         if c == 0:
             live_start = len(jax.live_arrays())
             if settle_interned:
+                before = int(samples["trimmed"][0])
                 settle = settle_interned_table(interned)
-                settle.update(trimmed_rss_before=trimmed[0], trimmed_rss_after=trimmed_rss_bytes())
+                settle.update(trimmed_rss_before=None if before < 0 else before, trimmed_rss_after=trimmed_rss_bytes())
     seconds = time.perf_counter() - t0
-    dev = None if any(d is None for d in dev) else dev
-    trimmed = None if any(t is None for t in trimmed) else trimmed
-    in_use = None if any(m is None for m in in_use) else in_use
+    rss, trimmed, in_use, dev, blocks, entries, table_live, table_log2 = (
+        None if (samples[k] < 0).any() else samples[k].tolist() for k in names)
     return {"case": case, "cycles": cycles, "seconds": seconds,
             "rss_bytes": rss, "rss_first": rss[0], "rss_last": rss[-1],
             "raw_rss_slope_kib_per_cycle": slope_per_cycle(rss) / 1024,
@@ -304,10 +311,10 @@ def run_case(case: str, cycles: int, settle_interned: bool = True) -> dict:
             "malloc_in_use_slope_kib_per_cycle": None if in_use is None else slope_per_cycle(in_use) / 1024,
             "python_blocks": blocks, "python_blocks_slope_per_cycle": slope_per_cycle(blocks),
             "jax_cache_entries": entries, "jax_cache_entries_slope_per_cycle": slope_per_cycle(entries),
-            "interned_live": table_live if interned else None, "interned_log2_slots": table_log2 if interned else None,
+            "interned_live": table_live, "interned_log2_slots": table_log2,
             "device_bytes_in_use": dev,
             "device_slope_kib_per_cycle": None if dev is None else slope_per_cycle(dev) / 1024,
-            "alive_after_gc": sum(r() is not None for r in refs), "freed_by_refcount": by_refcount,
+            "alive_after_gc": sum(r() is not None for r in alive), "freed_by_refcount": by_refcount,
             "live_arrays_start": live_start, "live_arrays_end": len(jax.live_arrays()), "interned_settle": settle}
 
 
