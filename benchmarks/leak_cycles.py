@@ -12,7 +12,12 @@ jax's in-memory caches (``xla_swap._compat.jax.tracing_cache_entries``): they te
 objects or of jax cache entries from native memory; where it can be read (CPython 3.11 with libpython's
 symbols, ``leak_interned.interned_table_reader``), the size of CPython's interned-string table, whose
 one-time rebuild at twice its slots is a ~0.9 MiB RSS step with no string more alive (see
-``benchmarks/results/leak_cycles/README.md``). Target: below 1 KiB per cycle for every case. Cases:
+``benchmarks/results/leak_cycles/README.md``). Two settings make the samples count memory in use
+(both recorded in the JSON, both can be turned off): glibc's trim and mmap thresholds are fixed at
+128 KiB (``--malloc-thresholds``: the top of a thread's arena is returned, which ``malloc_trim``
+does not do), and after each case's first cycle the interned-string table is rebuilt at the size
+it keeps (``--no-settle-interned``: its one-time growth then falls at an arbitrary cycle).
+Target: below 1 KiB per cycle for every case. Cases:
 
 * ``runtime_forward``: ``StreamingRuntime`` of a 4-stage ``h + tanh(h @ a) @ b`` stack
   (module-level stage function, as a user writes it), one ``forward``.
@@ -111,6 +116,32 @@ def malloc_in_use_bytes() -> int | None:
     return int(m.uordblks + m.hblkhd)
 
 
+#: glibc's ``mallopt`` parameters (``malloc.h``).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+#: ``--malloc-thresholds``' default: glibc's initial trim and mmap thresholds (128 KiB).
+MALLOC_THRESHOLDS = 128 * 1024
+
+
+def fix_malloc_thresholds(nbytes: int) -> bool:
+    """Fix glibc's trim and mmap thresholds at ``nbytes`` (``mallopt``), which turns their dynamic raising off.
+
+    glibc raises the mmap threshold (up to 32 MiB) and the trim threshold (twice it) each time a
+    chunk it had mmap'd is freed;
+    free memory at the top of a thread's arena below the trim threshold then stays resident, and
+    ``malloc_trim(0)`` does not return it (it returns the top of the main arena only). With the
+    thresholds fixed, ``free`` returns the top of every arena above ``nbytes`` and chunks of
+    ``nbytes`` or more are mmap'd, so the trimmed RSS counts memory in use in the threads' arenas too.
+    Returns whether both calls succeeded (``False`` without glibc). ``ValueError`` for ``nbytes < 1``.
+    """
+    if nbytes < 1:
+        raise ValueError(f"nbytes must be >= 1, got {nbytes}")
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_TRIM_THRESHOLD, nbytes)) and bool(mallopt(M_MMAP_THRESHOLD, nbytes))
+
+
 def device_bytes_in_use() -> int | None:
     """``bytes_in_use`` of the first jax device, or ``None`` where the backend has no statistics (CPU)."""
     import jax
@@ -199,8 +230,27 @@ def _make(case: str):
     raise ValueError(f"case must be one of {CASES}, got {case!r}")
 
 
-def run_case(case: str, cycles: int) -> dict:
+def _sample(samples: dict, c: int, interned) -> None:
+    """Write cycle ``c``'s samples into ``samples``' arrays (left at -1 where one is not available)."""
+    from xla_swap._compat.jax import tracing_cache_entries
+    for k, v in (("rss", rss_bytes()), ("trimmed", trimmed_rss_bytes()), ("in_use", malloc_in_use_bytes()),
+                 ("dev", device_bytes_in_use()), ("blocks", sys.getallocatedblocks()),
+                 ("entries", tracing_cache_entries())):
+        if v is not None:
+            samples[k][c] = v
+    if interned is not None:
+        t = interned()
+        samples["table_live"][c], samples["table_log2"][c] = t["live"], t["log2_slots"]
+
+
+def run_case(case: str, cycles: int, settle_interned: bool = True) -> dict:
     """``cycles`` build / call / drop cycles of ``case``; RSS (and device memory) after each.
+
+    ``settle_interned``: after the first cycle's samples, have CPython rebuild its interned-string
+    table at the size it keeps for the strings live then (``leak_interned.settle_interned_table``),
+    so that its one-time growth falls between the first and the second sample, not at an arbitrary
+    cycle (``interned_settle``: the strings it took, the table before and after, the trimmed RSS
+    before and after; ``None`` when off).
 
     Returns: a dict with ``rss_bytes`` (one sample per cycle) and its ``raw_rss_slope_kib_per_cycle``
     (second half), ``trimmed_rss_bytes`` (after ``malloc_trim(0)``; ``None`` without glibc),
@@ -214,20 +264,22 @@ def run_case(case: str, cycles: int) -> dict:
     ``device_bytes_in_use`` / ``device_slope_kib_per_cycle`` (``None`` without
     memory statistics), ``alive_after_gc`` (dropped objects still alive: should be 0),
     ``freed_by_refcount`` (dropped objects dead before ``gc.collect()``), ``live_arrays_start`` /
-    ``live_arrays_end`` (``jax.live_arrays()`` after the first cycle and after the last) and
-    ``seconds``.
+    ``live_arrays_end`` (``jax.live_arrays()`` after the first cycle and after the last),
+    ``interned_settle`` and ``seconds``.
     """
     import jax
-    from xla_swap._compat.jax import tracing_cache_entries
     build, call = _make(case)
+    from leak_interned import interned_table_reader, settle_interned_table
     try:
-        from leak_interned import interned_table_reader
         interned = interned_table_reader()
-    except (ImportError, RuntimeError):
+    except RuntimeError:
         interned = None
-    rss, trimmed, dev, blocks, entries, refs, by_refcount = [], [], [], [], [], [], 0
-    table_live, table_log2, in_use = [], [], []
-    live_start = None
+    settle = None
+    # Samples go to arrays allocated before the cycles (-1: not available), so that sampling allocates
+    # nothing per cycle; a dropped object's weak reference is kept only while the object is alive.
+    names = ("rss", "trimmed", "in_use", "dev", "blocks", "entries", "table_live", "table_log2")
+    samples = {k: np.full(cycles, -1, np.int64) for k in names}
+    alive, by_refcount, live_start = [], 0, None
     gc.collect()
     t0 = time.perf_counter()
     for c in range(cycles):
@@ -237,23 +289,19 @@ def run_case(case: str, cycles: int) -> dict:
         del obj
         by_refcount += ref() is None
         gc.collect()
-        refs.append(ref)
-        rss.append(rss_bytes())
-        trimmed.append(trimmed_rss_bytes())
-        in_use.append(malloc_in_use_bytes())
-        dev.append(device_bytes_in_use())
-        blocks.append(sys.getallocatedblocks())
-        entries.append(tracing_cache_entries())
-        if interned is not None:
-            t = interned()
-            table_live.append(t["live"])
-            table_log2.append(t["log2_slots"])
+        if ref() is not None:
+            alive.append(ref)
+        del ref
+        _sample(samples, c, interned)
         if c == 0:
             live_start = len(jax.live_arrays())
+            if settle_interned:
+                before = int(samples["trimmed"][0])
+                settle = settle_interned_table(interned)
+                settle.update(trimmed_rss_before=None if before < 0 else before, trimmed_rss_after=trimmed_rss_bytes())
     seconds = time.perf_counter() - t0
-    dev = None if any(d is None for d in dev) else dev
-    trimmed = None if any(t is None for t in trimmed) else trimmed
-    in_use = None if any(m is None for m in in_use) else in_use
+    rss, trimmed, in_use, dev, blocks, entries, table_live, table_log2 = (
+        None if (samples[k] < 0).any() else samples[k].tolist() for k in names)
     return {"case": case, "cycles": cycles, "seconds": seconds,
             "rss_bytes": rss, "rss_first": rss[0], "rss_last": rss[-1],
             "raw_rss_slope_kib_per_cycle": slope_per_cycle(rss) / 1024,
@@ -263,11 +311,11 @@ def run_case(case: str, cycles: int) -> dict:
             "malloc_in_use_slope_kib_per_cycle": None if in_use is None else slope_per_cycle(in_use) / 1024,
             "python_blocks": blocks, "python_blocks_slope_per_cycle": slope_per_cycle(blocks),
             "jax_cache_entries": entries, "jax_cache_entries_slope_per_cycle": slope_per_cycle(entries),
-            "interned_live": table_live if interned else None, "interned_log2_slots": table_log2 if interned else None,
+            "interned_live": table_live, "interned_log2_slots": table_log2,
             "device_bytes_in_use": dev,
             "device_slope_kib_per_cycle": None if dev is None else slope_per_cycle(dev) / 1024,
-            "alive_after_gc": sum(r() is not None for r in refs), "freed_by_refcount": by_refcount,
-            "live_arrays_start": live_start, "live_arrays_end": len(jax.live_arrays())}
+            "alive_after_gc": sum(r() is not None for r in alive), "freed_by_refcount": by_refcount,
+            "live_arrays_start": live_start, "live_arrays_end": len(jax.live_arrays()), "interned_settle": settle}
 
 
 def passed(r: dict) -> bool:
@@ -318,9 +366,20 @@ def main(argv=None) -> int:
                     help="use jax's persistent compilation cache in DIR (every executable cached): each cycle "
                          "still builds, traces, lowers and loads its executables, but loads them from DIR instead "
                          "of compiling them again (on a small CPU a cycle of the stack compiles for seconds)")
+    ap.add_argument("--no-settle-interned", action="store_true",
+                    help="do not rebuild CPython's interned-string table after each case's first cycle (its "
+                         "one-time growth then falls at whichever cycle uses up its free insertions)")
+    ap.add_argument("--malloc-thresholds", type=int, default=MALLOC_THRESHOLDS, metavar="BYTES",
+                    help="fix glibc's trim and mmap thresholds at BYTES before the cases (default: glibc's initial "
+                         "128 KiB, without their dynamic raising; 0: leave them dynamic); see fix_malloc_thresholds")
     args = ap.parse_args(argv)
     if args.cycles < 2:
         ap.error(f"--cycles must be >= 2, got {args.cycles}")
+    if args.malloc_thresholds < 0:
+        ap.error(f"--malloc-thresholds must be >= 0, got {args.malloc_thresholds}")
+    thresholds = None
+    if args.malloc_thresholds and fix_malloc_thresholds(args.malloc_thresholds):
+        thresholds = args.malloc_thresholds
     import jax
     cache_opts = {"jax_compilation_cache_dir": args.compile_cache,
                   "jax_persistent_cache_min_compile_time_secs": 0.0,
@@ -331,7 +390,7 @@ def main(argv=None) -> int:
             jax.config.update(k, v)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            results = [run_case(c, args.cycles) for c in args.cases]
+            results = [run_case(c, args.cycles, not args.no_settle_interned) for c in args.cases]
     finally:
         for k, v in saved.items():
             jax.config.update(k, v)
@@ -347,7 +406,9 @@ def main(argv=None) -> int:
                "device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform,
                "versions": {p: _version(p) for p in ("jax", "jaxlib", "torch", "torchax", "transformers")},
                "cpu_affinity": sorted(os.sched_getaffinity(0)), "target_kib_per_cycle": TARGET_KIB,
-               "compile_cache": bool(args.compile_cache), "pass": ok, "results": results}
+               "compile_cache": bool(args.compile_cache), "settle_interned": not args.no_settle_interned,
+               "malloc_thresholds": thresholds,
+               "pass": ok, "results": results}
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
     return 0 if ok else 1

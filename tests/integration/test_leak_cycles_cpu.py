@@ -32,6 +32,11 @@ def test_few_cycles_every_case_structure(tmp_path, capsys):
         assert len(r["malloc_in_use_bytes"]) == 2 and all(m > 0 for m in r["malloc_in_use_bytes"])   # glibc
         assert isinstance(r["malloc_in_use_slope_kib_per_cycle"], float)
         assert r["interned_live"] is None or (len(r["interned_live"]) == 2 and len(r["interned_log2_slots"]) == 2)
+        settle = r["interned_settle"]        # on by default: the table rebuilt after the first cycle
+        assert settle["strings"] > 0 and settle["trimmed_rss_before"] > 0 and settle["trimmed_rss_after"] > 0
+        if r["interned_live"] is not None:   # the table read: the second sample is the settled table
+            assert r["interned_log2_slots"][1] == settle["after"]["log2_slots"]
+    assert data["settle_interned"] is True and data["malloc_thresholds"] == leak_cycles.MALLOC_THRESHOLDS
     table = capsys.readouterr().out
     assert table.count("\n| runtime_") == 2 and "\n| stack | 2 |" in table and ("PASS" in table or "FAIL" in table)
 
@@ -63,3 +68,33 @@ def test_interned_table_reader_counts_sys_intern_and_keys_size_matches_cpython()
     assert read()["live"] == before["live"]
     rows = leak_interned.run([("runtime_forward", 2)], read)
     assert [r["cycle"] for r in rows] == [0, 1] and all(r["live"] > 0 and r["trimmed_rss_kib"] > 0 for r in rows)
+
+
+def test_settle_interned_table_rebuilds_at_three_times_the_live_strings():
+    try:
+        read = leak_interned.interned_table_reader()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    first = leak_interned.settle_interned_table(read)
+    live, log2 = first["after"]["live"], first["after"]["log2_slots"]
+    assert first["before"]["live"] == live                         # no string stays interned
+    assert (1 << log2) >= 3 * live > (1 << (log2 - 1))              # CPython's size for 3x the live strings
+    assert first["strings"] == first["before"]["free"] + 1          # rebuilt at the first insertion past the free ones
+    again = leak_interned.settle_interned_table(read)               # settled: the next rebuild keeps the size
+    assert again["after"]["log2_slots"] == log2 and again["after"]["live"] == live
+    assert again["strings"] == first["after"]["free"] + 1
+    blind = leak_interned.settle_interned_table(None)
+    assert blind == {"strings": leak_interned.BLIND_SETTLE_STRINGS, "before": None, "after": None}
+    assert read()["live"] == live and read()["log2_slots"] == log2
+
+
+def test_no_settle_interned_option(tmp_path):
+    out = tmp_path / "r.json"
+    leak_cycles.main(["--cycles", "2", "--cases", "runtime_forward", "--no-settle-interned", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["settle_interned"] is False and data["results"][0]["interned_settle"] is None
+
+
+def test_fix_malloc_thresholds_rejects_nonpositive():
+    with pytest.raises(ValueError, match="nbytes"):
+        leak_cycles.fix_malloc_thresholds(0)
