@@ -122,10 +122,7 @@ class RuntimeLoop:
                accs: dict | None = None) -> None:
         """Start moving stage j's weights (and, into ``states``, its optimizer state; into ``accs``, its
         accumulated gradients) to the device, unless already there (the update pass)."""
-        if states is not None and self.optimizer is not None and j not in states:
-            states[j] = jax.device_put(self.optimizer_state[j], self._state_dev_sh[j])
-        if accs is not None and j not in accs:
-            accs[j] = jax.device_put(self.grad_acc[j], self._acc_dev_sh[j])
+        self._fetch_state(j, states, accs)
         if j in weights:
             return
         if self.resident[j]:
@@ -137,6 +134,14 @@ class RuntimeLoop:
             return
         weights[j] = self._copy_weights(j, pass_name, recorder)
 
+    def _fetch_state(self, j: int, states: dict | None, accs: dict | None) -> None:
+        """Start moving stage j's optimizer state into ``states`` and its accumulated gradients into
+        ``accs`` (each where given and not there yet)."""
+        if states is not None and self.optimizer is not None and j not in states:
+            states[j] = jax.device_put(self.optimizer_state[j], self._state_dev_sh[j])
+        if accs is not None and j not in accs:
+            accs[j] = jax.device_put(self.grad_acc[j], self._acc_dev_sh[j])
+
     def _did(self, step: ScheduleStep, kind: str, j: int) -> None:
         self.executed_events.append((step.pass_name, step.stage, kind, j))
 
@@ -144,10 +149,7 @@ class RuntimeLoop:
         """Execute ``step``'s inbound events for this call: optimizer state, weights copied or taken,
         offloaded activations."""
         for j in step.fetch_state:
-            if call.states is not None and j not in call.states:
-                call.states[j] = jax.device_put(self.optimizer_state[j], self._state_dev_sh[j])
-            if call.accs is not None and j not in call.accs:
-                call.accs[j] = jax.device_put(self.grad_acc[j], self._acc_dev_sh[j])
+            self._fetch_state(j, call.states, call.accs)
             self._did(step, "fetch_state", j)
         for j in step.fetch:
             call.weights[j] = self._copy_weights(j, step.pass_name, call.recorder)
