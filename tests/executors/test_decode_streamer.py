@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from xla_swap.executors.decode import StatefulStreamer, state_nbytes
+from xla_swap.planning.prefetch import PrefetchSchedule
 
 D, L, N = 8, 6, 5
 
@@ -23,7 +24,7 @@ def head(p, x):
     return x @ p["w"]
 
 
-def _setup(on_host):
+def _setup(on_host, prefetch_depth=2, resident=None):
     dev = jax.devices()[0]
     host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
     dsh = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
@@ -36,7 +37,11 @@ def _setup(on_host):
     sav = {"k": jax.ShapeDtypeStruct((L, D), np.float32), "n": jax.ShapeDtypeStruct((), np.int32)}
     fns = [layer] * N + [head]
     st = StatefulStreamer(fns, host_params, shardings, state_avals=[sav] * N + [None], activation_sharding=dsh,
-                          state_on_host=on_host, prefetch_depth=2)
+                          state_on_host=on_host, prefetch_depth=prefetch_depth, resident=resident)
+    if resident is not None:                  # a resident stage's weights are in device memory already
+        for i, r in enumerate(resident):
+            if r:
+                host_params[i] = jax.device_put(params[i], dsh)
     return st, params
 
 
@@ -92,3 +97,33 @@ def test_executables_read_only(on_host):
     assert st.num_executables == 4 and int(st.states[0]["n"]) == 1
     with pytest.raises(TypeError, match="x"):
         st.executables({})
+
+
+@pytest.mark.parametrize("k,resident", [(1, None), (2, None), (N + 1, None), (N + 3, None),
+                                        (2, (False, True, False, False, True, False))])
+@pytest.mark.parametrize("on_host", [False, True])
+def test_run_executes_one_prefetch_schedule(on_host, k, resident):
+    """Every run performs exactly the events of its ``PrefetchSchedule`` (forward, cyclic next-call
+    keeps, host states fetched beside their stage's weights), cold and in steady state, and after a
+    stage's weights are replaced (that stage is fetched again, not taken); values equal a plain loop."""
+    st, params = _setup(on_host, prefetch_depth=k, resident=resident)
+    xs = [np.random.default_rng(i).standard_normal((1, D)).astype(np.float32) for i in range(4)]
+    ref = _reference(params, xs)
+    state = tuple(on_host and i < N for i in range(N + 1))
+    res = resident or (False,) * (N + 1)
+    for call, (x, r) in enumerate(zip(xs, ref)):
+        expect = st.schedule()
+        if call == 0:                                  # cold: nothing carried in
+            assert expect == PrefetchSchedule(N + 1, k, resident=res, carry=(), host_state=state)
+        elif call == 3:                                # stage 0's weights replaced (same values): fetched again
+            st.host_params[0] = jax.device_put(params[0], jax.tree_util.tree_leaves(st.host_params[0])[0].sharding)
+            expect = st.schedule()
+            assert 0 not in expect.carried_in
+        np.testing.assert_allclose(np.asarray(st.run(x)), np.asarray(r), rtol=1e-5, atol=1e-5)
+        assert st.last_schedule == expect
+        assert st.executed_events == list(expect.events())
+        fetched_state = [e[3] for e in st.executed_events if e[2] == "fetch_state"]
+        assert fetched_state == (list(range(N)) if on_host else [])
+        takes = [e[3] for e in st.executed_events if e[2] == "take"]
+        if call in (1, 2):                             # steady state: the carried-in stages are taken, not copied
+            assert takes and set(takes) == set(expect.carried_in) == set(j for j in range(min(k, N + 1)) if not res[j])

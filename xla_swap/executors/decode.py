@@ -26,6 +26,8 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
+from xla_swap.planning.prefetch import EVENT_KINDS, PrefetchSchedule, ScheduleStep
+
 from ._stages import DEVICE_KIND, HOST_KIND, aval_key, tree_aval
 
 __all__ = ["StatefulStreamer", "state_nbytes"]
@@ -114,7 +116,12 @@ class StatefulStreamer:
         self.states: list = [None] * n
         self._sigs: collections.OrderedDict = collections.OrderedDict()
         self._compiled: dict = {}
-        self._carry: dict[int, tuple[Any, Any]] = {}
+        self._carry: dict[int, tuple[Any, Any]] = {}   # stage -> (its host weights, device copy) for the next call
+        #: the :class:`PrefetchSchedule` the last :meth:`run` executed (``None`` before the first).
+        self.last_schedule: PrefetchSchedule | None = None
+        #: the events the last :meth:`run` performed, ``(pass_name, step's stage, kind, stage)`` as
+        #: ``PrefetchSchedule.events()`` lists them.
+        self.executed_events: list[tuple] = []
         #: bytes of each stage's state (0 without state).
         self.state_nbytes: list[int] = [0 if s is None else state_nbytes(s) for s in state_avals]
 
@@ -164,8 +171,20 @@ class StatefulStreamer:
         """Shape and dtype of :meth:`run`'s output for ``x`` (traces on first use of a signature)."""
         return self._signature(x)[-1]
 
+    def schedule(self) -> PrefetchSchedule:
+        """The schedule of the next :meth:`run` (read-only): a forward over the stages with the cyclic
+        next-call prefetch, the weights the previous call left valid as ``carry`` (those whose
+        ``host_params`` element was not replaced since), each host state fetched beside its
+        stage's weights (``host_state``)."""
+        carry = tuple(j for j, (src, _) in sorted(self._carry.items()) if src is self.host_params[j])
+        return PrefetchSchedule(self.num_stages, self.prefetch_depth, resident=self.resident, carry=carry,
+                                host_state=self.state_on_host)
+
     def run(self, x):
         """Run every stage once on ``x`` (a pytree of arrays); the states are updated in place.
+
+        Executes :meth:`schedule` event by event (``executed_events`` records them; ``last_schedule``
+        is the object executed).
 
         Returns the last stage's output (device memory, ``activation_sharding``; asynchronous).
 
@@ -173,52 +192,52 @@ class StatefulStreamer:
           structure, shape or dtype than ``state_avals`` says (before anything runs).
         """
         chain = self._signature(x)
-        n, k = self.num_stages, self.prefetch_depth
-        exes = [self._exe(i, chain[i]) for i in range(n)]   # every compile before the first transfer
+        exes = [self._exe(i, chain[i]) for i in range(self.num_stages)]   # every compile before the first transfer
         if any(s is None and a is not None for s, a in zip(self.states, self.state_avals)):
             self.reset_states()
         x = jax.device_put(x, self.activation_sharding)
-        q: dict[int, Any] = {}
-        qs: dict[int, Any] = {}
-        for j in range(min(k, n)):
-            self._fetch(q, qs, j)
+        sched = self.schedule()
+        self.last_schedule, self.executed_events = sched, []
+        weights: dict[int, Any] = {}   # stage -> its device weights, for this call or kept for the next
+        states: dict[int, Any] = {}    # stage -> its host state brought to the device
         nxt: dict[int, tuple[Any, Any]] = {}
-        for i in range(n):
-            p = q.pop(i)
+        self._execute(sched.prologues[0], weights, states, nxt)
+        for step in sched.steps:
+            i = step.stage
+            p = self.host_params[i] if self.resident[i] else weights[i]
             if self.state_avals[i] is None:
                 y = exes[i](p, x)
             else:
-                s = qs.pop(i) if self.state_on_host[i] else self.states[i]
+                s = states.pop(i) if self.state_on_host[i] else self.states[i]
                 self.states[i] = None   # donated
                 y, s = exes[i](p, s, x)
                 self.states[i] = jax.device_put(s, self._host_state_sh) if self.state_on_host[i] else s
                 del s
             jax.block_until_ready(x)   # stage i-1 done: its weights' (and state's) memory is free
-            if i + k < n:
-                self._fetch(q, qs, i + k)
-            else:   # the next call's first stages (weights only; host states are fetched then)
-                c = i + k - n
-                if c < min(k, n) and not self.resident[c]:
-                    tmp: dict[int, Any] = {}
-                    self._fetch(tmp, None, c)
-                    nxt[c] = (self.host_params[c], tmp[c])
             del p
+            self._execute(step, weights, states, nxt)
             x = y
         self._carry = nxt
         return x
 
     # ---------------------------------------------------------------- internals
-    def _fetch(self, q: dict, qs: dict | None, j: int) -> None:
-        if qs is not None and self.state_on_host[j]:
-            qs[j] = jax.device_put(self.states[j], self._dev_state_sh)
-        if self.resident[j]:
-            q[j] = self.host_params[j]
-            return
-        carried = self._carry.pop(j, None)
-        if carried is not None and carried[0] is self.host_params[j]:
-            q[j] = carried[1]
-            return
-        q[j] = jax.device_put(self.host_params[j], self._dev_sh[j])
+    def _execute(self, step: ScheduleStep, weights: dict, states: dict, nxt: dict) -> None:
+        """Perform ``step``'s events in ``EVENT_KINDS`` order and record them in ``executed_events``."""
+        for kind in EVENT_KINDS:
+            for j in getattr(step, kind):
+                if kind == "fetch_state":
+                    states[j] = jax.device_put(self.states[j], self._dev_state_sh)
+                elif kind in ("fetch", "fetch_next"):
+                    weights[j] = jax.device_put(self.host_params[j], self._dev_sh[j])
+                elif kind == "take":
+                    weights[j] = self._carry.pop(j)[1]
+                elif kind == "keep_next":
+                    nxt[j] = (self.host_params[j], weights[j])
+                elif kind == "release":
+                    del weights[j]
+                else:
+                    raise AssertionError(f"a forward step has no {kind} event")
+                self.executed_events.append((step.pass_name, step.stage, kind, j))
 
     def _signature(self, x) -> list:
         a = tree_aval(x, "x")

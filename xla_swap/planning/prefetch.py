@@ -66,9 +66,11 @@ class ScheduleStep:
       release: stages whose weights this call drops after this step (held on only by ``keep_next``).
       offload: stages whose kept input (and saved residuals) go to host memory after this step.
       fetch_activations: stages whose offloaded input comes back to the device at this step.
-      fetch_state: stages whose optimizer state (and accumulated gradients) is brought to the
-        device at this step, ahead of their backward (``optimizer``; resident stages too): a copy
-        host -> device where it lives in host memory (``optimizer_state_on_host``).
+      fetch_state: stages whose state is brought to the device at this step: in the backward their
+        optimizer state (and accumulated gradients), ahead of it (``optimizer``; resident stages
+        too), a copy host -> device where it lives in host memory (``optimizer_state_on_host``); in
+        the forward their per-stage state in host memory (``host_state``: a decode step's KV cache),
+        beside the stage's weights.
     """
 
     pass_name: str
@@ -107,6 +109,9 @@ class PrefetchSchedule:
       carry: the streamed stages the previous call left in device memory, where they are not what
         ``steady_state`` implies (a ``train_step`` after a ``forward``, a stage whose weights were
         replaced): a sequence of distinct stage indices, not resident; default ``None``.
+      host_state: per stage, ``True`` when it has a state in host memory that the forward brings to
+        the device with its weights (``fetch_state``, resident stages too; the decode loop's KV cache
+        in ``pinned_host``, ``StatefulStreamer``); a sequence of ``L`` bools, default none. Inference only.
 
     Derived attributes (computed at construction):
       carried_in: streamed stages on the device when the call starts (sorted).
@@ -123,7 +128,8 @@ class PrefetchSchedule:
       TypeError: ``num_stages`` / ``prefetch_depth`` / a ``carry`` entry not an int; a flag not a
         bool; ``resident`` not a sequence of bools.
       ValueError: ``num_stages < 1``; ``prefetch_depth < 1``; ``resident`` not of length ``L``;
-        ``optimizer`` without ``training``; ``carry`` not distinct streamed stages below ``L``.
+        ``optimizer`` without ``training``; ``carry`` not distinct streamed stages below ``L``;
+        ``host_state`` not of length ``L``, or a stage with ``host_state`` in training.
     """
 
     num_stages: int
@@ -135,6 +141,7 @@ class PrefetchSchedule:
     offload_activations: bool = False
     optimizer: bool = False
     carry: tuple[int, ...] | None = None
+    host_state: tuple[bool, ...] | None = None
     carried_in: tuple[int, ...] = dataclasses.field(init=False)
     prologue: tuple[int, ...] = dataclasses.field(init=False)
     prologues: tuple[ScheduleStep, ...] = dataclasses.field(init=False, repr=False)
@@ -152,8 +159,12 @@ class PrefetchSchedule:
         if flags[4] and not flags[0]:
             raise ValueError("optimizer=True needs training=True (the optimizer state moves in the backward)")
         carry = _checked_carry(self.carry, n, res)
-        built = _build(n, k, res, carry, *flags)
-        for name, value in (("num_stages", n), ("prefetch_depth", k), ("resident", res), ("carry", carry)) \
+        state = check_flags("host_state", self.host_state, n)
+        if flags[0] and any(state):
+            raise ValueError("host_state is for inference: training=True moves optimizer state (optimizer=True)")
+        built = _build(n, k, res, carry, state, *flags)
+        for name, value in (("num_stages", n), ("prefetch_depth", k), ("resident", res), ("carry", carry),
+                            ("host_state", state)) \
                 + tuple(zip(names, flags)) + tuple(built.items()):
             object.__setattr__(self, name, value)
 
@@ -232,8 +243,11 @@ class _State:
     def __init__(self, res: tuple, carried_in: set):
         self.res, self.live, self.waiting, self.nxt = res, set(carried_in), set(carried_in), set()
 
-    def acquire(self, j: int, ev: dict) -> None:
-        """Stage j's weights for this call: a copy (``fetch``), or a ``take`` when on the device."""
+    def acquire(self, j: int, ev: dict, state: bool = False) -> None:
+        """Stage j's weights for this call: a copy (``fetch``), or a ``take`` when on the device;
+        ``state``: its host state first (``fetch_state``)."""
+        if state:
+            ev["fetch_state"].append(j)
         if self.res[j]:
             return
         if j in self.waiting or j in self.live:   # carried in by the previous call, or kept
@@ -255,8 +269,8 @@ def _events() -> dict:
 
 
 @functools.lru_cache(maxsize=256)
-def _build(n: int, k: int, res: tuple, carry: tuple | None, training: bool, cyclic: bool, steady: bool,
-           offload: bool, optimizer: bool) -> dict:
+def _build(n: int, k: int, res: tuple, carry: tuple | None, state: tuple, training: bool, cyclic: bool,
+           steady: bool, offload: bool, optimizer: bool) -> dict:
     """The derived fields of :class:`PrefetchSchedule` (cached: the planner asks for the same ones often)."""
     nc = min(k, n)
     if carry is not None:
@@ -268,13 +282,13 @@ def _build(n: int, k: int, res: tuple, carry: tuple | None, training: bool, cycl
     st = _State(res, carried_in)
     ev = _events()
     for j in range(nc):
-        st.acquire(j, ev)
+        st.acquire(j, ev, state[j])
     prologues, steps = [st.step("forward", None, ev)], []
     keep = set(range(max(0, n - k - 1), n)) if training else set()
     for i in range(n):
         ev = _events()
         if i + k < n:
-            st.acquire(i + k, ev)
+            st.acquire(i + k, ev, state[i + k])
         elif cyclic and not training:
             for c in range(min(i + k - n + 1, nc)):
                 if c in st.nxt or res[c]:
