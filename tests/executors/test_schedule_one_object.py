@@ -151,15 +151,22 @@ def test_replaced_weights_are_copied_not_taken():
     check_close(out, mono_forward(stacked([new[0]] + params[1:]), x))
 
 
-def test_accumulation_fetches_the_accumulated_gradients_from_the_second_micro_batch():
+@pytest.mark.parametrize("clip", [False, True], ids=["fused-update", "update-pass"])
+def test_accumulation_fetches_the_accumulated_gradients_from_the_second_micro_batch(clip):
+    """Two micro-batches accumulate, the third updates: fused into its backward (which brings
+    moments and accumulated gradients), or with ``max_grad_norm`` in the separate update pass
+    (its backward brings the accumulated gradients; the update pass, every stage's moments and
+    gradients; nothing is carried out)."""
     n, k = 4, 1
     params, x = make_params(n), make_input()
     rt = _runtime(params, prefetch_depth=k, optimizer=True)
     for i in range(3):
-        rt.train_step(x, loss_fn, accumulate=i < 2)
-        sched = rt.schedule(True, steady_state=i > 0, optimizer=i > 0)
+        carry = tuple(rt.prefetched_stages)
+        rt.train_step(x, loss_fn, accumulate=i < 2, max_grad_norm=1.0 if clip and i == 2 else None)
+        sched = rt.schedule(True, optimizer=i > 0, carry=carry, update_pass=clip and i == 2)
         assert rt.executed_events == list(sched.events()), i
-        assert sum(e[2] == "fetch_state" for e in rt.executed_events) == (n if i else 0)
+        assert sum(e[2] == "fetch_state" for e in rt.executed_events) == (0, n, 2 * n if clip else n)[i]
+    assert rt.prefetched_stages == list(rt.last_schedule.carried_out) == ([] if clip else [0, 1])
 
 
 def test_schedule_arguments_are_checked():

@@ -113,7 +113,7 @@ def test_errors_name_the_argument():
         PrefetchSchedule(3, 1, resident=[True])
     with pytest.raises(ValueError, match="'forward', 'backward'"):
         PrefetchSchedule(3, 1).fetched("optimizer")
-    assert PASSES == ("forward", "backward")
+    assert PASSES == ("forward", "backward", "update")
 
 
 def test_events_of_a_training_step_with_offload_and_optimizer():

@@ -27,7 +27,7 @@ class RuntimeLoop:
     alone): ``_run`` compiles a call's executables, then streams it."""
 
     def schedule(self, training: bool = False, *, steady_state: bool = True, optimizer: bool | None = None,
-                 carry: Sequence[int] | None = None) -> PrefetchSchedule:
+                 carry: Sequence[int] | None = None, update_pass: bool = False) -> PrefetchSchedule:
         """This runtime's schedule for one call: its events step by step, with the predicted live set.
 
         Args:
@@ -40,6 +40,11 @@ class RuntimeLoop:
             pass ``False`` for the first micro-batch of ``accumulate``).
           carry: the stages the previous call left on the device, where they are not what
             ``steady_state`` implies (e.g. a ``train_step`` after a ``forward``).
+          update_pass: the call ends with the separate update pass (``train_step`` with an
+            optimizer and ``max_grad_norm`` or ``skip_nonfinite``; ``optimizer`` then says whether
+            the backward brings accumulated gradients: ``False`` unless ``accumulate`` micro-batches
+            came before). A call whose update is skipped (``last_step_skipped``) executes the
+            schedule without it.
 
         Returns: an ``xla_swap.planning.PrefetchSchedule`` over ``num_stages``, ``prefetch_depth``,
           ``resident``, ``prefetch_next_call`` and ``offload_activations``: which stage's weights
@@ -48,32 +53,34 @@ class RuntimeLoop:
           ``residency_trace`` equals ``[(s.pass_name, s.stage, len(s.live)) for s in
           schedule.steps]`` and ``max_resident_stages`` its ``max_live_stages``.
 
-        Raises: TypeError: a flag is not a bool. ValueError: ``optimizer`` without ``training``;
-          ``carry`` not distinct streamed stages.
+        Raises: TypeError: a flag is not a bool. ValueError: ``optimizer`` or ``update_pass``
+          without ``training``; ``carry`` not distinct streamed stages.
         """
         if optimizer is None:
             optimizer = training is True and self.optimizer is not None
         return PrefetchSchedule(self.num_stages, self.prefetch_depth, training=training, resident=self.resident,
                                 prefetch_next_call=self.prefetch_next_call, steady_state=steady_state,
-                                offload_activations=self.offload_activations, optimizer=optimizer, carry=carry)
+                                offload_activations=self.offload_activations, optimizer=optimizer, carry=carry,
+                                update_pass=update_pass)
 
-    def _call_schedule(self, train: bool, mode) -> PrefetchSchedule:
+    def _call_schedule(self, train: bool, mode, update_pass: bool) -> PrefetchSchedule:
         """The schedule of this call: cold, steady, or from the stages actually carried in (a carried
         copy of weights replaced since is stale: not carried in)."""
         carried = tuple(sorted(j for j, c in self._carry.items() if c[0] is self.host_params[j]))
         optimizer = train and (mode == "update" or (mode is not None and self.grad_acc is not None))
-        sched = self.schedule(train, steady_state=bool(carried), optimizer=optimizer)
+        sched = self.schedule(train, steady_state=bool(carried), optimizer=optimizer, update_pass=update_pass)
         if sched.carried_in != carried:
-            sched = self.schedule(train, steady_state=True, optimizer=optimizer, carry=carried)
+            sched = self.schedule(train, steady_state=True, optimizer=optimizer, carry=carried,
+                                  update_pass=update_pass)
         return sched
 
     def _run(self, h, *, train: bool, loss_exe=None, cotangent=None, loss_args=(), hyper=None, trace=None,
-             mode=None):
+             mode=None, update_pass: bool = False):
         sig = self._signature(h)
         n = self.num_stages
         recorder = trace if trace is not None else self.trace
         donate = self.donate and recorder is None
-        sched = self._call_schedule(train, mode)
+        sched = self._call_schedule(train, mode, update_pass)
         # compile everything before the first transfer (errors surface before state changes)
         save = train and self.remat is not True
         fwd = [self._exe(sig, "forward-save" if save else "forward", i, False) for i in range(n)]
@@ -118,22 +125,6 @@ class RuntimeLoop:
             recorder.add(ev, fetched)
         return fetched
 
-    def _fetch(self, weights: dict, j: int, pass_name: str, recorder, states: dict | None = None,
-               accs: dict | None = None) -> None:
-        """Start moving stage j's weights (and, into ``states``, its optimizer state; into ``accs``, its
-        accumulated gradients) to the device, unless already there (the update pass)."""
-        self._fetch_state(j, states, accs)
-        if j in weights:
-            return
-        if self.resident[j]:
-            weights[j] = self.host_params[j]
-            return
-        carried = self._carry.pop(j, None)
-        if carried is not None and carried[0] is self.host_params[j]:
-            weights[j] = carried[1]  # left in device memory by the previous call
-            return
-        weights[j] = self._copy_weights(j, pass_name, recorder)
-
     def _fetch_state(self, j: int, states: dict | None, accs: dict | None) -> None:
         """Start moving stage j's optimizer state into ``states`` and its accumulated gradients into
         ``accs`` (each where given and not there yet)."""
@@ -146,8 +137,8 @@ class RuntimeLoop:
         self.executed_events.append((step.pass_name, step.stage, kind, j))
 
     def _bring(self, call: "_Call", step: ScheduleStep) -> None:
-        """Execute ``step``'s inbound events for this call: optimizer state, weights copied or taken,
-        offloaded activations."""
+        """Execute ``step``'s inbound events for this call (any pass): optimizer state and accumulated
+        gradients, weights copied or taken, offloaded activations."""
         for j in step.fetch_state:
             self._fetch_state(j, call.states, call.accs)
             self._did(step, "fetch_state", j)
@@ -166,6 +157,12 @@ class RuntimeLoop:
             if call.offloaded[j]:
                 self._fetch_activations(call, j)
                 self._did(step, "fetch_activations", j)
+
+    def _update_call(self, recorder) -> "_Call":
+        """The state of the last call's update pass (``last_schedule``'s ``"update"`` steps): weights,
+        optimizer states and accumulated gradients brought by stage."""
+        return _Call(sig=None, recorder=recorder, save=False, offload=False, schedule=self.last_schedule,
+                     states={}, accs={})
 
     def _release(self, call: "_Call", step: ScheduleStep) -> None:
         for j in step.release:
@@ -203,11 +200,9 @@ class RuntimeLoop:
         """The forward: the schedule's prologue, then its forward steps; in training the stage inputs
         are kept in ``call.acts`` (``acts[n]`` the output). Returns the output."""
         x = jax.device_put(h, self._act(call.sig.chain[0]))
-        self._bring(call, call.schedule.prologues[0])
+        self._bring(call, call.schedule.prologue_of("forward"))
         call.acts = [x] if train else None
-        for step in call.schedule.steps:
-            if step.pass_name != "forward":
-                break
+        for step in call.schedule.pass_steps("forward"):
             y = self._forward_stage(call, fwd[step.stage], step, x)
             x = y
             if train:
@@ -290,8 +285,8 @@ class RuntimeLoop:
         call.states = {} if mode == "update" else None
         call.accs = {} if mode is not None and self.grad_acc is not None else None
         call.new_acc, call.sumsq = [None] * n, [None] * n
-        self._bring(call, call.schedule.prologues[1])
-        for step in call.schedule.steps[n:]:
+        self._bring(call, call.schedule.prologue_of("backward"))
+        for step in call.schedule.pass_steps("backward"):
             self._backward_stage(call, bwd[step.stage], step, hyper, mode)
         if mode == "update":
             self.step += 1

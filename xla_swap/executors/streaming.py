@@ -540,7 +540,8 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
             torch's ``GradScaler`` skips ``optimizer.step()``; ``last_step_skipped`` says so.
             With either of the two the update needs every gradient first, so it is not fused
             into the backward: the backward sends each stage's gradients to ``grad_acc`` and a
-            third pass streams weights, gradients and moments in and weights and moments out
+            third pass (the ``"update"`` pass of ``schedule(True, update_pass=True)``) streams
+            weights, gradients and moments in and weights and moments out
             (beyond the fused step: the gradients out and in, one more pass of the weights in, and
             one host sync for the norm, ``last_grad_norm``).
 
@@ -572,6 +573,7 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
         if mode == "accum" and not accumulate:  # compile the update pass before anything moves
             self._update_exe_list()
         out = self._run(h, train=True, loss_exe=loss_exe, cotangent=cotangent, loss_args=loss_args,
-                        hyper=hyper if mode == "update" else None, trace=trace, mode=mode)
+                        hyper=hyper if mode == "update" else None, trace=trace, mode=mode,
+                        update_pass=mode == "accum" and not accumulate)
         self._finish_step(mode, accumulate, hyper, max_grad_norm, skip_nonfinite)
         return out

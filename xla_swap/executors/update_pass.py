@@ -1,11 +1,14 @@
 """The separate update pass of a streaming runtime: the optimizer applied to every stage from the
-accumulated gradients (``train_step`` with ``accumulate``, ``max_grad_norm`` or ``skip_nonfinite``),
-streaming weights, accumulated gradients and moments in and weights and moments out; and each
-step's hyperparameter rows.
+accumulated gradients (``train_step`` with ``max_grad_norm`` or ``skip_nonfinite``, after any
+``accumulate`` micro-batches), streaming weights, accumulated gradients and moments in and weights
+and moments out (the ``"update"`` pass of the call's ``PrefetchSchedule``, executed by the loop's
+machinery); and each step's hyperparameter rows.
 
 Imports only jax (no torch).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -57,14 +60,17 @@ class RuntimeUpdatePass:
 
     def _apply_accumulated_update(self, hyper, max_grad_norm, skip_nonfinite: bool) -> None:
         """After the last micro-batch's backward: the global gradient norm (one host sync), then the
-        update pass with the gradients clipped to ``max_grad_norm``, or skipped for a non-finite norm."""
+        update pass with the gradients clipped to ``max_grad_norm``, or skipped for a non-finite norm
+        (``last_schedule`` is then the call's schedule without the update pass: the backward's keeps
+        stay for the next call)."""
         sumsq = jax.device_get(self._sumsq)
         self._sumsq = None
         norm = float(np.sqrt(np.sum(np.asarray(sumsq, np.float64))))
         self.last_grad_norm = norm
         self.last_step_skipped = bool(skip_nonfinite and not np.isfinite(norm))
-        if self.last_step_skipped:
+        if self.last_step_skipped:  # the call ran its schedule without the update pass
             self.grad_acc, self.micro_batches = None, 0
+            self.last_schedule = dataclasses.replace(self.last_schedule, update_pass=False)
             return
         coef = np.float32(1.0)
         if max_grad_norm is not None:  # clip_grad_norm_'s float32 arithmetic
@@ -103,35 +109,43 @@ class RuntimeUpdatePass:
         return exes
 
     def _update_pass(self, hyper, coef, recorder) -> None:
-        """Apply the optimizer to every stage from ``grad_acc`` (scaled by ``coef``), streaming weights,
-        accumulated gradients and moments in ``prefetch_depth`` stages ahead, weights and moments out.
+        """Apply the optimizer to every stage from ``grad_acc`` (scaled by ``coef``): execute the
+        ``"update"`` pass of the call's schedule (``last_schedule``, built with ``update_pass``) event by
+        event, as the loop does the forward and backward (recorded in ``executed_events``): weights
+        taken where the backward kept them or copied, moments and accumulated gradients copied
+        beside them, ``prefetch_depth`` stages ahead; weights and moments out to host memory.
 
-        Stages 0..k come from the weights the backward left in device memory (``prefetch_next_call``).
+        Raises: RuntimeError: the call's schedule has no update pass.
         """
+        sched = self.last_schedule
+        if sched is None or not sched.update_pass:
+            raise RuntimeError(f"the update pass runs the call's schedule's update pass; {sched!r} has none")
         exes = self._update_exe_list()
-        n, k = self.num_stages, self.prefetch_depth
         act = self.activation_sharding
         hyper_arr = jax.device_put(np.asarray(hyper, np.float32), act)
         coef_arr = jax.device_put(np.asarray(coef, np.float32), act)
-        weights, states, accs = {}, {}, {}
-        for j in range(min(k, n)):
-            self._fetch(weights, j, "update", recorder, states, accs)
+        call = self._update_call(recorder)
+        self._bring(call, sched.prologue_of("update"))
         prev = None
-        for i in range(n):
+        for step in sched.pass_steps("update"):
+            i = step.stage
             ev = StageEvent("update", i, "compute", recorder.now()) if recorder is not None else None
-            new_p, new_s = exes[i](weights.pop(i), accs.pop(i), states.pop(i), hyper_arr, coef_arr)
+            p, acc, state = self._weights(call, i), call.accs.pop(i), call.states.pop(i)
+            new_p, new_s = exes[i](p, acc, state, hyper_arr, coef_arr)
+            del p, acc, state
             if recorder is not None:
                 recorder.add(ev, new_p)
             self._track((new_p, new_s), i)
             self.host_params[i] = jax.device_put(new_p, self._host_sh[i])
             self.optimizer_state[i] = jax.device_put(new_s, self._state_host_sh[i])
             moved = (self.host_params[i], self.optimizer_state[i])
-            del new_p, new_s
             if self.throttle and prev is not None:
                 jax.block_until_ready(prev)  # stage i-1's results are on the host
-            if i + k < n:
-                self._fetch(weights, i + k, "update", recorder, states, accs)
+            self._bring(call, step)
+            self._record("update", i)   # stage i counted by its new weights, as in the backward
+            self._release(call, step)
+            del new_p, new_s
             prev = moved
-        self._carry = {}  # what the backward left is consumed (donated)
+        self._carry = {}  # the schedule's carried_out: the backward's keeps are taken (donated)
         self.grad_acc, self.micro_batches = None, 0
         self.step += 1

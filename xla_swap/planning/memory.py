@@ -98,8 +98,9 @@ def _optimizer_phase(policy: OffloadPolicy, layers: list[LayerCost], window: int
 
 
 def _window(policy: OffloadPolicy, num_layers: int, training: bool, schedule: PrefetchSchedule | None) -> int:
-    """Layers in the streaming window: the live set of the call's schedule (``min(k+1, L)``). With every
-    weight resident the window of host-placed activations is that of the schedule that streams them all."""
+    """Layers in the streaming window: the live set of the call's schedule (``min(k+1, L)``, a separate
+    update pass's steps included). With every weight resident the window of host-placed activations
+    is that of the schedule that streams them all."""
     if schedule is None or policy.params != "host":
         schedule = PrefetchSchedule(num_layers, policy.prefetch_depth, training=training)
     return schedule.max_live_stages

@@ -19,6 +19,11 @@ cyclic across calls"):
   stage ``i``'s backward is dispatched, stage ``i-k`` is fetched (with ``optimizer``, its optimizer
   state beside it; its offloaded input comes back); with ``prefetch_next_call`` the stages
   ``0..k`` are kept for the next call: ``k+1`` stages, stage ``k`` in the slot stage ``-1`` would use.
+* update (``update_pass``: ``train_step`` with ``max_grad_norm`` or ``skip_nonfinite``, the
+  gradients summed over any ``accumulate`` micro-batches before): stages in order; its prologue
+  brings stages ``0..min(k, L)-1``, stage ``i``'s update is followed by stage ``i+k``'s; each
+  brought stage's moments and accumulated gradients come beside its weights, which are taken where
+  the backward kept them. Nothing is kept for the next call.
 * ``resident`` stages live in device memory for good: never fetched, taken, released or live.
 * a fetch of a stage on the device (carried in from the previous call, or kept) is a ``take``.
 
@@ -36,8 +41,9 @@ from xla_swap.planning.policy import as_int, check_bool, check_flags
 
 __all__ = ["PASSES", "EVENT_KINDS", "ScheduleStep", "PrefetchSchedule"]
 
-#: The passes of a call, in order (``ScheduleStep.pass_name``); inference has only the first.
-PASSES = ("forward", "backward")
+#: The passes of a call, in order (``ScheduleStep.pass_name``); inference has only the first, the
+#: ``"update"`` pass is the separate update pass (``PrefetchSchedule(update_pass=True)``).
+PASSES = ("forward", "backward", "update")
 
 #: The events of a step, in the order the runtime performs them (the :class:`ScheduleStep` fields of
 #: that name): a forward step has either ``fetch`` / ``take`` or ``fetch_next`` / ``keep_next``.
@@ -52,25 +58,28 @@ class ScheduleStep:
     The event fields are tuples of stage indices, in the order issued (:data:`EVENT_KINDS`).
 
     Attributes:
-      pass_name: ``"forward"`` or ``"backward"`` (:data:`PASSES`).
+      pass_name: ``"forward"``, ``"backward"`` or ``"update"`` (:data:`PASSES`).
       stage: the stage computed (0-based); ``None`` for a prologue (the events before the pass's
         first stage computes).
       fetch: stages whose weights are copied host -> device at this step for this call.
       fetch_next: stages copied host -> device at this step for the next call (cyclic schedule).
       live: the streamed stages holding device memory at this step (sorted): the stage computed,
-        the window fetched ahead, the stages kept (for the backward, or for the next call).
+        the window fetched ahead, the stages kept (for the backward, the update pass or the next call).
       take: stages whose weights this call acquires at this step without a copy: carried in from
-        the previous call, or still on the device (kept from the forward for the backward).
+        the previous call, or still on the device (kept from the forward for the backward, or by the
+        backward for the update pass).
       keep_next: stages whose device weights are held for the next call from this step on (a live
-        copy; those in ``fetch_next``; in the backward the copy it used, or the updated weights).
+        copy; those in ``fetch_next``; in the backward the copy it used, or the updated weights); with
+        an update pass, held for it (it takes them; nothing reaches the next call).
       release: stages whose weights this call drops after this step (held on only by ``keep_next``).
       offload: stages whose kept input (and saved residuals) go to host memory after this step.
       fetch_activations: stages whose offloaded input comes back to the device at this step.
       fetch_state: stages whose state is brought to the device at this step: in the backward their
         optimizer state (and accumulated gradients), ahead of it (``optimizer``; resident stages
         too), a copy host -> device where it lives in host memory (``optimizer_state_on_host``); in
-        the forward their per-stage state in host memory (``host_state``: a decode step's KV cache),
-        beside the stage's weights.
+        the update pass every stage's moments and accumulated gradients, ahead of its update; in
+        the forward their per-stage state in host memory (``host_state``: a decode step's KV
+        cache), beside the stage's weights.
     """
 
     pass_name: str
@@ -105,7 +114,15 @@ class PrefetchSchedule:
         last ``k+1``) go to host memory after their forward and come back ``k`` stages ahead of
         their backward (``StreamingRuntime(offload_activations=True)``); no effect in inference.
       optimizer: the backward copies each stage's optimizer state (moments, accumulated gradients)
-        to the device beside its weights (``train_step`` with an optimizer). Needs ``training``.
+        to the device beside its weights (``train_step`` with an optimizer; in an ``accumulate``
+        micro-batch or with ``update_pass``, only the accumulated gradients of the micro-batches
+        before: ``False`` for the first). Needs ``training``.
+      update_pass: after the backward, a third pass (``"update"``) applies the optimizer to every
+        stage from the accumulated gradients (``train_step`` with an optimizer and ``max_grad_norm``
+        or ``skip_nonfinite``): weights taken where the backward
+        kept them, else copied; moments and accumulated gradients copied beside them (``fetch_state``);
+        ``carried_out`` is empty (the updated weights stay in host memory), so a ``steady_state`` call
+        of this kind starts with nothing. Needs ``training``.
       carry: the streamed stages the previous call left in device memory, where they are not what
         ``steady_state`` implies (a ``train_step`` after a ``forward``, a stage whose weights were
         replaced): a sequence of distinct stage indices, not resident; default ``None``.
@@ -119,7 +136,8 @@ class PrefetchSchedule:
       prologues: one :class:`ScheduleStep` per pass (``stage=None``): the events before its first
         stage computes.
       steps: the :class:`ScheduleStep` of every stage computation, in execution order (``L``
-        forward steps, then in training ``L`` backward steps, stage ``L-1`` first).
+        forward steps, then in training ``L`` backward steps, stage ``L-1`` first, then with
+        ``update_pass`` ``L`` update steps, stage 0 first).
       carried_out: streamed stages left in device memory for the next call (sorted).
 
     Units: stages (counts and indices); :meth:`peak_live_bytes` turns them into bytes.
@@ -128,8 +146,8 @@ class PrefetchSchedule:
       TypeError: ``num_stages`` / ``prefetch_depth`` / a ``carry`` entry not an int; a flag not a
         bool; ``resident`` not a sequence of bools.
       ValueError: ``num_stages < 1``; ``prefetch_depth < 1``; ``resident`` not of length ``L``;
-        ``optimizer`` without ``training``; ``carry`` not distinct streamed stages below ``L``;
-        ``host_state`` not of length ``L``, or a stage with ``host_state`` in training.
+        ``optimizer`` or ``update_pass`` without ``training``; ``carry`` not distinct streamed stages
+        below ``L``; ``host_state`` not of length ``L``, or a stage with ``host_state`` in training.
     """
 
     num_stages: int
@@ -142,6 +160,7 @@ class PrefetchSchedule:
     optimizer: bool = False
     carry: tuple[int, ...] | None = None
     host_state: tuple[bool, ...] | None = None
+    update_pass: bool = False
     carried_in: tuple[int, ...] = dataclasses.field(init=False)
     prologue: tuple[int, ...] = dataclasses.field(init=False)
     prologues: tuple[ScheduleStep, ...] = dataclasses.field(init=False, repr=False)
@@ -151,13 +170,15 @@ class PrefetchSchedule:
     def __post_init__(self):
         n = as_int("num_stages", self.num_stages, 1)
         k = as_int("prefetch_depth", self.prefetch_depth, 1)
-        names = ("training", "prefetch_next_call", "steady_state", "offload_activations", "optimizer")
+        names = ("training", "prefetch_next_call", "steady_state", "offload_activations", "optimizer", "update_pass")
         for name in names:
             check_bool(name, getattr(self, name))
         res = check_flags("resident", self.resident, n)
         flags = tuple(bool(getattr(self, f)) for f in names)
         if flags[4] and not flags[0]:
             raise ValueError("optimizer=True needs training=True (the optimizer state moves in the backward)")
+        if flags[5] and not flags[0]:
+            raise ValueError("update_pass=True needs training=True (the update pass follows the backward)")
         carry = _checked_carry(self.carry, n, res)
         state = check_flags("host_state", self.host_state, n)
         if flags[0] and any(state):
@@ -175,9 +196,24 @@ class PrefetchSchedule:
 
     @property
     def timeline(self) -> tuple[ScheduleStep, ...]:
-        """The prologues and the steps in execution order (the forward's prologue first)."""
-        fwd = tuple(s for s in self.steps if s.pass_name == "forward")
-        return (self.prologues[0],) + fwd + self.prologues[1:] + self.steps[len(fwd):]
+        """The prologues and the steps in execution order: per pass its prologue, then its steps."""
+        return tuple(s for pro in self.prologues for s in (pro,) + self.pass_steps(pro.pass_name))
+
+    def pass_steps(self, pass_name: str) -> tuple[ScheduleStep, ...]:
+        """The steps of ``pass_name`` (one of :data:`PASSES`), in execution order; empty for a pass
+        the call does not run."""
+        return tuple(s for s in self.steps if s.pass_name == pass_name)
+
+    def prologue_of(self, pass_name: str) -> ScheduleStep:
+        """The prologue of ``pass_name`` (``stage=None``).
+
+        Raises: ValueError: the call does not run ``pass_name``.
+        """
+        for pro in self.prologues:
+            if pro.pass_name == pass_name:
+                return pro
+        raise ValueError(f"pass_name={pass_name!r}: not a pass of this call "
+                         f"({', '.join(repr(p.pass_name) for p in self.prologues)})")
 
     def events(self) -> tuple[tuple[str, int | None, str, int], ...]:
         """Every event of the call in execution order: ``(pass_name, step's stage or None, kind, stage)``
@@ -189,14 +225,13 @@ class PrefetchSchedule:
     def fetched(self, pass_name: str) -> tuple[int, ...]:
         """Stages whose weights cross host -> device during ``pass_name`` for this call, in order.
 
-        The forward's include the prologue; the copies for the next call are in :attr:`next_call_fetches`.
+        Each pass's include its prologue's; the copies for the next call are in :attr:`next_call_fetches`.
 
         Raises: ValueError: ``pass_name`` is not one of :data:`PASSES`.
         """
         if pass_name not in PASSES:
             raise ValueError(f"pass_name={pass_name!r}; expected one of {', '.join(map(repr, PASSES))}")
-        own = tuple(j for s in self.steps if s.pass_name == pass_name for j in s.fetch)
-        return (self.prologue + own) if pass_name == "forward" else own
+        return tuple(j for s in self.timeline if s.pass_name == pass_name for j in s.fetch)
 
     @property
     def next_call_fetches(self) -> tuple[int, ...]:
@@ -205,8 +240,8 @@ class PrefetchSchedule:
 
     @property
     def num_fetches(self) -> int:
-        """Host -> device copies of stage weights per call (prologue, both passes, next call's)."""
-        return len(self.prologue) + sum(len(s.fetch) + len(s.fetch_next) for s in self.steps)
+        """Host -> device copies of stage weights per call (every pass's prologue and steps, next call's)."""
+        return sum(len(s.fetch) + len(s.fetch_next) for s in self.timeline)
 
     def peak_live_bytes(self, stage_bytes: Sequence[int]) -> int:
         """The most bytes of streamed weights in device memory at any step.
@@ -270,12 +305,12 @@ def _events() -> dict:
 
 @functools.lru_cache(maxsize=256)
 def _build(n: int, k: int, res: tuple, carry: tuple | None, state: tuple, training: bool, cyclic: bool,
-           steady: bool, offload: bool, optimizer: bool) -> dict:
+           steady: bool, offload: bool, optimizer: bool, update: bool) -> dict:
     """The derived fields of :class:`PrefetchSchedule` (cached: the planner asks for the same ones often)."""
     nc = min(k, n)
     if carry is not None:
         carried_in = set(carry)
-    elif cyclic and steady:         # what a call of the same kind leaves (see carried_out below)
+    elif cyclic and steady and not update:  # what a call of the same kind leaves (see carried_out below)
         carried_in = {j for j in range(n) if not res[j] and (j < nc or (training and j == k))}
     else:
         carried_in = set()
@@ -308,6 +343,8 @@ def _build(n: int, k: int, res: tuple, carry: tuple | None, state: tuple, traini
     st.live -= st.waiting           # a carried copy the forward did not use is dropped
     if training:
         _build_backward(n, k, res, cyclic, offload, optimizer, keep, st, prologues, steps)
+    if update:
+        _build_update(n, k, res, st, prologues, steps)
     return {"carried_in": tuple(sorted(carried_in)), "prologue": prologues[0].fetch, "prologues": tuple(prologues),
             "steps": tuple(steps), "carried_out": tuple(sorted(st.nxt)) if cyclic else ()}
 
@@ -338,3 +375,26 @@ def _build_backward(n: int, k: int, res: tuple, cyclic: bool, offload: bool, opt
         steps.append(st.step("backward", i, ev))
         if i not in st.nxt:
             st.live.discard(i)
+
+
+def _build_update(n: int, k: int, res: tuple, st: _State, prologues: list, steps: list) -> None:
+    """Append the update pass's prologue and steps: stage ``i+k`` brought after stage ``i``'s update
+    (taken where the backward kept it), its moments and accumulated gradients beside it; the
+    backward's keeps are consumed, nothing is left for the next call."""
+    def bring(j: int, ev: dict) -> None:
+        ev["fetch_state"].append(j)
+        st.acquire(j, ev)
+
+    ev = _events()
+    for j in range(min(k, n)):
+        bring(j, ev)
+    prologues.append(st.step("update", None, ev))
+    for i in range(n):
+        ev = _events()
+        if i + k < n:
+            bring(i + k, ev)
+        if not res[i]:
+            ev["release"].append(i)
+        steps.append(st.step("update", i, ev))
+        st.live.discard(i)
+    st.nxt.clear()

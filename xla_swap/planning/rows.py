@@ -4,7 +4,10 @@ One :class:`~xla_swap.planning.prefetch.PrefetchSchedule` per call describes it:
 (a stage's forward or backward) becomes one :class:`Row`, whose inbound bytes are the weights the
 schedule fetches for that stage in that pass (the prologue's and the steps' ``fetch`` events), and
 its copies for the next call (``fetch_next``) become rows without compute at the tail. The memory
-model reads the same object's live set (``max_live_stages``). Pure Python.
+model reads the same object's live set (``max_live_stages``). The separate update pass of a
+schedule with ``update_pass`` (``max_grad_norm`` / ``skip_nonfinite``, after any accumulated
+micro-batches) is not timed: its steps get no rows (the time model does not model gradient
+accumulation or clipping). Pure Python.
 """
 from __future__ import annotations
 
@@ -67,8 +70,9 @@ def schedule_for(policy: OffloadPolicy, num_layers: int, training: bool, mode: s
 
 
 def state_fetched_for(schedule: PrefetchSchedule) -> set[int]:
-    """The stages whose optimizer state ``schedule`` brings to the device (its ``fetch_state`` events)."""
-    return {j for s in schedule.timeline for j in s.fetch_state}
+    """The stages whose optimizer state ``schedule``'s backward brings to the device (its ``fetch_state``
+    events; those of a separate update pass are not timed)."""
+    return {j for s in schedule.timeline if s.pass_name == "backward" for j in s.fetch_state}
 
 
 def fetched_for(schedule: PrefetchSchedule, pass_name: str) -> set[int]:
