@@ -159,6 +159,22 @@ def _link(bw: dict) -> dict:
     return {k: bw[k] for k in ("h2d", "d2h", "both")}
 
 
+def _host_memory_gb() -> dict:
+    """This process's resident set and peak (``VmRSS`` / ``VmHWM``) and the machine's ``MemAvailable``, in GB
+    (Linux ``/proc``; empty elsewhere): where a row's host memory goes (pinned pools, numpy copies)."""
+    out = {}
+    try:
+        for path, keys in (("/proc/self/status", ("VmRSS", "VmHWM")), ("/proc/meminfo", ("MemAvailable",))):
+            with open(path) as f:
+                for line in f:
+                    name, _, value = line.partition(":")
+                    if name in keys:
+                        out[f"{name}_GB"] = round(int(value.split()[0]) * 1024 / 1e9, 1)
+    except OSError:
+        pass
+    return out
+
+
 def measure_shape(D, F, L, T, reps, k=2, window=1):
     """Every xla_swap row of one shape: {row: [seconds, ...]} plus bandwidths (bytes/s) and byte counts."""
     import jax
@@ -173,7 +189,9 @@ def measure_shape(D, F, L, T, reps, k=2, window=1):
     bf16 = jnp.bfloat16
     rng = np.random.default_rng(0)
     wt = [{"a": _rand(rng, (F, D), bf16), "b": _rand(rng, (D, F), bf16)} for _ in range(L)]  # torch layout
-    wj = [{"a": np.ascontiguousarray(w["a"].T), "b": np.ascontiguousarray(w["b"].T)} for w in wt]
+
+    def jax_weights():  # the JAX layout, made per runtime (which copies it): one host copy of W less held
+        return [{"a": np.ascontiguousarray(w["a"].T), "b": np.ascontiguousarray(w["b"].T)} for w in wt]
     x_np = (rng.standard_normal((T, D), dtype=np.float32) * 0.5).astype(bf16)
     x_t = _to_torch(x_np)
     W = sum(a.nbytes for w in wt for a in w.values())
@@ -190,8 +208,10 @@ def measure_shape(D, F, L, T, reps, k=2, window=1):
         return _timeit(call, reps, sync, window)
 
     def note(name):
+        host = _host_memory_gb()
+        res.setdefault("host_memory_GB", {})[name] = host
         print(json.dumps({"row": name, "median_s": statistics.median(rows[name]) if name in rows else None,
-                          "elapsed_s": round(time.perf_counter() - t_start, 1)}), flush=True)
+                          "elapsed_s": round(time.perf_counter() - t_start, 1), **host}), flush=True)
 
     def stage_jax(w, h):
         return h + jax.nn.gelu(h @ w["a"], approximate=True) @ w["b"]
@@ -217,7 +237,7 @@ def measure_shape(D, F, L, T, reps, k=2, window=1):
     layers = [FFN(w) for w in wt]
 
     # ---- bandwidths: move the weights themselves ----
-    rt = StreamingRuntime(stage_jax, wj, prefetch_depth=k, track_residency=False)
+    rt = StreamingRuntime(stage_jax, jax_weights(), prefetch_depth=k, track_residency=False)
     dev = jax.devices()[0]
     res["bw"] = _link(measure_bandwidth(rt.host_params))
 
@@ -273,21 +293,21 @@ def measure_shape(D, F, L, T, reps, k=2, window=1):
     st = None  # free its buffers before the next row
     gc.collect()
     # the same calls with a non-cyclic schedule: every call streams stage 0 first (what the cycle saves)
-    rt = StreamingRuntime(stage_jax, wj, prefetch_depth=k, track_residency=False, prefetch_next_call=False)
+    rt = StreamingRuntime(stage_jax, jax_weights(), prefetch_depth=k, track_residency=False, prefetch_next_call=False)
     rows["jax_fwd_nocarry"] = timed(lambda: rt.forward(x_dev))
     rows["jax_train_nocarry"] = timed(lambda: rt.train_step(x_dev, jloss)[::2])
     note("jax_train_nocarry")
     rt = None
     gc.collect()
     # ---- on-device (every stage resident) ----
-    rt = StreamingRuntime(stage_jax, wj, prefetch_depth=k, track_residency=False, resident=[True] * L,
+    rt = StreamingRuntime(stage_jax, jax_weights(), prefetch_depth=k, track_residency=False, resident=[True] * L,
                           grads_to_host=False)
     rows["ondev_fwd"] = timed(lambda: rt.forward(x_dev))
     rows["ondev_train"] = timed(lambda: rt.train_step(x_dev, jloss)[::2])
     note("ondev_train")
     rt = None  # free its buffers before the next row
     gc.collect()
-    rt = StreamingRuntime(stage_jax, wj, prefetch_depth=k, track_residency=False, resident=[True] * L,
+    rt = StreamingRuntime(stage_jax, jax_weights(), prefetch_depth=k, track_residency=False, resident=[True] * L,
                           optimizer=AdamW(lr=1e-5), optimizer_state_on_host=False)
     rows["ondev_adamw"] = timed(lambda: (rt.train_step(x_dev, jloss)[0], rt.host_params, rt.optimizer_state))
     note("ondev_adamw")
