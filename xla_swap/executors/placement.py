@@ -5,6 +5,7 @@ Imports only jax (no torch).
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import jax
@@ -16,7 +17,7 @@ from ._stages import (DEVICE_KIND, HOST_KIND, as_aval, check_input_dtypes, check
                       leaf_name)
 
 __all__ = ["RuntimePlacement", "activation_shardings", "check_placement_args", "checked_resident", "checked_state",
-           "flatten_stage_params", "leaf_sharding_rule", "leaf_shardings", "num_stages_of"]
+           "flatten_stage_params", "leaf_sharding_rule", "leaf_shardings", "num_stages_of", "zeros_where_they_live"]
 
 
 def num_stages_of(stage_params) -> int:
@@ -248,8 +249,9 @@ class RuntimePlacement:
         #: in ``pinned_host`` (or device memory); empty lists without an optimizer.
         # copies (may_alias=False): a given state stays its owner's, unless handed over (own_state)
         alias = None if optimizer_state is None or own_state else False
-        self.optimizer_state: list = [jax.device_put(st, sh, may_alias=alias)
-                                      for st, sh in zip(states, self._state_host_sh)]
+        place = zeros_where_they_live if optimizer_state is None else \
+            (lambda st, sh: jax.device_put(st, sh, may_alias=alias))
+        self.optimizer_state: list = [place(st, sh) for st, sh in zip(states, self._state_host_sh)]
 
     def _place_state_shardings(self, has_optimizer: bool) -> None:
         """Per stage, the shardings of the floating leaves' gradients and, with an optimizer, of the
@@ -375,3 +377,26 @@ class RuntimePlacement:
         if isinstance(sh, Sharding):
             return sh.with_memory_kind(HOST_KIND)
         return jax.tree_util.tree_map(lambda s: s.with_memory_kind(HOST_KIND), sh)
+
+
+def zeros_where_they_live(zeros, shardings):
+    """Zero arrays (a pytree of numpy zeros, e.g. a stage's fresh AdamW moments) put at ``shardings``
+    (a pytree of the same structure): those in device memory made there by a jitted ``zeros``, the
+    others copied from ``zeros``.
+
+    A host array's copy to the device goes through host memory that PJRT GPU stages it in and keeps
+    for its pinned pool; a zero made on the device moves no byte over the link and keeps none on the host.
+
+    Returns: the pytree of ``jax.Array`` (values all zero, shapes and dtypes of ``zeros``).
+    """
+    def one(z, sh):
+        if sh.memory_kind == DEVICE_KIND:
+            return _zeros_program(tuple(z.shape), np.dtype(z.dtype), sh)()
+        return jax.device_put(z, sh)
+    return jax.tree_util.tree_map(one, zeros, shardings)
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_program(shape: tuple, dtype: np.dtype, sharding: Sharding):
+    """A jitted ``() -> zeros(shape, dtype)`` placed at ``sharding`` (one per distinct leaf: layers share it)."""
+    return jax.jit(lambda: jax.numpy.zeros(shape, dtype), out_shardings=sharding)
