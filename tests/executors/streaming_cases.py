@@ -12,6 +12,16 @@ import numpy as np
 
 L, D, F, T = 8, 16, 32, 8
 
+#: (L, k, resident) cases of the schedule tests: streamed, k = L, k > L, partial residency, stage k resident.
+SCHEDULE_SHAPES = [  # (L, k, resident)
+    (4, 1, None),
+    (5, 2, None),
+    (3, 3, None),                               # k = L
+    (2, 4, None),                               # k > L
+    (5, 1, (False, True, False, False, True)),  # partial residency
+    (4, 2, (False, False, True, False)),        # stage k resident
+]
+
 
 def layer(p, h):
     return h + jax.nn.gelu(h @ p["a"]) @ p["b"]

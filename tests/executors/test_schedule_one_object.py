@@ -13,20 +13,13 @@ import jax
 import numpy as np
 import pytest
 
+from streaming_cases import SCHEDULE_SHAPES as SHAPES
 from streaming_cases import check_close, layer, loss_fn, make_input, make_params, mono_forward, mono_loss, stacked
 from xla_swap.executors import StreamingRuntime
 from xla_swap.planning import AdamW, LayerCost, OffloadPolicy
 from xla_swap.planning.memory import device_memory
 from xla_swap.planning.rows import offloaded_rows, phase_rows
 
-SHAPES = [  # (L, k, resident)
-    (4, 1, None),
-    (5, 2, None),
-    (3, 3, None),                               # k = L
-    (2, 4, None),                               # k > L
-    (5, 1, (False, True, False, False, True)),  # partial residency
-    (4, 2, (False, False, True, False)),        # stage k resident
-]
 GRID = [(n, k, res, False, False, False) for n, k, res in SHAPES] + [
     (n, k, res, True, offload, opt) for n, k, res in SHAPES for offload in (False, True) for opt in (False, True)]
 

@@ -12,20 +12,12 @@ import jax
 import numpy as np
 import pytest
 
-from streaming_cases import check_close, layer, loss_fn, make_input, make_params
+from streaming_cases import SCHEDULE_SHAPES as SHAPES, check_close, layer, loss_fn, make_input, make_params
 from xla_swap.executors import StreamingRuntime
 from xla_swap.planning import AdamW, LayerCost, OffloadPolicy, PrefetchSchedule
 from xla_swap.planning.memory import device_memory
 from xla_swap.planning.rows import offloaded_rows
 
-SHAPES = [  # (L, k, resident)
-    (4, 1, None),
-    (5, 2, None),
-    (3, 3, None),                               # k = L
-    (2, 4, None),                               # k > L
-    (5, 1, (False, True, False, False, True)),  # partial residency
-    (4, 2, (False, False, True, False)),        # stage k resident
-]
 OPTIONS = ("accumulate", "accumulate+clip", "max_grad_norm", "skip_nonfinite")
 GRID = [(n, k, res, opt) for n, k, res in SHAPES for opt in OPTIONS]
 
