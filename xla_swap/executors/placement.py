@@ -247,10 +247,10 @@ class RuntimePlacement:
                 states.append(checked_state(optimizer, optimizer_state[i], trained, i))
         #: per stage, the optimizer state: a list of ``(m, v)`` pairs, one per trainable leaf,
         #: in ``pinned_host`` (or device memory); empty lists without an optimizer.
-        # copies (may_alias=False): a given state stays its owner's, unless handed over (own_state)
-        alias = None if optimizer_state is None or own_state else False
+        # fresh zeros are made where they live; a given state is copied (may_alias=False: it stays its
+        # owner's) unless handed over (own_state)
         place = zeros_where_they_live if optimizer_state is None else \
-            (lambda st, sh: jax.device_put(st, sh, may_alias=alias))
+            (lambda st, sh: jax.device_put(st, sh, may_alias=None if own_state else False))
         self.optimizer_state: list = [place(st, sh) for st, sh in zip(states, self._state_host_sh)]
 
     def _place_state_shardings(self, has_optimizer: bool) -> None:
