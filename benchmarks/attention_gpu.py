@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import sys
@@ -188,13 +189,15 @@ def _tag(args, b, s, model_cpu):
             "model_flops": model_flops(model_cpu, b, s)}
 
 
-def torch_row(args, b, s, model_cpu):
+def torch_rows(args, b, s, model_cpu) -> list:
     """torch on the device: forward+backward (``fwdbwd_s``) and the fused AdamW step (``step_s``),
-    without gradient checkpointing below ``--ckpt-tokens`` unless that runs out of memory, then with it."""
+    with gradient checkpointing (``torch_device_ckpt``) and, below ``--ckpt-tokens``, also without
+    (``torch_device``; an out-of-memory error is recorded as the row's ``error``)."""
     import torch
     x, y = _batch(b, s)
     tag = _tag(args, b, s, model_cpu)
     dev = _device()
+    rows = []
     for ckpt in ((False, True) if b * s < args.ckpt_tokens else (True,)):
         m = opt = None
         name = "torch_device" + ("_ckpt" if ckpt else "")
@@ -229,10 +232,34 @@ def torch_row(args, b, s, model_cpu):
         del m, opt
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-        if "error" not in row:
-            break
-    print(json.dumps(row), flush=True)
-    return row
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def measure_link_bulk(nbytes: int = 4 << 30, reps: int = 3):
+    """The link as a whole step's traffic sees it: ``nbytes`` in 256 MiB ``pinned_host`` arrays
+    to the device, back, and both at once, the best of ``reps`` (GB/s, as
+    ``xla_swap.planning.Link``). One stage's weights (``calibrate.measure_link``) read 49-51 GB/s
+    each way and 52-72 GB/s both ways on an H100, below what a training step's copies reach."""
+    import jax
+    import jax.numpy as jnp
+    from xla_swap.planning.costs import Link
+    dev = jax.devices()[0]
+    n = max(1, nbytes // (256 << 20))
+    on_dev = [jnp.zeros((128 << 20,), jnp.bfloat16) + i for i in range(n)]
+    host = jax.block_until_ready(jax.device_put(on_dev, jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")))
+    dsh, hsh = on_dev[0].sharding, host[0].sharding
+    best = {"h2d": 0.0, "d2h": 0.0, "both": 0.0}
+    moves = {"h2d": (lambda: jax.device_put(host, dsh), n), "d2h": (lambda: jax.device_put(on_dev, hsh), n),
+             "both": (lambda: (jax.device_put(host, dsh), jax.device_put(on_dev, hsh)), 2 * n)}
+    for _ in range(reps + 1):
+        for k, (move, m) in moves.items():
+            t = time.perf_counter()
+            jax.block_until_ready(move())
+            best[k] = max(best[k], m * (256 << 20) / (time.perf_counter() - t) / 1e9)
+    del on_dev, host
+    return Link(h2d_gbps=best["h2d"], d2h_gbps=best["d2h"], both_gbps=best["both"])
 
 
 def link_floor(stack, link) -> dict:
@@ -257,14 +284,10 @@ def link_floor(stack, link) -> dict:
             "floor_s": max((w_in + M + A) / h2d, (W + M + A) / d2h, (w_in + W + 2 * M + 2 * A) / both)}
 
 
-def stack_rows(args, b, s, model_cpu):
-    import torch
-    import xla_swap
-    from xla_swap.executors.calibrate import measure_link
-    x, y = _batch(b, s)
-    tag = _tag(args, b, s, model_cpu)
-    rows = []
+def stack_rows(args, b, s, model_cpu, link):
+    """The stack's rows at ``(b, s)`` (module docstring), each judged against ``link`` (GB/s)."""
     from xla_swap.planning.policy import OffloadPolicy
+    tag = _tag(args, b, s, model_cpu)
     # remat (the default policy) or, for "saved", no recompute: every stage's input and vjp
     # residuals go to pinned_host in the forward and come back for the backward
     saved = OffloadPolicy(params="host", grads="host", optimizer_state="host", remat=False, prefetch_depth=2)
@@ -278,53 +301,64 @@ def stack_rows(args, b, s, model_cpu):
         # the chooser's pick under a budget (remat or kept residuals, docs/planner.md "Remat or
         # residuals"): the first step measures the link and the layers, then runs the choice
         variants.append(("cudnn_chosen", True, True, {"budget_bytes": _budget_bytes(args)}))
+    rows = []
     for name, fused, with_opt, kw in variants:
-        t0 = time.perf_counter()
-        m = copy.deepcopy(model_cpu)
-        first, layers, last = xla_swap.causal_lm_stages(m)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-5) if with_opt else None
-        stack = xla_swap.SwappedStack(layers, first=first, last=last, loss_fn=_ce, fused_attention=fused,
-                                      optimizer=opt, **kw)
-        try:
-            first_loss = float(stack.train_step(x, y))
-        except Exception as e:                             # e.g. the saved residuals exhaust device memory
-            row = dict(tag, row="stack_" + name, error=f"{type(e).__name__}: {str(e)[:160]}")
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            del stack, m
-            continue
-        first_s = time.perf_counter() - t0
-        m.to("meta")                                       # the stack holds its own copies (host memory)
-        t = median_time(lambda: stack.train_step(x, y), args.steps, lambda: None)
-        link, _ = measure_link(stack.runtime)
-        row = dict(tag, row="stack_" + name, step_s=t, tflops=tag["model_flops"] / t / 1e12,
-                   first_step_s=first_s, first_loss=first_loss,
-                   offloaded_gib=stack.runtime.offloaded_activation_nbytes / 2 ** 30, **link_floor(stack, link))
-        row["ratio_to_floor"] = t / row["floor_s"] if row["floor_s"] else None
-        if stack.schedule is not None:
-            row.update(chosen=stack.schedule.describe(), chosen_remat=stack.schedule.remat,
-                       predicted_step_s=stack.schedule.step_s, budget_gib=stack.schedule.budget_bytes / 2 ** 30,
-                       predicted_by_remat={str(r): t for r, t in stack.schedule.best_step_s_by_remat.items()})
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        del stack, m
+        try:                                # e.g. saved residuals that exhaust host or device memory
+            row = stack_row(args, b, s, model_cpu, link, fused, with_opt, kw)
+        except Exception as e:
+            row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        rows.append(dict(tag, row="stack_" + name, **row))
+        print(json.dumps(rows[-1]), flush=True)
+        gc.collect()
     return rows
 
 
+def stack_row(args, b, s, model_cpu, link, fused, with_opt, kw) -> dict:
+    import torch
+    import xla_swap
+    x, y = _batch(b, s)
+    flops = model_flops(model_cpu, b, s)
+    t0 = time.perf_counter()
+    m = copy.deepcopy(model_cpu)
+    first, layers, last = xla_swap.causal_lm_stages(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-5) if with_opt else None
+    stack = xla_swap.SwappedStack(layers, first=first, last=last, loss_fn=_ce, fused_attention=fused,
+                                  optimizer=opt, **kw)
+    first_loss = float(stack.train_step(x, y))
+    first_s = time.perf_counter() - t0
+    m.to("meta")                                           # the stack holds its own copies (host memory)
+    t = median_time(lambda: stack.train_step(x, y), args.steps, lambda: None)
+    row = dict(step_s=t, tflops=flops / t / 1e12, first_step_s=first_s, first_loss=first_loss,
+               offloaded_gib=stack.runtime.offloaded_activation_nbytes / 2 ** 30, **link_floor(stack, link))
+    row["ratio_to_floor"] = t / row["floor_s"] if row["floor_s"] else None
+    if stack.schedule is not None:
+        row.update(chosen=stack.schedule.describe(), chosen_remat=stack.schedule.remat,
+                   predicted_step_s=stack.schedule.step_s, budget_gib=stack.schedule.budget_bytes / 2 ** 30,
+                   predicted_by_remat={str(r): p for r, p in stack.schedule.best_step_s_by_remat.items()})
+    return row
+
+
 def compare(steps: list) -> list:
-    """Each stack row against torch's row of its shape: ``vs_torch`` (the AdamW step against torch's
-    step, fwd+bwd against torch's fwd+bwd) and ``bound``: ``"link"`` where the link floor is above
-    torch's time on the device, else ``"compute"``; ``target_ratio`` the ratio the issue bounds
-    (to the floor where link-bound, to torch where compute-bound)."""
-    torch_rows = {(r["b"], r["s"]): r for r in steps if r["row"].startswith("torch") and "step_s" in r}
+    """Each stack row against torch's rows of its shape: ``vs_torch`` against the fastest torch row
+    that ran (the AdamW step against its step, fwd+bwd against its fwd+bwd), ``vs_torch_ckpt``
+    against torch with gradient checkpointing (the recompute the stack's remat also does);
+    ``bound``: ``"link"`` where the link floor is above torch's checkpointed time, else
+    ``"compute"``; ``target_ratio``: the ratio the issue bounds, to the floor where link-bound, to
+    torch with checkpointing where compute-bound."""
+    by_shape: dict = {}
     for r in steps:
-        tr = torch_rows.get((r["b"], r["s"]))
-        if not r["row"].startswith("stack") or "step_s" not in r or tr is None:
+        if r["row"].startswith("torch") and "step_s" in r:
+            by_shape.setdefault((r["b"], r["s"]), {})[r["row"]] = r
+    for r in steps:
+        tr = by_shape.get((r["b"], r["s"]))
+        if not r["row"].startswith("stack") or "step_s" not in r or not tr:
             continue
-        ref = tr["fwdbwd_s"] if r["row"].endswith("fwdbwd") else tr["step_s"]
-        r["torch_row"], r["vs_torch"] = tr["row"], r["step_s"] / ref
-        r["bound"] = "link" if r["floor_s"] > ref else "compute"
-        r["target_ratio"] = r["ratio_to_floor"] if r["bound"] == "link" else r["vs_torch"]
+        key = "fwdbwd_s" if r["row"].endswith("fwdbwd") else "step_s"
+        best = min(tr.values(), key=lambda q: q[key])
+        ck = tr.get("torch_device_ckpt", best)
+        r.update(torch_row=best["row"], vs_torch=r["step_s"] / best[key], vs_torch_ckpt=r["step_s"] / ck[key])
+        r["bound"] = "link" if r["floor_s"] > ck[key] else "compute"
+        r["target_ratio"] = r["ratio_to_floor"] if r["bound"] == "link" else r["vs_torch_ckpt"]
     return steps
 
 
@@ -357,6 +391,7 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=20, help="back-to-back attention calls per timed sample")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--skip-steps", action="store_true")
+    ap.add_argument("--torch-only", action="store_true", help="of the step rows, torch's alone")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "attention_gpu.json"))
     args = ap.parse_args(argv)
     import torch
@@ -366,11 +401,15 @@ def main(argv=None) -> int:
     try:
         model_cpu = llama(args.d, args.f, args.layers, args.heads, args.kv_heads) if not args.skip_steps else None
         for b, s in ([] if args.skip_steps else shapes):       # torch first: jax then takes the memory
-            res["steps"].append(torch_row(args, b, s, model_cpu))
+            res["steps"] += torch_rows(args, b, s, model_cpu)
         for shape in args.attn_shapes.split():
             attention_rows(*map(int, shape.split(",")), args.reps, args.window, res)
-        for b, s in ([] if args.skip_steps else shapes):
-            res["steps"] += stack_rows(args, b, s, model_cpu)
+        if shapes and not args.skip_steps and not args.torch_only:
+            link = measure_link_bulk()
+            res["link_gbps"] = [link.h2d_gbps, link.d2h_gbps, link.both_gbps]
+            print(json.dumps({"link_gbps": res["link_gbps"]}), flush=True)
+            for b, s in shapes:
+                res["steps"] += stack_rows(args, b, s, model_cpu, link)
         compare(res["steps"])
     finally:
         with open(args.out, "w") as fh:
@@ -385,7 +424,8 @@ def main(argv=None) -> int:
     for r in res["steps"]:
         print(f"step B{r['b']} S{r['s']} {r['row']:18s} " + (f"{r['step_s']:.3f} s {r['tflops']:6.1f} TFLOP/s"
               + (f" fwd+bwd {r['fwdbwd_s']:.3f} s" if "fwdbwd_s" in r else "")
-              + (f" floor {r['floor_s']:.3f} s (x{r['ratio_to_floor']:.3f}) x{r['vs_torch']:.3f} torch, {r['bound']}-bound"
+              + (f" floor {r['floor_s']:.3f} s (x{r['ratio_to_floor']:.3f}) x{r['vs_torch']:.3f} torch"
+                 f" x{r['vs_torch_ckpt']:.3f} torch ckpt, {r['bound']}-bound"
                  if "vs_torch" in r else "")
               + (f" first {r['first_step_s']:.1f} s" if "first_step_s" in r else "")
               + (f" chosen: {r['chosen']}" if "chosen" in r else "") if "step_s" in r else r["error"]))
