@@ -18,6 +18,11 @@ SDPA replaced:
   (``[B, N, T, H]``), ``is_causal``, boolean or additive ``attn_mask`` broadcastable to
   ``[B, N, T, S]``, grouped-query K/V and ``scale``; fully masked rows give zeros as in torch.
   fp32 operands, and any case cuDNN refuses at trace time, run :func:`sdpa_reference`.
+  The kernel takes ``[B, T, N, H]``: the transposes around it cancel against a ``transformers``
+  layer's own (0.98-1.05x torch's SDPA on an H100, forward and backward); contiguous
+  ``[B, N, T, H]`` operands are copied (forward 1.11-1.21x). A float ``attn_mask`` is cuDNN's
+  ``bias``, whose backward computes the bias gradient too (1.23-1.25x); a boolean one is not
+  (``benchmarks/results/attention_gpu/``, 2026-11-26).
 
 ``dropout_p > 0`` is refused (random: it cannot equal torch's). :func:`kernel_counts` says how
 many calls took each path while tracing.
