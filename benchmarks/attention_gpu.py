@@ -387,6 +387,7 @@ def main(argv=None) -> int:
     ap.add_argument("--unfused-max-tokens", type=int, default=8192)
     ap.add_argument("--saved-max-tokens", type=int, default=8192,
                     help="the --saved-rows up to this many tokens (the residuals of every layer go to host memory)")
+    ap.add_argument("--link-gib", type=float, default=4.0, help="bytes of the link measurement (GiB)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--window", type=int, default=20, help="back-to-back attention calls per timed sample")
     ap.add_argument("--steps", type=int, default=3)
@@ -405,7 +406,7 @@ def main(argv=None) -> int:
         for shape in args.attn_shapes.split():
             attention_rows(*map(int, shape.split(",")), args.reps, args.window, res)
         if shapes and not args.skip_steps and not args.torch_only:
-            link = measure_link_bulk()
+            link = measure_link_bulk(int(args.link_gib * 2 ** 30))
             res["link_gbps"] = [link.h2d_gbps, link.d2h_gbps, link.both_gbps]
             print(json.dumps({"link_gbps": res["link_gbps"]}), flush=True)
             for b, s in shapes:
