@@ -6,9 +6,10 @@ Part A, attention alone (bf16, head dimension 128, grouped-query K/V): torch's f
 against the same torch call run through the stack's GPU torchax environment
 (``xla_swap.torch_attention``: cuDNN) and through torchax's default environment (XLA's unfused
 form), forward and forward+backward (gradients of q, k, v); the relative error of each against
-torch's output. Each figure is the median over ``--reps`` samples of the time per call of
-``--window`` calls issued back to back and synced once (the device's time per call, as inside
-a layer's executable; a sync per call would add the host's launch latency). Cases:
+torch's output, and of its q, k, v gradients (the largest). Each figure is the median over
+``--reps`` samples of the time per call of ``--window`` calls issued back to back and synced
+once (the device's time per call, as inside a layer's executable; a sync per call would add the
+host's launch latency). Cases:
 
 * ``causal``: torch's ``[B, N, T, H]`` contiguous tensors (the stack transposes them to cuDNN's
   ``[B, T, N, H]`` and back: two layout copies torch does not make);
@@ -16,8 +17,8 @@ a layer's executable; a sync per call would add the host's launch latency). Case
   the output transposed back and made contiguous), where those layout changes cancel;
 * ``mask``: ``causal_hf``'s layout with the boolean ``[B, 1, T, S]`` mask transformers' ``sdpa_mask``
   builds for a left-padded batch (:func:`attention_masks`);
-* ``mask_float``: an additive ``[1, 1, S, S]`` causal mask on ``[B, N, T, H]`` tensors (a float mask may
-  carry a gradient, so jax's cuDNN backward also computes the mask's).
+* ``mask_float``: an additive ``[1, 1, S, S]`` causal mask on ``[B, N, T, H]`` tensors, not
+  differentiated (the stack's backward leaves the mask's gradient off).
 
 Part B, a ``transformers`` Llama (bf16, ``--d``/``--f``, ``--heads``/``--kv-heads``, ``--layers``):
 torch on the device (SDPA; forward+backward, then the fused AdamW step; gradient checkpointing
@@ -134,6 +135,7 @@ def attention_rows(b, n, kv, s, reps, window, res):
         gargs = (qg, kg, vg) + args[3:]
         row["torch_fwdbwd_s"] = median_window_time(
             lambda: torch.autograd.grad(fn(*gargs).sum(), (qg, kg, vg)), reps, window, _sync)
+        ref_grads = torch.autograd.grad(fn(*gargs).float().sum(), (qg, kg, vg))
         jargs = [jax.dlpack.from_dlpack(t) for t in args]
         for name, env in (("cudnn", torch_attention.torchax_env("gpu")), ("xla", import_torchax().default_env())):
             if name == "xla" and s > 4096:
@@ -146,6 +148,8 @@ def attention_rows(b, n, kv, s, reps, window, res):
             fb = jax.jit(lambda *a, f=f: jax.grad(lambda *a: f(*a).astype("float32").sum(), argnums=(0, 1, 2))(*a))
             out_t = torch.from_dlpack(fwd(*jargs))
             row[f"{name}_fwd_hlo"] = hlo_summary(fwd.lower(*jargs).compile().as_text())
+            row[f"{name}_grad_rel_err"] = max(float((torch.from_dlpack(gj).float() - gt.float()).norm() / gt.float().norm())
+                                             for gj, gt in zip(fb(*jargs), ref_grads))
             row[f"{name}_rel_err"] = float((out_t.float() - ref.float()).norm() / ref.float().norm())
             last = [None]
             jsync = lambda: jax.block_until_ready(last[0])  # noqa: E731

@@ -20,9 +20,11 @@ SDPA replaced:
   fp32 operands, and any case cuDNN refuses at trace time, run :func:`sdpa_reference`.
   The kernel takes ``[B, T, N, H]``: the transposes around it cancel against a ``transformers``
   layer's own (0.98-1.05x torch's SDPA on an H100, forward and backward); contiguous
-  ``[B, N, T, H]`` operands are copied (forward 1.11-1.21x). A float ``attn_mask`` is cuDNN's
-  ``bias``, whose backward computes the bias gradient too (1.23-1.25x); a boolean one is not
-  (``benchmarks/results/attention_gpu/``, 2026-11-26).
+  ``[B, N, T, H]`` operands are copied (forward 1.11-1.21x; ``benchmarks/results/attention_gpu/``).
+  A float ``attn_mask`` is cuDNN's ``bias``. Its gradient is computed only where it is
+  differentiated (a ``jax.custom_vjp`` reads that at trace time); otherwise the backward leaves
+  that output off (:func:`xla_swap._compat.jax.cudnn_attention_fixed_bias`). In a stack, a float
+  mask carried between stages is differentiated like every floating leaf of the carry.
 
 ``dropout_p > 0`` is refused (random: it cannot equal torch's). :func:`kernel_counts` says how
 many calls took each path while tracing.
@@ -97,6 +99,47 @@ def _to_jax(env, t):
     return env.t2j_iso(t) if isinstance(t, torchax.tensor.Tensor) else env.t2j_copy(t)
 
 
+def _cudnn(q, k, v, bias, scale, causal):
+    """cuDNN's attention on ``[B, T, N, H]`` arrays with an additive float ``bias`` (its backward
+    also computes the bias gradient)."""
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, scale=scale, is_causal=causal, implementation="cudnn")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _biased(q, k, v, bias, scale, causal):
+    """:func:`_cudnn`, whose backward computes the bias gradient only where the bias is differentiated."""
+    return _cudnn(q, k, v, bias, scale, causal)
+
+
+def _biased_fwd(q, k, v, bias, scale, causal):
+    # symbolic_zeros: each operand comes as a CustomVJPPrimal, ``perturbed`` when differentiated
+    qkv = (q.value, k.value, v.value)
+    if not bias.perturbed:
+        compat = _compat_jax()
+        try:
+            fixed = functools.partial(compat.cudnn_attention_fixed_bias, bias=bias.value, scale=scale,
+                                      is_causal=causal)
+            return jax.vjp(fixed, *qkv)
+        except compat.MissingUpstreamAPI:     # this jax lacks the private call: the gradient is made and dropped
+            pass
+    return jax.vjp(lambda q, k, v, b: _cudnn(q, k, v, b, scale, causal), *qkv, bias.value)
+
+
+def _biased_bwd(scale, causal, vjp, g):
+    if isinstance(g, jax.custom_derivatives.SymbolicZero):
+        g = jnp.zeros(g.shape, g.dtype)
+    grads = vjp(g)
+    return grads if len(grads) == 4 else (*grads, None)    # None: no cotangent for a fixed bias
+
+
+_biased.defvjp(_biased_fwd, _biased_bwd, symbolic_zeros=True)
+
+
+def _compat_jax():
+    from xla_swap._compat import jax as compat
+    return compat
+
+
 def _sdpa_cudnn(env, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                 enable_gqa=False):
     _refuse_dropout(dropout_p)
@@ -113,10 +156,15 @@ def _sdpa_cudnn(env, query, key, value, attn_mask=None, dropout_p=0.0, is_causal
                 mask = keep | dead
             else:
                 bias = jnp.where(dead, 0, m).astype(q.dtype)
+        qt, kt, vt = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))
+        causal = bool(is_causal) and attn_mask is None
         try:
-            out = jax.nn.dot_product_attention(
-                *(jnp.swapaxes(t, 1, 2) for t in (q, k, v)), bias=bias, mask=mask, scale=scale,
-                is_causal=bool(is_causal) and attn_mask is None, implementation="cudnn")
+            if bias is None:
+                out = jax.nn.dot_product_attention(qt, kt, vt, mask=mask, scale=scale, is_causal=causal,
+                                                   implementation="cudnn")
+            else:
+                out = _biased(qt, kt, vt, bias, 1 / float(q.shape[-1]) ** 0.5 if scale is None else float(scale),
+                              causal)
         except (ValueError, NotImplementedError, TypeError, RuntimeError):
             out = None
         if out is not None:

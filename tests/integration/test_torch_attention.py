@@ -6,6 +6,9 @@ torch semantics the environment maps (layout, causal, boolean and additive masks
 K/V, scale, fully masked rows), values and gradients; ``benchmarks/attention_gpu.py`` checks the
 cuDNN path itself against torch on the GPU.
 """
+import collections
+import types
+
 import jax
 import numpy as np
 import pytest
@@ -96,3 +99,74 @@ def test_bf16_llama_keeps_torch_dtypes():
         ref = model(ids).logits
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def _xla_attention(calls):
+    """Stand-ins for the two cuDNN calls (no GPU here): XLA's attention, counting which one traced."""
+    def with_bias_grad(q, k, v, bias, scale, causal):
+        calls["bias_grad"] += 1
+        return jax.nn.dot_product_attention(q, k, v, bias=bias, scale=scale, is_causal=causal, implementation="xla")
+
+    def fixed(q, k, v, *, bias, scale, is_causal):
+        calls["fixed"] += 1
+        return jax.nn.dot_product_attention(q, k, v, bias=jax.lax.stop_gradient(bias), scale=scale,
+                                            is_causal=is_causal, implementation="xla")
+    from xla_swap._compat import MissingUpstreamAPI
+    return with_bias_grad, types.SimpleNamespace(cudnn_attention_fixed_bias=fixed, MissingUpstreamAPI=MissingUpstreamAPI)
+
+
+def test_float_mask_gradient_only_where_the_mask_is_differentiated(monkeypatch):
+    """A float mask is cuDNN's bias: where it is a constant of the differentiated function the
+    backward without the bias gradient traces; where it is differentiated, the one with it;
+    values and gradients equal XLA's attention either way."""
+    calls = collections.Counter()
+    with_bias_grad, compat = _xla_attention(calls)
+    monkeypatch.setattr(torch_attention, "_cudnn", with_bias_grad)
+    monkeypatch.setattr(torch_attention, "_compat_jax", lambda: compat)
+    r = np.random.default_rng(0)
+    q, k, v = (jax.numpy.asarray(r.standard_normal((2, 8, n, 16)), np.float32) for n in (4, 2, 2))
+    bias = jax.numpy.asarray(r.standard_normal((1, 1, 8, 8)), np.float32)
+
+    def ref(q, k, v, b):
+        return jax.nn.dot_product_attention(q, k, v, bias=b, scale=0.25, implementation="xla").sum()
+
+    def ours(q, k, v, b):
+        return torch_attention._biased(q, k, v, b, 0.25, False).sum()
+    g = jax.grad(ours, argnums=(0, 1, 2))(q, k, v, bias)
+    assert calls == {"fixed": 1}
+    for a, b in zip(g, jax.grad(ref, argnums=(0, 1, 2))(q, k, v, bias)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    g4 = jax.grad(ours, argnums=(0, 1, 2, 3))(q, k, v, bias)
+    assert calls == {"fixed": 1, "bias_grad": 1}
+    ref4 = jax.grad(ref, argnums=(0, 1, 2, 3))(q, k, v, bias)
+    assert float(jax.numpy.abs(ref4[3]).max()) > 1e-3           # the bias gradient is not zero
+    for a, b in zip(g4, ref4):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_gpu_env_float_mask_through_the_fused_path(monkeypatch):
+    """torch SDPA with an additive mask in the GPU environment, the cuDNN calls stood in for by
+    XLA's: values and q/k/v gradients equal torch eager's (bf16), the mask not differentiated."""
+    calls = collections.Counter()
+    with_bias_grad, compat = _xla_attention(calls)
+    monkeypatch.setattr(torch_attention, "_cudnn", with_bias_grad)
+    monkeypatch.setattr(torch_attention, "_compat_jax", lambda: compat)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, n, 8, 16, generator=g).bfloat16() for n in (4, 2, 2))
+    mask = _causal_additive(8, 8, 2).bfloat16()
+    cot = torch.randn(2, 4, 8, 16, generator=g).bfloat16()
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    qt, kt, vt = (t.clone().requires_grad_(True) for t in (q, k, v))
+    ref = fn(qt, kt, vt)
+    ref.backward(cot)
+    before = dict(torch_attention.kernel_counts())
+    out, vjp = jax.vjp(_jax_fn(torch_attention.torchax_env("gpu"), fn),
+                       *(jax.numpy.asarray(t.float().numpy()).astype(jax.numpy.bfloat16) for t in (q, k, v)))
+    grads = vjp(jax.numpy.asarray(cot.float().numpy()).astype(jax.numpy.bfloat16))
+    assert torch_attention.kernel_counts().get("cudnn", 0) == before.get("cudnn", 0) + 1
+    assert calls == {"fixed": 1}
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref.detach().float().numpy(), rtol=2e-2, atol=2e-2)
+    for gj, gt in zip(grads, (qt.grad, kt.grad, vt.grad)):
+        np.testing.assert_allclose(np.asarray(gj, np.float32), gt.float().numpy(), rtol=5e-2, atol=5e-2)

@@ -19,6 +19,8 @@ What is wrapped, by the part of xla_swap that needs it:
 * jax's in-memory caches (tests that a dropped runtime releases them): :func:`tracing_cache_entries`.
 * Whether jax's backends (the PJRT clients) have started (:mod:`xla_swap.executors.host_pool`):
   :func:`backends_initialized`.
+* cuDNN's fused attention with a bias that gets no gradient (:mod:`xla_swap.torch_attention`):
+  :func:`cudnn_attention_fixed_bias`.
 
 Verified versions (:data:`VERIFIED`): jax/jaxlib 0.10.2 on CPU (Python 3.11, ``make test``)
 and 0.11.2 on CPU (Python 3.12, ``make test-jax-only``) and on NVIDIA H200s with the CUDA 13
@@ -43,7 +45,7 @@ __all__ = ["VERIFIED", "MissingUpstreamAPI", "HloShardingLayout", "make_ir_conte
            "replicated_hlo_sharding", "hlo_sharding_layout", "sharding_to_hlo", "sharding_devices", "gspmd_sharding",
            "lowered_const_args", "enable_x64", "compile_spmd", "compiled_memory_stats", "compiled_hlo_text",
            "output_memory_kinds", "output_hlo_shardings", "execute_sharded", "tracing_cache_entries",
-           "backends_initialized"]
+           "backends_initialized", "cudnn_attention_fixed_bias"]
 
 _LIB = "jax._src.lib"          # holds jaxlib's xla_client (an attribute, not a module)
 _XLA_CLIENT = f"{_LIB}.xla_client"
@@ -368,3 +370,47 @@ def backends_initialized() -> bool:
     effect. Wraps ``jax._src.xla_bridge.backends_are_initialized``. Verified: jax 0.10.2 and 0.11.2 (CPU).
     """
     return bool(_lookup("jax._src.xla_bridge", "backends_are_initialized")())
+
+
+# ---------------------------------------------------------------------------------------
+# cuDNN fused attention
+# ---------------------------------------------------------------------------------------
+_CUDNN_ATTENTION = "jax._src.cudnn.fused_attention_stablehlo"
+
+
+def cudnn_attention_fixed_bias(query, key, value, bias, *, scale: float, is_causal: bool):
+    """cuDNN's fused attention with an additive ``bias`` whose gradient is not computed.
+
+    ``jax.nn.dot_product_attention(bias=..., implementation="cudnn")`` has its backward compute
+    the bias gradient for any float bias, a second output of the backward kernel. This calls the
+    same kernels with that output off: the gradient of ``bias`` is zero, so use it only where
+    the bias is not differentiated.
+
+    Args:
+      query: ``[B, T, N, H]``; key, value: ``[B, S, K, H]`` with ``N % K == 0``; bf16 or fp16.
+      bias: broadcastable to ``[B, N, T, S]`` (up to 4 dimensions), the operands' dtype.
+      scale: the factor of ``q k^T``. is_causal: add cuDNN's causal mask.
+
+    Returns: ``[B, T, N, H]``, the operands' dtype.
+
+    Raises: ValueError from jax's layout checks (a shape or dtype cuDNN's kernel does not take,
+      no cuDNN); :class:`MissingUpstreamAPI` when the private module or one of its members is absent.
+
+    Wraps ``jax._src.cudnn.fused_attention_stablehlo._dot_product_attention`` with
+    ``variadic_args=(has_bias=True, has_dbias=False)``, as its public ``dot_product_attention``
+    does for a bias made from a boolean mask. Verified: jax 0.11.2 on an NVIDIA H100 (CUDA 13,
+    cuDNN 9.19); the same signature in 0.10.2.
+    """
+    import jax.numpy as jnp
+    m = _lookup(_CUDNN_ATTENTION)
+    name = lambda n: (m, n, f"{_CUDNN_ATTENTION}.{n}")  # noqa: E731
+    core = _member(*name("_dot_product_attention"))
+    layout = _member(*name("_normalize_layout"))("BTNH")
+    mask_types = _member(*name("MaskType"))
+    cudnn_version = _member(*name("check_cudnn_version"))()
+    bias = _member(*name("combine_bias_and_mask"))(bias, None, query.dtype)
+    _member(*name("check_layout"))(query, key, value, bias, None, None, None, None, None, None, layout)
+    unused = jnp.zeros(0, dtype=query.dtype)
+    mask_type = mask_types.CAUSAL if is_causal else mask_types.NO_MASK
+    return core(query, key, value, bias, unused, unused, unused, unused, unused, unused, float(scale), 42, 0.0,
+                (True, False), mask_type, layout.value, None, cudnn_version, False)
