@@ -19,8 +19,8 @@ SDPA replaced:
   ``[B, N, T, S]``, grouped-query K/V and ``scale``; fully masked rows give zeros as in torch.
   fp32 operands, and any case cuDNN refuses at trace time, run :func:`sdpa_reference`.
   The kernel takes ``[B, T, N, H]``: the transposes around it cancel against a ``transformers``
-  layer's own (0.98-1.05x torch's SDPA on an H100, forward and backward); contiguous
-  ``[B, N, T, H]`` operands are copied (forward 1.11-1.21x; ``benchmarks/results/attention_gpu/``).
+  layer's own (0.95-1.06x torch's SDPA on an H100, forward and backward); contiguous
+  ``[B, N, T, H]`` operands are copied (forward 1.10-1.26x; ``benchmarks/results/attention_gpu/``).
   A float ``attn_mask`` is cuDNN's ``bias``. Its gradient is computed only where it is
   differentiated (a ``jax.custom_vjp`` reads that at trace time); otherwise the backward leaves
   that output off (:func:`xla_swap._compat.jax.cudnn_attention_fixed_bias`). In a stack, a float
@@ -36,6 +36,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from xla_swap._compat import jax as _compat_jax
 
 __all__ = ["torchax_env", "kernel_counts", "sdpa_reference"]
 
@@ -115,12 +117,11 @@ def _biased_fwd(q, k, v, bias, scale, causal):
     # symbolic_zeros: each operand comes as a CustomVJPPrimal, ``perturbed`` when differentiated
     qkv = (q.value, k.value, v.value)
     if not bias.perturbed:
-        compat = _compat_jax()
         try:
-            fixed = functools.partial(compat.cudnn_attention_fixed_bias, bias=bias.value, scale=scale,
+            fixed = functools.partial(_compat_jax.cudnn_attention_fixed_bias, bias=bias.value, scale=scale,
                                       is_causal=causal)
             return jax.vjp(fixed, *qkv)
-        except compat.MissingUpstreamAPI:     # this jax lacks the private call: the gradient is made and dropped
+        except _compat_jax.MissingUpstreamAPI:   # this jax lacks the private call: the gradient is made and dropped
             pass
     return jax.vjp(lambda q, k, v, b: _cudnn(q, k, v, b, scale, causal), *qkv, bias.value)
 
@@ -133,11 +134,6 @@ def _biased_bwd(scale, causal, vjp, g):
 
 
 _biased.defvjp(_biased_fwd, _biased_bwd, symbolic_zeros=True)
-
-
-def _compat_jax():
-    from xla_swap._compat import jax as compat
-    return compat
 
 
 def _sdpa_cudnn(env, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

@@ -282,3 +282,48 @@ def test_tracing_cache_entries_counts_entries_of_a_live_function_only():
 def test_backends_initialized_after_jax_started():
     jax.devices()
     assert cj.backends_initialized() is True
+
+
+# -- cuDNN fused attention -------------------------------------------------------------------
+def _attention_operands():
+    r = np.random.default_rng(0)
+    q = jnp.asarray(r.standard_normal((2, 256, 8, 64)), jnp.bfloat16)
+    k, v = (jnp.asarray(r.standard_normal((2, 256, 2, 64)), jnp.bfloat16) for _ in range(2))
+    bias = jnp.asarray(r.standard_normal((1, 1, 256, 256)), jnp.bfloat16)
+    return q, k, v, bias
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="a machine without cuDNN")
+def test_cudnn_attention_fixed_bias_refuses_without_cudnn():
+    q, k, v, bias = _attention_operands()
+    with pytest.raises(RuntimeError, match="cuDNN"):
+        cj.cudnn_attention_fixed_bias(q, k, v, bias, scale=0.125, is_causal=False)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's kernel needs an NVIDIA GPU")
+def test_cudnn_attention_fixed_bias_equals_jax_and_has_no_bias_gradient():
+    q, k, v, bias = _attention_operands()
+
+    def ours(q, k, v):
+        return cj.cudnn_attention_fixed_bias(q, k, v, bias, scale=0.125, is_causal=True)
+
+    def public(q, k, v, b):
+        return jax.nn.dot_product_attention(q, k, v, bias=b, scale=0.125, is_causal=True, implementation="cudnn")
+    np.testing.assert_array_equal(np.asarray(ours(q, k, v), np.float32), np.asarray(public(q, k, v, bias), np.float32))
+    g = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.bfloat16)
+    mine = jax.vjp(ours, q, k, v)[1](g)
+    ref = jax.vjp(public, q, k, v, bias)[1](g)
+    for a, b in zip(mine, ref[:3]):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
+    # the backward kernel's results: dq, dk, dv and its workspace here; dbias too in jax's public call
+    text = jax.jit(lambda q, k, v: jax.vjp(ours, q, k, v)[1](g)).lower(q, k, v).as_text()
+    text_public = jax.jit(lambda q, k, v: jax.vjp(public, q, k, v, bias)[1](g)).lower(q, k, v).as_text()
+    assert _backward_results(text) == _backward_results(text_public) - 1
+
+
+def _backward_results(stablehlo: str) -> int:
+    """How many results the one cuDNN attention backward custom call of a lowered module has."""
+    import re
+    calls = re.findall(r'%[\w.#]+(?::(\d+))? = stablehlo\.custom_call @"?__cudnn\$fmha\w*Backward', stablehlo)
+    assert len(calls) == 1, calls
+    return int(calls[0] or 1)

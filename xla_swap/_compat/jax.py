@@ -393,8 +393,9 @@ def cudnn_attention_fixed_bias(query, key, value, bias, *, scale: float, is_caus
 
     Returns: ``[B, T, N, H]``, the operands' dtype.
 
-    Raises: ValueError from jax's layout checks (a shape or dtype cuDNN's kernel does not take,
-      no cuDNN); :class:`MissingUpstreamAPI` when the private module or one of its members is absent.
+    Raises: ValueError from jax's layout checks (a shape or dtype cuDNN's kernel does not take);
+      RuntimeError without cuDNN (no GPU); :class:`MissingUpstreamAPI` when the private module or
+      one of its members is absent.
 
     Wraps ``jax._src.cudnn.fused_attention_stablehlo._dot_product_attention`` with
     ``variadic_args=(has_bias=True, has_dbias=False)``, as its public ``dot_product_attention``
@@ -403,13 +404,15 @@ def cudnn_attention_fixed_bias(query, key, value, bias, *, scale: float, is_caus
     """
     import jax.numpy as jnp
     m = _lookup(_CUDNN_ATTENTION)
-    name = lambda n: (m, n, f"{_CUDNN_ATTENTION}.{n}")  # noqa: E731
-    core = _member(*name("_dot_product_attention"))
-    layout = _member(*name("_normalize_layout"))("BTNH")
-    mask_types = _member(*name("MaskType"))
-    cudnn_version = _member(*name("check_cudnn_version"))()
-    bias = _member(*name("combine_bias_and_mask"))(bias, None, query.dtype)
-    _member(*name("check_layout"))(query, key, value, bias, None, None, None, None, None, None, layout)
+
+    def get(name):
+        return _member(m, name, f"{_CUDNN_ATTENTION}.{name}")
+    core = get("_dot_product_attention")
+    layout = get("_normalize_layout")("BTNH")
+    mask_types = get("MaskType")
+    cudnn_version = get("check_cudnn_version")()
+    bias = get("combine_bias_and_mask")(bias, None, query.dtype)
+    get("check_layout")(query, key, value, bias, None, None, None, None, None, None, layout)
     unused = jnp.zeros(0, dtype=query.dtype)
     mask_type = mask_types.CAUSAL if is_causal else mask_types.NO_MASK
     return core(query, key, value, bias, unused, unused, unused, unused, unused, unused, float(scale), 42, 0.0,
