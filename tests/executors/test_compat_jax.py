@@ -293,14 +293,19 @@ def _attention_operands():
     return q, k, v, bias
 
 
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="a machine without cuDNN")
+def _cuda_plugin() -> bool:
+    import importlib.util
+    return any(importlib.util.find_spec(f"jax_cuda{v}_plugin") is not None for v in (12, 13))
+
+
+@pytest.mark.skipif(_cuda_plugin(), reason="a machine without jax's CUDA plugin (no cuDNN)")
 def test_cudnn_attention_fixed_bias_refuses_without_cudnn():
     q, k, v, bias = _attention_operands()
     with pytest.raises(RuntimeError, match="cuDNN"):
         cj.cudnn_attention_fixed_bias(q, k, v, bias, scale=0.125, is_causal=False)
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's kernel needs an NVIDIA GPU")
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's kernel needs an NVIDIA GPU (JAX_PLATFORMS=cuda)")
 def test_cudnn_attention_fixed_bias_equals_jax_and_has_no_bias_gradient():
     q, k, v, bias = _attention_operands()
 
