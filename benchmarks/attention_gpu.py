@@ -37,7 +37,9 @@ first step's time from construction (compilation included), the link floor of it
 the floor, which bounds the step); model TFLOP/s = (6 x non-embedding parameters x tokens + 6 x
 layers x batch x seq^2 x d) / step: the 6ND rule (Kaplan et al. 2020, training = 3 x forward)
 plus causal attention's score and value products (half of 12 x L x B x S^2 x D), recomputation
-not counted. Without a GPU everything runs on the CPU (a smoke test of the script).
+not counted. Without a GPU everything runs on the CPU (a smoke test of the script). With
+``--saved-rows`` on the 8B-like shape set ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=100`` before it starts:
+the offloaded activations pass PJRT GPU's default pinned host pool of 64 GiB.
 
     PYTHONPATH=/tmp/site:. python3 benchmarks/attention_gpu.py --out $OUT/attention_gpu.json
 """
