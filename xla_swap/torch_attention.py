@@ -26,6 +26,10 @@ SDPA replaced:
   that output off (:func:`xla_swap._compat.jax.cudnn_attention_fixed_bias`). In a stack, a float
   mask carried between stages is differentiated like every floating leaf of the carry.
 
+A ``transformers`` model built with ``attn_implementation="eager"`` multiplies q and k itself
+and does not call SDPA: its attention runs as XLA's unfused form on every platform
+(:func:`eager_attention_modules` finds it; ``SwappedStack`` warns on a GPU).
+
 ``dropout_p > 0`` is refused (random: it cannot equal torch's). :func:`kernel_counts` says how
 many calls took each path while tracing.
 """
@@ -39,7 +43,7 @@ import jax.numpy as jnp
 
 from xla_swap._compat import jax as _compat_jax
 
-__all__ = ["torchax_env", "kernel_counts", "sdpa_reference"]
+__all__ = ["torchax_env", "kernel_counts", "sdpa_reference", "eager_attention_modules"]
 
 #: SDPA calls traced per implementation ("cudnn", "reference"), over the process.
 _COUNTS: collections.Counter = collections.Counter()
@@ -188,3 +192,23 @@ def torchax_env(platform: str):
     for op in (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention):
         override_op(env, op, impl)
     return env
+
+
+def eager_attention_modules(modules, names) -> list:
+    """The attention submodules of ``modules`` whose ``config`` asks ``transformers`` for its eager attention.
+
+    Args:
+      modules: ``nn.Module`` stages; names: their names (``"layers[0]"``, ...), as many.
+
+    Returns: ``["layers[0].self_attn", ...]``, the first such submodule of each stage: a module
+      whose class name ends in ``Attention`` (``LlamaAttention``, ...) and whose ``config`` has
+      ``_attn_implementation == "eager"``; empty when none.
+    """
+    found = []
+    for name, module in zip(names, modules):
+        for sub, m in module.named_modules():
+            if type(m).__name__.endswith("Attention") and \
+                    getattr(getattr(m, "config", None), "_attn_implementation", None) == "eager":
+                found.append(f"{name}.{sub}" if sub else name)
+                break
+    return found

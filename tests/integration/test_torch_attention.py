@@ -170,3 +170,16 @@ def test_gpu_env_float_mask_through_the_fused_path(monkeypatch):
     np.testing.assert_allclose(np.asarray(out, np.float32), ref.detach().float().numpy(), rtol=2e-2, atol=2e-2)
     for gj, gt in zip(grads, (qt.grad, kt.grad, vt.grad)):
         np.testing.assert_allclose(np.asarray(gj, np.float32), gt.float().numpy(), rtol=5e-2, atol=5e-2)
+
+
+def test_eager_attention_modules_names_the_eager_layers():
+    """A Llama built with attn_implementation="eager" (its layers never call SDPA) is found layer by
+    layer; the same model with "sdpa" is not."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from xla_swap.stack import causal_lm_stages
+    for impl, expected in (("eager", ["layers[0].self_attn", "layers[1].self_attn"]), ("sdpa", [])):
+        cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, attn_implementation=impl)
+        first, layers, last = causal_lm_stages(LlamaForCausalLM(cfg))
+        names = ["first", "layers[0]", "layers[1]", "last"]
+        assert torch_attention.eager_attention_modules([first, *layers, last], names) == expected
