@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from typing import Callable, Sequence
 
 import jax
@@ -61,7 +60,7 @@ from xla_swap.planning.policy import OffloadPolicy
 from xla_swap.planning.units import check_budget_bytes
 from xla_swap.sharding import StageSharding, check_shard
 from xla_swap.stages import host_stages, linear_weights, meta_tensor, stage_functions, tied_parameters
-from xla_swap.torch_attention import eager_attention_modules, torchax_env
+from xla_swap.torch_attention import torchax_env, warn_eager_attention
 from xla_swap.torch_bridge import inputs_to_jax, output_to_torch, to_torch, torch_matmul_precision
 from xla_swap.training import TrainingMixin
 
@@ -369,14 +368,8 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
         owner, tied = tied_parameters(names, modules)
         _check_weights_source(weights, modules, names, compute_dtype)
         group_of = self._torch_groups(torch_optimizer, names, modules, owner) if torch_optimizer is not None else {}
-        # torchax imported without its registration with torch; on a GPU, SDPA on cuDNN's fused attention
-        platform = devices[0].platform if fused_attention else "xla"
-        env = torchax_env(platform)
-        eager = eager_attention_modules(modules, names) if platform == "gpu" else []
-        if eager:
-            warnings.warn(f"{', '.join(eager[:3])}{', ...' if len(eager) > 3 else ''}: attn_implementation='eager' runs "
-                          "XLA's unfused attention (the [B, N, T, S] scores in device memory); a model built with "
-                          "attn_implementation='sdpa' runs cuDNN's fused kernel", stacklevel=2)
+        env = torchax_env(devices[0].platform if fused_attention else "xla")  # on a GPU: SDPA on cuDNN
+        warn_eager_attention(modules, names, devices[0].platform if fused_attention else "xla")
 
         # ---- stage functions: one per distinct layer signature ----
         self.modules: list[torch.nn.Module] = modules

@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import collections
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
 
 from xla_swap._compat import jax as _compat_jax
 
-__all__ = ["torchax_env", "kernel_counts", "sdpa_reference", "eager_attention_modules"]
+__all__ = ["torchax_env", "kernel_counts", "sdpa_reference", "eager_attention_modules", "warn_eager_attention"]
 
 #: SDPA calls traced per implementation ("cudnn", "reference"), over the process.
 _COUNTS: collections.Counter = collections.Counter()
@@ -212,3 +213,13 @@ def eager_attention_modules(modules, names) -> list:
                 found.append(f"{name}.{sub}" if sub else name)
                 break
     return found
+
+
+def warn_eager_attention(modules, names, platform: str) -> None:
+    """On ``platform == "gpu"``, a ``UserWarning`` naming the stages :func:`eager_attention_modules`
+    finds (their attention runs as XLA's unfused form there, not cuDNN's); nothing elsewhere."""
+    eager = eager_attention_modules(modules, names) if platform == "gpu" else []
+    if eager:
+        warnings.warn(f"{', '.join(eager[:3])}{', ...' if len(eager) > 3 else ''}: attn_implementation='eager' runs "
+                      "XLA's unfused attention (the [B, N, T, S] scores in device memory); a model built with "
+                      "attn_implementation='sdpa' runs cuDNN's fused kernel", stacklevel=3)

@@ -8,6 +8,7 @@ cuDNN path itself against torch on the GPU.
 """
 import collections
 import types
+import warnings
 
 import jax
 import numpy as np
@@ -183,3 +184,8 @@ def test_eager_attention_modules_names_the_eager_layers():
         first, layers, last = causal_lm_stages(LlamaForCausalLM(cfg))
         names = ["first", "layers[0]", "layers[1]", "last"]
         assert torch_attention.eager_attention_modules([first, *layers, last], names) == expected
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch_attention.warn_eager_attention([first, *layers, last], names, "gpu")
+            torch_attention.warn_eager_attention([first, *layers, last], names, "cpu")   # XLA's form anyway
+        assert [str(w.message).split(":")[0] for w in caught] == ([", ".join(expected)] if expected else [])
