@@ -189,3 +189,29 @@ def test_eager_attention_modules_names_the_eager_layers():
             torch_attention.warn_eager_attention([first, *layers, last], names, "gpu")
             torch_attention.warn_eager_attention([first, *layers, last], names, "cpu")   # XLA's form anyway
         assert [str(w.message).split(":")[0] for w in caught] == ([", ".join(expected)] if expected else [])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or jax.default_backend() != "gpu",
+                    reason="cuDNN's kernel: an NVIDIA GPU, JAX_PLATFORMS=cuda")
+@pytest.mark.parametrize("mask_grad", [False, True])
+def test_gpu_float_mask_on_cudnn_equals_torch(mask_grad):
+    """On the GPU, SDPA with a float mask runs cuDNN's kernel; the q/k/v gradients, and the mask's
+    where it is differentiated, equal torch's within bf16 rounding."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 8, 512, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(2, 2, 512, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    m = (torch.randn(1, 1, 512, 512, device="cuda", generator=g) * 0.5).bfloat16()
+
+    def fn(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+    ts = [t.clone().requires_grad_(True) for t in (q, k, v, m)]
+    fn(*ts).float().sum().backward()
+    f = _jax_fn(torch_attention.torchax_env("gpu"), fn)
+    argnums = (0, 1, 2, 3) if mask_grad else (0, 1, 2)
+    before = torch_attention.kernel_counts().get("cudnn", 0)
+    grads = jax.jit(jax.grad(lambda *a: f(*a).astype("float32").sum(), argnums=argnums))(
+        *(jax.dlpack.from_dlpack(t) for t in (q, k, v, m)))
+    assert torch_attention.kernel_counts()["cudnn"] == before + 1
+    for gj, t in zip(grads, ts):
+        gt = t.grad.float()
+        assert float((torch.from_dlpack(gj).float() - gt).norm() / gt.norm()) < 2e-2
