@@ -320,6 +320,9 @@ def stack_rows(args, b, s, model_cpu, link):
 
 
 def stack_row(args, b, s, model_cpu, link, fused, with_opt, kw) -> dict:
+    """One ``SwappedStack`` row at ``(b, s)``: built from a copy of ``model_cpu`` (``fused``
+    attention, a torch AdamW if ``with_opt``, constructor keywords ``kw``), its first step timed
+    from construction, then the median of ``--steps`` steps, beside its link floor (GB/s ``link``)."""
     import torch
     import xla_swap
     x, y = _batch(b, s)
@@ -389,7 +392,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-gib", type=float, default=None,
                     help="device-memory budget of the chosen row (default: 90 %% of jax's bytes_limit)")
     ap.add_argument("--step-shapes", default="4,2048 2,4096 8,4096 4,8192 16,4096 8,8192")
-    ap.add_argument("--ckpt-tokens", type=int, default=32768, help="torch uses gradient checkpointing from here")
+    ap.add_argument("--ckpt-tokens", type=int, default=32768, help="below this many tokens torch also runs without checkpointing")
     ap.add_argument("--unfused-max-tokens", type=int, default=8192)
     ap.add_argument("--saved-max-tokens", type=int, default=8192,
                     help="the --saved-rows up to this many tokens (the residuals of every layer go to host memory)")
