@@ -32,7 +32,8 @@ step (``stack_cudnn``), forward+backward with the gradients to ``pinned_host`` a
 the link and the layers (``stack_cudnn_chosen``, naming its choice).
 
 Each step row: the median step time of ``--steps`` steps after one warm-up; for the stack the
-first step's time from construction (compilation included), the link floor of its schedule
+first step's time from construction (compilation included; with ``--compilation-cache`` a second
+run reads the executables the first wrote), the link floor of its schedule
 (:func:`link_floor`, the link measured in the run) and the ratios of :func:`compare` (to torch, to
 the floor, which bounds the step); model TFLOP/s = (6 x non-embedding parameters x tokens + 6 x
 layers x batch x seq^2 x d) / step: the 6ND rule (Kaplan et al. 2020, training = 3 x forward)
@@ -309,6 +310,8 @@ def stack_rows(args, b, s, model_cpu, link):
         variants.append(("cudnn_chosen", True, True, {"budget_bytes": _budget_bytes(args)}))
     rows = []
     for name, fused, with_opt, kw in variants:
+        if args.stack_rows and name not in args.stack_rows.split(","):
+            continue
         try:                                # e.g. saved residuals that exhaust host or device memory
             row = stack_row(args, b, s, model_cpu, link, fused, with_opt, kw)
         except Exception as e:
@@ -402,6 +405,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--skip-steps", action="store_true")
     ap.add_argument("--torch-only", action="store_true", help="of the step rows, torch's alone")
+    ap.add_argument("--no-torch", action="store_true", help="of the step rows, the stack's alone")
+    ap.add_argument("--stack-rows", default="", help="comma-separated stack rows to run (cudnn, cudnn_fwdbwd, "
+                    "xla, cudnn_saved, cudnn_chosen; default all that apply)")
+    ap.add_argument("--compilation-cache", default=None, help="a directory: xla_swap.use_compilation_cache "
+                    "before the stack rows (the first step of a second run reads the executables)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "attention_gpu.json"))
     args = ap.parse_args(argv)
     import torch
@@ -410,11 +418,15 @@ def main(argv=None) -> int:
     shapes = [tuple(map(int, sh.split(","))) for sh in args.step_shapes.split()]
     try:
         model_cpu = llama(args.d, args.f, args.layers, args.heads, args.kv_heads) if not args.skip_steps else None
-        for b, s in ([] if args.skip_steps else shapes):       # torch first: jax then takes the memory
+        for b, s in ([] if args.skip_steps or args.no_torch else shapes):   # torch first: jax then takes the memory
             res["steps"] += torch_rows(args, b, s, model_cpu)
         for shape in args.attn_shapes.split():
             attention_rows(*map(int, shape.split(",")), args.reps, args.window, res)
         if shapes and not args.skip_steps and not args.torch_only:
+            if args.compilation_cache:
+                import xla_swap
+                res["compilation_cache_before"] = xla_swap.use_compilation_cache(args.compilation_cache)
+                res["compilation_cache_files"] = len(os.listdir(args.compilation_cache))
             link = measure_link_bulk(int(args.link_gib * 2 ** 30))
             res["link_gbps"] = [link.h2d_gbps, link.d2h_gbps, link.both_gbps]
             print(json.dumps({"link_gbps": res["link_gbps"]}), flush=True)

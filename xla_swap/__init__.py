@@ -9,6 +9,8 @@ Layers (each importable on its own):
   also reachable as ``xla_swap.SwappedStack`` (imported on first use).
 * ``xla_swap.loading``   - ``load_stack``: a ``SwappedStack`` from a meta-device model and a safetensors
   checkpoint (``xla_swap.load_stack``, imported on first use).
+* ``xla_swap.use_compilation_cache`` - jax's persistent compilation cache for the stage
+  executables (``xla_swap.executors.compile_cache``, imported on first use).
 
 This top-level module imports nothing heavy, so ``import xla_swap.planning`` and
 ``import xla_swap.executors`` work on machines without torch_xla.
@@ -17,11 +19,15 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    """Lazy access to the torch entry point: ``xla_swap.SwappedStack`` imports torch and jax on first use."""
+    """Lazy access to the torch entry point: ``xla_swap.SwappedStack`` imports torch and jax on first use
+    (``load_stack``, ``use_compilation_cache`` likewise)."""
     if name in ("SwappedStack", "causal_lm_stages"):
         from xla_swap import stack
         return getattr(stack, name)
     if name == "load_stack":
         from xla_swap import loading
         return loading.load_stack
+    if name == "use_compilation_cache":
+        from xla_swap.executors import compile_cache
+        return compile_cache.use_compilation_cache
     raise AttributeError(f"module 'xla_swap' has no attribute {name!r}")
