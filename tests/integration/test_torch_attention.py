@@ -215,3 +215,43 @@ def test_gpu_float_mask_on_cudnn_equals_torch(mask_grad):
     for gj, t in zip(grads, ts):
         gt = t.grad.float()
         assert float((torch.from_dlpack(gj).float() - gt).norm() / gt.norm()) < 2e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or jax.default_backend() != "gpu",
+                    reason="cuDNN's kernel: an NVIDIA GPU, JAX_PLATFORMS=cuda")
+@pytest.mark.parametrize("mask_kind", ["padding_2d", "float_4d"])
+def test_gpu_llama_padded_batch_equals_torch_on_the_device(mask_kind):
+    """A bf16 Llama through SwappedStack on the GPU (cuDNN attention) with a left-padded batch, its
+    mask given as transformers' 2D padding mask (a boolean SDPA mask) or as a 4D float mask: the
+    loss over the real tokens and every gradient equal torch's on the device within bf16 rounding.
+    Padded positions are out of the loss: there torch's CUDA SDPA returns unspecified values for
+    a query with no key, the stack zeros (torch's CPU result)."""
+    import copy
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from xla_swap.stack import SwappedStack, causal_lm_stages
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).bfloat16()
+    ids = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(1))
+    pad = torch.ones(2, 128, dtype=torch.long)
+    pad[0, :16] = 0
+    keep = torch.ones(128, 128, dtype=torch.bool).tril()[None, None] & pad[:, None, None, :].bool()
+    keep = keep | ~keep.any(-1, keepdim=True)
+    mask = pad if mask_kind == "padding_2d" else \
+        torch.zeros(2, 1, 128, 128, dtype=torch.bfloat16).masked_fill(~keep, torch.finfo(torch.bfloat16).min)
+    labels = ids.masked_fill(pad == 0, -100)
+
+    def ce(lo, y):
+        return F.cross_entropy(lo.flatten(0, 1).float(), y.flatten(), ignore_index=-100)
+    ref = copy.deepcopy(model).cuda()
+    ref_loss = ce(ref(ids.cuda(), attention_mask=mask.cuda()).logits, labels.cuda())
+    ref_loss.backward()
+    first, layers, last = causal_lm_stages(model)
+    before = torch_attention.kernel_counts().get("cudnn", 0)
+    loss = SwappedStack(layers, first=first, last=last, loss_fn=ce).train_step((ids, mask), (labels,))
+    assert torch_attention.kernel_counts()["cudnn"] > before
+    assert abs(float(loss) - float(ref_loss)) < 1e-2 * abs(float(ref_loss))
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        err = float((p.grad.float() - q.grad.float().cpu()).norm() / q.grad.float().norm())
+        assert err < 3e-2, (name, err)
