@@ -16,7 +16,9 @@ SDPA replaced:
 * on ``"gpu"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (cuDNN's fused flash
   attention, forward and backward) for bf16 / fp16 operands, with torch's layout
   (``[B, N, T, H]``), ``is_causal``, boolean or additive ``attn_mask`` broadcastable to
-  ``[B, N, T, S]``, grouped-query K/V and ``scale``; fully masked rows give zeros as in torch.
+  ``[B, N, T, S]``, grouped-query K/V and ``scale``; fully masked rows give zeros as torch's
+  CPU kernels do (torch 2.11's CUDA SDPA returns other, unspecified values there: a loss over
+  padded positions differs, one that leaves them out does not).
   fp32 operands, and any case cuDNN refuses at trace time, run :func:`sdpa_reference`.
   The kernel takes ``[B, T, N, H]``: the transposes around it cancel against a ``transformers``
   layer's own (0.95-1.06x torch's SDPA on an H100, forward and backward); contiguous
