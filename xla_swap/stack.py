@@ -368,8 +368,8 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
         owner, tied = tied_parameters(names, modules)
         _check_weights_source(weights, modules, names, compute_dtype)
         group_of = self._torch_groups(torch_optimizer, names, modules, owner) if torch_optimizer is not None else {}
-        env = torchax_env(devices[0].platform if fused_attention else "xla")  # on a GPU: SDPA on cuDNN
-        warn_eager_attention(modules, names, devices[0].platform if fused_attention else "xla")
+        env = torchax_env(platform := devices[0].platform if fused_attention else "xla")  # "gpu": SDPA on cuDNN
+        warn_eager_attention(modules, names, platform)
 
         # ---- stage functions: one per distinct layer signature ----
         self.modules: list[torch.nn.Module] = modules

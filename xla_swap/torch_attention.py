@@ -92,7 +92,7 @@ def sdpa_reference(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     if enable_gqa:
         key = key.repeat_interleave(query.shape[-3] // key.shape[-3], -3)
         value = value.repeat_interleave(query.shape[-3] // value.shape[-3], -3)
-    scale = 1 / float(query.shape[-1]) ** 0.5 if scale is None else scale
+    scale = _scale(query, scale)
     w = query @ key.transpose(-2, -1) * scale
     if bias is not None:
         w = w + bias.masked_fill(dead, 0.0) if dead is not None else w + bias
@@ -100,6 +100,11 @@ def sdpa_reference(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
         w = w.masked_fill(~keep, float("-inf"))
     out = torch.softmax(w, dim=-1).to(value.dtype) @ value   # torch keeps bf16 / fp16 here; torchax's softmax upcasts
     return out if dead is None else out.masked_fill(dead, 0.0)
+
+
+def _scale(query, scale) -> float:
+    """SDPA's factor of ``q k^T``: ``scale``, or ``1 / sqrt(head dim)`` where it is ``None`` (torch's default)."""
+    return 1 / float(query.shape[-1]) ** 0.5 if scale is None else float(scale)
 
 
 def _to_jax(env, t):
@@ -166,8 +171,7 @@ def _sdpa_cudnn(env, query, key, value, attn_mask=None, dropout_p=0.0, is_causal
                 out = jax.nn.dot_product_attention(qt, kt, vt, mask=mask, scale=scale, is_causal=causal,
                                                    implementation="cudnn")
             else:
-                out = _biased(qt, kt, vt, bias, 1 / float(q.shape[-1]) ** 0.5 if scale is None else float(scale),
-                              causal)
+                out = _biased(qt, kt, vt, bias, _scale(q, scale), causal)
         except (ValueError, NotImplementedError, TypeError, RuntimeError):
             out = None
         if out is not None:
