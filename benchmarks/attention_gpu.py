@@ -246,27 +246,21 @@ def torch_rows(args, b, s, model_cpu) -> list:
 
 def measure_link_bulk(nbytes: int = 4 << 30, reps: int = 3):
     """The link as a whole step's traffic sees it: ``nbytes`` in 256 MiB ``pinned_host`` arrays
-    to the device, back, and both at once, the best of ``reps`` (GB/s, as
-    ``xla_swap.planning.Link``). One stage's weights (``calibrate.measure_link``) read 49-51 GB/s
-    each way and 52-72 GB/s both ways on an H100, below what a training step's copies reach."""
+    moved by ``torch_stack.measure_bandwidth`` (to the device, back, both at once; best of ``reps``
+    after a warm-up round), as an ``xla_swap.planning.Link`` (GB/s). One stage's weights
+    (``calibrate.measure_link``) read 49-51 GB/s each way and 52-72 GB/s both ways on an H100,
+    below what a training step's copies reach."""
     import jax
     import jax.numpy as jnp
+    from torch_stack import measure_bandwidth
     from xla_swap.planning.costs import Link
-    dev = jax.devices()[0]
     n = max(1, nbytes // (256 << 20))
-    on_dev = [jnp.zeros((128 << 20,), jnp.bfloat16) + i for i in range(n)]
-    host = jax.block_until_ready(jax.device_put(on_dev, jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")))
-    dsh, hsh = on_dev[0].sharding, host[0].sharding
-    best = {"h2d": 0.0, "d2h": 0.0, "both": 0.0}
-    moves = {"h2d": (lambda: jax.device_put(host, dsh), n), "d2h": (lambda: jax.device_put(on_dev, hsh), n),
-             "both": (lambda: (jax.device_put(host, dsh), jax.device_put(on_dev, hsh)), 2 * n)}
-    for _ in range(reps + 1):
-        for k, (move, m) in moves.items():
-            t = time.perf_counter()
-            jax.block_until_ready(move())
-            best[k] = max(best[k], m * (256 << 20) / (time.perf_counter() - t) / 1e9)
-    del on_dev, host
-    return Link(h2d_gbps=best["h2d"], d2h_gbps=best["d2h"], both_gbps=best["both"])
+    host_kind = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    host = jax.block_until_ready([jax.device_put(jnp.zeros((128 << 20,), jnp.bfloat16) + i, host_kind)
+                                  for i in range(n)])
+    bw = measure_bandwidth(host, reps + 1)
+    del host
+    return Link(h2d_gbps=bw["h2d"] / 1e9, d2h_gbps=bw["d2h"] / 1e9, both_gbps=bw["both"] / 1e9)
 
 
 def link_floor(stack, link) -> dict:
