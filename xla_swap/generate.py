@@ -55,7 +55,7 @@ from xla_swap.kv_cache import OFFSET, DecodeFirst, LayerKV, kv_cache_bytes, laye
 from xla_swap.mixed_precision import stage_functions_in
 from xla_swap.planning.units import check_budget_bytes
 from xla_swap.sampling import next_token_step
-from xla_swap.stages import TIED, stage_signature
+from xla_swap.stages import TIED
 from xla_swap.torch_bridge import module_fn
 
 __all__ = ["generate", "choose_batch", "release_generation", "kv_cache_bytes", "FROM_CONFIG"]
@@ -164,7 +164,7 @@ class _Generator:
 def _decode_stage_fns(stack, cache_len: int, cache_kw: str) -> list:
     """The stage functions of a decode step, in the streamer's form: ``first(w, inputs) -> (h, carry)``,
     each layer ``(w, kv, (h, carry)) -> ((h, carry), kv)``, ``last(w, (h, carry)) -> logits`` float32
-    ``[B, V]`` of the last position. Layers of one signature and group share one function."""
+    ``[B, V]`` of the last position. Layers of one group (``stack.layer_groups``) share one function."""
     first, last, env = stack.modules[0], stack.modules[-1], stack.torch_env
     n_layers = len(stack.modules) - 2
     layer_keys = list(first.layer_keys)
@@ -185,7 +185,7 @@ def _decode_stage_fns(stack, cache_len: int, cache_kw: str) -> list:
     fns = [first_stage]
     shared: dict = {}
     for i, m in enumerate(stack.modules[1:-1]):
-        key = (stage_signature(m), layer_keys[i])
+        key = stack.layer_groups[i]   # groups of layers that compute the same thing (xla_swap.stages.layer_groups)
         if key not in shared:
             layer_fn = module_fn(m, env, stack.transposed[1 + i])
 

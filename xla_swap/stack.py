@@ -371,7 +371,7 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
         env = torchax_env(platform := devices[0].platform if fused_attention else "xla")  # "gpu": SDPA on cuDNN
         warn_eager_attention(modules, names, platform)
 
-        # ---- stage functions: one per distinct layer signature ----
+        # ---- stage functions: one per group of layers that compute the same thing ----
         self.modules: list[torch.nn.Module] = modules
         self.stage_names: list[str] = names
         self.has_first, self.has_last = first is not None, last is not None
@@ -387,7 +387,10 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
         #: held once, in the first stage (one gradient, the sum of both uses; one optimizer state), and
         #: carried to the last stage on the device as part of the carry.
         self.tied: dict[str, str] = dict(tied)
-        fns = stage_functions(first, layers, last, env, self.transposed, tied)
+        fns, groups = stage_functions(first, layers, last, env, self.transposed, tied)
+        #: per layer, its group: layers of one group compute the same thing and share one stage
+        #: function (``xla_swap.stages.layer_groups``).
+        self.layer_groups: tuple[int, ...] = tuple(groups)
 
         # ---- weights: torch (or `weights`) -> pinned_host, one stage at a time (never through the device) ----
         placement = StageSharding(devices, shard, self.transposed)

@@ -5,7 +5,8 @@ Hugging Face adapters (``xla_swap.hf``, ``xla_swap.generate``).
   ``weights`` source (checked); :func:`meta_tensor` finds a tensor without values.
 * **Layout.** :func:`linear_weights`: the ``nn.Linear`` weights held transposed (``[in, out]``);
   :func:`embedding_padding_rows`: the rows that get no gradient.
-* **Sharing.** :func:`stage_signature`: layers of one signature share one compiled function;
+* **Sharing.** :func:`layer_groups`: layers that compute the same thing (:func:`program_key`) share
+  one compiled function;
   :func:`tied_parameters`: the weights ``first`` and ``last`` share (tied embeddings).
 * **Carry.** :func:`split_carry` reads ``first``'s ``(h, layer_kwargs)``;
   :func:`layer_selection` gives each layer its keyword arguments; :data:`TIED` prefixes the
@@ -17,6 +18,7 @@ The module imports torch and jax; torchax only through the environment it is giv
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Callable
 
 import jax
@@ -26,10 +28,11 @@ import torch
 
 from xla_swap.executors._stages import check_input_dtypes
 from xla_swap.mixed_precision import is_float
-from xla_swap.torch_bridge import module_fn, to_numpy
+from xla_swap.torch_bridge import inputs_to_jax, module_fn, to_numpy
 
 __all__ = ["linear_weights", "embedding_padding_rows", "stage_signature", "layer_selection", "TIED", "split_carry",
-           "meta_tensor", "stage_tensors", "tied_parameters", "stage_functions", "host_stages"]
+           "meta_tensor", "stage_tensors", "tied_parameters", "stage_avals", "program_key", "attribute_key",
+           "layer_groups", "example_carry", "stage_functions", "host_stages"]
 
 
 def linear_weights(mod: torch.nn.Module) -> frozenset[str]:
@@ -158,21 +161,113 @@ def tied_parameters(names: list[str], modules: list[torch.nn.Module]) -> tuple[d
     return owner, tied
 
 
-def stage_functions(first, layers: list, last, env, transposed: list[frozenset], tied: dict[str, str]) -> list:
-    """The JAX function of every stage (``first`` when given, each layer, ``last`` when given), in order.
+def stage_avals(mod: torch.nn.Module, transposed: frozenset = frozenset()) -> dict:
+    """``{name: jax.ShapeDtypeStruct}`` of ``mod``'s buffers and parameters as a stage function takes
+    them (buffers first; the names in ``transposed`` as ``[in, out]``). Meta tensors are fine."""
+    def aval(n, t):
+        dt = jnp.bfloat16 if t.dtype == torch.bfloat16 else torch.empty(0, dtype=t.dtype).numpy().dtype
+        return jax.ShapeDtypeStruct(tuple(t.shape[::-1]) if n in transposed else tuple(t.shape), dt)
+    return {n: aval(n, t) for n, t in list(mod.named_buffers()) + list(mod.named_parameters())}
+
+
+def program_key(fn: Callable, *avals) -> tuple:
+    """What ``fn`` computes on ``avals`` (pytrees of ``ShapeDtypeStruct``), hashable: the text of its
+    jaxpr (every operation with its parameters and literals: a scale, a top-k, a branch taken in
+    Python) and the shape, dtype and bytes of each constant it closes over. Equal keys: one program."""
+    closed = jax.make_jaxpr(fn)(*avals)
+    consts = []
+    for c in closed.consts:
+        a = np.asarray(c)
+        consts.append((a.shape, str(a.dtype), hashlib.sha256(a.tobytes()).hexdigest()))
+    return str(closed.jaxpr), tuple(consts)
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def attribute_key(mod: torch.nn.Module) -> tuple:
+    """The plain Python settings of ``mod`` and its submodules, hashable: every public attribute
+    whose value is a bool, int, float, str or ``None`` (or a tuple / list of them), with its
+    submodule's name. Layers whose keys differ may compute different things."""
+    out = []
+    for prefix, sub in mod.named_modules():
+        for k, v in sorted(vars(sub).items()):
+            if k.startswith("_") or k == "training":
+                continue
+            if isinstance(v, (tuple, list)) and all(isinstance(x, _PLAIN) for x in v):
+                v = tuple(v)
+            elif not isinstance(v, _PLAIN):
+                continue
+            out.append((prefix, k, v))
+    return tuple(out)
+
+
+def _layer_stage(m: torch.nn.Module, env, transposed: frozenset, key, select, tied: dict):
+    """Layer ``m``'s stage function ``f(w, (h, layer_kwargs)) -> (h', layer_kwargs)``."""
+    layer_fn = module_fn(m, env, transposed, embedding_padding_rows(m))
+
+    def layer_stage(w, carry):
+        h, kw = carry
+        own = {n: v for n, v in kw.items() if not n.startswith(TIED)} if tied else kw
+        out = layer_fn(w, (h,), own if select is None else select(key, own))
+        if isinstance(out, (tuple, list)):
+            out = out[0]
+        return out, kw
+    return layer_stage
+
+
+def layer_groups(layers: list, fns: list, transposed: list, keys: list, carry=None) -> list[int]:
+    """Per layer, the index of its group: layers of one group compute the same thing and share one
+    stage function (one executable per kind and input signature).
+
+    Layers are told apart by type, state names, shapes and dtypes (:func:`stage_signature`) and
+    keyword key (``keys``), then by what they compute: with ``carry`` (the avals of a layer input,
+    ``(h, layer_kwargs)``), by the :func:`program_key` of each layer's function ``fns[i]`` traced on
+    it, so that a per-layer Python setting read in ``forward`` (rotary on or off, a scale, a top-k,
+    ``config.layer_types[self.layer_idx]``) gives its layer its own function; without ``carry``, by
+    :func:`attribute_key` (every layer holding another plain attribute value gets its own).
+
+    Raises: ValueError naming the layer and its module when a layer does not trace on ``carry``.
+    """
+    found: dict = {}
+    groups = []
+    for i, (m, f) in enumerate(zip(layers, fns)):
+        try:
+            what = program_key(f, stage_avals(m, transposed[i]), carry) if carry is not None else attribute_key(m)
+        except Exception as e:  # noqa: BLE001  (any trace failure is refused with the layer named)
+            raise ValueError(f"layers[{i}] ({type(m).__name__}) does not trace with torchax on an example input: "
+                             f"{type(e).__name__}: {e}") from e
+        groups.append(found.setdefault((stage_signature(m), keys[i], what), len(found)))
+    return groups
+
+
+def example_carry(first, first_fn: Callable, transposed: frozenset):
+    """The avals of the layers' input, ``first_fn`` traced (shapes only) on ``first.example_inputs()``;
+    ``None`` when ``first`` is ``None`` or has no ``example_inputs``."""
+    example = getattr(first, "example_inputs", None)
+    if not callable(example):
+        return None
+    return jax.eval_shape(first_fn, stage_avals(first, transposed), inputs_to_jax(tuple(example()), "example_inputs"))
+
+
+def stage_functions(first, layers: list, last, env, transposed: list[frozenset], tied: dict[str, str]) -> tuple:
+    """The JAX function of every stage (``first`` when given, each layer, ``last`` when given), in
+    order, and the layers' groups (:func:`layer_groups`).
 
     ``first(w, inputs) -> (h, layer_kwargs)`` (the carry; with ``tied``, the shared weights in
     torch's layout under :data:`TIED` keys), ``layer(w, (h, layer_kwargs)) -> (h, layer_kwargs)``,
-    ``last(w, (h, layer_kwargs)) -> out``. Layers of one :func:`stage_signature` and one
-    :func:`layer_selection` key share one function object (one compiled executable).
-    ``transposed`` has one entry per stage (:func:`xla_swap.torch_bridge.module_fn`).
+    ``last(w, (h, layer_kwargs)) -> out``. Layers of one group share one function object (one
+    compiled executable per kind and input signature). ``transposed`` has one entry per stage
+    (:func:`xla_swap.torch_bridge.module_fn`).
 
-    Raises: TypeError from :func:`layer_selection`.
+    Returns: ``(fns, groups)``: a list with one function per stage, and per layer its group index.
+
+    Raises: TypeError from :func:`layer_selection`; ValueError from :func:`layer_groups`.
     """
-    transposed_of = iter(transposed)
-    fns = []
+    fns, carry = [], None
+    layer_transposed = transposed[1:] if first is not None else transposed
     if first is not None:
-        first_fn = module_fn(first, env, next(transposed_of), embedding_padding_rows(first))
+        first_fn = module_fn(first, env, transposed[0], embedding_padding_rows(first))
         first_transposed = transposed[0]
 
         def first_stage(w, inputs):
@@ -182,31 +277,20 @@ def stage_functions(first, layers: list, last, env, transposed: list[frozenset],
                     else w[name_first]
             return h, kw
         fns.append(first_stage)
-    shared: dict = {}
+        carry = example_carry(first, first_stage, first_transposed)
     keys, select = layer_selection(first, len(layers))
-    for i, m in enumerate(layers):
-        sig, layer_transposed = (stage_signature(m), keys[i]), next(transposed_of)
-        if sig not in shared:
-            layer_fn = module_fn(m, env, layer_transposed, embedding_padding_rows(m))
-
-            def layer_stage(w, carry, layer_fn=layer_fn, key=keys[i]):
-                h, kw = carry
-                own = {n: v for n, v in kw.items() if not n.startswith(TIED)} if tied else kw
-                out = layer_fn(w, (h,), own if select is None else select(key, own))
-                if isinstance(out, (tuple, list)):
-                    out = out[0]
-                return out, kw
-            shared[sig] = layer_stage
-        fns.append(shared[sig])
+    own = [_layer_stage(m, env, layer_transposed[i], keys[i], select, tied) for i, m in enumerate(layers)]
+    groups = layer_groups(layers, own, layer_transposed, keys, carry)
+    fns += [own[groups.index(g)] for g in groups]
     if last is not None:
-        last_fn = module_fn(last, env, next(transposed_of), embedding_padding_rows(last))
+        last_fn = module_fn(last, env, transposed[-1], embedding_padding_rows(last))
 
         def last_stage(w, carry):
             if tied:
                 w = {**w, **{n: carry[1][TIED + n] for n in tied}}
             return last_fn(w, (carry[0],))
         fns.append(last_stage)
-    return fns
+    return fns, groups
 
 
 def host_stages(names: list[str], modules: list[torch.nn.Module], transposed: list[frozenset], tied: dict,
