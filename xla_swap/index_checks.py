@@ -10,16 +10,18 @@ anything is dispatched, so a bad value raises ``IndexError`` with the state unto
 * **Token ids** (:func:`token_id_bounds`): the inputs of ``first`` that index an embedding, when
   ``first`` says which (``index_input_bounds()``, as :class:`xla_swap.hf.CausalLMFirst` does for
   ``input_ids``) or is an ``nn.Embedding`` itself; other ``first`` modules are not checked.
-* **Class indices** (:func:`class_target_bounds`): integer targets shaped like the output without
-  its last dimension (or that shape flattened) are the class indices of a ``cross_entropy``-style
-  loss: each must lie in ``[0, C)``, ``C`` the output's last dimension, or equal the loss's ignore
-  index (:func:`loss_ignore_index`: ``-100``, ``cross_entropy``'s default, unless the loss says
-  otherwise). Float targets and integer targets of other shapes are not checked.
+* **Class indices** (:func:`class_target_bounds`): integer targets shaped like an output of 2 or
+  more dimensions without its last one (or that shape flattened) are the class indices of a
+  ``cross_entropy``-style loss: each must lie in ``[0, C)``, ``C`` the output's last dimension, or
+  equal the loss's ignore index (:func:`loss_ignore_index`: ``-100``, ``cross_entropy``'s default,
+  unless the loss names another; ``loss_fn.ignore_index = None`` turns the check off). Float
+  targets and integer targets of other shapes are not checked.
 
 Cost (:func:`check_index_range`): one ``torch.aminmax`` over the tensor and one read of its two
-values. For a CPU tensor that is a host pass before dispatch; for a CUDA tensor the reduction runs
-on the tensor's device in torch's current stream and the read waits for that stream only (the work
-that produced the tensor), never for the work the stack queued on jax's.
+values, which also serves the int32 check of an int64 tensor (``xla_swap.torch_bridge``: int64
+ids cost one read in all). For a CPU tensor that is a host pass before dispatch; for a CUDA
+tensor the reduction runs on the tensor's device in torch's current stream and the read waits for
+that stream only (the work that produced the tensor), never for the work the stack queued on jax's.
 
 The module imports torch only.
 """
@@ -107,13 +109,16 @@ def loss_ignore_index(loss_fn: Callable) -> int | None:
 def class_target_bounds(targets, out_shape: tuple | None, loss_fn: Callable) -> dict:
     """``{target position: (name, C, ignore index, what)}`` for the targets that are class indices.
 
-    ``targets``: a torch tensor (named ``targets``) or a tuple / list of them (``targets[i]``). A target is one when it is an integer torch tensor shaped like the output without its last
+    ``targets``: a torch tensor (named ``targets``) or a tuple / list of them (``targets[i]``). A
+    target is one when it is an integer torch tensor shaped like the output without its last
     dimension, or that shape flattened (``out_shape[:-1]``, or ``(prod(out_shape[:-1]),)``), as
     ``cross_entropy(logits.flatten(0, -2), labels.flatten())`` takes it; ``C = out_shape[-1]``. None
-    are when ``out_shape`` is ``None`` or 0-d, or ``loss_ignore_index(loss_fn)`` is ``None``.
+    are when ``out_shape`` is ``None`` or has fewer than 2 dimensions (no batch of class scores: a
+    0-d integer target beside a 1-d output is more often a count than a class), or
+    ``loss_ignore_index(loss_fn)`` is ``None``.
     """
     ignore = loss_ignore_index(loss_fn)
-    if out_shape is None or len(out_shape) == 0 or ignore is None or isinstance(ignore, bool) or \
+    if out_shape is None or len(out_shape) < 2 or ignore is None or isinstance(ignore, bool) or \
             not isinstance(ignore, int):
         return {}
     single = isinstance(targets, torch.Tensor)
@@ -121,6 +126,6 @@ def class_target_bounds(targets, out_shape: tuple | None, loss_fn: Callable) -> 
     lead = tuple(out_shape[:-1])
     shapes = {lead, (math.prod(lead),)}
     what = f"the {out_shape[-1]} classes of the output's last dimension"
-    return {i: ("targets" if single else f"targets[{i}]", int(out_shape[-1]), ignore, what) for i, t in enumerate(targets)
-            if isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex()
-            and t.dtype != torch.bool and tuple(t.shape) in shapes}
+    return {i: ("targets" if single else f"targets[{i}]", int(out_shape[-1]), ignore, what)
+            for i, t in enumerate(targets) if isinstance(t, torch.Tensor) and not t.is_floating_point()
+            and not t.is_complex() and t.dtype != torch.bool and tuple(t.shape) in shapes}

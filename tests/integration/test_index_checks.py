@@ -209,6 +209,7 @@ def test_which_tensors_are_checked():
                                                                 "output's last dimension")}
     assert set(class_target_bounds((h, flat, torch.zeros(2, 3, 10, dtype=torch.long)), out, F.cross_entropy)) == {1}
     assert class_target_bounds(y, None, F.cross_entropy) == {}
+    assert class_target_bounds(torch.tensor(3), (10,), F.cross_entropy) == {}   # 1-d output: not class scores
     assert loss_ignore_index(torch.nn.CrossEntropyLoss(ignore_index=3)) == 3
     assert loss_ignore_index(functools.partial(F.nll_loss, ignore_index=-1)) == -1
 
