@@ -51,6 +51,7 @@ import torch
 
 from xla_swap.executors.decode import StatefulStreamer, state_nbytes
 from xla_swap.hf import CausalLMFirst, CausalLMLast
+from xla_swap.index_checks import check_index_range, token_id_bounds
 from xla_swap.kv_cache import OFFSET, DecodeFirst, LayerKV, kv_cache_bytes, layer_kwargs
 from xla_swap.mixed_precision import stage_functions_in
 from xla_swap.planning.units import check_budget_bytes
@@ -322,8 +323,7 @@ def _check_args(stack, input_ids, attention_mask, max_new_tokens, do_sample, tem
         raise TypeError(f"input_ids must be a non-empty integer torch.Tensor [batch, seq], got "
                         f"{type(input_ids).__name__}{tuple(getattr(input_ids, 'shape', ()))}")
     vocab = stack.modules[0].vocab_size
-    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
-        raise ValueError(f"input_ids holds ids outside [0, {vocab})")
+    check_index_range(input_ids, *token_id_bounds(stack.modules[0])[0])   # as forward and train_step check it
     if attention_mask is None:
         mask = torch.ones_like(input_ids, dtype=torch.int64)
     else:
@@ -418,7 +418,10 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     Raises (before anything runs):
       TypeError: ``stack`` not built from ``causal_lm_stages``; ``input_ids`` not an integer
         ``[batch, seq]`` tensor; ``do_sample`` not a bool; ``seed`` not an int.
-      ValueError: an id outside the vocabulary; ``attention_mask`` of another shape, not 0/1, right
+      IndexError: an id outside ``[0, num_embeddings)`` of the input embedding, as torch's embedding
+        raises (:func:`xla_swap.index_checks.check_index_range`: the message names ``input_ids``, the
+        value and the range).
+      ValueError: ``attention_mask`` of another shape, not 0/1, right
         padded or with an empty row; ``max_new_tokens < 1``; ``temperature <= 0``; ``top_k < 1``;
         ``top_p`` outside (0, 1]; bad ``eos_token_id`` / ``pad_token_id``; unknown ``kv_cache``;
         ``device_budget_bytes`` not None or an int > 0 (TypeError for a bool or a non-number);

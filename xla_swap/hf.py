@@ -155,6 +155,8 @@ class CausalLMFirst(torch.nn.Module):
         self._accepts = set(inspect.signature(base.forward).parameters)
         head = model.get_output_embeddings()
         self._vocab = int(head.weight.shape[0]) if isinstance(getattr(head, "weight", None), torch.Tensor) else 2
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        self._rows = int(emb.num_embeddings) if isinstance(emb, torch.nn.Embedding) else self._vocab
         #: per layer, its group (an int): layers of one group get the same keyword values.
         self.layer_keys: list[int] = []
         #: per group, the constant (non-tensor) keyword arguments the model passes those layers.
@@ -189,6 +191,17 @@ class CausalLMFirst(torch.nn.Module):
     def vocab_size(self) -> int:
         """Rows of the output embedding (the vocabulary size; 2 where the head has no weight tensor)."""
         return self._vocab
+
+    @property
+    def num_embeddings(self) -> int:
+        """Rows of the input embedding (``model.get_input_embeddings()``): token ids lie in ``[0, num_embeddings)``
+        (``vocab_size`` where the input embedding is not an ``nn.Embedding``)."""
+        return self._rows
+
+    def index_input_bounds(self) -> dict[int, tuple[str, int]]:
+        """``{0: ("input_ids", num_embeddings)}``: the input holding token ids and their range, which
+        ``SwappedStack`` checks before running (:func:`xla_swap.index_checks.token_id_bounds`)."""
+        return {0: ("input_ids", self._rows)}
 
     def run_layers(self, input_ids, attention_mask, position_ids, stop: bool):
         """Run the base module's forward with each decoder layer replaced by a recorder.

@@ -54,6 +54,7 @@ from xla_swap.budget import AutotuneMixin, check_calibration_arg, resident_for_b
 from xla_swap.checkpoint import CheckpointMixin
 from xla_swap.executors.streaming import StreamingRuntime, remat_from_policy
 from xla_swap.hf import causal_lm_stages  # noqa: F401  (re-exported: the entry point's splitter)
+from xla_swap.index_checks import token_id_bounds
 from xla_swap.mixed_precision import cast_floats, check_mixed_precision, stage_functions_in
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.planning.policy import OffloadPolicy
@@ -496,6 +497,9 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
             (``float64`` with ``jax_enable_x64`` off), or one the layers would compute in another
             dtype (an ``int32`` or ``float16`` hidden state into ``float32`` layers shared by
             several stages): the message names ``inputs[i]``, the dtype got and the one expected.
+          IndexError: a token id outside the input embedding's rows (``first`` a
+            ``causal_lm_stages`` first stage or an ``nn.Embedding``: :mod:`xla_swap.index_checks`),
+            as torch's embedding raises; the message names the tensor, the value and the range.
           ValueError: a stage fails to trace (the message names it).
         """
         with self.torch_precision():
@@ -557,7 +561,8 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
             raise TypeError("forward/train_step need at least one input tensor")
         if not self.has_first and len(inputs) != 1:
             raise TypeError(f"without a `first` stage the layers take one input (h), got {len(inputs)}")
-        x = inputs_to_jax(tuple(inputs), "inputs", self._input_sharding)
+        x = inputs_to_jax(tuple(inputs), "inputs", self._input_sharding,
+                          token_id_bounds(self.modules[0] if self.has_first else None))   # IndexError first
         if self.param_dtype is not None and self.cast_inputs and not self.has_first:
             x = cast_floats(x, jnp.bfloat16)   # h as the layers compute it (the carry check wants it so)
         x = x if self.has_first else (x[0], {})

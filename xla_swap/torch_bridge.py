@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from xla_swap.index_checks import check_index_range
+
 __all__ = ["torch_matmul_precision", "to_numpy", "to_torch", "inputs_to_jax", "output_to_torch", "module_fn",
            "torch_fn", "torch_dtype"]
 
@@ -107,15 +109,18 @@ def _cuda_to_jax(t: torch.Tensor, sharding=None) -> jax.Array:
     return jax.make_array_from_single_device_arrays(tuple(t.shape), sharding, pieces)
 
 
-def _input_to_jax(t: torch.Tensor, sharding_of: Callable | None = None):
+def _input_to_jax(t: torch.Tensor, sharding_of: Callable | None = None, lo_hi: tuple | None = None):
     """An input tensor for the runtime; 64-bit integers become int32 unless jax runs with x64 (token ids).
 
-    A CUDA tensor becomes a jax array on the GPUs (``_cuda_to_jax``, laid out as
+    ``lo_hi``: the tensor's ``(min, max)`` when already read (by the index check), else read here
+    for an int64 tensor. A CUDA tensor becomes a jax array on the GPUs (``_cuda_to_jax``, laid out as
     ``sharding_of(shape, dtype)`` says: the runtime's placement of its input); anything else
     becomes a numpy array (the runtime copies it to the devices).
     """
     if t.dtype == torch.int64 and not jax.config.jax_enable_x64:
-        if t.numel() and (int(t.max()) > np.iinfo(np.int32).max or int(t.min()) < np.iinfo(np.int32).min):
+        if lo_hi is None and t.numel():
+            lo_hi = torch.stack(torch.aminmax(t.detach())).tolist()
+        if lo_hi is not None and (lo_hi[1] > np.iinfo(np.int32).max or lo_hi[0] < np.iinfo(np.int32).min):
             raise ValueError("an int64 input holds values outside int32; enable jax x64 to pass it")
         t = t.to(torch.int32)
     if t.device.type == "cuda":
@@ -165,12 +170,23 @@ def output_to_torch(a, device: torch.device | None) -> torch.Tensor:
     return to_torch(a)
 
 
-def inputs_to_jax(x, what: str, sharding_of: Callable | None = None):
-    """A torch tensor, or a tuple/list of them, as jax / numpy arrays (same structure; a tensor stays one leaf)."""
-    if isinstance(x, torch.Tensor):
-        return _input_to_jax(x, sharding_of)
-    if isinstance(x, (tuple, list)) and x and all(isinstance(t, torch.Tensor) for t in x):
-        return tuple(_input_to_jax(t, sharding_of) for t in x)
+def inputs_to_jax(x, what: str, sharding_of: Callable | None = None, bounds: dict | None = None):
+    """A torch tensor, or a tuple/list of them, as jax / numpy arrays (same structure; a tensor stays one leaf).
+
+    ``bounds``: ``{position: (name, size[, ignore_index[, what]])}``: the tensor at that position (0 for a
+    lone tensor) is checked by :func:`xla_swap.index_checks.check_index_range` (module docstring there: cost).
+
+    Raises: TypeError: ``x`` is not a tensor or a non-empty tuple of them (the message names ``what``);
+      IndexError: a checked tensor holds an index out of its range; ValueError: an int64 tensor holds
+      values outside int32 with ``jax_enable_x64`` off.
+    """
+    single = isinstance(x, torch.Tensor)
+    if single or (isinstance(x, (tuple, list)) and x and all(isinstance(t, torch.Tensor) for t in x)):
+        xs = (x,) if single else tuple(x)
+        # every index check before any tensor is converted; its min/max read also serves the int32 check
+        ranges = {i: check_index_range(xs[i], *b) for i, b in sorted((bounds or {}).items()) if i < len(xs)}
+        out = tuple(_input_to_jax(t, sharding_of, ranges.get(i)) for i, t in enumerate(xs))
+        return out[0] if single else out
     raise TypeError(f"{what} must be a torch.Tensor or a non-empty tuple of torch.Tensors, got {type(x).__name__}")
 
 

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from xla_swap.executors._stages import check_input_dtypes
+from xla_swap.index_checks import class_target_bounds
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.stages import meta_tensor
 from xla_swap.torch_bridge import inputs_to_jax, to_torch, torch_fn
@@ -62,6 +63,13 @@ class TrainingMixin:
           TypeError: ``inputs``/``targets`` not tensors; no ``loss_fn``; an input's dtype
             refused as in :meth:`forward`; a ``float64`` target with ``jax_enable_x64`` off;
             ``accumulate`` not a bool.
+          IndexError: a token id outside the input embedding's rows, as in :meth:`forward`; a class
+            index outside ``[0, C)`` other than the loss's ignore index, as ``cross_entropy`` raises:
+            integer targets shaped like the output without its last dimension ``C`` (or that shape
+            flattened) are class indices; the ignore index is ``-100`` unless ``loss_fn`` has an
+            ``ignore_index`` (``nn.CrossEntropyLoss(ignore_index=...)``, a ``functools.partial``'s
+            keyword, an attribute set on the function; ``None``: no target checked). Float targets and
+            other shapes are not checked (:mod:`xla_swap.index_checks`).
           ValueError: the loss is not a floating scalar; a stage fails to trace; ``lr < 0``; the
             torch optimizer's groups hold other parameters than at construction, or an option
             the update does not implement (``AdamW.groups_from_torch``); ``accumulate=True``
@@ -87,13 +95,15 @@ class TrainingMixin:
             return self._train_step(inputs, targets, loss_fn, lr, accumulate)
 
     def _train_step(self, inputs, targets, loss_fn, lr, accumulate) -> torch.Tensor:
-        jax_targets = () if targets is None or (isinstance(targets, tuple) and not targets) else \
-            inputs_to_jax(targets if isinstance(targets, (tuple, list)) else (targets,), "targets")
-        check_input_dtypes(jax_targets, "targets")
+        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        x = self._carry_in(inputs)   # token ids checked, dtypes, the trace: nothing changes yet
+        jax_targets = self._targets_in(targets, x, loss_fn)
         if self.torch_optimizer is not None:
             self.runtime.param_groups = self._read_torch_groups()
-        self._maybe_autotune(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), training=True)
-        x = self._carry_in(inputs if isinstance(inputs, (tuple, list)) else (inputs,))
+        runtime = self.runtime
+        self._maybe_autotune(inputs, training=True)
+        if self.runtime is not runtime:   # autotune chose a new runtime: the input as that one places it
+            x = self._carry_in(inputs)
         step = self.runtime.step
         clip = dict(accumulate=accumulate, max_grad_norm=self.max_grad_norm, skip_nonfinite=self.skip_nonfinite) \
             if self.optimizer is not None else {}
@@ -107,6 +117,21 @@ class TrainingMixin:
             else:
                 self.last_grads = grads
         return to_torch(loss).float()
+
+    def _targets_in(self, targets, x, loss_fn: Callable) -> tuple:
+        """``targets`` as jax / numpy arrays (a tuple), checked before any state changes: dtypes, and the
+        class indices among them (:func:`xla_swap.index_checks.class_target_bounds`, ``C`` the last
+        dimension of the output the stack gives for input ``x``; IndexError naming the target)."""
+        if targets is None or (isinstance(targets, tuple) and not targets):
+            return ()
+        out = self.runtime.output_aval(x)
+        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
+            out = out[0]   # no `last` stage: the output is the layers' (h, layer_kwargs) carry
+        bounds = class_target_bounds(targets, getattr(out, "shape", None), loss_fn)
+        jax_targets = inputs_to_jax(targets if isinstance(targets, (tuple, list)) else (targets,), "targets",
+                                    bounds=bounds)
+        check_input_dtypes(jax_targets, "targets")
+        return jax_targets
 
     def _jax_loss(self, loss_fn: Callable) -> Callable:
         """``loss_fn`` as a JAX function ``(output, *targets) -> scalar``, converted once (the
