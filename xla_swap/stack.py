@@ -11,8 +11,8 @@ memory, with weights, gradients and AdamW state in host memory.
 Design (``docs/design.md``):
 
 * **Bridge.** Each stage (``first``, every layer, ``last``) is turned into a JAX function by
-  torchax (:mod:`xla_swap.torch_bridge`, :mod:`xla_swap.stages`); layers of one signature share
-  one function (one forward and one backward executable). Weights go to host memory directly.
+  torchax (:mod:`xla_swap.torch_bridge`, :mod:`xla_swap.stages`); layers that compute the same
+  thing share one function (one forward and one backward executable). Weights go to host memory directly.
 * **Runtime.** :class:`xla_swap.executors.StreamingRuntime`: each stage's weights live in their own
   ``pinned_host`` buffers, streamed ``prefetch_depth`` stages ahead in the forward and the backward.
 * **Optimizer.** With an optimizer (an :class:`xla_swap.planning.AdamW`, or a

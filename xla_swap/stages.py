@@ -65,7 +65,7 @@ def embedding_padding_rows(mod: torch.nn.Module) -> dict[str, int]:
 
 
 def stage_signature(mod: torch.nn.Module) -> tuple:
-    """``(type, ((name, shape, dtype), ...))`` of ``mod``'s state: stages of one signature share a function."""
+    """``(type, ((name, shape, dtype), ...))`` of ``mod``'s state: layers of another signature never share a function."""
     return (type(mod), tuple((n, tuple(t.shape), t.dtype) for n, t in mod.state_dict(keep_vars=True).items()))
 
 
