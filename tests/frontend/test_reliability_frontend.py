@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from torch_xla.experimental.scan import scan as txla_scan
 
 from xla_util import DEV, mesh_2d, to_xla
-from xla_swap.frontend import (emit_annotations, host_transfer_guard, lower, lower_fn, offload_name, place_to_device,
-                               place_to_host, scan, scan_layers)
+from xla_swap.frontend import (emit_annotations, host_transfer_guard, lower, lower_fn, offload_name,
+                               place_to_device, place_to_host, scan, scan_layers)
 from xla_swap.planning import InfeasibleBudgetError, LayerCost, Link, OffloadPolicy, evaluate, plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -379,3 +379,31 @@ def test_issue21_sharding_strings_with_bad_device_ids_are_named():
     perm = ",".join(map(str, reversed(range(n))))
     torch.testing.assert_close(place_to_host(x, f"{{devices=[{n},1]{perm}}}").cpu(), x0)
     torch.testing.assert_close((x @ x).cpu(), x0 @ x0, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------- errors instead of a crash or a poisoned process
+@pytest.mark.parametrize("spmd", [False, True])
+def test_lower_fn_of_a_function_without_output_is_refused_and_the_process_stays_usable(spmd):
+    """torch_xla lowers an empty output list with SIGSEGV (no SPMD) or 'No XlaOp with handle' (SPMD): run in a
+    subprocess, so that a regression cannot kill pytest."""
+    r = run_child("""
+        from xla_swap.frontend import lower_fn
+        dev = torch_xla.device()
+        x0 = torch.randn(4, 4)
+        x = x0.to(dev); torch_xla.sync()
+        for returned in ((), []):
+            try:
+                lower_fn(lambda t: returned, x)
+            except ValueError as e:
+                assert f"fn: '<lambda>' returned {returned!r}, no tensor" in str(e), e
+                print("REFUSED")
+        y = x @ x + 1                                     # a valid computation, same process
+        torch_xla.sync()
+        assert torch.allclose(y.cpu(), x0 @ x0 + 1, atol=1e-5)
+        low = lower_fn(lambda t: (t * 2, t.sum()), x)     # lowering still works
+        a, b = low(x)
+        assert torch.allclose(a.cpu(), x0 * 2) and torch.allclose(b.cpu(), x0.sum(), atol=1e-5)
+        print("OK")
+    """, spmd=spmd)
+    assert r.returncode == 0 and r.stdout.count("REFUSED") == 2 and "OK" in r.stdout, (r.returncode, r.stderr[-3000:])
+
