@@ -407,3 +407,44 @@ def test_lower_fn_of_a_function_without_output_is_refused_and_the_process_stays_
     """, spmd=spmd)
     assert r.returncode == 0 and r.stdout.count("REFUSED") == 2 and "OK" in r.stdout, (r.returncode, r.stderr[-3000:])
 
+
+@pytest.mark.parametrize("spmd", [False, True])
+def test_annotation_outside_a_lowering_is_refused_before_it_poisons_the_process(spmd):
+    """On the torch_xla CPU runtime (which cannot run the annotations), place_to_host / place_to_device /
+    a host-param scan under emit_annotations(True) outside a lowering raise a ValueError before anything
+    enters the lazy graph: every later sync works; inside lower_fn the same ops are lowered as before."""
+    r = run_child("""
+        from xla_swap.frontend import (emit_annotations, lower, lower_fn, lowering_scope, place_to_device,
+                                       place_to_host, runtime_supports_annotations, scan)
+        from xla_swap.planning import OffloadPolicy
+        assert not runtime_supports_annotations()
+        dev = torch_xla.device()
+        x0, w0 = torch.randn(4, 4), torch.randn(2, 4, 4)
+        x, W = x0.to(dev), w0.to(dev); torch_xla.sync()
+        body = lambda c, w: (c @ w, None)
+        with emit_annotations(True):
+            for op, call in (("place_to_host", lambda: place_to_host(x)),
+                             ("place_to_device", lambda: place_to_device(x * 2)),
+                             ("place_to_device", lambda: scan(body, x, W, policy=OffloadPolicy(params="host")))):
+                try:
+                    call()
+                except ValueError as e:
+                    assert f"x: {op} under emit_annotations(True), outside a lowering" in str(e), e
+                    assert "annotate_device_placement" in str(e) and "lower_fn" in str(e), e
+                    print("REFUSED")
+            torch_xla.sync()                              # nothing pending fails
+            y = x @ x + 1
+            assert torch.allclose(y.cpu(), x0 @ x0 + 1, atol=1e-5)
+            low = lower_fn(lambda t: place_to_device(place_to_host(t * 2)), x)   # lowering: emitted
+            with lowering_scope():
+                snap = lower([place_to_host(x * 3)], [x])
+        for l in (low, snap):
+            assert 'custom_call_target="annotate_device_placement"' in l.hlo_text or "MoveTo" in l.hlo_text
+        out, _ = scan(body, x, W, policy=OffloadPolicy(params="host"))           # dropped: the identity
+        torch_xla.sync()
+        assert torch.allclose(out.cpu(), x0 @ w0[0] @ w0[1], atol=1e-4)
+        print("OK")
+    """, spmd=spmd)
+    assert r.returncode == 0 and r.stdout.count("REFUSED") == 3 and "OK" in r.stdout, (r.returncode,
+                                                                                         r.stderr[-3000:])
+

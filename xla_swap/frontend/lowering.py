@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from xla_swap._compat import torch_xla as _ctx   # every private torch_xla / torch API used here
 from xla_swap.frontend._checks import (buffer_deleted, check_bool, check_callable, check_name, check_tensor_list,
                                        check_xla_tensor, describe_fn, needs_materialization)
-from xla_swap.frontend.offload import ANNOTATION_TARGETS, runtime_supports_annotations
+from xla_swap.frontend.offload import ANNOTATION_TARGETS, lowering_scope, runtime_supports_annotations
 
 log = logging.getLogger(__name__)
 
@@ -535,7 +535,7 @@ def lower_fn(fn: Callable, *example_inputs: torch.Tensor, name: str | None = Non
     rng_state = xm.get_rng_state(torch_xla.device())
     recorder = _SourceRecorder()
     # Grad mode on, so that the captured leaves that require grad are visible in the trace's graph.
-    with torch.enable_grad(), recorder:
+    with torch.enable_grad(), recorder, lowering_scope():
         outs = fn(*detached)
     returned, outs = outs, list(outs) if isinstance(outs, (list, tuple)) else [outs]
     if not outs:   # torch_xla would lower an empty graph: a crash (SIGSEGV) or "No XlaOp with handle"
