@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from torch_xla.experimental.scan import scan as txla_scan
 
 from xla_util import DEV, mesh_2d, to_xla
-from xla_swap.frontend import (emit_annotations, host_transfer_guard, lower, lower_fn, offload_name,
+from xla_swap.frontend import (ScanArgumentError, emit_annotations, host_transfer_guard, lower, lower_fn, offload_name,
                                place_to_device, place_to_host, scan, scan_layers)
 from xla_swap.planning import InfeasibleBudgetError, LayerCost, Link, OffloadPolicy, evaluate, plan
 
@@ -448,3 +448,35 @@ def test_annotation_outside_a_lowering_is_refused_before_it_poisons_the_process(
     assert r.returncode == 0 and r.stdout.count("REFUSED") == 3 and "OK" in r.stdout, (r.returncode,
                                                                                          r.stderr[-3000:])
 
+
+_BAD_BODIES = [
+    (lambda c, w: (torch.cat([c, c]), None), ValueError, r"returned carry leaf 0 of shape \[8, 4\], expected \[4, 4\]"),
+    (lambda c, w: ((c @ w).double(), None), TypeError, "returned carry leaf 0 of dtype torch.float64, expected "
+                                                       "torch.float32"),
+    (lambda c, w: c @ w, ScanArgumentError, r"returned a tensor of shape \[4, 4\] torch.float32; expected a "
+                                            r"\(carry, y\) pair"),
+    (lambda c, w: torch.stack([c @ w, c]), ScanArgumentError, r"returned a tensor of shape \[2, 4, 4\]"),
+    (lambda c, w: (c, c, c), ScanArgumentError, "returned a tuple of 3"),
+    (lambda c, w: ((c, c), None), ValueError, "returned a carry that is a tuple of 2 .*expected the structure of init"),
+    (lambda c, w: (c @ w, 3), TypeError, "returned y with leaf 0 a value of type int"),
+]
+
+
+@pytest.mark.spmd
+@pytest.mark.parametrize("policy", [OffloadPolicy(params="host"), OffloadPolicy(remat=True)], ids=["host", "remat"])
+def test_scan_body_breaking_the_contract_is_named(policy):
+    """A body that changes the carry's shape or dtype, or does not return (carry, y): an error naming the body,
+    what it returned and what was expected (torch_xla: AssertionError, 'too many values to unpack', or an XLA
+    shape error); afterwards the same scan with a valid body equals the Python loop."""
+    x0, w0 = torch.randn(4, 4), torch.randn(2, 4, 4) * 0.5
+    x, W = to_xla(x0), to_xla(w0)
+    torch_xla.sync()
+    for fn, error, message in _BAD_BODIES:
+        with pytest.raises(error, match="fn: '<lambda>' " + message):
+            scan(fn, x, W, policy=policy)
+    with pytest.raises(ValueError, match=r"layers: Linear returned carry leaf 0 of shape \[4, 8\], expected \[4, 4\]"):
+        scan_layers([torch.nn.Linear(4, 8).to(DEV)], x, policy=policy)
+    torch_xla.sync()
+    out, ys = scan(lambda c, w: (c @ w, c.sum()), x, W, policy=policy)
+    torch.testing.assert_close(out.cpu(), x0 @ w0[0] @ w0[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ys.cpu(), torch.stack([x0.sum(), (x0 @ w0[0]).sum()]), rtol=1e-5, atol=1e-5)
