@@ -2,7 +2,8 @@
 optimizer, as the mixin :class:`TrainingMixin`.
 
 A step converts the loss (a torch function) to jax with torchax once per loss function (at most
-:data:`MAX_LOSS_FUNCTIONS` kept), reads a torch optimizer's ``param_groups`` (a scheduler may
+:data:`MAX_LOSS_FUNCTIONS` kept; a Python function recreated with the same code and the same values
+it reads is the same loss, :func:`loss_key`), reads a torch optimizer's ``param_groups`` (a scheduler may
 have changed them), runs ``StreamingRuntime.train_step`` and, without an optimizer, writes the
 gradients into the modules' ``.grad``.
 
@@ -10,6 +11,7 @@ The module imports torch and jax.
 """
 from __future__ import annotations
 
+import types
 from typing import Callable
 
 import torch
@@ -20,10 +22,112 @@ from xla_swap.planning.optimizer import AdamW
 from xla_swap.stages import meta_tensor
 from xla_swap.torch_bridge import inputs_to_jax, to_torch, torch_fn
 
-__all__ = ["TrainingMixin", "MAX_LOSS_FUNCTIONS"]
+__all__ = ["TrainingMixin", "MAX_LOSS_FUNCTIONS", "loss_key"]
 
 #: converted loss functions a stack keeps (the oldest is dropped first).
 MAX_LOSS_FUNCTIONS = 8
+# What a loss function reads, keyed: a number, str, bool or None by value (a float by its bits: -0.0
+# is not 0.0); a Python function by its own key; a module by identity and the attributes the code
+# names; a builtin, class or dtype by identity. Anything else may change in place: not keyed.
+_SCALARS = (int, float, bool, str, bytes, type(None))
+_BY_IDENTITY = (types.BuiltinFunctionType, type, torch.dtype)
+_MAX_DEPTH = 4   # functions and modules followed from the loss (a helper it calls, torch.nn.functional)
+
+
+class _Same:
+    """A key part equal to another only when both hold the same object; holding it keeps its id unique."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other):
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+
+class _NotKeyable(Exception):
+    """A value a loss function reads that may change between calls (a tensor, a module, a list...)."""
+
+
+def _value_key(v, names: frozenset, depth: int, parent: str | None = None):
+    """The key of a value a loss reads; ``names``: the attribute names its code reads, followed into
+    modules; ``parent``: the name of the module ``v`` is an attribute of."""
+    kind = type(v)
+    if kind in _SCALARS:
+        return kind, (v.hex() if kind is float else v)
+    if kind is tuple:
+        return tuple, tuple(_value_key(x, names, depth, parent) for x in v)
+    if isinstance(v, _BY_IDENTITY) or (parent is not None and kind is types.FunctionType):
+        return _Same(v)   # a library function (F.cross_entropy) by identity: rebinding it is seen
+    if isinstance(v, types.ModuleType) and parent is not None and not v.__name__.startswith(parent + "."):
+        return _Same(v)   # a module another imports (torch.nn.functional.torch): not followed again
+    if depth >= _MAX_DEPTH:
+        raise _NotKeyable
+    if kind is types.FunctionType:
+        return _function_key(v, depth + 1)
+    if isinstance(v, types.ModuleType):   # vars(), not getattr: no lazy submodule import
+        attrs = vars(v)
+        return _Same(v), tuple((n, _value_key(attrs[n], names, depth + 1, v.__name__)) for n in sorted(names)
+                               if n in attrs)
+    raise _NotKeyable
+
+
+def _names(code: types.CodeType) -> frozenset:
+    """Every global or attribute name ``code`` and the code nested in it (comprehensions, lambdas) read."""
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _names(c)
+    return frozenset(names)
+
+
+def _function_key(fn: types.FunctionType, depth: int) -> tuple:
+    """``fn``'s code with the values it reads: its closure cells, defaults and the globals it names."""
+    g, names = fn.__globals__, _names(fn.__code__)
+    builtins = g.get("__builtins__", {})
+    builtins = vars(builtins) if isinstance(builtins, types.ModuleType) else builtins
+    reads = tuple((n, _value_key(g[n], names, depth) if n in g else _Same(builtins[n]))
+                  for n in sorted(names) if n in g or n in builtins)
+    cells = []
+    for cell in fn.__closure__ or ():
+        try:
+            cells.append(_value_key(cell.cell_contents, names, depth))
+        except ValueError:   # an empty cell
+            cells.append(None)
+    defaults = tuple(_value_key(d, names, depth) for d in fn.__defaults__ or ())
+    kwdefaults = tuple((k, _value_key(v, names, depth)) for k, v in sorted((fn.__kwdefaults__ or {}).items()))
+    return fn.__code__, reads, tuple(cells), defaults, kwdefaults
+
+
+def loss_key(loss_fn: Callable):
+    """The key of ``loss_fn`` in a stack's cache of converted losses: equal keys, one compiled loss.
+
+    A Python function (``def`` or ``lambda``) is keyed by its code (``__code__``) and the values it
+    reads: closure cells, defaults and the globals its code names. A number, string, bool or
+    ``None`` is compared by value; a Python function it reads by its own key; a module by
+    identity and the attributes the code names (``F.cross_entropy``: rebinding it is seen); a
+    builtin, a class or a dtype by identity. So a lambda recreated each step with the same code
+    reading the same values is the same loss, and one closing over another value is not. A
+    function reading anything else (a tensor, an ``nn.Module``, a list: it may change in place
+    between calls) is keyed by the function object, as any other callable (a bound method by its
+    object and function): recreated each step, it is converted and compiled each step.
+
+    Returns: a hashable key (the callable itself when it is hashable and not keyed by code).
+    """
+    if type(loss_fn) is types.FunctionType:
+        try:
+            return _function_key(loss_fn, 0)
+        except _NotKeyable:
+            pass
+    try:
+        hash(loss_fn)
+    except TypeError:
+        return _Same(loss_fn)
+    return loss_fn
 
 
 class TrainingMixin:
@@ -49,6 +153,10 @@ class TrainingMixin:
           inputs: a torch tensor or a tuple of them (the arguments of ``first``).
           targets: a torch tensor or a tuple of them, passed to the loss after the output.
           loss_fn: a torch function ``(output, *targets) -> scalar`` (default: the constructor's).
+            Converted and compiled once per :func:`loss_key`: a lambda recreated each step with
+            the same code, reading the same numbers, modules and functions, compiles once; one
+            reading a tensor or an ``nn.Module`` compiles at each new function object (keep it,
+            and pass per-step data as ``targets``).
           lr: this step's learning rate for every parameter group, overriding the optimizer's for
             this step only (a torch optimizer's ``param_groups`` are not changed). Default: each
             group's own ``lr`` (with a torch optimizer, read now: a ``torch.optim.lr_scheduler``
@@ -134,9 +242,10 @@ class TrainingMixin:
         return jax_targets
 
     def _jax_loss(self, loss_fn: Callable) -> Callable:
-        """``loss_fn`` as a JAX function ``(output, *targets) -> scalar``, converted once (the
-        :data:`MAX_LOSS_FUNCTIONS` latest kept)."""
-        jax_loss = self._jax_losses.get(loss_fn)
+        """``loss_fn`` as a JAX function ``(output, *targets) -> scalar``, converted once per
+        :func:`loss_key` (the :data:`MAX_LOSS_FUNCTIONS` latest kept)."""
+        key = loss_key(loss_fn)
+        jax_loss = self._jax_losses.get(key)
         if jax_loss is None:
             loss_in_jax = torch_fn(loss_fn, self.torch_env)
 
@@ -146,7 +255,7 @@ class TrainingMixin:
                 return loss_in_jax(out, *targets)
             if len(self._jax_losses) >= MAX_LOSS_FUNCTIONS:
                 self._jax_losses.pop(next(iter(self._jax_losses)))
-            self._jax_losses[loss_fn] = jax_loss
+            self._jax_losses[key] = jax_loss
         return jax_loss
 
     @property

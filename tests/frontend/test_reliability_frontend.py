@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from torch_xla.experimental.scan import scan as txla_scan
 
 from xla_util import DEV, mesh_2d, to_xla
-from xla_swap.frontend import (emit_annotations, host_transfer_guard, lower, lower_fn, offload_name, place_to_device,
-                               place_to_host, scan, scan_layers)
+from xla_swap.frontend import (ScanArgumentError, emit_annotations, host_transfer_guard, lower, lower_fn, offload_name,
+                               place_to_device, place_to_host, scan, scan_layers)
 from xla_swap.planning import InfeasibleBudgetError, LayerCost, Link, OffloadPolicy, evaluate, plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -379,3 +379,104 @@ def test_issue21_sharding_strings_with_bad_device_ids_are_named():
     perm = ",".join(map(str, reversed(range(n))))
     torch.testing.assert_close(place_to_host(x, f"{{devices=[{n},1]{perm}}}").cpu(), x0)
     torch.testing.assert_close((x @ x).cpu(), x0 @ x0, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------- errors instead of a crash or a poisoned process
+@pytest.mark.parametrize("spmd", [False, True])
+def test_lower_fn_of_a_function_without_output_is_refused_and_the_process_stays_usable(spmd):
+    """torch_xla lowers an empty output list with SIGSEGV (no SPMD) or 'No XlaOp with handle' (SPMD): run in a
+    subprocess, so that a regression cannot kill pytest."""
+    r = run_child("""
+        from xla_swap.frontend import lower_fn
+        dev = torch_xla.device()
+        x0 = torch.randn(4, 4)
+        x = x0.to(dev); torch_xla.sync()
+        for returned in ((), []):
+            try:
+                lower_fn(lambda t: returned, x)
+            except ValueError as e:
+                assert f"fn: '<lambda>' returned {returned!r}, no tensor" in str(e), e
+                print("REFUSED")
+        y = x @ x + 1                                     # a valid computation, same process
+        torch_xla.sync()
+        assert torch.allclose(y.cpu(), x0 @ x0 + 1, atol=1e-5)
+        low = lower_fn(lambda t: (t * 2, t.sum()), x)     # lowering still works
+        a, b = low(x)
+        assert torch.allclose(a.cpu(), x0 * 2) and torch.allclose(b.cpu(), x0.sum(), atol=1e-5)
+        print("OK")
+    """, spmd=spmd)
+    assert r.returncode == 0 and r.stdout.count("REFUSED") == 2 and "OK" in r.stdout, (r.returncode, r.stderr[-3000:])
+
+
+@pytest.mark.parametrize("spmd", [False, True])
+def test_annotation_outside_a_lowering_is_refused_before_it_poisons_the_process(spmd):
+    """On the torch_xla CPU runtime (which cannot run the annotations), place_to_host / place_to_device /
+    a host-param scan under emit_annotations(True) outside a lowering raise a ValueError before anything
+    enters the lazy graph: every later sync works; inside lower_fn the same ops are lowered as before."""
+    r = run_child("""
+        from xla_swap.frontend import (emit_annotations, lower, lower_fn, lowering_scope, place_to_device,
+                                       place_to_host, runtime_supports_annotations, scan)
+        from xla_swap.planning import OffloadPolicy
+        assert not runtime_supports_annotations()
+        dev = torch_xla.device()
+        x0, w0 = torch.randn(4, 4), torch.randn(2, 4, 4)
+        x, W = x0.to(dev), w0.to(dev); torch_xla.sync()
+        body = lambda c, w: (c @ w, None)
+        with emit_annotations(True):
+            for op, call in (("place_to_host", lambda: place_to_host(x)),
+                             ("place_to_device", lambda: place_to_device(x * 2)),
+                             ("place_to_device", lambda: scan(body, x, W, policy=OffloadPolicy(params="host")))):
+                try:
+                    call()
+                except ValueError as e:
+                    assert f"x: {op} under emit_annotations(True), outside a lowering" in str(e), e
+                    assert "annotate_device_placement" in str(e) and "lower_fn" in str(e), e
+                    print("REFUSED")
+            torch_xla.sync()                              # nothing pending fails
+            y = x @ x + 1
+            assert torch.allclose(y.cpu(), x0 @ x0 + 1, atol=1e-5)
+            low = lower_fn(lambda t: place_to_device(place_to_host(t * 2)), x)   # lowering: emitted
+            with lowering_scope():
+                snap = lower([place_to_host(x * 3)], [x])
+        for l in (low, snap):
+            assert 'custom_call_target="annotate_device_placement"' in l.hlo_text or "MoveTo" in l.hlo_text
+        out, _ = scan(body, x, W, policy=OffloadPolicy(params="host"))           # dropped: the identity
+        torch_xla.sync()
+        assert torch.allclose(out.cpu(), x0 @ w0[0] @ w0[1], atol=1e-4)
+        print("OK")
+    """, spmd=spmd)
+    assert r.returncode == 0 and r.stdout.count("REFUSED") == 3 and "OK" in r.stdout, (r.returncode,
+                                                                                         r.stderr[-3000:])
+
+
+_BAD_BODIES = [
+    (lambda c, w: (torch.cat([c, c]), None), ValueError, r"returned carry leaf 0 of shape \[8, 4\], expected \[4, 4\]"),
+    (lambda c, w: ((c @ w).double(), None), TypeError, "returned carry leaf 0 of dtype torch.float64, expected "
+                                                       "torch.float32"),
+    (lambda c, w: c @ w, ScanArgumentError, r"returned a tensor of shape \[4, 4\] torch.float32; expected a "
+                                            r"\(carry, y\) pair"),
+    (lambda c, w: torch.stack([c @ w, c]), ScanArgumentError, r"returned a tensor of shape \[2, 4, 4\]"),
+    (lambda c, w: (c, c, c), ScanArgumentError, "returned a tuple of 3"),
+    (lambda c, w: ((c, c), None), ValueError, "returned a carry that is a tuple of 2 .*expected the structure of init"),
+    (lambda c, w: (c @ w, 3), TypeError, "returned y with leaf 0 a value of type int"),
+]
+
+
+@pytest.mark.spmd
+@pytest.mark.parametrize("policy", [OffloadPolicy(params="host"), OffloadPolicy(remat=True)], ids=["host", "remat"])
+def test_scan_body_breaking_the_contract_is_named(policy):
+    """A body that changes the carry's shape or dtype, or does not return (carry, y): an error naming the body,
+    what it returned and what was expected (torch_xla: AssertionError, 'too many values to unpack', or an XLA
+    shape error); afterwards the same scan with a valid body equals the Python loop."""
+    x0, w0 = torch.randn(4, 4), torch.randn(2, 4, 4) * 0.5
+    x, W = to_xla(x0), to_xla(w0)
+    torch_xla.sync()
+    for fn, error, message in _BAD_BODIES:
+        with pytest.raises(error, match="fn: '<lambda>' " + message):
+            scan(fn, x, W, policy=policy)
+    with pytest.raises(ValueError, match=r"layers: Linear returned carry leaf 0 of shape \[4, 8\], expected \[4, 4\]"):
+        scan_layers([torch.nn.Linear(4, 8).to(DEV)], x, policy=policy)
+    torch_xla.sync()
+    out, ys = scan(lambda c, w: (c @ w, c.sum()), x, W, policy=policy)
+    torch.testing.assert_close(out.cpu(), x0 @ w0[0] @ w0[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ys.cpu(), torch.stack([x0.sum(), (x0 @ w0[0]).sum()]), rtol=1e-5, atol=1e-5)

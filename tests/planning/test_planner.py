@@ -246,7 +246,8 @@ def test_plan_fits_budget_or_reports_exact_minimum(layers, budget, link, trainin
     assert p.steady_state == steady_state
     assert p.step_s == pytest.approx(evaluate(p.policy, *args, link, optimizer_mode=p.optimizer_mode, **kw).step_s,
                                      rel=1e-12)
-    assert p.min_budget_bytes == min_feasible_bytes(*args, training=training, target=target) <= p.device_bytes
+    # the exact minimum peak, or 1 (the smallest budget) for layers of zero bytes
+    assert p.min_budget_bytes == min_feasible_bytes(*args, training=training, target=target) <= max(1, p.device_bytes)
     pol = p.policy   # structural rules 1-2 of docs/planner.md ("Search")
     assert pol.optimizer_state == "device" or pol.grads == "host"
     assert pol.grads == "device" or pol.params == "host"
@@ -716,3 +717,23 @@ def test_bad_num_devices_is_refused_first(bad):
     for call in calls:
         with pytest.raises(ValueError, match="num_devices"):
             call()
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("target", TARGETS)
+def test_zero_byte_layers_plan_at_the_minimum_budget(training, target):
+    """Layers of zero bytes (no weights, no activations): the minimum budget is 1 (a budget is a positive int),
+    and plan accepts it, as for any stack; a budget of 0 is still refused by name."""
+    for layers in (LayerCost(0, forward_s=1e-3), [LayerCost(0, activations={"act": 0}, forward_s=1e-3)] * 3):
+        args = (layers, 2) if isinstance(layers, LayerCost) else (layers,)
+        minimum = min_feasible_bytes(*args, training=training, target=target)
+        assert minimum == 1
+        p = plan(*args, budget_bytes=minimum, training=training, target=target)
+        assert p.device_bytes == 0 and p.min_budget_bytes == minimum and p.budget_bytes == minimum
+        assert p.device_bytes == evaluate(p.policy, *args, training=training, target=target).device_bytes
+        with pytest.raises(ValueError, match="budget_bytes must be a positive int"):
+            plan(*args, budget_bytes=0, training=training, target=target)
+    # a stack of nonzero bytes keeps its exact minimum
+    assert min_feasible_bytes(BIG, L, training=training, target=target) == \
+        plan(BIG, L, min_feasible_bytes(BIG, L, training=training, target=target), training=training,
+             target=target).device_bytes

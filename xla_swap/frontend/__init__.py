@@ -2,11 +2,12 @@
 from xla_swap.frontend._checks import ScanArgumentError, ScanDeviceError
 from xla_swap.frontend.lowering import (HloParameter, HostTransferError, LoweredComputation, host_transfer_guard,
                                         lower, lower_fn)
-from xla_swap.frontend.offload import (emit_annotations, offload_name, place_to_device, place_to_host,
+from xla_swap.frontend.offload import (emit_annotations, lowering_scope, offload_name, place_to_device, place_to_host,
                                        runtime_supports_annotations)
 from xla_swap.frontend.scan import policy_partition, scan, scan_layers
 
 __all__ = ["HloParameter", "HostTransferError", "LoweredComputation", "host_transfer_guard", "lower", "lower_fn",
-           "emit_annotations", "offload_name", "place_to_device", "place_to_host", "runtime_supports_annotations",
+           "emit_annotations", "lowering_scope", "offload_name", "place_to_device", "place_to_host",
+           "runtime_supports_annotations",
            "policy_partition", "scan", "scan_layers", "ScanArgumentError",
            "ScanDeviceError"]

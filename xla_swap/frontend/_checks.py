@@ -75,6 +75,12 @@ def check_callable(fn, where: str, error: type = TypeError) -> Callable:
     return fn
 
 
+def describe_fn(fn) -> str:
+    """``fn``'s name for messages: ``'body'``, ``'<lambda>'``, ``'Linear'`` (a module), or its type's name."""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    return repr(name) if isinstance(name, str) else repr(type(fn).__name__)
+
+
 def check_name(name, where: str, *, identifier: bool) -> str:
     """``name`` must be a non-empty ``str`` (a Python identifier when ``identifier``)."""
     if not isinstance(name, str):

@@ -23,8 +23,8 @@ from torch.overrides import TorchFunctionMode
 
 from xla_swap._compat import torch_xla as _ctx   # every private torch_xla / torch API used here
 from xla_swap.frontend._checks import (buffer_deleted, check_bool, check_callable, check_name, check_tensor_list,
-                                       check_xla_tensor, needs_materialization)
-from xla_swap.frontend.offload import ANNOTATION_TARGETS, runtime_supports_annotations
+                                       check_xla_tensor, describe_fn, needs_materialization)
+from xla_swap.frontend.offload import ANNOTATION_TARGETS, lowering_scope, runtime_supports_annotations
 
 log = logging.getLogger(__name__)
 
@@ -514,7 +514,8 @@ def lower_fn(fn: Callable, *example_inputs: torch.Tensor, name: str | None = Non
     Raises:
       TypeError: ``fn`` is not callable, an input is not an XLA tensor, ``name`` is not a
         str, or ``fn`` returns something other than XLA tensors (names ``outputs[i]``).
-      ValueError: as in :func:`lower`, e.g. ``fn`` ignores one of its inputs.
+      ValueError: as in :func:`lower`, e.g. ``fn`` ignores one of its inputs; ``fn`` returns an
+        empty tuple or list (no output to lower), raised before anything is lowered.
     """
     check_callable(fn, "fn")
     for i, t in enumerate(example_inputs):
@@ -534,9 +535,12 @@ def lower_fn(fn: Callable, *example_inputs: torch.Tensor, name: str | None = Non
     rng_state = xm.get_rng_state(torch_xla.device())
     recorder = _SourceRecorder()
     # Grad mode on, so that the captured leaves that require grad are visible in the trace's graph.
-    with torch.enable_grad(), recorder:
+    with torch.enable_grad(), recorder, lowering_scope():
         outs = fn(*detached)
-    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    returned, outs = outs, list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    if not outs:   # torch_xla would lower an empty graph: a crash (SIGSEGV) or "No XlaOp with handle"
+        raise ValueError(f"fn: {describe_fn(fn)} returned {returned!r}, no tensor; lower_fn needs a function that "
+                         f"returns an XLA tensor or a non-empty tuple/list of them")
     for i, o in enumerate(outs):
         check_xla_tensor(o, f"outputs[{i}] (returned by fn)")
     leaves = _grad_leaves(outs)

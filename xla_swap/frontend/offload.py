@@ -34,7 +34,10 @@ Backend capability: torch_xla's own CPU runtime cannot run the annotations (no h
 passes; ``Unknown custom-call API version``, and for the internal form ``No registered
 implementation for untyped custom call to MoveToHost``, measured). Unless :func:`annotations_enabled`
 says otherwise, the ops lower to identity and log one warning; inside
-:func:`emit_annotations` (used when lowering for the PJRT executor) they are always emitted.
+:func:`emit_annotations` (used when lowering for the PJRT executor) they are always emitted,
+and on such a runtime only while a graph is built for lowering (:func:`lowering_scope`, which
+``lower_fn`` enters): a pending annotated tensor the runtime ran would fail, and fail every
+later ``torch_xla.sync()`` while it lives.
 """
 from __future__ import annotations
 
@@ -67,6 +70,7 @@ _MLIR_DTYPES = {
 }
 # Process-wide, not thread-local: autograd runs the backward of XLA tensors on its own threads.
 _forced: list = [None]
+_lowering: list = [0]   # depth of lowering_scope(), process-wide like _forced
 _warned = []
 
 
@@ -79,7 +83,8 @@ def emit_annotations(enabled: bool = True):
     thread-local, because autograd runs the backward of XLA tensors on its own threads.
     Calling a :class:`~xla_swap.frontend.lowering.LoweredComputation` that holds the emitted
     annotations on a runtime that cannot compile them raises a ``ValueError`` naming the
-    custom call, before anything runs.
+    custom call, before anything runs; so does an annotation op called here outside a lowering
+    (:func:`lowering_scope`) on such a runtime, before its custom call enters the lazy graph.
 
     Args:
       enabled: ``True`` to emit, ``False`` to drop.
@@ -94,6 +99,26 @@ def emit_annotations(enabled: bool = True):
         yield
     finally:
         _forced[0] = prev
+
+
+@contextlib.contextmanager
+def lowering_scope():
+    """Declare that the tensors built in the block are lowered (``lower`` / ``lower_fn``), not run.
+
+    Inside :func:`emit_annotations` on a runtime that cannot compile the annotations
+    (:func:`runtime_supports_annotations` False), :func:`place_to_host` / :func:`place_to_device`
+    emit them only inside this block: their HLO is meant for
+    :class:`~xla_swap.executors.PjrtExecutor`. :func:`~xla_swap.frontend.lower_fn` enters it
+    around tracing ``fn``; enter it yourself to build annotated outputs for
+    :func:`~xla_swap.frontend.lower`, and run none of them in torch_xla (``.cpu()``,
+    ``torch_xla.sync()`` while they live): the runtime would fail on them. Re-entrant;
+    process-wide, as :func:`emit_annotations`.
+    """
+    _lowering[0] += 1
+    try:
+        yield
+    finally:
+        _lowering[0] -= 1
 
 
 def runtime_supports_annotations() -> bool:
@@ -173,6 +198,17 @@ def _annotate(x: torch.Tensor, placement: str, sharding: str) -> torch.Tensor:
         raise TypeError(f"x: expected a tensor on an XLA device, got a tensor on {x.device}")
     if not annotations_enabled():
         return x.clone()
+    if not _lowering[0] and not runtime_supports_annotations():
+        # Refused before the custom call enters the lazy graph: a pending annotated tensor breaks
+        # every later sync of this process while it lives ("Check failed: tensor_data").
+        op = "place_to_host" if placement == "pinned_host" else "place_to_device"
+        raise ValueError(f"x: {op} under emit_annotations(True), outside a lowering: the torch_xla "
+                         f"{xr.device_type()} runtime of this process cannot run its {' / '.join(ANNOTATION_TARGETS)} "
+                         f"custom call (runtime_supports_annotations() is False), and a pending annotated tensor "
+                         f"would leave every later torch_xla.sync() failing. Call it in a function traced by "
+                         f"lower_fn (or in lowering_scope() before lower) and run the HLO with "
+                         f"xla_swap.executors.PjrtExecutor, or drop emit_annotations(True) (the op is then the "
+                         f"identity)")
     if xr.is_spmd():
         # The sharding given, else x's own. An intermediate of a traced function has none:
         # the internal target then takes the operand's from XLA's sharding propagation.
@@ -224,7 +260,9 @@ def place_to_host(x: torch.Tensor, sharding: str = "") -> torch.Tensor:
       TypeError: ``x`` is not a tensor on an XLA device, or its dtype is not supported;
         ``sharding`` is not a str.
       ValueError: ``sharding`` is not an OpSharding string, its tiling does not fit ``x``, it
-        lists a device twice or names a device id not below the runtime's device count.
+        lists a device twice or names a device id not below the runtime's device count; inside
+        :func:`emit_annotations` on a runtime that cannot run the annotation, outside
+        :func:`lowering_scope` / ``lower_fn`` (before anything enters the lazy graph).
     """
     _check_annotated(x, sharding)
     return torch.ops.xla_swap.place_to_host(x, sharding)

@@ -25,7 +25,7 @@ import torch.fx as fx
 from torch_xla.experimental import scan as _txs
 
 from xla_swap._compat import torch_xla as _ctx   # every private torch_xla / torch API used here
-from xla_swap.frontend._checks import ScanArgumentError, ScanDeviceError, check_bool, check_callable
+from xla_swap.frontend._checks import ScanArgumentError, ScanDeviceError, check_bool, check_callable, describe_fn
 from xla_swap.frontend.offload import (OFFLOAD_NAME, PLACE_TO_DEVICE, PLACE_TO_HOST, place_to_device,
                                        slice_sharding)
 from xla_swap.planning.policy import ALL_DEVICE, OffloadPolicy
@@ -221,6 +221,61 @@ def _tag_of(n: fx.Node):
     return next((u for u in n.users if u.op == "call_function" and u.target is OFFLOAD_NAME), None)
 
 
+def _describe(value) -> str:
+    """``value`` in a message: a tensor's shape and dtype, a sequence's length and element types."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)} {value.dtype}"
+    if isinstance(value, (tuple, list)):
+        kinds = ", ".join(_describe(v) if isinstance(v, torch.Tensor) else type(v).__name__ for v in value[:4])
+        return f"a {type(value).__name__} of {len(value)} ({kinds}{', ...' if len(value) > 4 else ''})"
+    if isinstance(value, dict):
+        return f"a dict with keys {sorted(map(str, value))}"
+    return f"a value of type {type(value).__name__}"
+
+
+def _checked_body(fn: Callable, init, what: str) -> Callable:
+    """``fn`` whose output is checked against torch_xla's scan contract when it is traced:
+    ``fn(carry, x) -> (new_carry, y)``, ``new_carry`` of ``init``'s structure, shapes and dtypes,
+    ``y`` a pytree of tensors. ``what`` names the body in messages (``"fn: 'body'"``).
+
+    Raises (while tracing, before anything is lowered):
+      ScanArgumentError: ``fn`` returns something other than a tuple or list of two (torch_xla
+        raises ``ValueError`` or ``AssertionError`` there).
+      ValueError: the carry's structure or a leaf's shape differs from ``init``'s.
+      TypeError: a carry leaf's dtype differs from ``init``'s; a leaf of the carry or ``y`` is not
+        a tensor.
+    """
+    flat_init, init_spec = tree_flatten(init)
+    want = [(tuple(t.shape), t.dtype) for t in flat_init]
+
+    def body(carry, x):
+        out = fn(carry, x)
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise ScanArgumentError(f"{what} returned {_describe(out)}; expected a (carry, y) pair, as torch_xla's "
+                                    f"scan: fn(carry, x) -> (new_carry, y), new_carry like init")
+        flat, spec = tree_flatten(out[0])
+        if spec != init_spec:
+            raise ValueError(f"{what} returned a carry that is {_describe(out[0])}, expected the structure of init, "
+                             f"{_describe(init)}")
+        for i, (t, (shape, dtype)) in enumerate(zip(flat, want)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{what} returned carry leaf {i} as {_describe(t)}, expected a tensor of shape "
+                                f"{list(shape)} {dtype} (init's leaf {i})")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{what} returned carry leaf {i} of shape {list(t.shape)}, expected {list(shape)} "
+                                 f"(init's leaf {i}): the carry must keep its shape")
+            if t.dtype != dtype:
+                raise TypeError(f"{what} returned carry leaf {i} of dtype {t.dtype}, expected {dtype} (init's leaf "
+                                f"{i}): the carry must keep its dtype")
+        ys = tree_flatten(out[1])[0]
+        bad = next((i for i, t in enumerate(ys) if t is not None and not isinstance(t, torch.Tensor)), None)
+        if bad is not None:
+            raise TypeError(f"{what} returned y with leaf {bad} {_describe(ys[bad])}; expected a pytree of "
+                            f"tensors (or None)")
+        return out
+    return body
+
+
 def _leaves(tree, what: str):
     flat, spec = tree_flatten(tree)
     if not flat:
@@ -306,10 +361,23 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = default_partition, is_
         a zero-length or disagreeing leading dimension; a custom ``partition_fn`` with a non-all-device policy; a stacked weight
         is sharded along the layer dimension; the policy names an activation no
         ``offload_name`` tagged (raised while tracing).
+
+    Raised while tracing ``fn`` with a policy other than the all-device one (with that one,
+    torch_xla's ``scan`` runs unchanged and raises its own errors), naming ``fn`` and what it returned:
+      ScanArgumentError: ``fn`` returns something other than a ``(carry, y)`` tuple or list.
+      ValueError: the returned carry's structure or a leaf's shape differs from ``init``'s.
+      TypeError: a carry leaf's dtype differs from ``init``'s; a leaf of the carry or of ``y`` is
+        not a tensor.
     """
     policy, flat_xs = _check_scan_args(fn, init, xs, partition_fn, is_fn_pure, policy)
     if not _uses_policy(policy):
         return _txs.scan(fn, init, xs, partition_fn=partition_fn, is_fn_pure=is_fn_pure)
+    return _policy_scan(fn, init, xs, flat_xs, policy, f"fn: {describe_fn(fn)}")
+
+
+def _policy_scan(fn, init, xs, flat_xs, policy: OffloadPolicy, what: str):
+    """torch_xla's scan of ``fn`` under ``policy`` (not the all-device one), its body's output checked."""
+    fn = _checked_body(fn, init, what)
     if policy.swaps_params:
         shardings = [slice_sharding(_ctx.sharding_spec(t)) if t is not None else None
                      for t in flat_xs]
@@ -346,7 +414,8 @@ def scan_layers(layers, input_data, partition_fn: Callable = default_partition, 
     Raises:
       ValueError: the layers' parameter names or shapes differ (the message names the layer
         index and the parameter); a custom ``partition_fn`` with a policy other than the
-        all-device one.
+        all-device one; with such a policy, a layer changes the shape of its input (and
+        ``TypeError`` for its dtype), raised while tracing.
       ScanDeviceError (a ``TypeError`` and a ``RuntimeError``, torch_xla's type there): a leaf of
         ``input_data`` is a tensor on another device than XLA.
       TypeError: ``layers`` is not a sequence of ``torch.nn.Module`` (the message names
@@ -382,5 +451,6 @@ def scan_layers(layers, input_data, partition_fn: Callable = default_partition, 
             raise ValueError(f"layers: {which} differ between layers: {e}") from None
     stacked = tree_map(lambda *ts: torch.stack(ts, dim=0), *[(p, b) for p, b in pb])
     one_layer = _ctx.one_layer_fn(layers[0])
-    carry, _ = scan(one_layer, input_data, stacked, policy=policy)
+    _, flat_xs = _check_scan_args(one_layer, input_data, stacked, default_partition, False, policy)
+    carry, _ = _policy_scan(one_layer, input_data, stacked, flat_xs, policy, f"layers: {type(layers[0]).__name__}")
     return carry

@@ -232,15 +232,17 @@ def evaluate(policy: OffloadPolicy, layers: LayerCost | Sequence[LayerCost], num
 def min_feasible_bytes(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None, *,
                        training: bool = True, max_prefetch_depth: int = 4, target: str = "accelerator",
                        num_devices: int = 1) -> int:
-    """The exact minimum, over the search space of :func:`plan`, of the predicted peak device bytes
-    (``target`` and ``num_devices`` as in :func:`evaluate`; per device).
+    """The smallest budget :func:`plan` accepts: the exact minimum, over its search space, of the
+    predicted peak device bytes (``target`` and ``num_devices`` as in :func:`evaluate`; per
+    device), or 1 when that minimum is 0 (layers of zero bytes; a budget is a positive int).
+    ``plan(..., budget_bytes=min_feasible_bytes(...))`` with the same arguments succeeds.
 
     Raises: TypeError / ValueError for invalid arguments, naming them.
     """
     n_dev = _check_num_devices(num_devices)
     layers = _per_device(_resolve_layers(layers, num_layers), n_dev)
     space = search_space(layers, _check_training(training), max_prefetch_depth, _check_target(target))
-    return min(peak for _, _, peak in space)
+    return max(1, min(peak for _, _, peak in space))
 
 
 def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None, budget_bytes: int | None = None,
@@ -252,7 +254,8 @@ def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
     Args:
       layers: one :class:`LayerCost` repeated ``num_layers`` times, or a sequence, one per layer.
       num_layers: number of layers (required with a single LayerCost; must match a sequence).
-      budget_bytes: device-memory budget in bytes, an int > 0 (required).
+      budget_bytes: device-memory budget in bytes, an int > 0 (required); layers of zero bytes fit
+        any (:func:`min_feasible_bytes` is then 1).
       link: host link bandwidths in GB/s; default :data:`H200_PINNED` (54/54/93 GB/s, docs/measured.md).
       training: True for forward + backward + optimizer step, False for inference (forward only:
         no gradients, optimizer state or saved activations; the policy's activations are empty).
@@ -295,5 +298,5 @@ def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
     if not feasible:
         raise InfeasibleBudgetError(budget, min_peak, min_policy)
     chosen, how = fastest_fitting(feasible, layers, training, link, target, mode, overlap, steady)
-    return _build(chosen, layers, training, link, budget, min_peak, target, optimizer_mode=how,
+    return _build(chosen, layers, training, link, budget, max(1, min_peak), target, optimizer_mode=how,
                   host_overlap=overlap, steady_state=steady, num_devices=n_dev)

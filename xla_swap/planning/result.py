@@ -51,7 +51,8 @@ class Plan:
       device_components / host_components: ``{component: bytes}`` (device: at the peak phase).
       peak_phase: which phase sets ``device_bytes``.
       budget_bytes: the budget planned for (``None`` from :func:`evaluate`).
-      min_budget_bytes: minimum feasible budget over the search space (``None`` from evaluate).
+      min_budget_bytes: minimum feasible budget over the search space, as :func:`min_feasible_bytes`
+        gives it (at least 1; ``None`` from evaluate).
       num_layers, training, link, target: the inputs (``target``: see :func:`evaluate`).
       phase_layers: per phase, ``((layer, (compute_s, transfer_s)), ...)`` in layer order (a layer's
         copy streamed for the next call, in the steady state, counted with its row); in the
