@@ -384,14 +384,12 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
                                                  for m in modules]
         if tied:
             self.transposed[-1] = self.transposed[-1] - set(tied)
-        #: ``{name in last: name in first}``: the weights ``first`` and ``last`` share (tied embeddings):
-        #: held once, in the first stage (one gradient, the sum of both uses; one optimizer state), and
-        #: carried to the last stage on the device as part of the carry.
+        #: ``{name in last: name in first}``: the weights ``first`` and ``last`` share (tied embeddings): held
+        #: once, by the first stage (one gradient and optimizer state), carried to the last on the device.
         self.tied: dict[str, str] = dict(tied)
-        fns, groups = stage_functions(first, layers, last, env, self.transposed, tied)
-        #: per layer, its group: layers of one group compute the same thing and share one stage
-        #: function (``xla_swap.stages.layer_groups``).
-        self.layer_groups: tuple[int, ...] = tuple(groups)
+        fns, layer_groups = stage_functions(first, layers, last, env, self.transposed, tied)
+        #: per layer, its group: layers of one group share one stage function (``stages.layer_groups``).
+        self.layer_groups: tuple[int, ...] = tuple(layer_groups)
 
         # ---- weights: torch (or `weights`) -> pinned_host, one stage at a time (never through the device) ----
         placement = StageSharding(devices, shard, self.transposed)
