@@ -10,11 +10,12 @@ The module imports torch and jax.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
 
-from xla_swap.executors._stages import check_input_dtypes
+from xla_swap.executors._stages import check_input_dtypes, tree_aval
 from xla_swap.index_checks import class_target_bounds
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.stages import meta_tensor
@@ -129,6 +130,7 @@ class TrainingMixin:
             out = out[0]   # no `last` stage: the output is the layers' (h, layer_kwargs) carry
         bounds = class_target_bounds(targets, getattr(out, "shape", None), loss_fn)
         jax_targets = inputs_to_jax(targets if isinstance(targets, (tuple, list)) else (targets,), "targets",
+                                    functools.partial(self.runtime.loss_args_sharding_of, tree_aval(x, "inputs")),
                                     bounds=bounds)
         check_input_dtypes(jax_targets, "targets")
         return jax_targets
