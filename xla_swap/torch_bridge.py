@@ -98,7 +98,7 @@ def tensor_to_sharding(t: torch.Tensor, sharding, put: Callable) -> jax.Array:
     ``put(piece, device) -> single-device jax.Array`` and the pieces assembled, never gathered onto one
     device first (:func:`_cuda_to_jax` puts CUDA pieces by peer-to-peer copies and DLPack)."""
     pieces = [put(t[index], d) for d, index in tensor_pieces(tuple(t.shape), sharding)]
-    if len(pieces) == 1 and pieces[0].sharding == sharding:
+    if len(sharding.device_set) == 1:
         return pieces[0]
     return jax.make_array_from_single_device_arrays(tuple(t.shape), sharding, pieces)
 
