@@ -486,9 +486,11 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         """Run the stack on ``inputs``; returns a torch tensor.
 
-        Inputs on the CPU give a CPU output (copied from the device); CUDA inputs (on the
-        GPU the runtime uses) are shared with jax through DLPack and give a CUDA output,
-        also shared (no copy through the host: the way to serve at the floor).
+        Inputs on the CPU give a CPU output (copied from the device); CUDA inputs, on any local
+        GPU, are laid out where the runtime places them (split over the data-parallel devices, or
+        on the stack's one device) by peer-to-peer copies and DLPack, and give a CUDA output on the
+        first CUDA input's device (no copy through the host: the way to serve at the floor). A
+        batch that does not split over the data-parallel devices runs replicated (exact; a warning).
 
         Each new input shape compiles once (bounded cache, ``max_signatures``).
 

@@ -48,7 +48,9 @@ class TrainingMixin:
 
         Args:
           inputs: a torch tensor or a tuple of them (the arguments of ``first``).
-          targets: a torch tensor or a tuple of them, passed to the loss after the output.
+          targets: a torch tensor or a tuple of them (CPU, or CUDA on any local GPU), passed to the
+            loss after the output, laid out like it: split on the batch over the data-parallel
+            devices where the output is, replicated (or on the stack's one device) otherwise.
           loss_fn: a torch function ``(output, *targets) -> scalar`` (default: the constructor's).
           lr: this step's learning rate for every parameter group, overriding the optimizer's for
             this step only (a torch optimizer's ``param_groups`` are not changed). Default: each
