@@ -98,7 +98,8 @@ class _Generator:
         self.streamer = StatefulStreamer(self._stage_fns, rt.host_params, rt.device_shardings, state_avals=avals,
                                          activation_sharding=rt.activation_sharding,
                                          state_on_host=self.placement == "host",
-                                         prefetch_depth=rt.prefetch_depth, resident=rt.resident)
+                                         prefetch_depth=rt.prefetch_depth, resident=rt.resident,
+                                         gather_weights=rt.batch_axis is not None)
         self._select_exes: dict = {}
 
     def _cache_avals(self, stack) -> list:

@@ -484,9 +484,11 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         """Run the stack on ``inputs``; returns a torch tensor.
 
-        Inputs on the CPU give a CPU output (copied from the device); CUDA inputs (on the
-        GPU the runtime uses) are shared with jax through DLPack and give a CUDA output,
-        also shared (no copy through the host: the way to serve at the floor).
+        Inputs on the CPU give a CPU output (copied from the device); CUDA inputs, on any local
+        GPU, are laid out where the runtime places them (split over the data-parallel devices, or
+        on the stack's one device) by peer-to-peer copies and DLPack, and give a CUDA output on the
+        first CUDA input's device (no copy through the host: the way to serve at the floor). A
+        batch that does not split over the data-parallel devices runs replicated (exact; a warning).
 
         Each new input shape compiles once (bounded cache, ``max_signatures``).
 
@@ -559,20 +561,13 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
             raise TypeError("forward/train_step need at least one input tensor")
         if not self.has_first and len(inputs) != 1:
             raise TypeError(f"without a `first` stage the layers take one input (h), got {len(inputs)}")
-        x = inputs_to_jax(tuple(inputs), "inputs", self._input_sharding,
+        x = inputs_to_jax(tuple(inputs), "inputs", self.runtime.input_sharding_of,
                           token_id_bounds(self.modules[0] if self.has_first else None))   # IndexError first
         if self.param_dtype is not None and self.cast_inputs and not self.has_first:
             x = cast_floats(x, jnp.bfloat16)   # h as the layers compute it (the carry check wants it so)
         x = x if self.has_first else (x[0], {})
         self.runtime.signature(x, "inputs")   # dtype checks (and the trace, cached) before anything runs
         return x
-
-    def _input_sharding(self, shape: tuple, dtype) -> jax.sharding.Sharding | None:
-        """Where the runtime places an input leaf of ``shape`` (``None``: on one device)."""
-        if self.mesh is None:
-            return None
-        aval = jax.ShapeDtypeStruct(shape, jnp.dtype(str(dtype).removeprefix("torch.")))
-        return self.runtime.activation_sharding_of(aval)
 
     def _out(self, y, device: torch.device | None):
         if isinstance(y, tuple) and len(y) == 2 and isinstance(y[1], dict):

@@ -3,7 +3,8 @@
 * **Tensors.** :func:`to_numpy` / :func:`to_torch` copy through the host (``bfloat16`` as
   ``ml_dtypes.bfloat16``); :func:`inputs_to_jax` / :func:`output_to_torch` hand CUDA tensors to
   jax and back through DLPack (no copy through the host), split over or assembled from several
-  local GPUs by peer-to-peer copies.
+  local GPUs by peer-to-peer copies, laid out where the runtime places them (:func:`tensor_pieces`
+  says which piece goes to which device).
 * **Functions.** :func:`module_fn` turns an ``nn.Module``'s ``forward`` into a JAX function of its
   weights with torchax (``torch.func.functional_call`` under torchax's environment);
   :func:`torch_fn` does the same for a torch function of tensors (a loss).
@@ -24,8 +25,8 @@ import torch
 
 from xla_swap.index_checks import check_index_range
 
-__all__ = ["torch_matmul_precision", "to_numpy", "to_torch", "inputs_to_jax", "output_to_torch", "module_fn",
-           "torch_fn", "torch_dtype"]
+__all__ = ["torch_matmul_precision", "to_numpy", "to_torch", "inputs_to_jax", "tensor_pieces", "tensor_to_sharding",
+           "output_to_torch", "module_fn", "torch_fn", "torch_dtype"]
 
 
 #: torch's fp32 matmul setting -> ``jax.default_matmul_precision``: ``"ieee"`` (torch's default,
@@ -85,37 +86,53 @@ def _cuda_of(d: jax.Device) -> torch.device:
     return torch.device("cuda", d.local_hardware_id)
 
 
-def _cuda_to_jax(t: torch.Tensor, sharding=None) -> jax.Array:
-    """A CUDA tensor as a jax array, with no copy through the host.
+def tensor_pieces(shape: tuple, sharding) -> list[tuple[jax.Device, tuple]]:
+    """Where a tensor of ``shape`` goes under ``sharding``: ``[(device, index), ...]``, one per addressable
+    device, ``index`` (a tuple of slices) the piece of the tensor that device holds (the whole tensor on
+    each device of a replicated sharding, a block of rows on each of a split one)."""
+    return list(sharding.addressable_devices_indices_map(tuple(shape)).items())
 
-    Without ``sharding`` (or with one of a single device) the tensor itself is shared through
-    DLPack. With a sharding over several local GPUs each device's piece is copied by torch
-    (peer to peer: NVLink or PCIe, no host) to that GPU, shared through DLPack, and the pieces
-    assembled with ``jax.make_array_from_single_device_arrays``: jax's own resharding of a
-    one-GPU array went through a much slower path (on 2 H200s the input of the data-parallel
-    forward took 113 ms for 128 MiB; ``benchmarks/README.md``, "The torch entry point on N GPUs").
-    DLPack export runs under ``torch.cuda.device(piece.device)``: torch refuses to export a
-    tensor of another device than the current one, and jax's client set-up may change it.
-    """
-    if sharding is None or len(sharding.device_set) == 1:
-        with torch.cuda.device(t.device):
-            return jax.dlpack.from_dlpack(t)
-    pieces = []
-    for d, index in sharding.addressable_devices_indices_map(tuple(t.shape)).items():
-        dev = _cuda_of(d)
-        piece = t[index].to(dev, non_blocking=True).contiguous()
-        with torch.cuda.device(dev):
-            pieces.append(jax.dlpack.from_dlpack(piece))
+
+def tensor_to_sharding(t: torch.Tensor, sharding, put: Callable) -> jax.Array:
+    """``t`` as a jax array laid out as ``sharding``: each device's piece (:func:`tensor_pieces`) handed to
+    ``put(piece, device) -> single-device jax.Array`` and the pieces assembled, never gathered onto one
+    device first (:func:`_cuda_to_jax` puts CUDA pieces by peer-to-peer copies and DLPack)."""
+    pieces = [put(t[index], d) for d, index in tensor_pieces(tuple(t.shape), sharding)]
+    if len(sharding.device_set) == 1:
+        return pieces[0]
     return jax.make_array_from_single_device_arrays(tuple(t.shape), sharding, pieces)
 
 
-def _input_to_jax(t: torch.Tensor, sharding_of: Callable | None = None, lo_hi: tuple | None = None):
-    """An input tensor for the runtime; 64-bit integers become int32 unless jax runs with x64 (token ids).
+def _cuda_put(piece: torch.Tensor, d: jax.Device) -> jax.Array:
+    """A CUDA tensor's ``piece`` on jax GPU device ``d``: copied there by torch (peer to peer: NVLink or PCIe,
+    no host) when it lives on another GPU, then shared through DLPack (no copy). DLPack export runs under
+    ``torch.cuda.device(piece.device)``: torch refuses to export a tensor of another device than the
+    current one, and jax's client set-up may change it."""
+    dev = _cuda_of(d)
+    piece = piece.to(dev, non_blocking=True).contiguous()
+    with torch.cuda.device(dev):
+        return jax.dlpack.from_dlpack(piece)
 
-    ``lo_hi``: the tensor's ``(min, max)`` when already read (by the index check), else read here
-    for an int64 tensor. A CUDA tensor becomes a jax array on the GPUs (``_cuda_to_jax``, laid out as
-    ``sharding_of(shape, dtype)`` says: the runtime's placement of its input); anything else
-    becomes a numpy array (the runtime copies it to the devices).
+
+def _cuda_to_jax(t: torch.Tensor, sharding=None) -> jax.Array:
+    """A CUDA tensor as a jax array laid out as ``sharding`` (``None``: on its own GPU), with no copy through the host.
+
+    A piece already on its device is shared through DLPack; the others are copied by torch peer to peer
+    (:func:`tensor_to_sharding`, :func:`_cuda_put`): jax's own resharding of a one-GPU array went through
+    a much slower path (on 2 H200s the input of the data-parallel forward took 113 ms for 128 MiB;
+    ``benchmarks/README.md``, "The torch entry point on N GPUs").
+    """
+    if sharding is None:
+        with torch.cuda.device(t.device):
+            return jax.dlpack.from_dlpack(t)
+    return tensor_to_sharding(t, sharding, _cuda_put)
+
+
+def _as_int32(t: torch.Tensor, lo_hi: tuple | None) -> torch.Tensor:
+    """An int64 tensor as int32 unless jax runs with x64 (token ids); other tensors as they are.
+
+    ``lo_hi``: the tensor's ``(min, max)`` when already read (by the index check), else read here.
+    Raises: ValueError: it holds values outside int32 with ``jax_enable_x64`` off.
     """
     if t.dtype == torch.int64 and not jax.config.jax_enable_x64:
         if lo_hi is None and t.numel():
@@ -123,10 +140,7 @@ def _input_to_jax(t: torch.Tensor, sharding_of: Callable | None = None, lo_hi: t
         if lo_hi is not None and (lo_hi[1] > np.iinfo(np.int32).max or lo_hi[0] < np.iinfo(np.int32).min):
             raise ValueError("an int64 input holds values outside int32; enable jax x64 to pass it")
         t = t.to(torch.int32)
-    if t.device.type == "cuda":
-        t = t.detach().contiguous()
-        return _cuda_to_jax(t, sharding_of(tuple(t.shape), t.dtype) if sharding_of is not None else None)
-    return to_numpy(t)
+    return t
 
 
 def output_to_torch(a, device: torch.device | None) -> torch.Tensor:
@@ -170,9 +184,13 @@ def output_to_torch(a, device: torch.device | None) -> torch.Tensor:
     return to_torch(a)
 
 
-def inputs_to_jax(x, what: str, sharding_of: Callable | None = None, bounds: dict | None = None):
+def inputs_to_jax(x, what: str, placement: Callable | None = None, bounds: dict | None = None):
     """A torch tensor, or a tuple/list of them, as jax / numpy arrays (same structure; a tensor stays one leaf).
 
+    ``placement``: ``(avals) -> shardings``, given the tuple of every tensor's ``jax.ShapeDtypeStruct`` (as
+    converted: int64 as int32 without x64) and returning one sharding per tensor: where the runtime places
+    it. CUDA tensors (on any local GPU) are laid out so (:func:`tensor_to_sharding`; without ``placement``
+    they stay on their own GPU); CPU tensors become numpy arrays (the runtime copies them to the devices).
     ``bounds``: ``{position: (name, size[, ignore_index[, what]])}``: the tensor at that position (0 for a
     lone tensor) is checked by :func:`xla_swap.index_checks.check_index_range` (module docstring there: cost).
 
@@ -181,13 +199,19 @@ def inputs_to_jax(x, what: str, sharding_of: Callable | None = None, bounds: dic
       values outside int32 with ``jax_enable_x64`` off.
     """
     single = isinstance(x, torch.Tensor)
-    if single or (isinstance(x, (tuple, list)) and x and all(isinstance(t, torch.Tensor) for t in x)):
-        xs = (x,) if single else tuple(x)
-        # every index check before any tensor is converted; its min/max read also serves the int32 check
-        ranges = {i: check_index_range(xs[i], *b) for i, b in sorted((bounds or {}).items()) if i < len(xs)}
-        out = tuple(_input_to_jax(t, sharding_of, ranges.get(i)) for i, t in enumerate(xs))
-        return out[0] if single else out
-    raise TypeError(f"{what} must be a torch.Tensor or a non-empty tuple of torch.Tensors, got {type(x).__name__}")
+    if not (single or (isinstance(x, (tuple, list)) and x and all(isinstance(t, torch.Tensor) for t in x))):
+        raise TypeError(f"{what} must be a torch.Tensor or a non-empty tuple of torch.Tensors, got {type(x).__name__}")
+    xs = (x,) if single else tuple(x)
+    # every index check before any tensor is converted; its min/max read also serves the int32 check
+    ranges = {i: check_index_range(xs[i], *b) for i, b in sorted((bounds or {}).items()) if i < len(xs)}
+    xs = tuple(_as_int32(t, ranges.get(i)).detach() for i, t in enumerate(xs))
+    shardings = (None,) * len(xs)
+    if placement is not None and any(t.device.type == "cuda" for t in xs):
+        shardings = tuple(placement(tuple(jax.ShapeDtypeStruct(tuple(t.shape), to_numpy(torch.empty(0, dtype=t.dtype)).dtype)
+                                          for t in xs)))
+    out = tuple(_cuda_to_jax(t.contiguous(), sh) if t.device.type == "cuda" else to_numpy(t)
+                for t, sh in zip(xs, shardings))
+    return out[0] if single else out
 
 
 def module_fn(mod: torch.nn.Module, env, transposed: frozenset = frozenset(), padding_rows: dict | None = None):

@@ -11,12 +11,13 @@ The module imports torch and jax.
 """
 from __future__ import annotations
 
+import functools
 import types
 from typing import Callable
 
 import torch
 
-from xla_swap.executors._stages import check_input_dtypes
+from xla_swap.executors._stages import check_input_dtypes, tree_aval
 from xla_swap.index_checks import class_target_bounds
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.stages import meta_tensor
@@ -151,7 +152,9 @@ class TrainingMixin:
 
         Args:
           inputs: a torch tensor or a tuple of them (the arguments of ``first``).
-          targets: a torch tensor or a tuple of them, passed to the loss after the output.
+          targets: a torch tensor or a tuple of them (CPU, or CUDA on any local GPU), passed to the
+            loss after the output, laid out like it: split on the batch over the data-parallel
+            devices where the output is, replicated (or on the stack's one device) otherwise.
           loss_fn: a torch function ``(output, *targets) -> scalar`` (default: the constructor's).
             Converted and compiled once per :func:`loss_key`: a lambda recreated each step with
             the same code, reading the same numbers, modules and functions, compiles once; one
@@ -237,6 +240,7 @@ class TrainingMixin:
             out = out[0]   # no `last` stage: the output is the layers' (h, layer_kwargs) carry
         bounds = class_target_bounds(targets, getattr(out, "shape", None), loss_fn)
         jax_targets = inputs_to_jax(targets if isinstance(targets, (tuple, list)) else (targets,), "targets",
+                                    functools.partial(self.runtime.loss_args_sharding_of, tree_aval(x, "inputs")),
                                     bounds=bounds)
         check_input_dtypes(jax_targets, "targets")
         return jax_targets

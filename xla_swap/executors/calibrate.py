@@ -354,9 +354,9 @@ def _backward_call(rt: StreamingRuntime, sig, i: int):
     exe = _backward_exe(rt, sig, i)
     p = jax.device_put(rt.host_params[i], rt.device_shardings[i], may_alias=False)
     hin, hout = sig.chain[i], sig.chain[i + 1]
-    x = jax.device_put(jax.tree_util.tree_map(probe, hin), rt.activation_sharding_of(hin))
+    x = jax.device_put(jax.tree_util.tree_map(probe, hin), rt.activation_sharding_of(hin, sig))
     gout = split_diff(hout)[0]
-    g = jax.device_put([probe(a, 1) for a in gout], rt.activation_sharding_of(gout))
+    g = jax.device_put([probe(a, 1) for a in gout], rt.activation_sharding_of(gout, sig))
     args: tuple = (p, x)
     if save:
         args += (rt.stage_executable(sig, "forward-save", i)(p, x)[1],)

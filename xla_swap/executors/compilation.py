@@ -12,6 +12,7 @@ update pass's executables. Imports only jax (no torch).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Any
 
@@ -25,7 +26,8 @@ from xla_swap.planning.optimizer import HYPER_WIDTH
 
 from ._stages import (aval_key, check_carry_dtypes, check_input_dtypes, describe, merge_diff, own_fns,
                       split_diff, tree_aval)
-from .stage_programs import forward_save_fn, recompute_vjp, saved_vjp, with_accum, with_update
+from .stage_programs import (forward_save_fn, gathered, recompute_vjp, saved_vjp, with_accum, with_update,
+                             without_gathered)
 
 __all__ = ["DEFAULT_MAX_SIGNATURES", "MAX_LOSS_FNS", "Signature", "RuntimeCompilation"]
 
@@ -45,6 +47,10 @@ class Signature:
     compiled: dict = dataclasses.field(default_factory=dict)   # dedupe key -> compiled
     saved_layout: dict = dataclasses.field(default_factory=dict)  # dedupe base -> (vjp treedef, sources)
     residual_nbytes: list | None = None
+    #: with ``batch_axis``: the batch does not split over the devices, so every activation is
+    #: replicated and each stage gathers its weights (``RuntimePlacement.runs_replicated``).
+    replicated: bool = False
+    warned: bool = False   # the warning of a replicated signature was given
 
 
 class RuntimeCompilation:
@@ -158,10 +164,21 @@ class RuntimeCompilation:
                                 f"got {jax.tree_util.tree_structure(out)}")
             chain.append(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), out))
             check_carry_dtypes(self._fns, self._param_avals, i, chain[-2], chain[-1], what)
-        sig = Signature(a, chain)
+        sig = Signature(a, chain, replicated=self.runs_replicated(a))
         self._sigs.put(key, sig)
         self._last_sig = sig
         return sig
+
+    def _warn_replicated(self, sig: Signature) -> None:
+        """Warn once per signature, at its first run, that it runs replicated (``runs_replicated``)."""
+        if sig.replicated and not sig.warned:
+            sig.warned = True
+            lead = jax.tree_util.tree_leaves(sig.in_aval)[0].shape[:1]
+            warnings.warn(f"the input's leading dimension {lead} (its first leaf's) does not split over the "
+                          f"{self._gathered_sharding(True).mesh.size} devices of batch_axis {self.batch_axis!r}: it "
+                          "runs replicated (every device computes the whole batch, each stage's weights gathered). "
+                          "Exact, but without data parallelism: give a batch that is a multiple of the device "
+                          "count to split it", stacklevel=4)
 
     def _spec(self, aval, sharding):
         """``ShapeDtypeStruct`` (pytree) of ``aval`` with ``sharding`` (one, or a pytree like ``aval``) on its leaves."""
@@ -182,7 +199,7 @@ class RuntimeCompilation:
         exe = sig.stage_exe.get(key_stage)
         if exe is not None:
             return exe
-        f = self._traced_fns[i]
+        f = gathered(self._traced_fns[i], self._gathered_sharding(sig.replicated))
         pkey = (jax.tree_util.tree_structure(self._param_avals[i]),
                 tuple((a.shape, str(a.dtype), s) for a, s in zip(jax.tree_util.tree_leaves(self._param_avals[i]),
                                                                    jax.tree_util.tree_leaves(self._dev_sh[i]))),
@@ -194,17 +211,18 @@ class RuntimeCompilation:
         if exe is None:
             act = self.activation_sharding
             pspec = jax.tree_util.tree_map(self._spec, self._param_avals[i], self._dev_sh[i])
-            hspec = self._spec(hin, self._act(hin))
+            act_of = functools.partial(self._act, replicated=sig.replicated)
+            hspec = self._spec(hin, act_of(hin))
             gout = split_diff(hout)[0]
-            gspec = self._spec(gout, self._act(gout))
-            gin_sh = self._act(split_diff(hin)[0])  # the input cotangent's
+            gspec = self._spec(gout, act_of(gout))
+            gin_sh = act_of(split_diff(hin)[0])  # the input cotangent's
             # the output cotangent may reuse the input cotangent's buffer (same avals)
             same = aval_key(split_diff(hin)[0]) == aval_key(split_diff(hout)[0])
             opt = self.optimizer
             if kind == "forward":
-                exe = jax.jit(f, out_shardings=self._act(hout)).lower(pspec, hspec).compile()
+                exe = jax.jit(f, out_shardings=act_of(hout)).lower(pspec, hspec).compile()
             elif kind == "forward-save":
-                exe = self._compile_forward_save(sig, f, base, pspec, hspec, self._act(hout))
+                exe = self._compile_forward_save(sig, f, base, pspec, hspec, act_of(hout))
             else:
                 saved = kind.startswith("backward-saved")
                 if saved:
@@ -258,7 +276,7 @@ class RuntimeCompilation:
         are not kept on the device between the passes.
         """
         layout_out = {}
-        fwd_save = forward_save_fn(f, self.remat, layout_out)
+        fwd_save = forward_save_fn(f, without_gathered(self.remat) if sig.replicated else self.remat, layout_out)
         try:
             exe = jax.jit(fwd_save, out_shardings=(out_sh, None)).lower(pspec, hspec).compile()
         except ValueError as e:

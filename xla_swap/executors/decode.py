@@ -29,6 +29,7 @@ from jax.sharding import Sharding
 from xla_swap.planning.prefetch import EVENT_KINDS, PrefetchSchedule, ScheduleStep
 
 from ._stages import DEVICE_KIND, HOST_KIND, aval_key, tree_aval
+from .stage_programs import gathered
 
 __all__ = ["StatefulStreamer", "state_nbytes"]
 
@@ -61,6 +62,10 @@ class StatefulStreamer:
       prefetch_depth: ``k >= 1``: stages whose weights (and host states) are copied ahead.
       resident: per stage, whether ``host_params[i]`` is already in device memory (not copied).
       max_signatures: input signatures (shapes and dtypes of ``x``) whose executables stay cached.
+      gather_weights: each stage's weights are constrained to ``activation_sharding`` (replicated)
+        inside its executable: the computation stays replicated over the mesh, as the activations
+        are, instead of being split along a sharded weight's dimension (what a data-parallel
+        stack wants; ``executors.stage_programs.gathered``). Default ``False``: as XLA partitions it.
 
     Raises:
       TypeError: a stage function is not callable; ``state_on_host`` not a bool or a sequence of bools.
@@ -70,7 +75,8 @@ class StatefulStreamer:
 
     def __init__(self, stage_fns: Sequence[Callable], host_params: list, param_shardings: Sequence[Any], *,
                  state_avals: Sequence[Any], activation_sharding: Sharding, state_on_host: bool | Sequence[bool] = False,
-                 prefetch_depth: int = 2, resident: Sequence[bool] | None = None, max_signatures: int = 8):
+                 prefetch_depth: int = 2, resident: Sequence[bool] | None = None, max_signatures: int = 8,
+                 gather_weights: bool = False):
         n = len(stage_fns)
         for i, f in enumerate(stage_fns):
             if not callable(f):
@@ -100,6 +106,7 @@ class StatefulStreamer:
                                                      for b, s in zip(state_on_host, state_avals))
         self.activation_sharding = activation_sharding
         self.max_signatures = int(max_signatures)
+        self._gather = activation_sharding.with_memory_kind(DEVICE_KIND) if gather_weights else None
         self._fns = list(stage_fns)
         self._fn_ids = []
         uniq: list = []
@@ -279,7 +286,7 @@ class StatefulStreamer:
                                        pav, self._dev_sh[i])
         act = self.activation_sharding
         xspec = spec(in_aval, act)
-        f = self._fns[i]
+        f = gathered(self._fns[i], self._gather)
         if sav is None:
             exe = jax.jit(lambda p, x: f(p, x), out_shardings=act).lower(pspec, xspec).compile()
         else:

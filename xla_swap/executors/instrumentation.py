@@ -196,7 +196,7 @@ class RuntimeInstrumentation:
         kw = self.stage_cost_bytes(sig, stage)
         if measure_reps:
             p = jax.device_put(self.host_params[stage], self._dev_sh[stage])
-            x = jax.device_put(jax.tree_util.tree_map(probe, hin), self._act(hin))
+            x = jax.device_put(jax.tree_util.tree_map(probe, hin), self._act(hin, sig.replicated))
             jax.block_until_ready(fwd(p, x))
             ts = []
             for _ in range(measure_reps):

@@ -98,6 +98,7 @@ class RuntimeLoop:
             self.residual_nbytes = [tree_nbytes(e.out_info[1]) for e in fwd]
         elif train:
             self.residual_nbytes = [0] * n
+        self._warn_replicated(sig)
         hyper_arr = None
         if hyper is not None:
             hyper_arr = jax.device_put(np.asarray(hyper, np.float32), self.activation_sharding)
@@ -199,7 +200,7 @@ class RuntimeLoop:
     def _stream_forward(self, call: "_Call", h, fwd: list, train: bool):
         """The forward: the schedule's prologue, then its forward steps; in training the stage inputs
         are kept in ``call.acts`` (``acts[n]`` the output). Returns the output."""
-        x = jax.device_put(h, self._act(call.sig.chain[0]))
+        x = jax.device_put(h, self._act(call.sig.chain[0], call.sig.replicated))
         self._bring(call, call.schedule.prologue_of("forward"))
         call.acts = [x] if train else None
         for step in call.schedule.pass_steps("forward"):
@@ -244,7 +245,7 @@ class RuntimeLoop:
         """Stage ``i`` is dispatched: send its kept input (and saved residuals) to ``pinned_host``."""
         self.offloaded_activation_nbytes += tree_nbytes(call.acts[i]) + (
             tree_nbytes(call.saved[i]) if call.save else 0)
-        call.acts[i] = jax.device_put(call.acts[i], self._act_host(call.sig.chain[i]))
+        call.acts[i] = jax.device_put(call.acts[i], self._act_host(call.sig.chain[i], call.sig.replicated))
         if call.save:
             call.saved[i] = jax.device_put(call.saved[i],
                                            [sh.with_memory_kind(HOST_KIND) for sh in call.residual_dev_sh[i]])
@@ -253,7 +254,7 @@ class RuntimeLoop:
     def _fetch_activations(self, call: "_Call", j: int) -> None:
         """Backward: bring stage ``j``'s offloaded input (and saved residuals) back to the device."""
         if call.offloaded[j]:
-            call.acts[j] = jax.device_put(call.acts[j], self._act(call.sig.chain[j]))
+            call.acts[j] = jax.device_put(call.acts[j], self._act(call.sig.chain[j], call.sig.replicated))
             if call.save:
                 call.saved[j] = jax.device_put(call.saved[j], call.residual_dev_sh[j])
             call.offloaded[j] = False
@@ -263,15 +264,18 @@ class RuntimeLoop:
         its cotangent (the loss's gradient, or the given one placed); returns the loss (or the output)."""
         sig = call.sig
         out = call.acts.pop()
-        if cotangent is None:
+        grad_sh = self._act(split_diff(sig.chain[-1])[0], sig.replicated)
+        if cotangent is None:   # the targets laid out like the output they meet (a no-op where they are)
+            if loss_args:
+                loss_args = jax.device_put(loss_args, self._act(tree_aval(loss_args, "loss_args"), sig.replicated))
             loss, grad = loss_exe(out, *loss_args)
             if self._batch_sh is not None:
-                grad = jax.device_put(grad, self._act(split_diff(sig.chain[-1])[0]))
+                grad = jax.device_put(grad, grad_sh)
             first = loss
         else:
             given = split_diff(cotangent)[0] if aval_key(tree_aval(cotangent, "cotangent")) == \
                 aval_key(sig.chain[-1]) else jax.tree_util.tree_leaves(cotangent)
-            grad = jax.device_put(given, self._act(split_diff(sig.chain[-1])[0]), may_alias=False)
+            grad = jax.device_put(given, grad_sh, may_alias=False)
             first = out
         call.grad = grad
         return first

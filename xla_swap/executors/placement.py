@@ -298,11 +298,36 @@ class RuntimePlacement:
         the optimizer updates it (the floating leaves ``trainable`` selects)."""
         return tuple(tuple(mask) for mask in self._train_mask)
 
-    def activation_sharding_of(self, aval):
+    def activation_sharding_of(self, aval, sig=None):
         """The device sharding of an activation with avals ``aval`` (a pytree of
         ``jax.ShapeDtypeStruct``): ``activation_sharding``, or with ``batch_axis`` a pytree like
-        ``aval`` with the batch sharding on leaves whose leading dimension splits evenly."""
-        return self._act(aval)
+        ``aval`` with the batch sharding on leaves whose leading dimension splits evenly.
+        ``sig``: the input signature (``signature(h)``) it belongs to; one that runs replicated
+        (:meth:`runs_replicated`) places every activation at ``activation_sharding``."""
+        return self._act(aval, sig is not None and sig.replicated)
+
+    def runs_replicated(self, h_aval) -> bool:
+        """Whether an input of avals ``h_aval`` (a pytree) runs replicated: with ``batch_axis``, when
+        the leading dimension of its first leaf (the batch, or the tokens of a flat input) does not
+        split over the axis' devices. Every device then computes the whole batch, each stage's
+        weights gathered on the device (exact, no data parallelism); otherwise ``False``."""
+        if self._batch_sh is None:
+            return False
+        first = jax.tree_util.tree_leaves(h_aval)[:1]
+        n = self._batch_sh.mesh.shape[self.batch_axis]
+        return not (first and len(first[0].shape) and first[0].shape[0] % n == 0)
+
+    def input_sharding_of(self, h_aval):
+        """Where ``forward`` / ``train_step`` place an input of avals ``h_aval`` (a pytree of
+        ``jax.ShapeDtypeStruct``): a pytree like it of device shardings."""
+        return self._act_tree(h_aval, self.runs_replicated(h_aval))
+
+    def loss_args_sharding_of(self, h_aval, args_aval):
+        """Where ``train_step`` places ``loss_args`` of avals ``args_aval`` for an input of avals
+        ``h_aval`` (pytrees of ``jax.ShapeDtypeStruct``): laid out like the output they meet (with
+        ``batch_axis``, split on the leading dimension as the output is; else, or for an input that
+        runs replicated, ``activation_sharding``). A pytree like ``args_aval`` of device shardings."""
+        return self._act_tree(args_aval, self.runs_replicated(h_aval))
 
     def trainable_paths(self, stage: int) -> list[str]:
         """The key paths (``jax.tree_util.keystr``, e.g. ``"['w']"``) of ``stage``'s trainable leaves,
@@ -363,17 +388,28 @@ class RuntimePlacement:
         if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)) or not 0 <= stage < self.num_stages:
             raise ValueError(f"stage must be an int in [0, {self.num_stages}), got {stage!r}")
 
-    def _act(self, aval):
+    def _act(self, aval, replicated: bool = False):
         """The device sharding of an activation ``aval`` (pytree): ``activation_sharding``, or with
-        ``batch_axis`` a pytree with the batch sharding on leaves whose leading dim splits evenly."""
-        if self._batch_sh is None:
+        ``batch_axis`` a pytree with the batch sharding on leaves whose leading dim splits evenly
+        (unless its signature runs ``replicated``: :meth:`runs_replicated`)."""
+        if self._batch_sh is None or replicated:
             return self.activation_sharding
         n = self._batch_sh.mesh.shape[self.batch_axis]
         return jax.tree_util.tree_map(
             lambda a: self._batch_sh if len(a.shape) and a.shape[0] % n == 0 else self.activation_sharding, aval)
 
-    def _act_host(self, aval):
-        sh = self._act(aval)
+    def _act_tree(self, aval, replicated: bool):
+        """:meth:`_act` as a pytree like ``aval`` (one sharding per leaf, also where one serves all)."""
+        sh = self._act(aval, replicated)
+        return jax.tree_util.tree_map(lambda _: sh, aval) if isinstance(sh, Sharding) else sh
+
+    def _gathered_sharding(self, replicated: bool) -> Sharding | None:
+        """The sharding a stage's weights are constrained to inside a signature that runs replicated
+        (the mesh, replicated: every device holds the whole weight), else ``None`` (as placed)."""
+        return NamedSharding(self._batch_sh.mesh, PartitionSpec()) if replicated else None
+
+    def _act_host(self, aval, replicated: bool = False):
+        sh = self._act(aval, replicated)
         if isinstance(sh, Sharding):
             return sh.with_memory_kind(HOST_KIND)
         return jax.tree_util.tree_map(lambda s: s.with_memory_kind(HOST_KIND), sh)

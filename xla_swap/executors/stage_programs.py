@@ -12,8 +12,34 @@ import jax
 from . import optim as _optim
 from ._stages import index_by_identity, is_diff, merge_diff, split_diff
 
-__all__ = ["forward_save_fn", "recompute_vjp", "saved_vjp", "trainable_grads", "with_accum", "update_only",
+__all__ = ["gathered", "without_gathered", "forward_save_fn", "recompute_vjp", "saved_vjp", "trainable_grads", "with_accum", "update_only",
            "with_update"]
+
+
+def gathered(f, sharding):
+    """``(p, *args) -> f(p, *args)`` with the weights ``p`` constrained to ``sharding`` first (``None``: ``f``).
+
+    A stage whose activations are replicated over a mesh (a batch that does not split over the data-parallel
+    devices) gathers its sharded weights so: every operand is then replicated and XLA's partitioner keeps the
+    whole computation replicated, as on one device, instead of splitting it along a weight's sharded
+    dimension (which a custom partitioner such as cuDNN attention's refuses for a sequence or head
+    dimension). The gradient of ``p`` is reduced back to ``p``'s own sharding by the executable's outputs.
+    """
+    if sharding is None:
+        return f
+
+    def g(p, *args):
+        return f(jax.lax.with_sharding_constraint(p, sharding), *args)
+    return g
+
+
+def without_gathered(remat):
+    """The ``remat`` of :func:`forward_save_fn` for a :func:`gathered` stage: ``False`` or a policy, less the
+    gathered weights (outputs of ``sharding_constraint``): they are gathered again in the backward from the
+    weights themselves, which are not saved, instead of being kept on the device between the passes."""
+    def policy(prim, *args, **params):
+        return prim.name != "sharding_constraint" and (remat is False or remat(prim, *args, **params))
+    return policy
 
 
 def forward_save_fn(f, remat, layout_out: dict):
