@@ -12,9 +12,14 @@ default 2 x 4096 and 8 x 4096 tokens):
   parameters, without (below ``--ckpt-tokens``; an out-of-memory error is recorded) and with
   gradient checkpointing (non-reentrant);
 * ``stack_lora``: ``SwappedStack(causal_lm_stages(peft_model))`` with the default policy (remat);
+* ``stack_lora_saved``: every stage streamed as in the default policy, but no remat (each layer's
+  vjp residuals kept in device memory: the step the link floor bounds where they fit; up to
+  ``--saved-max-tokens``, default 8192);
 * ``stack_lora_chosen``: the same with ``budget_bytes`` (``--budget-gib``, default 90 % of what
   jax may allocate), as a user would: the first step measures the link and the layers and the
-  chooser picks residency, prefetch depth and remat or kept residuals (the row names its choice);
+  chooser picks residency, prefetch depth and remat or kept residuals (the row names its choice;
+  an 8B-like bf16 model fits an H100, so the chooser may keep every stage resident: nothing then
+  crosses the link and the row has no floor);
 * ``stack_full`` / ``stack_full_chosen``: the plain model, full AdamW, the same two policies.
 
 Per row: the median step of ``--steps`` after one warm-up (the stack's first step timed from
@@ -53,7 +58,8 @@ from attention_gpu import _batch, _budget_bytes, _ce, _device, _sync, llama, mea
 from step_timing import median_time
 
 PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-ROWS = ("torch_peft", "torch_peft_ckpt", "stack_lora", "stack_lora_chosen", "stack_full", "stack_full_chosen")
+ROWS = ("torch_peft", "torch_peft_ckpt", "stack_lora", "stack_lora_saved", "stack_lora_chosen", "stack_full",
+        "stack_full_chosen")
 
 
 def lora_model(model, r: int, seed: int = 0):
@@ -142,16 +148,20 @@ def torch_row(args, b, s, peft_cpu, ckpt: bool) -> dict:
     return row
 
 
-def stack_row(args, b, s, model_cpu, link, budget: bool) -> dict:
+def stack_row(args, b, s, model_cpu, link, kind: str) -> dict:
     """One ``SwappedStack`` row: a copy of ``model_cpu`` (a PEFT model or not) with a torch AdamW over its
-    parameters, the default policy or ``budget_bytes``; its first step timed from construction."""
+    parameters; ``kind``: the default policy (``""``), ``"saved"`` (no remat) or ``"chosen"``
+    (``budget_bytes``); its first step timed from construction."""
     import torch
     import xla_swap
+    from xla_swap.planning import OffloadPolicy
     x, y = _batch(b, s)
     t0 = time.perf_counter()
     m = copy.deepcopy(model_cpu)
     first, layers, last = xla_swap.causal_lm_stages(m)
-    kw = {"budget_bytes": _budget_bytes(args)} if budget else {}
+    kw = {"chosen": {"budget_bytes": _budget_bytes(args)} if kind == "chosen" else {},
+          "saved": {"policy": OffloadPolicy(params="host", grads="host", optimizer_state="host", remat=False,
+                                            prefetch_depth=2)}, "": {}}[kind]
     stack = xla_swap.SwappedStack(layers, first=first, last=last, loss_fn=_ce,
                                   optimizer=torch.optim.AdamW(m.parameters(), lr=1e-5), **kw)
     first_loss = float(stack.train_step(x, y))
@@ -207,10 +217,10 @@ def run(args, res: dict) -> None:
     print(json.dumps({"link_gbps": res["link_gbps"]}), flush=True)
     for b, s in shapes:
         for name in ROWS[2:]:
-            if name in rows:
+            if name in rows and (name != "stack_lora_saved" or b * s <= args.saved_max_tokens):
                 src = peft_cpu if "lora" in name else model_cpu
                 try:
-                    row = stack_row(args, b, s, src, link, budget=name.endswith("chosen"))
+                    row = stack_row(args, b, s, src, link, name.split("_")[2] if name.count("_") == 2 else "")
                 except Exception as e:   # e.g. a schedule that exhausts host or device memory
                     row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                 add(name, b, s, row)
@@ -228,6 +238,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows to run, of {', '.join(ROWS)}")
     ap.add_argument("--ckpt-tokens", type=int, default=32768, help="below this many tokens torch also runs without "
                     "gradient checkpointing")
+    ap.add_argument("--saved-max-tokens", type=int, default=8192, help="stack_lora_saved up to this many tokens (every "
+                    "layer's residuals in device memory)")
     ap.add_argument("--budget-gib", type=float, default=None,
                     help="device-memory budget of the chosen rows (default: 90 %% of jax's bytes_limit)")
     ap.add_argument("--link-gib", type=float, default=4.0, help="bytes of the bulk link measurement (GiB)")

@@ -26,6 +26,8 @@ def test_tiny_run(tmp_path):
         assert r["remat"] and r["resident_stages"] == 0 and r["w_bytes"] > 0
         assert r["floor_s"] == pytest.approx((2 * r["w_bytes"] + r["trainable_bytes"] + 2 * r["m_bytes"]) / h2d)
         assert 0 < r["schedule_floor_s"] and r["ratio_to_floor"] == pytest.approx(r["step_s"] / r["floor_s"])
+    saved = rows["stack_lora_saved"]                          # streamed, no recompute
+    assert not saved["remat"] and saved["resident_stages"] == 0 and saved["w_bytes"] == rows["stack_lora"]["w_bytes"]
     lo, full = rows["stack_lora"], rows["stack_full"]
     assert lo["trainable_bytes"] < 0.01 * lo["w_bytes"] and lo["m_bytes"] < 0.01 * full["m_bytes"]
     assert full["trainable_bytes"] > 0.99 * full["w_bytes"]

@@ -9,8 +9,8 @@ CPU, wrapped by ``peft.get_peft_model`` with LoRA (r=4) on every projection, tra
   weights are unchanged; DoRA and several active adapters likewise;
 * no gradient of a frozen weight is computed (no dot of the layers' backward executables has a
   frozen weight's shape, while a fully trained stack's has) and none moves (the frozen weights'
-  host arrays are the same objects after the steps; no optimizer state for them; without an
-  optimizer their ``.grad`` stays ``None`` as in torch);
+  host arrays are the same objects after the steps, fused or clipped updates alike; no optimizer
+  state for them; without an optimizer their ``.grad`` stays ``None`` as in torch);
 * ``save_checkpoint`` holds the adapters and their moments under the PEFT model's own names, and
   ``load_checkpoint`` into a fresh stack resumes as the uninterrupted run;
 * ``sync_modules`` writes into the PEFT model: ``save_pretrained`` then saves torch's adapters;
@@ -148,6 +148,33 @@ def test_no_frozen_gradient_is_computed_or_moved(remat):
     for i, m in enumerate(stack.modules):
         for n, p in m.named_parameters():   # a frozen weight's host array never moved; an adapter's was replaced
             assert (rt.host_params[i][n] is before[i][n]) == (not p.requires_grad), (i, n)
+
+
+def test_clipped_steps_update_the_adapters_alone():
+    """``max_grad_norm``: the gradients go to the host and a separate update pass applies AdamW; the
+    norm is the adapters' (torch's ``clip_grad_norm_`` over the parameters with a gradient) and the
+    frozen weights stay where they are."""
+    pm = lora()
+    ref = copy.deepcopy(pm)
+    stack = stack_of(pm, max_grad_norm=0.5)
+    rt = stack.runtime
+    before = [dict(p) for p in rt.host_params]
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    for s in range(2):
+        x, y = batch(seed=s)
+        stack.train_step(x, y)
+        ce(ref(x).logits, y).backward()
+        norm = torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None], 0.5)
+        opt.step()
+        opt.zero_grad()
+        # step 0: the same gradients; step 1 follows an update that AdamW computes ill-conditioned where a
+        # gradient is near its eps (1e-8: a few adapter elements), so its gradients agree less closely
+        assert stack.last_grad_norm == pytest.approx(float(norm), rel=1e-6 if s == 0 else 1e-3) and float(norm) > 0.5
+    for i, m in enumerate(stack.modules):
+        for n, p in m.named_parameters():
+            assert (rt.host_params[i][n] is before[i][n]) == (not p.requires_grad), (i, n)
+    stack.sync_modules()
+    check_trained_as_torch(pm, ref)
 
 
 def test_without_optimizer_frozen_weights_get_no_grad():
