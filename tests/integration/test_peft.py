@@ -14,6 +14,7 @@ CPU, wrapped by ``peft.get_peft_model`` with LoRA (r=4) on every projection, tra
 * ``save_checkpoint`` holds the adapters and their moments under the PEFT model's own names, and
   ``load_checkpoint`` into a fresh stack resumes as the uninterrupted run;
 * ``sync_modules`` writes into the PEFT model: ``save_pretrained`` then saves torch's adapters;
+* ``generate`` gives the PEFT model's greedy tokens;
 * what cannot equal torch is refused by name.
 """
 import copy
@@ -264,3 +265,11 @@ def test_eval_mode_dropout_and_decoder_layers():
     assert layers == list(pm.get_base_model().model.layers)
     from xla_swap.hf import decoder_layers
     assert decoder_layers(pm) is pm.get_base_model().model.layers
+
+
+def test_generate_equals_peft_generate():
+    pm = lora().eval()
+    x, _ = batch(t=6)
+    with torch.no_grad():
+        want = pm.generate(input_ids=x, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(stack_of(pm).generate(x, max_new_tokens=5), want)
