@@ -20,7 +20,17 @@ import torch
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.torch_bridge import to_numpy, to_torch, torch_dtype
 
-__all__ = ["CheckpointMixin"]
+__all__ = ["CheckpointMixin", "model_parameter_names"]
+
+
+def model_parameter_names(modules: list, first) -> dict:
+    """``{(stage index, parameter name in the stage): name in the model}`` where ``first`` names the
+    stages' parameters as a model the stages were cut from does (``first.parameter_names``:
+    ``{id(parameter): name}``, e.g. a PEFT model's, :mod:`xla_swap.peft_models`); ``{}`` otherwise."""
+    given = getattr(first, "parameter_names", None) if first is not None else None
+    if not isinstance(given, dict):
+        return {}
+    return {(i, n): given[id(p)] for i, m in enumerate(modules) for n, p in m.named_parameters() if id(p) in given}
 
 
 def _chunks(a: jax.Array, transposed: bool) -> list[tuple[tuple, tuple, Callable]]:
@@ -112,7 +122,9 @@ class CheckpointMixin:
         ``{"model": {fqn: weight}, "optim": {"state": {fqn: {"step", "exp_avg", "exp_avg_sq"}},
         "param_groups": [...]}}``, the form of ``torch.distributed.checkpoint.state_dict
         .get_state_dict``: ``fqn`` is the stage's name with the parameter's (``first.embed_tokens.weight``,
-        ``layers.0.self_attn.q_proj.weight``, ``last.lm_head.weight``); weights and moments are
+        ``layers.0.self_attn.q_proj.weight``, ``last.lm_head.weight``), or for stages cut from a PEFT model
+        the PEFT model's own name (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight``,
+        ``checkpoint_names``); weights and moments are
         ``[out, in]`` for ``nn.Linear`` weights as torch holds them, in the dtypes the stack holds
         (moments: the optimizer's state dtype); ``step`` is a 0-d float32 tensor (the optimizer's
         step count, as ``torch.optim.AdamW`` keeps it); each param group holds its options and its
@@ -263,8 +275,10 @@ class CheckpointMixin:
             raise ValueError(f"{what} is not implemented for a stack spanning {jax.process_count()} processes")
 
     def _fqn(self, stage: int, name: str) -> str:
-        """torch-style name of parameter ``name`` of ``stage``: ``layers.3.mlp.up_proj.weight``."""
-        return f"{self.stage_names[stage].replace('[', '.').replace(']', '')}.{name}"
+        """torch-style name of parameter ``name`` of ``stage``: its name in the model the stages were cut
+        from where ``checkpoint_names`` has it (a PEFT model's), else ``layers.3.mlp.up_proj.weight``."""
+        own = self.checkpoint_names.get((stage, name))
+        return own if own is not None else f"{self.stage_names[stage].replace('[', '.').replace(']', '')}.{name}"
 
     def _ckpt_layout(self) -> list[dict]:
         """Per stage ``{flat key: (fqn, name, kind, j, torch shape, torch dtype)}``; ``kind`` is ``"w"``

@@ -22,6 +22,8 @@ Mixture-of-experts layers run their own routing; their experts (``transformers``
 :func:`xla_swap.moe.dense_experts_forward` (``experts="dense"``, the default) or
 :func:`xla_swap.moe.sorted_experts_forward` (``experts="sorted"``).
 
+A ``peft`` LoRA model is cut through the model it wraps, adapters included (:mod:`xla_swap.peft_models`).
+
 At construction a probe (a few tokens, eager torch on the CPU, the layers replaced by the
 identity) checks that ``last(first(ids))`` equals the model's own logits with the same
 identity layers, and that the model's forward passes the hidden state unchanged from layer
@@ -37,6 +39,7 @@ from typing import Any
 import torch
 
 from xla_swap.moe import FORMS, experts_while_traced
+from xla_swap.peft_models import peft_causal_lm
 
 __all__ = ["causal_lm_stages", "decoder_layers", "CausalLMFirst", "CausalLMLast"]
 
@@ -161,6 +164,9 @@ class CausalLMFirst(torch.nn.Module):
         self.layer_keys: list[int] = []
         #: per group, the constant (non-tensor) keyword arguments the model passes those layers.
         self.constants: dict[int, dict[str, Any]] = {}
+        #: ``{id(parameter): name}`` in the model the stages were cut from when that is not ``causal_lm``
+        #: (a PEFT model: ``xla_swap.peft_models``), else ``None``: ``SwappedStack``'s checkpoint names.
+        self.parameter_names: dict[int, str] | None = None
 
     @property
     def base_module(self) -> torch.nn.Module:
@@ -395,7 +401,10 @@ def causal_lm_stages(model: torch.nn.Module, layers_attr: str | None = None, nor
     Args:
       model: a ``transformers`` causal LM (``...ForCausalLM``, ``GPT2LMHeadModel``): a base
         model at ``model.base_model_prefix`` whose decoder layers are a ``ModuleList`` of
-        ``config.num_hidden_layers`` modules (``layers``, ``h``, ``blocks``; or ``layers_attr``).
+        ``config.num_hidden_layers`` modules (``layers``, ``h``, ``blocks``; or ``layers_attr``);
+        or a ``peft`` ``PeftModel`` of one with LoRA (or DoRA) adapters: the stages run its
+        modules, adapters included, and ``first.parameter_names`` holds its parameter names
+        (:mod:`xla_swap.peft_models`).
       layers_attr: the name of that ``ModuleList`` in the base model, when not a common one.
       norm_attr: the name of the base model's final norm (``norm``, ``ln_f``,
         ``final_layernorm``, ...: found by name, checked by the probe), or ``""`` for none.
@@ -412,7 +421,8 @@ def causal_lm_stages(model: torch.nn.Module, layers_attr: str | None = None, nor
     Raises:
       TypeError: ``model`` is not a Hugging Face causal LM with a base model and an output
         embedding; no decoder layer list is found.
-      ValueError: ``experts`` is not ``"dense"`` or ``"sorted"`` (raised first, nothing changed).
+      ValueError: ``experts`` is not ``"dense"`` or ``"sorted"`` (raised first, nothing changed); a PEFT
+        model with what :func:`xla_swap.peft_models.peft_causal_lm` refuses (named).
       ValueError: the model uses something the stages cannot express (the message names the
         module and the feature): a transformation of the hidden state between layers, keyword
         arguments of other kinds than tensors and constants, parameters of the causal LM
@@ -429,6 +439,7 @@ def causal_lm_stages(model: torch.nn.Module, layers_attr: str | None = None, nor
     """
     if experts not in FORMS:
         raise ValueError(f"experts must be one of {sorted(FORMS)}, got {experts!r}")
+    model, names = peft_causal_lm(model)
     name = type(model).__name__
     base, prefix, layers_attr, norm_attr = _locate(model, layers_attr, norm_attr)
     layers = list(getattr(base, layers_attr))
@@ -439,6 +450,7 @@ def causal_lm_stages(model: torch.nn.Module, layers_attr: str | None = None, nor
         if id(p) not in base_params and all(p is not q for q in head.parameters()):
             raise ValueError(f"{name} has parameter {pn} outside its base model and output embedding: not supported")
     first = CausalLMFirst(model, base, layers_attr, norm_attr)
+    first.parameter_names = names
     last = CausalLMLast(model, base, norm_attr)
     for stage, m in (("first", first), ("last", last)):
         for n, t in list(m.named_parameters()) + list(m.named_buffers()):
@@ -455,7 +467,7 @@ def decoder_layers(model: torch.nn.Module, layers_attr: str | None = None) -> to
 
     Raises: TypeError as :func:`causal_lm_stages` (not a causal LM; no layer list found).
     """
-    base, _, layers_attr, _ = _locate(model, layers_attr, None)
+    base, _, layers_attr, _ = _locate(peft_causal_lm(model)[0], layers_attr, None)
     return getattr(base, layers_attr)
 
 

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from xla_swap.budget import AutotuneMixin, check_calibration_arg, resident_for_budget
-from xla_swap.checkpoint import CheckpointMixin
+from xla_swap.checkpoint import CheckpointMixin, model_parameter_names
 from xla_swap.executors.streaming import StreamingRuntime, remat_from_policy
 from xla_swap.hf import causal_lm_stages  # noqa: F401  (re-exported: the entry point's splitter)
 from xla_swap.index_checks import token_id_bounds
@@ -375,13 +375,14 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
         # ---- stage functions: one per group of layers that compute the same thing ----
         self.modules: list[torch.nn.Module] = modules
         self.stage_names: list[str] = names
+        #: ``{(stage, name): fqn}``: checkpoint names from ``first.parameter_names`` (a PEFT model's), else stage-based.
+        self.checkpoint_names: dict = model_parameter_names(modules, first)
         self.has_first, self.has_last = first is not None, last is not None
         #: the torchax environment the stages are traced in (``xla_swap.torch_attention.torchax_env``).
         self.torch_env = env
         #: per stage, the names of the ``nn.Linear`` weights held as ``[in, out]`` on the host
         #: and the device (``transpose_linear``).
-        self.transposed: list[frozenset[str]] = [linear_weights(m) if transpose_linear else frozenset()
-                                                 for m in modules]
+        self.transposed: list[frozenset[str]] = [linear_weights(m) if transpose_linear else frozenset() for m in modules]
         if tied:
             self.transposed[-1] = self.transposed[-1] - set(tied)
         #: ``{name in last: name in first}``: the weights ``first`` and ``last`` share (tied embeddings): held

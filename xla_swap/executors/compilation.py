@@ -124,7 +124,8 @@ class RuntimeCompilation:
           kind: one of :attr:`STAGE_KINDS`: ``forward`` ``(p, x) -> y``; ``forward-save``
             ``(p, x) -> (y, saved)``; ``backward`` ``(p, x, g, [state, hyper]) -> ...`` (recomputes the
             forward); ``backward-saved`` ``(p, x, saved, g, [state, hyper]) -> ...``. With an optimizer
-            a backward returns ``(gx, new_params, new_state)``, else ``(gx, grads)``.
+            a backward returns ``(gx, new_params, new_state)``, else ``(gx, grads)`` (``grads``: a list, the
+            gradients of the stage's trainable leaves in leaf order: ``trainable_mask``).
           stage: the stage index.
 
         Returns: a ``jax.stages.Compiled``.
@@ -222,7 +223,7 @@ class RuntimeCompilation:
             if kind == "forward":
                 exe = jax.jit(f, out_shardings=act_of(hout)).lower(pspec, hspec).compile()
             elif kind == "forward-save":
-                exe = self._compile_forward_save(sig, f, base, pspec, hspec, act_of(hout))
+                exe = self._compile_forward_save(sig, i, f, base, pspec, hspec, act_of(hout))
             else:
                 saved = kind.startswith("backward-saved")
                 if saved:
@@ -233,13 +234,13 @@ class RuntimeCompilation:
                         fwd_save.out_info[1], fwd_save.output_shardings[1])
                     specs = (pspec, hspec, sspec, gspec)
                 else:
-                    core = recompute_vjp(f)
+                    core = recompute_vjp(f, self._train_mask[i])
                     specs = (pspec, hspec, gspec)
                 g_arg = len(specs) - 1
                 if opt is None:
                     fn = core
                     donate_argnums = ((0, g_arg) if same else (0,)) if donate else ()
-                    out_sh = (gin_sh, self._diff_dev_sh[i])
+                    out_sh = (gin_sh, self._grad_dev_sh[i])
                 else:
                     base_donate = ((0, g_arg) if same else (0,))
                     if acc:
@@ -250,7 +251,7 @@ class RuntimeCompilation:
                         if mode == "accum":  # the sum reuses the accumulator's buffer (not the weights')
                             base_donate = tuple(a for a in base_donate if a != 0) + (len(specs) - 1,)
                     if mode == "accum":
-                        fn = with_accum(core, self._train_mask[i], acc)
+                        fn = with_accum(core, acc)
                         out_sh = (gin_sh, self._acc_dev_sh[i], act)
                     else:
                         fn = with_update(core, self._train_mask[i], self.group_idx[i], acc)
@@ -267,8 +268,9 @@ class RuntimeCompilation:
         sig.stage_exe[key_stage] = exe
         return exe
 
-    def _compile_forward_save(self, sig, f, base, pspec, hspec, out_sh):
-        """Compile ``(p, x) -> (y, saved)``: the stage's output and its vjp residuals minus ``p`` and ``x``.
+    def _compile_forward_save(self, sig, i: int, f, base, pspec, hspec, out_sh):
+        """Compile stage ``i``'s ``(p, x) -> (y, saved)`` (``f`` its function as traced): its output and its vjp residuals (w.r.t. its
+        trainable leaves and the floating leaves of ``x``) minus ``p`` and ``x``.
 
         ``jax.vjp`` returns its residuals as the leaves of the vjp function (a pytree); while
         tracing, residuals that *are* the traced weights or stage input (identity) are
@@ -276,7 +278,8 @@ class RuntimeCompilation:
         are not kept on the device between the passes.
         """
         layout_out = {}
-        fwd_save = forward_save_fn(f, without_gathered(self.remat) if sig.replicated else self.remat, layout_out)
+        remat = without_gathered(self.remat) if sig.replicated else self.remat
+        fwd_save = forward_save_fn(f, remat, layout_out, self._train_mask[i])
         try:
             exe = jax.jit(fwd_save, out_shardings=(out_sh, None)).lower(pspec, hspec).compile()
         except ValueError as e:

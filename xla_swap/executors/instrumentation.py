@@ -13,7 +13,7 @@ import numpy as np
 
 from .report import MemoryReport, compiled_report, stats_dict
 from .stage_programs import forward_save_fn
-from ._stages import DEVICE_KIND, probe, split_diff, tree_nbytes
+from ._stages import DEVICE_KIND, probe, tree_nbytes
 
 __all__ = ["RuntimeInstrumentation", "device_nbytes", "memory_analysis"]
 
@@ -174,8 +174,9 @@ class RuntimeInstrumentation:
             forward's FLOPs (XLA's cost analysis) by. Exactly one of the two.
 
         Returns: ``xla_swap.planning.LayerCost`` with ``param_bytes`` (the stage's weights),
-          ``grad_bytes`` (its floating leaves), ``optimizer_bytes`` (this runtime's optimizer
-          state of the stage, 0 without one), ``carry_bytes`` (the stage input),
+          ``grad_bytes`` (its trainable leaves: their gradients, and what an update writes back),
+          ``optimizer_bytes`` (this runtime's optimizer state of the stage, 0 without one),
+          ``carry_bytes`` (the stage input),
           ``intermediate_bytes`` (the residuals ``jax.vjp`` keeps beyond weights and input,
           with ``remat`` other than ``True``: what ``remat=False`` would save),
           ``working_bytes`` (the compiled backward's temporaries), and ``forward_s`` or ``flops``.
@@ -225,13 +226,15 @@ class RuntimeInstrumentation:
         """
         self._check_stage(stage)
         f, pav, hin = self._traced_fns[stage], self._param_avals[stage], sig.chain[stage]
-        saved = jax.eval_shape(forward_save_fn(f, False, {}), pav, hin)[1]
+        mask = self._train_mask[stage]
+        saved = jax.eval_shape(forward_save_fn(f, False, {}, mask), pav, hin)[1]
         bwd = self._exe(sig, "backward", stage, False) if self.optimizer is None else None
         try:
             working = int(bwd.memory_analysis().temp_size_in_bytes) if bwd is not None else None
         except Exception:  # noqa: BLE001 - not every backend reports it
             working = None
-        return dict(param_bytes=self.stage_nbytes[stage], grad_bytes=tree_nbytes(split_diff(pav)[0]),
+        trained = [a for a, m in zip(jax.tree_util.tree_leaves(pav), mask) if m]
+        return dict(param_bytes=self.stage_nbytes[stage], grad_bytes=tree_nbytes(trained),
                     optimizer_bytes=self.optimizer_state_nbytes[stage], carry_bytes=tree_nbytes(hin),
                     intermediate_bytes=tree_nbytes(saved), working_bytes=working)
 

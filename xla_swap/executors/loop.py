@@ -345,7 +345,7 @@ class RuntimeLoop:
         if mode == "update":
             new_p, new_s = results
             self._track(results, i)
-            self.host_params[i] = jax.device_put(new_p, self._host_sh[i])
+            self.host_params[i] = self._updated_host_params(i, new_p)
             self.optimizer_state[i] = jax.device_put(new_s, self._state_host_sh[i])
             kept = new_p  # the updated weights, already on the device
             out = results, (self.host_params[i], self.optimizer_state[i])
@@ -362,8 +362,11 @@ class RuntimeLoop:
         if mode is None:
             (grads,) = results
             self._track(grads, i)
-            host = jax.device_put(grads, self._diff_grad_sh[i])
-            call.host_grads[i] = merge_diff(host, None, split_diff(self._param_avals[i])[2])
+            host = jax.device_put(grads, self._grad_out_sh[i])
+            leaves, treedef = jax.tree_util.tree_flatten(self._param_avals[i])
+            it = iter(host)   # None at the leaves that get no gradient (integers, frozen weights)
+            call.host_grads[i] = jax.tree_util.tree_unflatten(treedef, [next(it) if m else None
+                                                                        for m in self._train_mask[i]])
             return grads, host
         acc, call.sumsq[i] = results
         self._track(acc, i)

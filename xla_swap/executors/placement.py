@@ -254,18 +254,17 @@ class RuntimePlacement:
         self.optimizer_state: list = [place(st, sh) for st, sh in zip(states, self._state_host_sh)]
 
     def _place_state_shardings(self, has_optimizer: bool) -> None:
-        """Per stage, the shardings of the floating leaves' gradients and, with an optimizer, of the
-        trainable leaves' moments and accumulated gradients, on the device and between steps."""
+        """Per stage, the shardings of the trainable leaves' gradients and, with an optimizer, of their
+        moments and accumulated gradients, on the device and between steps."""
         grad_kind = HOST_KIND if self.grads_to_host else DEVICE_KIND
-        self._diff_dev_sh, self._diff_grad_sh = [], []
+        self._grad_dev_sh, self._grad_out_sh = [], []
         self._state_dev_sh, self._state_host_sh = [], []
         self._acc_dev_sh, self._acc_host_sh = [], []
         for i in range(self.num_stages):
-            leaves = jax.tree_util.tree_leaves(self._param_avals[i])
             dev_leaf_sh = jax.tree_util.tree_leaves(self._dev_sh[i])
-            diff = [s for s, a in zip(dev_leaf_sh, leaves) if is_diff(a)]
-            self._diff_dev_sh.append(diff)
-            self._diff_grad_sh.append([s.with_memory_kind(grad_kind) for s in diff])
+            grads = [s for s, m in zip(dev_leaf_sh, self._train_mask[i]) if m]
+            self._grad_dev_sh.append(grads)
+            self._grad_out_sh.append([s.with_memory_kind(grad_kind) for s in grads])
             trained = [j for j, m in enumerate(self._train_mask[i]) if m] if has_optimizer else []
             state_kind = HOST_KIND if self.optimizer_state_on_host and not self.resident[i] else DEVICE_KIND
             acc_kind = HOST_KIND if self.grads_to_host and not self.resident[i] else DEVICE_KIND
@@ -383,6 +382,20 @@ class RuntimePlacement:
             self.host_params[stage] = jax.device_put(params, self._host_sh[stage], may_alias=False)
         if state is not None:
             self.optimizer_state[stage] = jax.device_put(state, self._state_host_sh[stage], may_alias=False)
+
+    def _updated_host_params(self, stage: int, new_p) -> dict:
+        """``host_params[stage]`` after an update that returned ``new_p`` (device arrays, ``host_params``'
+        structure): the trainable leaves copied to where the weights live; a streamed stage keeps its
+        other leaves' arrays as they are (a frozen weight never moves back), a resident one takes
+        ``new_p``'s (its own, aliased: the update donated them)."""
+        if self.resident[stage]:
+            return jax.device_put(new_p, self._host_sh[stage])
+        old, treedef = jax.tree_util.tree_flatten(self.host_params[stage])
+        new, host_sh = jax.tree_util.tree_leaves(new_p), jax.tree_util.tree_leaves(self._host_sh[stage])
+        sel = [j for j, m in enumerate(self._train_mask[stage]) if m]
+        for j, a in zip(sel, jax.device_put([new[j] for j in sel], [host_sh[j] for j in sel])):
+            old[j] = a
+        return jax.tree_util.tree_unflatten(treedef, old)
 
     def _check_stage(self, stage) -> None:
         if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)) or not 0 <= stage < self.num_stages:

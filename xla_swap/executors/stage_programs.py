@@ -3,17 +3,20 @@
 
 Each builder takes the stage function (or a vjp ``core``) and returns a function of arrays for
 ``jax.jit``; the runtime's compilation (``xla_swap.executors.compilation``) lowers them with
-shardings. Imports only jax (no torch).
+shardings. Every vjp is taken w.r.t. the stage input's floating leaves and the weights the runtime's
+``train_mask`` marks trainable; the other weights (frozen, e.g. a LoRA model's base) are constants of
+it: their gradients are never computed, and an update returns them as they came in. Imports only
+jax (no torch).
 """
 from __future__ import annotations
 
 import jax
 
 from . import optim as _optim
-from ._stages import index_by_identity, is_diff, merge_diff, split_diff
+from ._stages import index_by_identity, merge_diff, split_diff
 
-__all__ = ["gathered", "without_gathered", "forward_save_fn", "recompute_vjp", "saved_vjp", "trainable_grads", "with_accum", "update_only",
-           "with_update"]
+__all__ = ["gathered", "without_gathered", "trainable_split", "forward_save_fn", "recompute_vjp", "saved_vjp",
+           "trainable_grads", "with_accum", "update_only", "with_update"]
 
 
 def gathered(f, sharding):
@@ -42,9 +45,26 @@ def without_gathered(remat):
     return policy
 
 
-def forward_save_fn(f, remat, layout_out: dict):
+def trainable_split(p, train_mask: list) -> tuple:
+    """``(trainable, rebuild)``: the leaves of ``p`` that ``train_mask`` marks (in leaf order), and
+    ``rebuild(new) -> p`` with those leaves replaced by ``new``: the other leaves (frozen weights,
+    buffers, integers) enter a vjp as constants, so no gradient of theirs is ever computed."""
+    leaves, treedef = jax.tree_util.tree_flatten(p)
+    sel = [j for j, m in enumerate(train_mask) if m]
+
+    def rebuild(new):
+        out = list(leaves)
+        for j, v in zip(sel, new):
+            out[j] = v
+        return jax.tree_util.tree_unflatten(treedef, out)
+    return [leaves[j] for j in sel], rebuild
+
+
+def forward_save_fn(f, remat, layout_out: dict, train_mask: list):
     """``(p, x) -> (y, saved)``: a stage's output and its vjp residuals minus ``p`` and ``x``.
 
+    The vjp is taken w.r.t. the leaves of ``p`` that ``train_mask`` marks and the floating leaves
+    of ``x`` (the others are constants: their gradients are neither computed nor kept for).
     ``jax.vjp`` returns its residuals as the leaves of the vjp function (a pytree); while
     tracing, residuals that *are* the traced weights or stage input (identity) are recorded as
     such in ``layout_out["layout"] = (vjp treedef, sources)`` and not returned, so the weights are not
@@ -54,14 +74,14 @@ def forward_save_fn(f, remat, layout_out: dict):
     fs = f if remat is False else jax.checkpoint(f, policy=remat)
 
     def fwd_save(p, x):
-        pd, pc, ps = split_diff(p)
+        pt, rebuild = trainable_split(p, train_mask)
         xd, xc, xs = split_diff(x)
 
-        def on_floating(pd, xd):
-            yd, yc, ys = split_diff(fs(merge_diff(pd, pc, ps), merge_diff(xd, xc, xs)))
+        def on_floating(pt, xd):
+            yd, yc, ys = split_diff(fs(rebuild(pt), merge_diff(xd, xc, xs)))
             return yd, (yc, ys)
 
-        yd, vjp, (yc, ys) = jax.vjp(on_floating, pd, xd, has_aux=True)
+        yd, vjp, (yc, ys) = jax.vjp(on_floating, pt, xd, has_aux=True)
         res, treedef = jax.tree_util.tree_flatten(vjp)
         pl, xl = jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(x)
         sources, saved = [], []
@@ -81,23 +101,25 @@ def forward_save_fn(f, remat, layout_out: dict):
     return fwd_save
 
 
-def recompute_vjp(f):
-    """``(p, x, g) -> (gx, gp)``: the stage's vjp by recomputing its forward, over floating leaves only."""
+def recompute_vjp(f, train_mask: list):
+    """``(p, x, g) -> (gx, gp)``: the stage's vjp by recomputing its forward, w.r.t. the floating leaves
+    of ``x`` and the leaves of ``p`` that ``train_mask`` marks (``gp``: their gradients, in leaf order)."""
     def core(p, x, g):
-        pd, pc, ps = split_diff(p)
+        pt, rebuild = trainable_split(p, train_mask)
         xd, xc, xs = split_diff(x)
 
-        def on_floating(pd, xd):
-            return split_diff(f(merge_diff(pd, pc, ps), merge_diff(xd, xc, xs)))[0]
+        def on_floating(pt, xd):
+            return split_diff(f(rebuild(pt), merge_diff(xd, xc, xs)))[0]
 
-        _, vjp = jax.vjp(on_floating, pd, xd)
+        _, vjp = jax.vjp(on_floating, pt, xd)
         gp, gx = vjp(g)
         return gx, gp
     return core
 
 
 def saved_vjp(treedef, sources):
-    """``(p, x, saved, g) -> (gx, gp)``: the stage's vjp rebuilt from the forward's residuals."""
+    """``(p, x, saved, g) -> (gx, gp)``: the stage's vjp rebuilt from the forward's residuals (``gp``: the
+    gradients of the leaves the forward's ``train_mask`` marked)."""
     def core(p, x, saved, g):
         src = {"p": jax.tree_util.tree_leaves(p), "x": jax.tree_util.tree_leaves(x), "s": saved}
         vjp = jax.tree_util.tree_unflatten(treedef, [src[kind][j] for kind, j in sources])
@@ -106,55 +128,43 @@ def saved_vjp(treedef, sources):
     return core
 
 
-def trainable_grads(p, gp, train_mask: list, acc) -> list:
-    """The gradients of the trainable leaves of ``p`` (from ``gp``, over the floating leaves), plus ``acc``."""
-    leaves = jax.tree_util.tree_leaves(p)
-    grad_of = dict(zip([j for j, a in enumerate(leaves) if is_diff(a)], gp))
-    grads = [grad_of[j] for j, m in enumerate(train_mask) if m]
+def trainable_grads(gp, acc) -> list:
+    """The gradients ``gp`` of the trainable leaves (a vjp ``core``'s), plus ``acc`` when given."""
+    grads = list(gp)
     if acc is not None:
         grads = [a + g for a, g in zip(acc, grads)]
     return grads
 
 
-def with_accum(core, train_mask: list, has_acc: bool):
+def with_accum(core, has_acc: bool):
     """Wrap a vjp ``core``: ``(..., [acc]) -> (gx, acc + grads of the trainable leaves, their sum of squares)``."""
     def fn(*args):
         core_args, acc = (args[:-1], args[-1]) if has_acc else (args, None)
         gx, gp = core(*core_args)
-        grads = trainable_grads(core_args[0], gp, train_mask, acc)
+        grads = trainable_grads(gp, acc)
         return gx, grads, _optim.sum_squares(grads)
     return fn
 
 
 def update_only(train_mask: list, groups: tuple):
-    """``(p, grads, state, hyper, coef) -> (new_p, new_state)``: AdamW on the trainable leaves with ``grads * coef``."""
+    """``(p, grads, state, hyper, coef) -> (new_p, new_state)``: AdamW on the trainable leaves with ``grads * coef``
+    (``new_p``: ``p`` with those leaves replaced; the others are ``p``'s own, aliased where ``p`` is donated)."""
     def fn(p, grads, state, hyper, coef):
-        leaves, treedef = jax.tree_util.tree_flatten(p)
-        sel = [j for j, m in enumerate(train_mask) if m]
-        new_sel, new_state = _optim.apply_update([leaves[j] for j in sel], grads, state, hyper, list(groups),
-                                                 scale=coef)
-        new_leaves = list(leaves)
-        for j, v in zip(sel, new_sel):
-            new_leaves[j] = v
-        return jax.tree_util.tree_unflatten(treedef, new_leaves), new_state
+        pt, rebuild = trainable_split(p, train_mask)
+        new_sel, new_state = _optim.apply_update(pt, grads, state, hyper, list(groups), scale=coef)
+        return rebuild(new_sel), new_state
     return fn
 
 
 def with_update(core, train_mask: list, groups: tuple, has_acc: bool = False):
     """Wrap a vjp ``core`` so that it also applies AdamW to the trainable leaves: ``(..., [acc], state, hyper) ->
     (gx, new_params, new_state)`` (``groups``: each trainable leaf's row of ``hyper``; ``acc``: gradients
-    accumulated by earlier micro-batches, added first)."""
+    accumulated by earlier micro-batches, added first; ``new_params`` as :func:`update_only`'s)."""
     def fn(*args):
         *core_args, state, hyper = args
         acc = core_args.pop() if has_acc else None
         gx, gp = core(*core_args)
-        p = core_args[0]
-        leaves, treedef = jax.tree_util.tree_flatten(p)
-        sel = [j for j, m in enumerate(train_mask) if m]
-        new_sel, new_state = _optim.apply_update([leaves[j] for j in sel], trainable_grads(p, gp, train_mask, acc),
-                                                 state, hyper, list(groups))
-        new_leaves = list(leaves)
-        for j, v in zip(sel, new_sel):
-            new_leaves[j] = v
-        return gx, jax.tree_util.tree_unflatten(treedef, new_leaves), new_state
+        pt, rebuild = trainable_split(core_args[0], train_mask)
+        new_sel, new_state = _optim.apply_update(pt, trainable_grads(gp, acc), state, hyper, list(groups))
+        return gx, rebuild(new_sel), new_state
     return fn

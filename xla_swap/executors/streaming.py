@@ -213,9 +213,10 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
         (``xla_swap.executors.calibrate.reconfigure``) does not hold it twice in device memory.
       group_of: with ``optimizer``: ``(stage_index, leaf_path) -> int``, the parameter group
         (index into ``param_groups``) of each trainable leaf (default: every leaf in group 0).
-      trainable: ``(stage_index, leaf_path) -> bool``: which floating leaves the optimizer
-        updates (default: all). Non-trainable floating leaves (e.g. a rotary frequency
-        buffer) still get gradients in ``train_step`` without an optimizer.
+      trainable: ``(stage_index, leaf_path) -> bool``: which floating leaves get gradients and
+        the optimizer's update (default: all). The others (frozen weights, e.g. a LoRA model's
+        base, or a rotary frequency buffer) are constants of every vjp: no gradient of theirs is
+        computed or returned, and an update never sends them back to host memory.
       max_signatures: how many input signatures (structure, shapes, dtypes of ``h``) keep
         their compiled executables; the least recently used is dropped beyond it (a bounded
         cache: serving several batch sizes and sequence lengths with one runtime).
@@ -512,7 +513,7 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
         ``prefetch_next_call`` the call starts with stages 0..k, the backward keeps them for the
         next call; 2L-k-1 in a cold call), and L stages of gradients out (or, with ``optimizer``,
         L stages of weights and moments out and the moments in). Gradients are taken w.r.t. the
-        floating leaves of the parameters and of ``h``; integer and bool leaves are constants.
+        ``trainable`` leaves of the parameters and the floating leaves of ``h``; the rest are constants.
 
         Args:
           h: input activation, as for ``forward``.
@@ -549,8 +550,8 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
           ``(loss_or_output, input_cotangent, grads)``: the scalar loss (``loss_fn`` given) or the
           forward output (``cotangent`` given), as device arrays; the cotangent of ``h`` (device,
           shaped like ``h``, ``None`` at integer leaves); a list of ``num_stages`` pytrees shaped
-          like ``stage_params[i]`` (``None`` at integer leaves) in ``pinned_host``
-          (``grads_to_host``) or device memory, or ``None`` with ``optimizer`` (the update is
+          like ``stage_params[i]`` (``None`` at integer leaves and those ``trainable`` leaves out) in
+          ``pinned_host`` (``grads_to_host``) or device memory, or ``None`` with ``optimizer`` (the update is
           applied: ``host_params`` and ``optimizer_state`` hold the new values, ``step`` is
           incremented). All asynchronous.
 

@@ -136,7 +136,7 @@ class RuntimeUpdatePass:
             if recorder is not None:
                 recorder.add(ev, new_p)
             self._track((new_p, new_s), i)
-            self.host_params[i] = jax.device_put(new_p, self._host_sh[i])
+            self.host_params[i] = self._updated_host_params(i, new_p)
             self.optimizer_state[i] = jax.device_put(new_s, self._state_host_sh[i])
             moved = (self.host_params[i], self.optimizer_state[i])
             if self.throttle and prev is not None:

@@ -193,7 +193,7 @@ def _rewrite(costs: list, resident: tuple, offload: bool, moments_on_host: bool,
     """The per-stage costs the planner sees for a candidate, and the device bytes taken out of its sight."""
     out, extra = [], {}
     for c, r in zip(costs, resident):
-        kw = {"param_bytes": 0 if r else c.param_bytes,
+        kw = {"param_bytes": 0 if r else c.param_bytes, "update_bytes": 0 if r else c.update_bytes,
               "optimizer_bytes": 0 if (r or not moments_on_host) else c.optimizer_bytes,
               "working_bytes": c.working_bytes}
         if offload:

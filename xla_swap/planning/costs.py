@@ -139,6 +139,9 @@ class LayerCost:
         gradient and both moments and writes the weights and both moments, each in its own dtype
         (14 bytes per bf16 parameter with bf16 moments; docs/measured.md, section 7).  Give it
         for other layouts, e.g. fp32 master weights beside bf16 device weights.
+      update_bytes: the weights an update on the device writes back to host memory: the trainable
+        ones (frozen weights, e.g. a LoRA model's base, get no gradient and never move back).
+        ``None`` (default) means ``grad_bytes``.
 
     Raises:
       TypeError / ValueError: a field has the wrong type, is negative / not finite, a time is
@@ -160,6 +163,7 @@ class LayerCost:
     recompute_s: Mapping[str, float] | None = None
     optimizer_s: float = 0.0
     host_update_bytes: int | None = None
+    update_bytes: int | None = None
 
     def __post_init__(self):
         owner = "LayerCost"
@@ -169,6 +173,8 @@ class LayerCost:
              else as_bytes(owner, "grad_bytes", self.grad_bytes))
         for k in ("optimizer_bytes", "intermediate_bytes", "carry_bytes"):
             setf(k, as_bytes(owner, k, getattr(self, k)))
+        setf("update_bytes", self.grad_bytes if self.update_bytes is None
+             else as_bytes(owner, "update_bytes", self.update_bytes))
         setf("host_update_bytes", 2 * self.param_bytes + self.grad_bytes + 2 * self.optimizer_bytes
              if self.host_update_bytes is None else as_bytes(owner, "host_update_bytes", self.host_update_bytes))
         if not isinstance(self.activations, Mapping):

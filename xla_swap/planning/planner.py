@@ -62,8 +62,8 @@ def _check_num_devices(num_devices) -> int:
 
 
 def _per_device(layers: list[LayerCost], n: int) -> list[LayerCost]:
-    """One device's share of each layer over ``n`` devices: weights, gradients, optimizer state and
-    the CPU update's bytes divided by ``n``, rounded up; the rest as given (docs/planner.md,
+    """One device's share of each layer over ``n`` devices: weights, gradients, optimizer state, the
+    weights an update writes back and the CPU update's bytes divided by ``n``, rounded up; the rest as given (docs/planner.md,
     "Several devices")."""
     if n == 1:
         return layers
@@ -73,7 +73,8 @@ def _per_device(layers: list[LayerCost], n: int) -> list[LayerCost]:
         if id(layer) not in cache:
             cache[id(layer)] = dataclasses.replace(
                 layer, param_bytes=shard(layer.param_bytes), grad_bytes=shard(layer.grad_bytes),
-                optimizer_bytes=shard(layer.optimizer_bytes), host_update_bytes=shard(layer.host_update_bytes))
+                optimizer_bytes=shard(layer.optimizer_bytes), host_update_bytes=shard(layer.host_update_bytes),
+                update_bytes=shard(layer.update_bytes))
     return [cache[id(layer)] for layer in layers]
 
 

@@ -137,7 +137,7 @@ def phase_rows(policy: OffloadPolicy, layers: list[LayerCost], training: bool, s
         layer = layers[i]
         in_bytes = ((layer.param_bytes if params_on_host else 0) + (layer.grad_bytes if grads_on_host else 0)
                     + (layer.optimizer_bytes if state_on_host else 0))
-        out_bytes = (layer.param_bytes if params_on_host else 0) + (layer.optimizer_bytes if state_on_host else 0)
+        out_bytes = (layer.update_bytes if params_on_host else 0) + (layer.optimizer_bytes if state_on_host else 0)
         optimizer.append(Row(i, layer.optimizer_s, in_bytes, out_bytes))
     return {"forward": forward, "backward": backward, "optimizer": optimizer + _next_call_rows(schedule, layers)}
 
@@ -157,10 +157,10 @@ def offloaded_rows(policy: OffloadPolicy, layers: list[LayerCost], mode: str, st
         layer = layers[s.stage]
         compute = layer.backward_time_s + recompute_s(layer, policy, remat_names)
         weights_in = layer.param_bytes if fetched else 0
-        if mode == "streamed":   # moments in; new weights + moments out; the gradient stays on the device
+        if mode == "streamed":   # moments in; new (trainable) weights + moments out; the gradient stays on the device
             rows.append(Row(s.stage, compute + layer.optimizer_s, weights_in + activation_bytes[s.stage]
                             + (layer.optimizer_bytes if s.stage in state_in else 0),
-                            layer.param_bytes + layer.optimizer_bytes, s))
+                            layer.update_bytes + layer.optimizer_bytes, s))
         else:                    # the gradient goes to host memory; the update runs on the CPU
             rows.append(Row(s.stage, compute, weights_in + activation_bytes[s.stage],
                             layer.grad_bytes if grads_on_host else 0, s))

@@ -225,7 +225,7 @@ def offloaded_floor(policy: OffloadPolicy, layers: list[LayerCost], link: Link, 
     weights_in += sum(layers[i].param_bytes for i in tail)           # and the next step's first layers
     if streamed:
         total_in = weights_in + activations + sum(layers[i].optimizer_bytes for i in state_fetched_for(schedule))
-        total_out = activations + sum(layer.param_bytes + layer.optimizer_bytes for layer in layers)
+        total_out = activations + sum(layer.update_bytes + layer.optimizer_bytes for layer in layers)
         host = 0.0
     else:
         total_in = weights_in + activations
