@@ -326,7 +326,7 @@ def _check_args(stack, input_ids, attention_mask, max_new_tokens, do_sample, tem
     vocab = stack.modules[0].vocab_size
     check_index_range(input_ids, *token_id_bounds(stack.modules[0])[0])   # as forward and train_step check it
     if attention_mask is None:
-        mask = torch.ones_like(input_ids, dtype=torch.int64)
+        mask = torch.ones(tuple(input_ids.shape), dtype=torch.int64)   # on the host, as a given mask is
     else:
         if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape):
             raise ValueError(f"attention_mask must be a torch.Tensor of input_ids' shape {tuple(input_ids.shape)}, "
