@@ -182,6 +182,28 @@ def check_family(family, experts="dense"):
         assert stack.tied and all(n not in stack.runtime.host_params[-1] for n in stack.tied)
 
 
+def test_bf16_router_softmax_traces():
+    """A bf16 Qwen3-MoE, whose router computes ``softmax(logits, dtype=torch.float32)`` on bf16 logits
+    (torch's C++ casts a torchax tensor on the ``meta`` device it wraps), traces: the softmax equals
+    torch's, and the model's logits through the stages are torch eager's within bf16 rounding
+    (XLA's bf16 arithmetic on the CPU is not torch's: ``test_stack_mixed_precision.py``)."""
+    from xla_swap.torch_attention import torchax_env
+    env = torchax_env("cpu")
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(3)).bfloat16()
+    with env:
+        got = jax.jit(lambda a: env.t2j_iso(torch.softmax(env.j2t_iso(a), -1, dtype=torch.float32)))(env.t2j_copy(x))
+    torch.testing.assert_close(env.j2t_copy(got), torch.softmax(x, -1, dtype=torch.float32), rtol=1e-6, atol=1e-7)
+    model = make("qwen3_moe", {**EXACT["qwen3_moe"][0], "num_experts": 16, "num_experts_per_tok": 4}).bfloat16()
+    ref = copy.deepcopy(model)
+    first, layers, last = causal_lm_stages(model)
+    stack = SwappedStack(layers, first=first, last=last, devices=jax.devices()[:1])
+    ids, mask, _ = data("left")
+    keep = mask.bool()
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask).logits.float()
+    assert rel(stack(ids, mask).float()[keep], want[keep]) <= 2e-2
+
+
 @pytest.mark.parametrize("family", sorted(REFUSED))
 def test_family_refused_at_construction(family):
     overrides, message = REFUSED[family]
