@@ -1,21 +1,34 @@
 # The two commands of the README:
 #   make demo   - runs the main job (MiniLM embeddings, SPMD scan, checks)
 #   make test   - runs the test suite (4 virtual devices, then the SPMD tests on 1 and 8), then
-#                 make test-jax-only
+#                 make test-jax-only and make test-transformers-low
 # Both create .venv when it is missing (or pyproject.toml changed) and reuse it otherwise.
 #   make test-jax-only - the executor and planner tests in .venv-jax: jax 0.11.2 (the top of the
 #                 tested range, the GPU machine's version) and no torch, torch_xla or torchax, which
 #                 proves the import rule. jax 0.11 needs Python >= 3.12: PYTHON_JAX names one, else
 #                 the first python3.12 / 3.13 / 3.14 found (on PATH or under ~/.pyenv/versions).
+#   make test-transformers-low - the tests that build Hugging Face models on transformers 5.17.0, the
+#                 bottom of pyproject.toml's range (.venv has the newest): that version alone, with the
+#                 huggingface_hub / httpx it needs at other versions than .venv's, installed without
+#                 dependencies into .venv-tf-low (about 130 MB) and put first on PYTHONPATH over .venv.
 PY := .venv/bin/python
 JAX_PY := .venv-jax/bin/python
 # The CPU set of `make venv`: jax 0.10.2, the bottom of pyproject.toml's tested range.
 CPU_PINS := jax==0.10.2 jaxlib==0.10.2
 JAX_ONLY_PKGS := jax==0.11.2 jaxlib==0.11.2 numpy ml_dtypes pytest hypothesis
+# The bottom of the transformers range and what it pins apart from .venv's (pip check verifies the set).
+TF_LOW := 5.17.0
+TF_LOW_PKGS := transformers==$(TF_LOW) 'huggingface_hub>=1.5,<2' 'httpx<1' 'httpcore<2'
+# What depends on the model code: every family exact or refused, the experts interface, greedy generation
+# (the cache API); not the stack's own variants (sorted experts, FSDP, tied routers), which .venv runs.
+TF_LOW_TESTS := tests/integration/test_transformers_range.py tests/integration/test_hf_families.py \
+	tests/integration/test_generate.py
+TF_LOW_SELECT := transformers_range or test_family_matches_torch or refused_at_construction or experts_forms_equal_eager \
+	or bf16_router or greedy_equals_hf
 export PJRT_DEVICE := CPU
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test test-jax-only venv venv-jax
+.PHONY: demo test test-jax-only test-transformers-low venv venv-jax venv-tf-low
 
 venv: .venv/.installed
 
@@ -45,6 +58,14 @@ venv-jax: .venv-jax/.installed
 	$(JAX_PY) -m pip install -q $(JAX_ONLY_PKGS)
 	touch $@
 
+venv-tf-low: .venv-tf-low/.installed
+
+.venv-tf-low/.installed: Makefile .venv/.installed
+	rm -rf .venv-tf-low
+	$(PY) -m pip install -q --no-deps --target .venv-tf-low $(TF_LOW_PKGS)
+	PYTHONPATH=.venv-tf-low $(PY) -m pip check
+	touch $@
+
 demo: venv
 	$(PY) examples/minilm_embed.py
 
@@ -53,8 +74,14 @@ test: venv
 	XLA_SWAP_NUM_DEVICES=1 $(PY) -m pytest -q -m spmd tests
 	XLA_SWAP_NUM_DEVICES=8 $(PY) -m pytest -q -m spmd tests
 	$(MAKE) --no-print-directory test-jax-only
+	$(MAKE) --no-print-directory test-transformers-low
 
 # tests/executors minus the modules that need torch (they importorskip it), and tests/planning.
 test-jax-only: venv-jax
 	$(JAX_PY) -c 'import importlib.util as u, sys; bad = [m for m in ("torch", "torch_xla", "torchax") if u.find_spec(m)]; sys.exit(f"{bad} installed in .venv-jax" if bad else 0)'
 	XLA_SWAP_NUM_DEVICES=4 $(JAX_PY) -m pytest -q tests/executors tests/planning
+
+# test_transformers_range.py fails unless transformers $(TF_LOW) is the one imported.
+test-transformers-low: venv venv-tf-low
+	PYTHONPATH=.venv-tf-low XLA_SWAP_TRANSFORMERS=$(TF_LOW) XLA_SWAP_NUM_DEVICES=4 $(PY) -m pytest -q $(TF_LOW_TESTS) \
+	  -k '$(TF_LOW_SELECT)'

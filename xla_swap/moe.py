@@ -15,7 +15,9 @@ experts="dense" | "sorted")``, :data:`FORMS`):
   fast as the backend's ragged-dot kernel.
 
 The routing (softmax, top-k, normalisation, shared experts) stays the model's own code; the expert
-weights are parameters of their decoder layer and stream with it. :func:`experts_while_traced`
+weights are parameters of their decoder layer and stream with it. Its ``torch.topk`` breaks ties as
+torch does (:func:`topk_like_torch`: equal scores, as a zero-initialised router gives, pick torch's
+experts). :func:`experts_while_traced`
 switches the model to a form while the stages are traced only. Costs, the measured choice between
 the forms and the hooks: ``docs/moe.md``. The module imports torch; ``transformers``, ``torchax``
 and ``jax`` where called.
@@ -27,7 +29,7 @@ import weakref
 import torch
 
 __all__ = ["DENSE", "SORTED", "FORMS", "dense_experts_forward", "sorted_experts_forward", "experts_modules",
-           "experts_while_traced", "dense_experts_while_traced"]
+           "experts_while_traced", "dense_experts_while_traced", "topk_like_torch"]
 
 #: the name :func:`dense_experts_forward` is registered under in ``transformers``' ``ExpertsInterface``.
 DENSE = "xla_swap_dense"
@@ -93,6 +95,50 @@ def _torchax_env(*tensors):
 def _to_jax(env, t: torch.Tensor):
     import torchax.tensor
     return env.t2j_iso(t) if isinstance(t, torchax.tensor.Tensor) else env.t2j_copy(t)
+
+
+def _torch_cpu_topk_indices(k: int, largest: bool, ordered: bool):
+    """A host function: ``torch.topk``'s indices (int32) along the last axis of a NumPy array, by
+    torch's own CPU kernel."""
+    def indices(a):
+        import numpy as np
+        return torch.topk(torch.from_numpy(np.array(a)), k, -1, largest, ordered).indices.to(torch.int32).numpy()
+    return indices
+
+
+def topk_like_torch(env, input, k, dim=-1, largest=True, sorted=True):
+    """``torch.topk`` inside the stages (the torchax environment's ``aten.topk``), with ties broken
+    as torch breaks them on the platform the stage is compiled for.
+
+    Equal scores (a zero-initialised router ties every expert) leave the choice to the kernel:
+    ``jax.lax.top_k`` takes the lowest indices first; torch's CPU kernel takes what libstdc++'s
+    ``std::nth_element`` or ``std::partial_sort`` leaves in front (of four equal scores, top-2 is
+    ``[2, 3]``); torch's CUDA kernel (a radix select) takes the equal values in index order, as
+    ``lax.top_k`` does. Compiled for the CPU, the indices are computed by torch's CPU kernel on the
+    host (``jax.pure_callback``), so they equal eager torch's everywhere; on other platforms by
+    ``lax.top_k``. The values are gathered from ``input`` at those indices (differentiable, as torch's).
+
+    Args: ``env``: the torchax environment; ``input``: a torchax tensor of any shape and a real
+    dtype; ``k``, ``dim``, ``largest``, ``sorted`` as ``torch.topk``'s. Returns ``(values,
+    indices)``, ``input``'s shape with ``k`` along ``dim`` (indices int32 inside the stages, int64
+    in torch's view). Raises what ``torch.topk`` raises for ``k`` out of range, when the stage runs
+    on the CPU (the callback), else ``ValueError`` while tracing.
+    """
+    import jax
+    import jax.numpy as jnp
+    x = _to_jax(env, input)
+    if x.ndim == 0:
+        return env.j2t_iso((x, jnp.zeros((), jnp.int32)))
+    xs = jnp.moveaxis(x, dim, -1)
+    k = int(k)
+    host = jax.lax.stop_gradient(xs.astype(jnp.float32) if xs.dtype in (jnp.bfloat16, jnp.float16) else xs)
+    out = jax.ShapeDtypeStruct((*xs.shape[:-1], k), jnp.int32)
+    on_cpu = lambda a: jax.pure_callback(_torch_cpu_topk_indices(k, bool(largest), bool(sorted)), out, a,
+                                         vmap_method="broadcast_all")
+    on_xla = lambda a: jax.lax.top_k(a if largest else -a, k)[1]
+    idx = jax.lax.platform_dependent(host, cpu=on_cpu, default=on_xla)
+    values = jnp.take_along_axis(xs, idx, -1)
+    return env.j2t_iso((jnp.moveaxis(values, -1, dim), jnp.moveaxis(idx, -1, dim)))
 
 
 def _sorted_order(top_k_index: torch.Tensor, num_experts: int) -> tuple:

@@ -9,7 +9,7 @@ keys are all masked (a padding query of a left-padded batch), which the next lay
 every row; torch returns zeros there.
 
 :func:`torchax_env` returns the torchax environment the stages of one platform run in, with
-SDPA replaced:
+``torch.topk`` breaking ties as torch does (:func:`xla_swap.moe.topk_like_torch`) and SDPA replaced:
 
 * everywhere: :func:`sdpa_reference`, torch's math (``softmax(q k^T * scale + mask) v``) with
   torch's zeros for fully masked rows;
@@ -188,7 +188,7 @@ def torchax_env(platform: str):
     """The torchax environment the stages run in on ``platform`` (``"gpu"``, ``"cpu"``, ...).
 
     One per platform for the process, each its own ``torchax.tensor.Environment`` (torchax's
-    default environment is left as it is), with SDPA as the module docstring says.
+    default environment is left as it is), with SDPA and ``torch.topk`` as the module docstring says.
     """
     from xla_swap._compat.torchax import import_torchax, override_op
     import_torchax()
@@ -198,6 +198,8 @@ def torchax_env(platform: str):
     impl = functools.partial(_sdpa_cudnn, env) if platform == "gpu" else sdpa_reference
     for op in (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention):
         override_op(env, op, impl)
+    from xla_swap.moe import topk_like_torch
+    override_op(env, torch.ops.aten.topk, functools.partial(topk_like_torch, env))
     return env
 
 

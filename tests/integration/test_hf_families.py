@@ -144,9 +144,21 @@ def test_sorted_experts_family_matches_torch(family, monkeypatch):
     assert calls
 
 
-def check_family(family, experts="dense"):
+def tie_routers(model):
+    """Zero every router's parameters (modules named ``*Router``): every expert's score ties, as at a
+    zero-initialised router's first step."""
+    routers = [m for m in model.modules() if "Router" in type(m).__name__]
+    assert routers
+    with torch.no_grad():
+        for m in routers:
+            for p in m.parameters(recurse=False):
+                p.zero_()
+    return model
+
+
+def check_family(family, experts="dense", tied=False):
     overrides, side = EXACT[family]
-    ref = make(family, overrides)
+    ref = tie_routers(make(family, overrides)) if tied else make(family, overrides)
     model = copy.deepcopy(ref)
     first, layers, last = causal_lm_stages(model, experts=experts)
     stack = SwappedStack(layers, first=first, last=last, loss_fn=ce, optimizer=adamw(model.parameters()),
@@ -180,6 +192,68 @@ def check_family(family, experts="dense"):
     if overrides.get("tie_word_embeddings"):   # one weight: held once, by the first stage
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
         assert stack.tied and all(n not in stack.runtime.host_params[-1] for n in stack.tied)
+
+
+@pytest.mark.parametrize("experts", ["dense", "sorted"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_tied_routers_match_torch(family, experts):
+    """Every router zeroed, so every expert's score ties at the first step: the experts the stages pick
+    are torch's (its CPU ``topk`` breaks ties its own way, not lowest index first), so the logits, the
+    losses and the weights after three AdamW steps equal torch eager's, in both experts forms."""
+    check_family(family, experts, tied=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,dim,largest,ordered", [(4, 2, -1, True, True), (8, 2, 0, True, True),
+                                                     (128, 8, -1, True, True), (128, 2, -1, True, True),
+                                                     (64, 4, -1, False, True), (16, 4, -1, True, False)])
+def test_topk_ties_like_torch(n, k, dim, largest, ordered, dtype):
+    """``torch.topk`` in the stages' environment on the CPU, on scores with ties (all equal, and repeated
+    values): torch's values and indices (both of its CPU paths: ``nth_element`` below ``64 k`` scores,
+    ``partial_sort`` from there), and torch's gradient through the values."""
+    from xla_swap.torch_attention import torchax_env
+    env = torchax_env("cpu")
+    g = torch.Generator().manual_seed(n + k)
+    shape = (n, 3) if dim == 0 else (5, n)
+    cases = [torch.zeros(shape), torch.randint(0, 3, shape, generator=g).float(), torch.randn(shape, generator=g)]
+    w = torch.randn(*shape[:dim % 2], k, *shape[dim % 2 + 1:], generator=g)
+    for x in (c.to(dtype) for c in cases):
+        want_v, want_i = torch.topk(x, k, dim, largest, ordered)
+        xg = x.clone().requires_grad_()
+        (torch.topk(xg, k, dim, largest, ordered).values.float() * w).sum().backward()
+
+        def f(a):
+            v, i = torch.topk(env.j2t_iso(a), k, dim, largest, ordered)
+            return env.t2j_iso(((v.float() * env.j2t_iso(jax.numpy.asarray(w.numpy()))).sum(), i))
+
+        with env:
+            (_, got_i), got_grad = jax.jit(jax.value_and_grad(f, has_aux=True))(env.t2j_copy(x))
+        got_i = torch.from_numpy(jax.numpy.asarray(got_i).__array__().copy())
+        assert torch.equal(got_i.long(), want_i)
+        assert torch.equal(torch.gather(x, dim, got_i.long()), want_v)
+        assert torch.equal(env.j2t_copy(got_grad), xg.grad)
+
+
+def test_bf16_router_softmax_traces():
+    """A bf16 Qwen3-MoE, whose router computes ``softmax(logits, dtype=torch.float32)`` on bf16 logits
+    (torch's C++ casts a torchax tensor on the ``meta`` device it wraps), traces: the softmax equals
+    torch's, and the model's logits through the stages are torch eager's within bf16 rounding
+    (XLA's bf16 arithmetic on the CPU is not torch's: ``test_stack_mixed_precision.py``)."""
+    from xla_swap.torch_attention import torchax_env
+    env = torchax_env("cpu")
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(3)).bfloat16()
+    with env:
+        got = jax.jit(lambda a: env.t2j_iso(torch.softmax(env.j2t_iso(a), -1, dtype=torch.float32)))(env.t2j_copy(x))
+    torch.testing.assert_close(env.j2t_copy(got), torch.softmax(x, -1, dtype=torch.float32), rtol=1e-6, atol=1e-7)
+    model = make("qwen3_moe", {**EXACT["qwen3_moe"][0], "num_experts": 16, "num_experts_per_tok": 4}).bfloat16()
+    ref = copy.deepcopy(model)
+    first, layers, last = causal_lm_stages(model)
+    stack = SwappedStack(layers, first=first, last=last, devices=jax.devices()[:1])
+    ids, mask, _ = data("left")
+    keep = mask.bool()
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask).logits.float()
+    assert rel(stack(ids, mask).float()[keep], want[keep]) <= 2e-2
 
 
 @pytest.mark.parametrize("family", sorted(REFUSED))
@@ -221,13 +295,15 @@ def test_sdpa_fully_masked_rows_equal_torch():
     torch.testing.assert_close(torch.from_numpy(jax.numpy.asarray(got).__array__()), want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("family,experts", [("llama", "dense"), ("gemma2", "dense"), ("mixtral", "dense"),
-                                            ("mixtral", "sorted")])
-def test_family_fsdp_matches_torch(family, experts):
+@pytest.mark.parametrize("family,experts,tied", [("llama", "dense", False), ("gemma2", "dense", False),
+                                                 ("mixtral", "dense", False), ("mixtral", "sorted", False),
+                                                 ("olmoe", "dense", True)])
+def test_family_fsdp_matches_torch(family, experts, tied):
     """Every device of the run (4 in ``make test``), ``shard="fsdp"`` (the default: weights sharded,
-    the batch split over the devices): a left-padded batch of 8, two AdamW steps equal torch."""
+    the batch split over the devices): a left-padded batch of 8, two AdamW steps equal torch (also with
+    every router's scores tied: torch's CPU ``topk`` choice, computed on the host, on a sharded batch)."""
     overrides, side = EXACT[family]
-    ref = make(family, overrides)
+    ref = tie_routers(make(family, overrides)) if tied else make(family, overrides)
     model = copy.deepcopy(ref)
     first, layers, last = causal_lm_stages(model, experts=experts)
     stack = SwappedStack(layers, first=first, last=last, loss_fn=ce, optimizer=adamw(model.parameters()))

@@ -19,7 +19,9 @@ imports torchax with the rename skipped and a device module registered under the
 unrenamed name (``torch.privateuseone``: enough for ``torch.autocast``, which Hugging Face's rotary
 embeddings enter on torchax tensors; it reports itself unavailable, so it changes no accelerator
 and no device discovery), and its tensors then report their device as
-``privateuseone:0`` (the same device before the rename) instead of ``jax:0``. Verified on torchax 0.0.6 (torch 2.9) and 0.0.13 (torch 2.11).
+``privateuseone:0`` (the same device before the rename) instead of ``jax:0``; a dtype change torch's
+C++ code asks of them on ``meta`` stays on their device, as it does for ``jax:0``. Verified on torchax
+0.0.6 (torch 2.9) and 0.0.13 (torch 2.11).
 
 If torchax was imported before (by torch_xla, or by the user), the registrations have already
 happened and :func:`torch_accelerator_taken` says so.
@@ -101,10 +103,26 @@ def import_torchax():
 def _report_privateuse1_device(tensor_cls) -> None:
     """torchax tensors report ``torch.device("jax:0")``, a name that exists only after the rename;
     without it they report the same device by its unrenamed name, ``privateuseone:0`` (which
-    torchax's dispatch already returns for ``prim.device`` and its environment accepts)."""
+    torchax's dispatch already returns for ``prim.device`` and its environment accepts).
+
+    A torchax tensor is a wrapper on the ``meta`` device for torch's C++ code, so a composite op
+    that changes a dtype (``softmax(x, dtype=torch.float32)`` on a bf16 ``x``, as MoE routers
+    do) asks for a copy to ``meta``; ``Environment._is_same_device`` takes that for the tensor's own
+    device only when the tensor reports ``jax``, and would otherwise copy a traced array to the
+    host (``TracerArrayConversionError``). It is told the same of ``privateuseone``."""
     import torch
-    if torch._C._get_privateuse1_backend_name() == "privateuseone":
-        tensor_cls.device = property(lambda self: torch.device("privateuseone", 0))
+    if torch._C._get_privateuse1_backend_name() != "privateuseone":
+        return
+    tensor_cls.device = property(lambda self: torch.device("privateuseone", 0))
+    from torchax.tensor import Environment
+    same = Environment._is_same_device
+
+    def _is_same_device(self, the_tensor, new_device):
+        if new_device == "meta" and isinstance(the_tensor, tensor_cls):
+            return True
+        return same(self, the_tensor, new_device)
+
+    Environment._is_same_device = _is_same_device
 
 
 def torch_accelerator_taken() -> str | None:
