@@ -216,7 +216,7 @@ def run(args, res: dict) -> None:
     res["link_gbps"] = [link.h2d_gbps, link.d2h_gbps, link.both_gbps]
     print(json.dumps({"link_gbps": res["link_gbps"]}), flush=True)
     for b, s in shapes:
-        for name in ROWS[2:]:
+        for name in [r for r in rows if r in ROWS[2:]]:   # in the order given
             if name in rows and (name != "stack_lora_saved" or b * s <= args.saved_max_tokens):
                 src = peft_cpu if "lora" in name else model_cpu
                 try:

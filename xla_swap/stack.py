@@ -149,6 +149,13 @@ def _with_prefetch_depth(policy: OffloadPolicy, prefetch_depth: int | None) -> O
                          remat=policy.remat, prefetch_depth=prefetch_depth, optimizer_state=policy.optimizer_state)
 
 
+def _stages_in_order(first, layers: list, last) -> tuple[list, list[str]]:
+    """``(modules, names)`` of the stages in order: ``first`` and ``last`` where given, ``layers[i]`` between."""
+    named = ([("first", first)] if first is not None else []) + [(f"layers[{i}]", m) for i, m in enumerate(layers)]
+    named += [("last", last)] if last is not None else []
+    return [m for _, m in named], [n for n, _ in named]
+
+
 def _check_weights_source(weights, modules: list, names: list[str], compute_dtype) -> None:
     """``weights`` (``None`` or a callable) against the modules: a meta tensor needs ``weights``;
     ``param_dtype`` needs float32 parameters. Raises TypeError / ValueError naming the tensor."""
@@ -363,9 +370,7 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
         devices = _checked_devices(devices)
         compute_dtype, cast_inputs = check_mixed_precision(param_dtype, mp_policy, len(devices))
         policy = _with_prefetch_depth(policy or DEFAULT_POLICY, prefetch_depth)
-        modules = ([first] if first is not None else []) + layers + ([last] if last is not None else [])
-        names = (["first"] if first is not None else []) + [f"layers[{i}]" for i in range(len(layers))] + \
-            (["last"] if last is not None else [])
+        modules, names = _stages_in_order(first, layers, last)
         owner, tied = tied_parameters(names, modules)
         _check_weights_source(weights, modules, names, compute_dtype)
         group_of = self._torch_groups(torch_optimizer, names, modules, owner) if torch_optimizer is not None else {}
