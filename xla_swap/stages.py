@@ -31,7 +31,7 @@ from xla_swap.mixed_precision import is_float
 from xla_swap.torch_bridge import inputs_to_jax, module_fn, to_numpy
 
 __all__ = ["linear_weights", "embedding_padding_rows", "stage_signature", "layer_selection", "TIED", "split_carry",
-           "meta_tensor", "stage_tensors", "tied_parameters", "stage_avals", "program_key", "attribute_key",
+           "meta_tensor", "stage_tensors", "tied_parameters", "stage_avals", "program_key", "attribute_key", "attribute_keys",
            "layer_groups", "example_carry", "stage_functions", "host_stages"]
 
 
@@ -185,14 +185,15 @@ def program_key(fn: Callable, *avals) -> tuple:
 _PLAIN = (bool, int, float, str, type(None))
 
 
-def attribute_key(mod: torch.nn.Module) -> tuple:
+def attribute_key(mod: torch.nn.Module, skip: frozenset = frozenset()) -> tuple:
     """The plain Python settings of ``mod`` and its submodules, hashable: every public attribute
-    whose value is a bool, int, float, str or ``None`` (or a tuple / list of them), with its
-    submodule's name. Layers whose keys differ may compute different things."""
+    whose value is a bool, int, float, str or ``None`` (or a tuple / list of them), as
+    ``(submodule name, attribute, value)``, less the ``(submodule name, attribute)`` pairs in ``skip``.
+    Layers whose keys differ may compute different things."""
     out = []
     for prefix, sub in mod.named_modules():
         for k, v in sorted(vars(sub).items()):
-            if k.startswith("_") or k == "training":
+            if k.startswith("_") or k == "training" or (prefix, k) in skip:
                 continue
             if isinstance(v, (tuple, list)) and all(isinstance(x, _PLAIN) for x in v):
                 v = tuple(v)
@@ -200,6 +201,34 @@ def attribute_key(mod: torch.nn.Module) -> tuple:
                 continue
             out.append((prefix, k, v))
     return tuple(out)
+
+
+def attribute_keys(layers: list) -> list[tuple]:
+    """Per layer, its :func:`attribute_key` with the layer's index read as the model reads it.
+
+    An int attribute that counts the layers (``layer_idx`` 0, 1, ..., ``layer_number`` 1, 2, ...)
+    is the layer's index, not a setting: it is left out, and in its place go the entries at that
+    index of every list in the ``config`` of the layer's submodules holding one entry per layer or
+    more (``config.layer_types[i]``, ``config.no_rope_layers[i]``: what a model reads by index)."""
+    keys = [attribute_key(m) for m in layers]
+    if len(layers) < 2:
+        return keys
+    values: dict = {}
+    for key in keys:
+        for prefix, k, v in key:
+            values.setdefault((prefix, k), []).append(v)
+    counts = frozenset(pk for pk, vs in values.items() if len(vs) == len(layers) and
+                       all(type(v) is int for v in vs) and all(b - a == 1 for a, b in zip(vs, vs[1:])))
+    if not counts:
+        return keys
+    out, (prefix, k) = [], min(counts)
+    for m in layers:
+        idx = getattr(m.get_submodule(prefix), k) - values[(prefix, k)][0]
+        configs = {id(c): c for _, sub in m.named_modules() if (c := getattr(sub, "config", None)) is not None}
+        read = tuple((name, v[idx]) for c in configs.values() for name, v in sorted(vars(c).items())
+                     if isinstance(v, (list, tuple)) and len(v) >= len(layers) and not name.startswith("_"))
+        out.append((attribute_key(m, counts), repr(read)))
+    return out
 
 
 def _layer_stage(m: torch.nn.Module, env, transposed: frozenset, key, select, tied: dict):
@@ -225,15 +254,16 @@ def layer_groups(layers: list, fns: list, transposed: list, keys: list, carry=No
     ``(h, layer_kwargs)``), by the :func:`program_key` of each layer's function ``fns[i]`` traced on
     it, so that a per-layer Python setting read in ``forward`` (rotary on or off, a scale, a top-k,
     ``config.layer_types[self.layer_idx]``) gives its layer its own function; without ``carry``, by
-    :func:`attribute_key` (every layer holding another plain attribute value gets its own).
+    :func:`attribute_keys` (every layer holding another plain setting gets its own).
 
     Raises: ValueError naming the layer and its module when a layer does not trace on ``carry``.
     """
     found: dict = {}
     groups = []
+    plain = attribute_keys(layers) if carry is None else None
     for i, (m, f) in enumerate(zip(layers, fns)):
         try:
-            what = program_key(f, stage_avals(m, transposed[i]), carry) if carry is not None else attribute_key(m)
+            what = program_key(f, stage_avals(m, transposed[i]), carry) if carry is not None else plain[i]
         except Exception as e:  # noqa: BLE001  (any trace failure is refused with the layer named)
             raise ValueError(f"layers[{i}] ({type(m).__name__}) does not trace with torchax on an example input: "
                              f"{type(e).__name__}: {e}") from e

@@ -163,3 +163,20 @@ def test_layers_without_example_inputs_are_told_apart_by_their_settings():
     stack.train_step(x, t)
     for m, r in zip(layers, ref):
         torch.testing.assert_close(m.lin.weight.grad, r.lin.weight.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_layer_index_is_read_as_the_model_reads_it():
+    """Without an example input: ``layer_idx`` (it counts the layers) is no setting, so identical Hugging
+    Face layers share a group, while the per-layer config entries read through it (SmolLM3's
+    ``config.no_rope_layers[layer_idx]``) still tell layers apart."""
+    from xla_swap.stages import attribute_keys
+
+    def groups(layers):
+        keys = attribute_keys(list(layers))
+        return [keys.index(k) for k in keys]
+    bert = transformers.BertModel(transformers.BertConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                                                          intermediate_size=64))
+    assert groups(bert.encoder.layer) == [0, 0, 0, 0]
+    assert groups(make("smollm3", {"no_rope_layers": [1, 1, 1, 0]}).model.layers) == [0, 0, 0, 3]
+    assert groups(make("smollm3", {"no_rope_layers": [1, 1, 1, 1]}).model.layers) == [0, 0, 0, 0]
+    assert groups(make("llama", {}, _scale_layer_1).model.layers) == [0, 1, 0, 0]
