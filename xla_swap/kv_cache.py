@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from xla_swap.hf import CausalLMFirst, LayerCapture, is_const, is_tensor_tree, StopForward, Swapped
+from xla_swap.hf import CausalLMFirst
+from xla_swap.hf_capture import StopForward, Swapped, is_const, is_tensor_tree
 from xla_swap.stages import TIED
 
 __all__ = ["OFFSET", "kv_cache_bytes", "LayerKV", "layer_kwargs", "DecodeFirst"]
@@ -128,7 +129,7 @@ class DecodeFirst(torch.nn.Module):
         first = self._first
         record: list = []
         n = len(first.layer_signatures)
-        caps = torch.nn.ModuleList([LayerCapture(i, s, record, i == n - 1) for i, s in enumerate(first.layer_signatures)])
+        caps = first.captures(record, stop=True)
         cache = LayerKV(self._env, None, self._env.t2j_iso(offset), self._cache_len, self._n)
         kw = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
               self._cache_kw: cache}

@@ -1,0 +1,121 @@
+"""The stand-ins :mod:`xla_swap.hf` puts in place of a causal LM's decoder layers while the model's own
+forward runs (recording what each layer is given), and the small helpers they share with
+:mod:`xla_swap.kv_cache`. Imports torch; ``transformers`` where a model's forward runs.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+__all__ = ["StopForward", "layer_output", "OUTPUT_FORMS", "LayerCapture", "IdentityLayer", "is_tensor_tree",
+           "leaves", "is_const", "Swapped", "one_sequence_per_row"]
+
+
+class StopForward(Exception):
+    """Raised by the last capture: the first stage needs nothing after the layers' inputs."""
+
+
+def layer_output(h, form: int):
+    """A decoder layer's output in the form its model reads: ``h`` itself (``form`` 0) or a tuple of
+    ``form`` entries, ``h`` first and ``None`` after (a layer returning ``(hidden, attention weights, ...)``
+    that the model indexes with ``[0]`` or unpacks)."""
+    return h if form == 0 else (h,) + (None,) * (form - 1)
+
+
+#: the output forms tried for the layers' stand-ins (``layer_output``), in order.
+OUTPUT_FORMS = (0, 1, 2, 3)
+
+
+class LayerCapture(torch.nn.Module):
+    """Stands in for decoder layer ``index`` while the model's own forward runs: appends
+    ``(hidden_state, {argument name: value})`` to ``record`` (the layer's arguments bound to its
+    ``signature``, ``**kwargs`` flattened) and returns the hidden state unchanged in the output form
+    ``form`` (:func:`layer_output`), or raises :class:`StopForward` when ``stop``. Raises
+    ``TypeError`` when the call does not bind."""
+
+    def __init__(self, index: int, signature: inspect.Signature, record: list, stop: bool, form: int = 0):
+        super().__init__()
+        self.index, self.signature, self.stop, self.form = index, signature, stop, form
+        object.__setattr__(self, "record", record)
+
+    def forward(self, *args, **kwargs):
+        """Record ``(hidden_state, arguments)`` and return the hidden state (raise ``StopForward`` when ``stop``)."""
+        bound = self.signature.bind(*args, **kwargs).arguments
+        extra = bound.pop(next(n for n, p in self.signature.parameters.items()
+                               if p.kind == p.VAR_KEYWORD), {}) if any(
+            p.kind == p.VAR_KEYWORD for p in self.signature.parameters.values()) else {}
+        bound.update(extra)
+        h = bound.pop(next(iter(self.signature.parameters)))
+        self.record.append((h, bound))
+        if self.stop:
+            raise StopForward
+        return layer_output(h, self.form)
+
+
+def is_tensor_tree(v) -> bool:
+    """Whether ``v`` is a tensor or a non-empty (nested) tuple / list of tensors only."""
+    if isinstance(v, torch.Tensor):
+        return True
+    if isinstance(v, (tuple, list)) and v:
+        return all(is_tensor_tree(x) for x in v)
+    return False
+
+
+def leaves(v) -> list:
+    """The tensors of a tensor tree (``is_tensor_tree``), in order."""
+    return [v] if isinstance(v, torch.Tensor) else [t for x in v for t in leaves(x)]
+
+
+def is_const(v) -> bool:
+    """Whether ``v`` is a Python constant a stage can close over (``None``, bool, int, float, str)."""
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+class Swapped:
+    """Context manager: ``setattr(obj, name, value)`` for each ``(obj, name, value)`` triple for its
+    duration, the old values restored on exit (in reverse order, also when the body raises)."""
+
+    def __init__(self, *triples):
+        self.triples, self.old = triples, []
+
+    def __enter__(self):
+        for obj, name, value in self.triples:
+            self.old.append((obj, name, getattr(obj, name)))
+            setattr(obj, name, value)
+
+    def __exit__(self, *exc):
+        for obj, name, value in reversed(self.old):
+            setattr(obj, name, value)
+        self.old = []
+
+
+class one_sequence_per_row:
+    """Context manager: ``transformers.masking_utils.find_packed_sequence_indices`` returns ``None`` (no
+    packed sequences), its eager result for position ids ``0..T-1`` in every row."""
+
+    def __enter__(self):
+        import transformers.masking_utils as mu
+        self.saved = getattr(mu, "find_packed_sequence_indices", None)
+        if self.saved is not None:
+            mu.find_packed_sequence_indices = lambda position_ids: None
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            import transformers.masking_utils as mu
+            mu.find_packed_sequence_indices = self.saved
+
+
+class IdentityLayer(torch.nn.Module):
+    """Stands in for a decoder layer: returns its hidden-state argument (bound to ``signature``) unchanged,
+    in the output form ``form`` (:func:`layer_output`)."""
+
+    def __init__(self, signature, form: int):
+        super().__init__()
+        self.signature, self.form = signature, form
+
+    def forward(self, *args, **kwargs):
+        """The hidden-state argument, in the output form."""
+        h = self.signature.bind(*args, **kwargs).arguments[next(iter(self.signature.parameters))]
+        return layer_output(h, self.form)
