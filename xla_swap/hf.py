@@ -33,13 +33,15 @@ The module imports torch; ``transformers`` only where a model is given.
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any
 
 import torch
 
-from xla_swap.hf_capture import (OUTPUT_FORMS, IdentityLayer, LayerCapture, StopForward, Swapped, is_const,
-                                 is_tensor_tree, layer_output, leaves, one_sequence_per_row)
-from xla_swap.hf_refusals import KeepTensorAttributes, describe_failure, is_tracer_error, refuse_unsupported
+from xla_swap.hf_capture import (OUTPUT_FORMS, IdentityLayer, LayerCapture, StopForward, Swapped, final_norm, is_const,
+                                 is_tensor_tree, leaves, one_sequence_per_row)
+from xla_swap.hf_refusals import (KeepTensorAttributes, describe_failure, is_tracer_error, refuse_extra_outputs,
+                                  refuse_unsupported)
 from xla_swap.moe import FORMS, experts_while_traced
 
 __all__ = ["causal_lm_stages", "decoder_layers", "CausalLMFirst", "CausalLMLast"]
@@ -62,7 +64,8 @@ class CausalLMFirst(torch.nn.Module):
     returns ``(h, kwargs)``: ``h`` the embedded input ``[batch, seq, hidden]`` (the model's
     dtype) and ``kwargs`` a dict of the distinct keyword values the model passes its layers
     (masks, position embeddings, position ids), a key ``name@g`` holding the value of group
-    ``g``'s layers only. Its parameters are the base model's outside the layers and the final norm.
+    ``g``'s layers only. Its parameters are the base model's outside the layers and the final norm (the base's
+    own, not in a child module, as ``own_<name>``).
     """
 
     def __init__(self, model, base, layer_attr: str, norm_attr: str | None):
@@ -73,7 +76,15 @@ class CausalLMFirst(torch.nn.Module):
         for name, child in base.named_children():
             if name not in (layer_attr, norm_attr):
                 self.add_module(name, child)
+        # the base's own tensors (e.g. RecurrentGemma's normalizer): held here as own_<name>, swapped into the
+        # base while its forward runs (so a traced stage gets them as inputs)
+        self._own = [n for n, _ in base.named_parameters(recurse=False)] + [n for n, _ in base.named_buffers(recurse=False)]
+        for n, p in base.named_parameters(recurse=False):
+            self.register_parameter("own_" + n, p)
+        for n, b in base.named_buffers(recurse=False):
+            self.register_buffer("own_" + n, b)
         real = getattr(base, layer_attr)
+        object.__setattr__(self, "_layers", list(real))   # not submodules: read for their constant attributes
         self._signatures = [inspect.signature(m.forward) for m in real]
         self._accepts = set(inspect.signature(base.forward).parameters)
         head = model.get_output_embeddings()
@@ -115,25 +126,30 @@ class CausalLMFirst(torch.nn.Module):
         """Rows of the output embedding (the vocabulary size; 2 where the head has no weight tensor)."""
         return self._vocab
 
-    def captures(self, record: list, stop: bool) -> torch.nn.ModuleList:
-        """One :class:`LayerCapture` per decoder layer, appending to ``record``, in this model's output form;
-        with ``stop`` the last one ends the forward."""
+    def captures(self, record: list, stop: bool, fill=None) -> torch.nn.ModuleList:
+        """One :class:`LayerCapture` per decoder layer, appending to ``record``, in this model's output form
+        (entries after the hidden state ``fill``); with ``stop`` the last one ends the forward."""
         n = len(self._signatures)
-        return torch.nn.ModuleList([LayerCapture(i, s, record, stop and i == n - 1, self.output_form)
-                                    for i, s in enumerate(self._signatures)])
+        return torch.nn.ModuleList([LayerCapture(i, s, record, stop and i == n - 1, self.output_form, layer, fill)
+                                    for i, (s, layer) in enumerate(zip(self._signatures, self._layers))])
 
-    def run_layers(self, input_ids, attention_mask, position_ids, stop: bool):
+    def identity_layers(self) -> torch.nn.ModuleList:
+        """One :class:`IdentityLayer` per decoder layer, in this model's output form."""
+        return torch.nn.ModuleList([IdentityLayer(s, self.output_form, layer)
+                                    for s, layer in zip(self._signatures, self._layers)])
+
+    def run_layers(self, input_ids, attention_mask, position_ids, stop: bool, fill=None):
         """Run the base module's forward with each decoder layer replaced by a recorder.
 
         Args: ``input_ids`` int ``[batch, seq]``, ``attention_mask`` ``[batch, seq]`` or ``None``,
         ``position_ids`` int ``[batch or 1, seq]`` or ``None``; ``stop``: end the forward after the
-        last layer. Returns ``(record, out)``: per layer ``(hidden, kwargs)`` and the base's output
-        (``None`` when stopped). Raises ``TypeError`` for ``position_ids`` the base does not take,
+        last layer; ``fill``: the stand-ins' output entries after the hidden state. Returns ``(record, out)``:
+        per layer ``(hidden, kwargs)`` and the base's output (``None`` when stopped). Raises ``TypeError`` for ``position_ids`` the base does not take,
         ``ValueError`` when the base skips a layer or changes the hidden state between layers.
         """
         record: list = []
         n = len(self._signatures)
-        caps = self.captures(record, stop)
+        caps = self.captures(record, stop, fill)
         kw = {"input_ids": input_ids, "attention_mask": attention_mask}
         if position_ids is not None:
             if "position_ids" not in self._accepts:
@@ -144,16 +160,26 @@ class CausalLMFirst(torch.nn.Module):
         out = None
         with Swapped((self._base, self._layer_attr, caps)), KeepTensorAttributes(self._ends()):
             try:
-                out = self._base(**kw)
+                out = self.call_base(kw)
             except StopForward:
                 pass
-        if len(record) != n:
+        if len(record) < n:
             raise ValueError(f"{type(self._base).__name__}.forward called {len(record)} of its {n} decoder layers")
+        if len(record) > n:
+            raise ValueError(f"{type(self._base).__name__}.forward makes {len(record)} calls to its {n} decoder "
+                             "layers (a layer run more than once, as in looped or recurrent-depth models): the "
+                             "stages run each layer once: not supported")
         for i in range(1, n):
             if record[i][0] is not record[i - 1][0]:
                 raise ValueError(f"{type(self._base).__name__}.forward changes the hidden state between decoder layers "
                                  f"{i - 1} and {i} (outside the layers): not expressible as a stack of layer stages")
         return record, out
+
+    def call_base(self, kwargs: dict, holder: torch.nn.Module | None = None):
+        """``base_module(**kwargs)`` with the base's own tensors as ``holder`` (default: this module) holds them
+        (attributes ``own_<name>``, see the class docstring)."""
+        own = {n: getattr(holder if holder is not None else self, "own_" + n) for n in self._own}
+        return torch.func.functional_call(self._base, own, (), kwargs, strict=False) if own else self._base(**kwargs)
 
     def _ends(self) -> list:
         """The base module and its modules outside the decoder layers (whose tensor attributes a forward keeps)."""
@@ -392,7 +418,7 @@ def causal_lm_stages(model: torch.nn.Module, layers_attr: str | None = None, nor
     first, last = _ends(model, base, prefix, layers_attr, found_norm)
     record, out = _capture(model, first)
     if norm_attr is None:   # found by name: checked (or found) against what the base's forward does
-        norm = _final_norm(base, layers_attr, found_norm, record[-1][0], out)
+        norm = final_norm(base, layers_attr, found_norm, record[-1][0], out)
         if norm != found_norm:
             form = first.output_form
             first, last = _ends(model, base, prefix, layers_attr, norm)
@@ -464,11 +490,13 @@ def _locate(model, layers_attr, norm_attr) -> tuple:
 
 
 def _ours(exc: BaseException) -> bool:
-    """Whether ``exc`` was raised by this module (a refusal already naming the module and the feature)."""
+    """Whether ``exc`` is a ValueError / TypeError raised by xla_swap's own code (a refusal already naming the
+    module and the feature)."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return tb is not None and tb.tb_frame.f_code.co_filename == __file__
+    return isinstance(exc, (ValueError, TypeError)) and tb is not None and \
+        os.path.dirname(tb.tb_frame.f_code.co_filename) == os.path.dirname(__file__)
 
 
 def _capture(model, first: CausalLMFirst) -> tuple:
@@ -476,46 +504,24 @@ def _capture(model, first: CausalLMFirst) -> tuple:
     output form of :data:`OUTPUT_FORMS` the model reads (set on ``first``); returns ``run_layers``'s
     ``(record, out)``. Raises ValueError naming the module and what failed when no form runs."""
     ids, mask = _probe_inputs(first.vocab_size)
-    errors = []
+    errors, base = [], type(first.base_module).__name__
     for form in OUTPUT_FORMS:
         first.output_form = form
         try:
             with torch.no_grad():
-                return first.run_layers(ids, mask, None, stop=False)
+                found = first.run_layers(ids, mask, None, stop=False)
         except Exception as e:   # noqa: BLE001 - the next form, else the first form's error, named
             errors.append(e)
+            continue
+        if form >= 2:
+            refuse_extra_outputs(model, first, ids, mask)
+        return found
     first.output_form = 0
     if _ours(errors[0]):
         raise errors[0]
-    base = type(first.base_module).__name__
     raise ValueError(f"{type(model).__name__}: {base}.forward fails with its decoder layers replaced by the stages' "
                      f"stand-ins (each returning the hidden state, bare or as the first of a tuple): "
                      f"{describe_failure(errors[0])}; the stages cannot express this model") from errors[0]
-
-
-def _final_norm(base, layers_attr: str, norm_attr: str | None, h, out) -> str | None:
-    """The base's child that its forward applies to the last layer's output ``h`` to give its own output
-    ``out`` (``norm_attr`` when it does; ``None`` when ``out`` is ``h``); ``norm_attr`` when none matches."""
-    y = getattr(out, "last_hidden_state", None) if out is not None else None
-    if y is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        y = out[0]
-    if not isinstance(y, torch.Tensor):
-        return norm_attr
-    names = ([norm_attr] if norm_attr else []) + [n for n, _ in base.named_children() if n not in (layers_attr,
-                                                                                                 norm_attr)]
-    if norm_attr is None and y is h:
-        return None
-    with torch.no_grad():
-        for n in names:
-            try:
-                got = getattr(base, n)(h)
-            except Exception:   # noqa: BLE001 - a child that does not take one hidden state
-                continue
-            if isinstance(got, torch.Tensor) and got.shape == y.shape and torch.equal(got, y):
-                return n
-        if torch.equal(h, y):
-            return None
-    return norm_attr
 
 
 def _probe(model, base, layers_attr: str, first: CausalLMFirst, last: CausalLMLast, record: list) -> None:
@@ -537,10 +543,11 @@ def _probe(model, base, layers_attr: str, first: CausalLMFirst, last: CausalLMLa
             layer_keys.append(keys[key])
         first.layer_keys, first.constants = layer_keys, constants
         # the model's own logits with identity layers, against last(first(...)) with the same
-        ident = torch.nn.ModuleList([IdentityLayer(s, first.output_form) for s in first.layer_signatures])
+        ident = first.identity_layers()
         try:
             with Swapped((base, layers_attr, ident)):
-                ref = model(input_ids=ids, attention_mask=mask)
+                ref = model(input_ids=ids, attention_mask=mask, **({"use_cache": False} if _accepts(model, "use_cache")
+                                                                    else {}))
             ref = ref.logits if hasattr(ref, "logits") else ref[0]
             h, kw = first(ids, mask)
             got = last(h)

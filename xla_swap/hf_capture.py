@@ -8,36 +8,80 @@ import inspect
 
 import torch
 
-__all__ = ["StopForward", "layer_output", "OUTPUT_FORMS", "LayerCapture", "IdentityLayer", "is_tensor_tree",
-           "leaves", "is_const", "Swapped", "one_sequence_per_row"]
+__all__ = ["StopForward", "layer_output", "OUTPUT_FORMS", "Unused", "holds", "StandIn", "LayerCapture",
+           "IdentityLayer", "is_tensor_tree", "leaves", "is_const", "Swapped", "one_sequence_per_row", "final_norm"]
 
 
 class StopForward(Exception):
     """Raised by the last capture: the first stage needs nothing after the layers' inputs."""
 
 
-def layer_output(h, form: int):
+def layer_output(h, form: int, fill=None):
     """A decoder layer's output in the form its model reads: ``h`` itself (``form`` 0) or a tuple of
-    ``form`` entries, ``h`` first and ``None`` after (a layer returning ``(hidden, attention weights, ...)``
+    ``form`` entries, ``h`` first and ``fill`` after (a layer returning ``(hidden, attention weights, ...)``
     that the model indexes with ``[0]`` or unpacks)."""
-    return h if form == 0 else (h,) + (None,) * (form - 1)
+    return h if form == 0 else (h,) + (fill,) * (form - 1)
 
 
 #: the output forms tried for the layers' stand-ins (``layer_output``), in order.
 OUTPUT_FORMS = (0, 1, 2, 3)
 
 
-class LayerCapture(torch.nn.Module):
-    """Stands in for decoder layer ``index`` while the model's own forward runs: appends
-    ``(hidden_state, {argument name: value})`` to ``record`` (the layer's arguments bound to its
-    ``signature``, ``**kwargs`` flattened) and returns the hidden state unchanged in the output form
-    ``form`` (:func:`layer_output`), or raises :class:`StopForward` when ``stop``. Raises
-    ``TypeError`` when the call does not bind."""
+class Unused:
+    """The ``fill`` of a check: an output entry after the hidden state that no later computation may read."""
 
-    def __init__(self, index: int, signature: inspect.Signature, record: list, stop: bool, form: int = 0):
+    def __repr__(self):
+        return "<a decoder layer's output after the hidden state>"
+
+
+def holds(v, marker) -> bool:
+    """Whether ``v`` is ``marker`` or a (nested) tuple / list / dict holding it."""
+    if v is marker:
+        return True
+    if isinstance(v, (tuple, list)):
+        return any(holds(x, marker) for x in v)
+    if isinstance(v, dict):
+        return any(holds(x, marker) for x in v.values())
+    return False
+
+
+class StandIn(torch.nn.Module):
+    """A module standing in for decoder layer ``real`` (not registered as a submodule): an attribute it
+    lacks is read from ``real`` when it is a constant (``layer.attention_type``); any other one raises
+    ``AttributeError`` naming the layer's class and the attribute (the stand-in has no submodules)."""
+
+    def __init__(self, real: torch.nn.Module | None):
         super().__init__()
+        object.__setattr__(self, "real", real)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            real = self.__dict__.get("real")
+            if real is None or name.startswith("__"):
+                raise
+        v = getattr(real, name)
+        if is_const(v):
+            return v
+        raise AttributeError(f"the model's forward reads .{name} (a {type(v).__name__}) of the decoder layer "
+                             f"{type(real).__name__} around its call; the stages replace the layers there and "
+                             "pass on their constant attributes only")
+
+
+class LayerCapture(StandIn):
+    """Stands in for decoder layer ``index`` (``real``, see :class:`StandIn`) while the model's own forward
+    runs: appends ``(hidden_state, {argument name: value})`` to ``record`` (the layer's arguments bound to
+    its ``signature``, ``**kwargs`` flattened) and returns the hidden state unchanged in the output form
+    ``form`` (:func:`layer_output`, entries after it ``fill``), or raises :class:`StopForward` when ``stop``.
+    Raises ``TypeError`` when the call does not bind."""
+
+    def __init__(self, index: int, signature: inspect.Signature, record: list, stop: bool, form: int = 0,
+                 real: torch.nn.Module | None = None, fill=None):
+        super().__init__(real)
         self.index, self.signature, self.stop, self.form = index, signature, stop, form
         object.__setattr__(self, "record", record)
+        object.__setattr__(self, "fill", fill)
 
     def forward(self, *args, **kwargs):
         """Record ``(hidden_state, arguments)`` and return the hidden state (raise ``StopForward`` when ``stop``)."""
@@ -50,7 +94,7 @@ class LayerCapture(torch.nn.Module):
         self.record.append((h, bound))
         if self.stop:
             raise StopForward
-        return layer_output(h, self.form)
+        return layer_output(h, self.form, self.fill)
 
 
 def is_tensor_tree(v) -> bool:
@@ -107,15 +151,42 @@ class one_sequence_per_row:
             mu.find_packed_sequence_indices = self.saved
 
 
-class IdentityLayer(torch.nn.Module):
-    """Stands in for a decoder layer: returns its hidden-state argument (bound to ``signature``) unchanged,
-    in the output form ``form`` (:func:`layer_output`)."""
+class IdentityLayer(StandIn):
+    """Stands in for decoder layer ``real`` (:class:`StandIn`): returns its hidden-state argument (bound to
+    ``signature``) unchanged, in the output form ``form`` (:func:`layer_output`)."""
 
-    def __init__(self, signature, form: int):
-        super().__init__()
+    def __init__(self, signature, form: int, real: torch.nn.Module | None = None):
+        super().__init__(real)
         self.signature, self.form = signature, form
 
     def forward(self, *args, **kwargs):
         """The hidden-state argument, in the output form."""
         h = self.signature.bind(*args, **kwargs).arguments[next(iter(self.signature.parameters))]
         return layer_output(h, self.form)
+
+
+def final_norm(base, layers_attr: str, norm_attr: str | None, h, out) -> str | None:
+    """The name of ``base``'s child (not ``layers_attr``) that its forward applies to the last layer's output
+    ``h`` (``[batch, seq, hidden]``) to give its own output ``out`` (a model output or tuple; the child
+    ``norm_attr`` first); ``None`` when ``out`` is ``h``; ``norm_attr`` when none matches or ``out`` holds no
+    tensor. Each child is tried in eager torch (one failing on ``h`` is passed over)."""
+    y = getattr(out, "last_hidden_state", None) if out is not None else None
+    if y is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        y = out[0]
+    if not isinstance(y, torch.Tensor):
+        return norm_attr
+    names = ([norm_attr] if norm_attr else []) + [n for n, _ in base.named_children() if n not in (layers_attr,
+                                                                                                 norm_attr)]
+    if norm_attr is None and y is h:
+        return None
+    with torch.no_grad():
+        for n in names:
+            try:
+                got = getattr(base, n)(h)
+            except Exception:   # noqa: BLE001 - a child that does not take one hidden state
+                continue
+            if isinstance(got, torch.Tensor) and got.shape == y.shape and torch.equal(got, y):
+                return n
+        if torch.equal(h, y):
+            return None
+    return norm_attr

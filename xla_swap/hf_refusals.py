@@ -6,6 +6,7 @@
   with the decoder layers replaced, or while a stage is traced) into a sentence naming the module
   and the function it was raised in, and the feature where the exception says which (a Python
   branch on a tensor's value, a conversion to host memory, a tensor kept across calls).
+* :func:`refuse_extra_outputs` checks that a model reads nothing but the hidden state of its layers' outputs.
 * :class:`KeepTensorAttributes` restores the tensor attributes a forward sets on its modules (a
   lazily built cache such as longrope's ``long_inv_freq``), so a traced value never stays on a module.
 
@@ -18,7 +19,10 @@ import traceback
 
 import torch
 
-__all__ = ["refuse_unsupported", "describe_failure", "is_tracer_error", "KeepTensorAttributes"]
+from xla_swap.hf_capture import Unused, holds
+
+__all__ = ["refuse_unsupported", "refuse_extra_outputs", "describe_failure", "is_tracer_error",
+           "KeepTensorAttributes"]
 
 #: jax's tracer errors (by class name: this module does not import jax) -> the feature they mean.
 _TRACER_FEATURES = {
@@ -170,3 +174,26 @@ def refuse_unsupported(model, name: str, prefix: str, layers_attr: str, layers) 
             if float(getattr(sub, "jitter_noise", 0) or 0) > 0:
                 raise ValueError(f"{where} multiplies its input by random router jitter noise "
                                  "(config.router_jitter_noise > 0), which cannot equal torch's; set it to 0")
+
+
+def refuse_extra_outputs(model, first, ids, mask) -> None:
+    """For a model that unpacks its layers' outputs (``first.output_form`` >= 2, an
+    :class:`xla_swap.hf.CausalLMFirst`): run its forward on ``ids`` / ``mask`` (the probe input) with the
+    stand-ins' entries after the hidden state an :class:`~xla_swap.hf_capture.Unused` marker, and raise
+    ValueError naming what it does with one (computes with it, or passes it to the next layer: a state
+    carried from layer to layer besides the hidden state, which the stages do not carry)."""
+    marker, base = Unused(), type(first.base_module).__name__
+    try:
+        with torch.no_grad():
+            record, out = first.run_layers(ids, mask, None, stop=False, fill=marker)
+    except Exception as e:   # noqa: BLE001 - named
+        raise ValueError(f"{type(model).__name__}: {base}.forward computes with its decoder layers' outputs after "
+                         f"the hidden state (of {first.output_form}): {describe_failure(e)}; the stages carry only "
+                         "the hidden state from layer to layer: not supported") from e
+    for i, (_, kw) in enumerate(record):
+        for name, v in kw.items():
+            if holds(v, marker):
+                raise ValueError(f"{type(model).__name__}: {base}.forward passes decoder layer {i - 1}'s output "
+                                 f"after the hidden state to decoder layer {i} as {name}= (a state carried from "
+                                 "layer to layer besides the hidden state); the stages carry only the hidden "
+                                 "state: not supported")

@@ -118,6 +118,10 @@ class DecodeFirst(torch.nn.Module):
         object.__setattr__(self, "_env", env)
         for name, child in first.named_children():
             self.add_module(name, child)
+        for name, p in first.named_parameters(recurse=False):   # the base's own tensors (own_<name>)
+            self.register_parameter(name, p)
+        for name, b in first.named_buffers(recurse=False):
+            self.register_buffer(name, b)
         self._cache_kw, self._cache_len, self._n = cache_kw, cache_len, n_layers
         self._keys = layer_keys
         object.__setattr__(self, "_consts", consts)
@@ -139,7 +143,7 @@ class DecodeFirst(torch.nn.Module):
             kw["cache_position"] = torch.arange(input_ids.shape[1], dtype=torch.int32) + offset
         with Swapped((first.base_module, first.layer_attr, caps)):
             try:
-                first.base_module(**kw)
+                first.call_base(kw, self)
             except StopForward:
                 pass
         if len(record) != n:

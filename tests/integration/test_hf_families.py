@@ -83,6 +83,8 @@ EXACT = {
     "opt": ({"word_embed_proj_dim": 32, "ffn_dim": 64}, "left"),
     # short convolutions beside attention; the final norm (embedding_norm) found by what the base's forward does
     "lfm2": ({"layer_types": ["conv", "full_attention"]}, "left"),
+    # a tensor of the base model itself (its normalizer buffer, in no child module); recurrent blocks
+    "recurrent_gemma": ({"attention_window_size": 4, "block_types": ["recurrent", "attention"]}, "left"),
     # longrope: long factors past original_max_position_embeddings (8 < T), short ones below, chosen per call
     "phi3-longrope": ({"max_position_embeddings": 64, "original_max_position_embeddings": 8,
                        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
@@ -106,6 +108,9 @@ REFUSED = {
     "gptj": ({}, "layers[0] (GPTJBlock) does not trace with torchax"),
     "llama-dynamic": ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
                       "LlamaForCausalLM: model.rotary_emb (LlamaRotaryEmbedding) rope_type 'dynamic' is not supported"),
+    # layers returning (hidden, router state) and the model handing the router state to the next layer
+    "zaya": ({}, "ZayaModel.forward passes decoder layer 0's output after the hidden state to decoder layer 1 as "
+                 "prev_router_hidden_states= (a state carried from layer to layer besides the hidden state)"),
     # found through its input embedding (base_model_prefix names no attribute, get_decoder() is the model)
     "llama4_text": ({"num_local_experts": 4, "interleave_moe_layer_step": 2, "attention_chunk_size": 4},
                     "Llama4TextModel.forward passes decoder layer 0 position_embeddings= a complex tensor"),
