@@ -59,6 +59,7 @@ VARIANTS = {
     "smollm3+all_rope": {"no_rope_layers": [1, 1, 1, 1]},
     "mixtral+aux_loss": {"output_router_logits": True},
     "afmoe+random_router": {"_random_router": True},
+    "axk2+all_keys": {"index_topk": 64},   # the sparse attention's index keeps every key
 }
 
 #: config keys -> the small value (set where the config has the key and its value is not None).
@@ -82,6 +83,7 @@ SIZES = {
 }
 #: (regular expression on a config key, small value): ints above it are set to it (keys not in SIZES).
 PATTERNS = (
+    (r"^index_topk$", 4),   # DeepSeek sparse attention: 4 of the 12 keys per query
     (r"experts_per_tok(en)?$|(^|_)top_?k$|topk$|^moe_k$", 2),
     (r"^(num|n)_(routed_|local_)?experts$|^num_experts_.*$", 4),
     (r"(^|_)(n_group|num_expert_group|n_groups)$", 2),

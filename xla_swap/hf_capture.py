@@ -167,26 +167,30 @@ class IdentityLayer(StandIn):
 
 def final_norm(base, layers_attr: str, norm_attr: str | None, h, out) -> str | None:
     """The name of ``base``'s child (not ``layers_attr``) that its forward applies to the last layer's output
-    ``h`` (``[batch, seq, hidden]``) to give its own output ``out`` (a model output or tuple; the child
-    ``norm_attr`` first); ``None`` when ``out`` is ``h``; ``norm_attr`` when none matches or ``out`` holds no
-    tensor. Each child is tried in eager torch (one failing on ``h`` is passed over)."""
+    ``h`` (``[batch, seq, hidden]``) to give its own output ``out`` (a model output or tuple): ``norm_attr``
+    when it does; else ``None`` when ``out`` equals ``h``; else the first other child that does (dropout
+    and identity modules left out); else ``norm_attr`` (also when ``out`` holds no tensor). Each child is
+    tried in eager torch (one failing on ``h`` is passed over)."""
     y = getattr(out, "last_hidden_state", None) if out is not None else None
     if y is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         y = out[0]
     if not isinstance(y, torch.Tensor):
         return norm_attr
-    names = ([norm_attr] if norm_attr else []) + [n for n, _ in base.named_children() if n not in (layers_attr,
-                                                                                                 norm_attr)]
-    if norm_attr is None and y is h:
-        return None
+    skip = (torch.nn.Identity, torch.nn.Dropout, torch.nn.ModuleList, torch.nn.ModuleDict)
+
+    def gives_y(name):
+        try:
+            got = getattr(base, name)(h)
+        except Exception:   # noqa: BLE001 - a child that does not take one hidden state
+            return False
+        return isinstance(got, torch.Tensor) and got.shape == y.shape and torch.equal(got, y)
+
     with torch.no_grad():
-        for n in names:
-            try:
-                got = getattr(base, n)(h)
-            except Exception:   # noqa: BLE001 - a child that does not take one hidden state
-                continue
-            if isinstance(got, torch.Tensor) and got.shape == y.shape and torch.equal(got, y):
-                return n
-        if torch.equal(h, y):
+        if norm_attr and gives_y(norm_attr):
+            return norm_attr
+        if y is h or (y.shape == h.shape and torch.equal(h, y)):
             return None
+        for n, child in base.named_children():
+            if n not in (layers_attr, norm_attr) and not isinstance(child, skip) and gives_y(n):
+                return n
     return norm_attr
