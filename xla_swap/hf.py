@@ -472,8 +472,9 @@ def _locate(model, layers_attr, norm_attr) -> tuple:
     cands = _base_candidates(model) if isinstance(model, torch.nn.Module) else []
     if not cands or head is None:
         raise TypeError(f"model must be a Hugging Face causal LM with a base model and an output embedding, got {name}")
-    n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
-    is_list = lambda v: isinstance(v, torch.nn.ModuleList) and len(v) > 0 and (n_layers is None or len(v) == n_layers)
+    cfg = getattr(model, "config", None)
+    counts = {getattr(cfg, k, None) for k in ("num_hidden_layers", "decoder_layers", "num_decoder_layers")} - {None}
+    is_list = lambda v: isinstance(v, torch.nn.ModuleList) and len(v) > 0 and (not counts or len(v) in counts)
     for base in cands:
         attr = layers_attr if layers_attr is not None else _find(base, _LAYER_NAMES, is_list)
         if attr is not None and is_list(getattr(base, attr, None)):
@@ -482,7 +483,15 @@ def _locate(model, layers_attr, norm_attr) -> tuple:
         base, attr = cands[0], layers_attr
     path = next(n for n, m in model.named_modules() if m is base)
     if attr is None or not is_list(getattr(base, attr, None)):
-        raise TypeError(f"{name}: no decoder layer list (a ModuleList of config.num_hidden_layers modules) found at "
+        nested = next((n for n, m in base.named_modules() if n and n.rsplit(".", 1)[-1] in _LAYER_NAMES and is_list(m)),
+                      None)
+        if nested is not None and layers_attr is None:
+            raise TypeError(f"{name}: its decoder layers are at {path}.{nested}, inside a child module of the base "
+                            f"model {type(base).__name__} rather than one of its attributes (an encoder-style layout): "
+                            "the stages replace the layer list of the module whose forward runs the embedding; "
+                            "not supported")
+        raise TypeError(f"{name}: no decoder layer list (a ModuleList of config.num_hidden_layers or decoder_layers "
+                        f"modules) found at "
                         f"{path}.{attr or '/'.join(_LAYER_NAMES)}; pass layers_attr=")
     if norm_attr is None:
         norm_attr = _find(base, _NORM_NAMES, lambda v: isinstance(v, torch.nn.Module))
