@@ -147,6 +147,8 @@ def _shrink(cfg, overrides: dict) -> None:
     for key in ("head_dim", "num_key_value_heads"):   # None where the model reads it: the usual values
         if key in d and d[key] is None:
             setattr(cfg, key, SIZES[key])
+    if d.get("n_routed_experts", 0) is None and d.get("moe_intermediate_size"):   # Dots1: MoE sizes left None
+        cfg.n_routed_experts, cfg.n_shared_experts, cfg.num_experts_per_tok = 4, 1, 2
     if "num_experts_per_tok" in d and d["num_experts_per_tok"] is None and \
             any(d.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts")):
         cfg.num_experts_per_tok = 2
@@ -185,9 +187,35 @@ def _shrink(cfg, overrides: dict) -> None:
     for key in ("use_cache",):
         if key in d:
             setattr(cfg, key, False)
+    _shrink_family(cfg, d, n)
     for key, value in overrides.items():
         if not key.startswith("_"):
             setattr(cfg, key, value)
+
+
+def _shrink_family(cfg, d: dict, n: int | None) -> None:
+    """Sizes some families tie together (hybrid state-space models, per-layer inputs, shared KV layers)."""
+    if d.get("mamba_d_ssm"):   # Falcon-H1: SSM width = heads x head size
+        cfg.mamba_d_ssm = int(d.get("mamba_expand", 2) * HIDDEN)
+        cfg.mamba_n_heads = cfg.mamba_d_ssm // cfg.mamba_d_head
+    if d.get("mamba_headdim") and d.get("n_mamba_heads"):   # Zamba-2
+        cfg.mamba_headdim = int(d.get("mamba_expand", 2) * HIDDEN) // cfg.n_mamba_heads
+    if d.get("attention_hidden_size"):   # Zamba-2 attends over [hidden, embedding]
+        cfg.attention_hidden_size = 2 * HIDDEN
+    if d.get("embedding_dim") and d.get("model_type") == "xlstm":
+        cfg.embedding_dim = HIDDEN
+    if d.get("vocab_size_per_layer_input"):   # Gemma-3n's per-layer inputs
+        cfg.vocab_size_per_layer_input, cfg.hidden_size_per_layer_input = V, 16
+    if d.get("num_kv_shared_layers") and isinstance(getattr(cfg, "layer_types", None), list):
+        period = next((i + 1 for i, t in enumerate(cfg.layer_types) if t != cfg.layer_types[0]), 2)
+        for key, value in d.items():   # the last period reads the first period's KV: 2 periods of layers
+            if isinstance(value, list) and len(value) == d["num_hidden_layers"]:
+                setattr(cfg, key, [min(value[i % len(value)], INTER) if key == "intermediate_size" else
+                                   value[i % len(value)] for i in range(2 * period)])
+        cfg.num_hidden_layers = 2 * period
+        cfg.num_kv_shared_layers = period
+    if str(d.get("model_type", "")).startswith("lfm2") and d.get("layer_types") is None and n:
+        cfg.layer_types = ["conv" if i % 2 == 0 else "full_attention" for i in range(n)]
 
 
 def _skip_reason(cls) -> str | None:
@@ -199,6 +227,17 @@ def _skip_reason(cls) -> str | None:
     if getattr(cls, "main_input_name", "input_ids") != "input_ids":
         return f"its main input is {cls.main_input_name!r}, not token ids"
     return None
+
+
+def _default_builds(cls) -> str:
+    """`` (its default config does not build either)`` where that is so (built on the meta device)."""
+    import torch
+    try:
+        with torch.device("meta"):
+            cls(cls.config_class())
+    except Exception as e:   # noqa: BLE001
+        return f" (its default config does not build either: {type(e).__name__})"
+    return ""
 
 
 def build(row: str, cls_name: str):
@@ -228,7 +267,7 @@ def build(row: str, cls_name: str):
                     if ("router" in n or n.endswith("gate.weight")) and not p.any():
                         p.normal_(0.0, 0.02)
     except Exception as e:   # noqa: BLE001 (any build failure is a skip reason)
-        return None, f"cannot be built from a small config: {type(e).__name__}: {str(e)[:300]}"
+        return None, f"cannot be built from a small config: {type(e).__name__}: {str(e)[:300]}" + _default_builds(cls)
     try:
         x, mask, _ = _data("left")
         with torch.no_grad():
