@@ -13,7 +13,13 @@ and either
 Configs exercise what used to go silently wrong: sliding windows shorter than the sequence,
 alternating local/global layers (Gemma-2/3, Qwen2's ``max_window_layers``), logit scaling and
 softcapping (Cohere, Granite, Gemma-2), tied embeddings (Gemma, GPT-2, and Llama tied), left and
-right padding. Weights: an entry whose torch gradient is zero by the maths (a key bias, which
+right padding. And what was refused for a wrong reason or crashed inside the model's code: layers
+returning a tuple the model indexes (Falcon), the base model found by ``get_decoder()`` (OPT) or by
+its input embedding (Llama-4, then refused by name for its complex rotary embeddings), a final norm
+found by what the base model does (LFM2's ``embedding_norm``), longrope's per-call factors (Phi-3),
+a tensor of the base model itself (RecurrentGemma's normalizer), partial interleaved rotary
+(CodeGen, GPT-J); refusals name the module and the feature (dynamic RoPE, JetMoE's data-dependent
+gating, Zaya's router state handed from layer to layer). Weights: an entry whose torch gradient is zero by the maths (a key bias, which
 shifts every score of a query by the same amount) holds only AdamW's amplified rounding noise in
 both runs, so it is compared within the whole model's rel 1e-4 instead of its parameter's.
 
@@ -77,6 +83,9 @@ EXACT = {
     "deepseek_v3": ({**MOE, **MLA, "n_routed_experts": 4, "n_shared_experts": 1, "first_k_dense_replace": 1,
                      "n_group": 2, "topk_group": 1}, "left"),
     "gpt_oss": ({"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4}, "left"),
+    # rotary on the first rotary_dim of each head, interleaved
+    "codegen": ({"rotary_dim": 4}, "left"),
+    "gptj": ({"rotary_dim": 4}, "right"),
     # layers returning a tuple the model indexes with [0]: the stand-ins return the same form
     "falcon": ({}, "left"),
     # the base model (model.decoder) found by transformers' get_decoder(), not base_model_prefix
@@ -104,8 +113,6 @@ REFUSED = {
                                           "(data-dependent control flow), which a traced stage cannot express")),
     "deepseek_v2": ({**MOE, **MLA, "n_routed_experts": 4},
                     "passes decoder layer 0 position_embeddings= a complex tensor"),
-    "codegen": ({}, "layers[0] (CodeGenBlock) does not trace with torchax"),
-    "gptj": ({}, "layers[0] (GPTJBlock) does not trace with torchax"),
     "llama-dynamic": ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
                       "LlamaForCausalLM: model.rotary_emb (LlamaRotaryEmbedding) rope_type 'dynamic' is not supported"),
     # layers returning (hidden, router state) and the model handing the router state to the next layer
