@@ -19,9 +19,11 @@ its input embedding (Llama-4, then refused by name for its complex rotary embedd
 found by what the base model does (LFM2's ``embedding_norm``), longrope's per-call factors (Phi-3),
 a tensor of the base model itself (RecurrentGemma's normalizer), partial interleaved rotary
 (CodeGen, GPT-J); refusals name the module and the feature (dynamic RoPE, JetMoE's data-dependent
-gating, Zaya's router state handed from layer to layer). Weights: an entry whose torch gradient is zero by the maths (a key bias, which
-shifts every score of a query by the same amount) holds only AdamW's amplified rounding noise in
-both runs, so it is compared within the whole model's rel 1e-4 instead of its parameter's.
+gating, Zaya's router state handed from layer to layer).
+
+Weights: an entry whose torch gradient is zero by the maths (a key bias, which shifts every score
+of a query by the same amount) holds only AdamW's amplified rounding noise in both runs, so it is
+compared within the whole model's rel 1e-4 instead of its parameter's.
 
 One device (the family sweep checks the model's code, not the sharding: ``test_stack.py`` runs
 the stack on 1, 4 and 8 devices), except Llama, Gemma-2 and Mixtral, also trained on every device
