@@ -60,6 +60,7 @@ VARIANTS = {
     "mixtral+aux_loss": {"output_router_logits": True},
     "afmoe+random_router": {"_random_router": True},
     "axk2+all_keys": {"index_topk": 64},   # the sparse attention's index keeps every key
+    "inkling2_text+blocks_of_2": {"n_layers_per_attn_res_block": 2},   # block states gathered from layer outputs
 }
 
 #: config keys -> the small value (set where the config has the key and its value is not None).
@@ -78,7 +79,7 @@ SIZES = {
     "sliding_window": 4, "attention_chunk_size": 4, "n_group": 2, "topk_group": 1,
     "max_position_embeddings": 256, "n_positions": 256, "max_target_positions": 256,
     "state_size": 8, "d_state": 8, "ssm_state_size": 8, "mamba_d_state": 8, "conv_L_cache": 3,
-    "word_embed_proj_dim": HIDDEN, "rotary_dim": 8,
+    "word_embed_proj_dim": HIDDEN, "rotary_dim": 8, "unpadded_vocab_size": V,
     "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
 }
 #: (regular expression on a config key, small value): ints above it are set to it (keys not in SIZES).

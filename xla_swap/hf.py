@@ -41,7 +41,7 @@ import torch
 from xla_swap.hf_capture import (OUTPUT_FORMS, IdentityLayer, LayerCapture, StopForward, Swapped, final_norm, is_const,
                                  is_tensor_tree, leaves, one_sequence_per_row)
 from xla_swap.hf_refusals import (KeepTensorAttributes, describe_failure, is_tracer_error, refuse_extra_outputs,
-                                  refuse_unsupported)
+                                  refuse_state_between_layers, refuse_unsupported)
 from xla_swap.moe import FORMS, experts_while_traced
 
 __all__ = ["causal_lm_stages", "decoder_layers", "CausalLMFirst", "CausalLMLast"]
@@ -89,6 +89,9 @@ class CausalLMFirst(torch.nn.Module):
         self._accepts = set(inspect.signature(base.forward).parameters)
         head = model.get_output_embeddings()
         self._vocab = int(head.weight.shape[0]) if isinstance(getattr(head, "weight", None), torch.Tensor) else 2
+        emb = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+        rows = getattr(emb, "num_embeddings", None)
+        self._probe_vocab = min(self._vocab, int(rows)) if isinstance(rows, int) and rows > 0 else self._vocab
         #: per layer, its group (an int): layers of one group get the same keyword values.
         self.layer_keys: list[int] = []
         #: per group, the constant (non-tensor) keyword arguments the model passes those layers.
@@ -105,6 +108,12 @@ class CausalLMFirst(torch.nn.Module):
     def causal_lm(self) -> torch.nn.Module:
         """The whole causal LM this stage was cut from, read-only."""
         return self._model
+
+    @property
+    def probe_vocab(self) -> int:
+        """The ids the probe and ``example_inputs`` draw from: ``[0, probe_vocab)``, within the input and the
+        output embedding (where the model's head has more rows than its input embedding)."""
+        return self._probe_vocab
 
     @property
     def layer_attr(self) -> str:
@@ -126,30 +135,33 @@ class CausalLMFirst(torch.nn.Module):
         """Rows of the output embedding (the vocabulary size; 2 where the head has no weight tensor)."""
         return self._vocab
 
-    def captures(self, record: list, stop: bool, fill=None) -> torch.nn.ModuleList:
+    def captures(self, record: list, stop: bool, fill=None, taint: bool = False) -> torch.nn.ModuleList:
         """One :class:`LayerCapture` per decoder layer, appending to ``record``, in this model's output form
-        (entries after the hidden state ``fill``); with ``stop`` the last one ends the forward."""
+        (entries after the hidden state ``fill``; ``taint``: see :class:`LayerCapture`); with ``stop`` the
+        last one ends the forward."""
         n = len(self._signatures)
-        return torch.nn.ModuleList([LayerCapture(i, s, record, stop and i == n - 1, self.output_form, layer, fill)
-                                    for i, (s, layer) in enumerate(zip(self._signatures, self._layers))])
+        return torch.nn.ModuleList([LayerCapture(i, s, record, stop and i == n - 1, self.output_form, layer, fill,
+                                                 taint) for i, (s, layer) in enumerate(zip(self._signatures,
+                                                                                          self._layers))])
 
     def identity_layers(self) -> torch.nn.ModuleList:
         """One :class:`IdentityLayer` per decoder layer, in this model's output form."""
         return torch.nn.ModuleList([IdentityLayer(s, self.output_form, layer)
                                     for s, layer in zip(self._signatures, self._layers)])
 
-    def run_layers(self, input_ids, attention_mask, position_ids, stop: bool, fill=None):
+    def run_layers(self, input_ids, attention_mask, position_ids, stop: bool, fill=None, taint: bool = False):
         """Run the base module's forward with each decoder layer replaced by a recorder.
 
         Args: ``input_ids`` int ``[batch, seq]``, ``attention_mask`` ``[batch, seq]`` or ``None``,
         ``position_ids`` int ``[batch or 1, seq]`` or ``None``; ``stop``: end the forward after the
-        last layer; ``fill``: the stand-ins' output entries after the hidden state. Returns ``(record, out)``:
+        last layer; ``fill``: the stand-ins' output entries after the hidden state; ``taint``: the stand-ins
+        return a new leaf requiring grad (:class:`LayerCapture`). Returns ``(record, out)``:
         per layer ``(hidden, kwargs)`` and the base's output (``None`` when stopped). Raises ``TypeError`` for ``position_ids`` the base does not take,
         ``ValueError`` when the base skips a layer or changes the hidden state between layers.
         """
         record: list = []
         n = len(self._signatures)
-        caps = self.captures(record, stop, fill)
+        caps = self.captures(record, stop, fill, taint)
         kw = {"input_ids": input_ids, "attention_mask": attention_mask}
         if position_ids is not None:
             if "position_ids" not in self._accepts:
@@ -170,7 +182,7 @@ class CausalLMFirst(torch.nn.Module):
                              "layers (a layer run more than once, as in looped or recurrent-depth models): the "
                              "stages run each layer once: not supported")
         for i in range(1, n):
-            if record[i][0] is not record[i - 1][0]:
+            if record[i][0] is not caps[i - 1].returned:
                 raise ValueError(f"{type(self._base).__name__}.forward changes the hidden state between decoder layers "
                                  f"{i - 1} and {i} (outside the layers): not expressible as a stack of layer stages")
         return record, out
@@ -245,7 +257,7 @@ class CausalLMFirst(torch.nn.Module):
     def example_inputs(self) -> tuple:
         """A small input, ``(input_ids [2, 8], attention_mask [2, 8])`` with the first row left-padded:
         ``SwappedStack`` traces every stage on it at construction (a model that does not trace is refused there)."""
-        return _probe_inputs(self._vocab)
+        return _probe_inputs(self._probe_vocab)
 
     def select_layer_kwargs(self, key: int, kwargs: dict) -> dict:
         """The keyword arguments of a layer of group ``key`` from the carry dict ``kwargs`` (see the class)."""
@@ -512,7 +524,7 @@ def _capture(model, first: CausalLMFirst) -> tuple:
     """Run the base model's forward on the probe input with the layers replaced by captures, in the first
     output form of :data:`OUTPUT_FORMS` the model reads (set on ``first``); returns ``run_layers``'s
     ``(record, out)``. Raises ValueError naming the module and what failed when no form runs."""
-    ids, mask = _probe_inputs(first.vocab_size)
+    ids, mask = _probe_inputs(first.probe_vocab)
     errors, base = [], type(first.base_module).__name__
     for form in OUTPUT_FORMS:
         first.output_form = form
@@ -524,6 +536,7 @@ def _capture(model, first: CausalLMFirst) -> tuple:
             continue
         if form >= 2:
             refuse_extra_outputs(model, first, ids, mask)
+        refuse_state_between_layers(model, first, ids, mask)
         return found
     first.output_form = 0
     if _ours(errors[0]):
@@ -537,7 +550,7 @@ def _probe(model, base, layers_attr: str, first: CausalLMFirst, last: CausalLMLa
     """Group the layers by the keyword values the model gives them (``record``: ``run_layers``'s on the
     probe input), and check the ends against the model's forward."""
     name = type(model).__name__
-    ids, mask = _probe_inputs(first.vocab_size)
+    ids, mask = _probe_inputs(first.probe_vocab)
     with torch.no_grad():
         keys: dict[tuple, int] = {}
         layer_keys, constants = [], {}

@@ -74,14 +74,17 @@ class LayerCapture(StandIn):
     runs: appends ``(hidden_state, {argument name: value})`` to ``record`` (the layer's arguments bound to
     its ``signature``, ``**kwargs`` flattened) and returns the hidden state unchanged in the output form
     ``form`` (:func:`layer_output`, entries after it ``fill``), or raises :class:`StopForward` when ``stop``.
-    Raises ``TypeError`` when the call does not bind."""
+    With ``taint`` the hidden state returned is a new leaf tensor of the same values requiring grad (what
+    the model computes from it then requires grad: a check of what depends on the layers' outputs).
+    ``returned`` is the hidden state it last returned. Raises ``TypeError`` when the call does not bind."""
 
     def __init__(self, index: int, signature: inspect.Signature, record: list, stop: bool, form: int = 0,
-                 real: torch.nn.Module | None = None, fill=None):
+                 real: torch.nn.Module | None = None, fill=None, taint: bool = False):
         super().__init__(real)
-        self.index, self.signature, self.stop, self.form = index, signature, stop, form
+        self.index, self.signature, self.stop, self.form, self.taint = index, signature, stop, form, taint
         object.__setattr__(self, "record", record)
         object.__setattr__(self, "fill", fill)
+        object.__setattr__(self, "returned", None)
 
     def forward(self, *args, **kwargs):
         """Record ``(hidden_state, arguments)`` and return the hidden state (raise ``StopForward`` when ``stop``)."""
@@ -94,7 +97,9 @@ class LayerCapture(StandIn):
         self.record.append((h, bound))
         if self.stop:
             raise StopForward
-        return layer_output(h, self.form, self.fill)
+        out = h.detach().requires_grad_() if self.taint and isinstance(h, torch.Tensor) else h
+        object.__setattr__(self, "returned", out)
+        return layer_output(out, self.form, self.fill)
 
 
 def is_tensor_tree(v) -> bool:

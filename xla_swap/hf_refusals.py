@@ -6,7 +6,8 @@
   with the decoder layers replaced, or while a stage is traced) into a sentence naming the module
   and the function it was raised in, and the feature where the exception says which (a Python
   branch on a tensor's value, a conversion to host memory, a tensor kept across calls).
-* :func:`refuse_extra_outputs` checks that a model reads nothing but the hidden state of its layers' outputs.
+* :func:`refuse_extra_outputs` checks that a model reads nothing but the hidden state of its layers' outputs,
+  :func:`refuse_state_between_layers` that it hands a layer nothing computed from earlier layers' outputs.
 * :class:`KeepTensorAttributes` restores the tensor attributes a forward sets on its modules (a
   lazily built cache such as longrope's ``long_inv_freq``), so a traced value never stays on a module.
 
@@ -19,9 +20,10 @@ import traceback
 
 import torch
 
-from xla_swap.hf_capture import Unused, holds
+from xla_swap.hf_capture import Unused, holds, is_tensor_tree, leaves
 
-__all__ = ["refuse_unsupported", "refuse_extra_outputs", "describe_failure", "is_tracer_error",
+__all__ = ["refuse_unsupported", "refuse_extra_outputs", "refuse_state_between_layers", "describe_failure",
+           "is_tracer_error",
            "KeepTensorAttributes"]
 
 #: jax's tracer errors (by class name: this module does not import jax) -> the feature they mean.
@@ -197,3 +199,30 @@ def refuse_extra_outputs(model, first, ids, mask) -> None:
                                  f"after the hidden state to decoder layer {i} as {name}= (a state carried from "
                                  "layer to layer besides the hidden state); the stages carry only the hidden "
                                  "state: not supported")
+
+
+def refuse_state_between_layers(model, first, ids, mask) -> None:
+    """Run ``first``'s base forward (an :class:`xla_swap.hf.CausalLMFirst`) on the probe input with stand-ins
+    returning a leaf requiring grad (the model's parameters held out of autograd meanwhile), and raise
+    ValueError naming the first keyword argument of a layer computed from an earlier layer's output
+    (e.g. states gathered from layer to layer, ``block_states``): the stages compute every layer's keyword
+    arguments in the first stage, from the embedding alone."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        with torch.enable_grad():
+            record, _ = first.run_layers(ids, mask, None, stop=False, taint=True)
+    except Exception:   # noqa: BLE001 - the model runs untainted (checked before): no verdict here
+        return
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+    base = type(first.base_module).__name__
+    for i, (_, kw) in enumerate(record):
+        for name, v in kw.items():
+            if is_tensor_tree(v) and any(t.requires_grad for t in leaves(v)):
+                raise ValueError(f"{type(model).__name__}: {base}.forward passes decoder layer {i} {name}= computed "
+                                 "from earlier decoder layers' outputs (a state carried from layer to layer besides "
+                                 "the hidden state); the stages compute every layer's arguments from the embedding: "
+                                 "not supported")
