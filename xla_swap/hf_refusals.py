@@ -95,7 +95,7 @@ def describe_failure(exc: BaseException) -> str:
         where = f" in {cls + '.' if cls else ''}{fn} ({path}:{line})"
     feature = _TRACER_FEATURES.get(kind)
     if feature is not None:
-        return f"the model's code{where} uses {feature} ({kind})"
+        return f"the model's code{where} uses {feature}"
     if site is None:
         last = traceback.extract_tb(root.__traceback__)[-1:] if root.__traceback__ else []
         where = f" in {last[0].name} ({last[0].filename.split('site-packages' + os.sep)[-1]}:{last[0].lineno})" \
