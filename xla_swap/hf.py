@@ -38,8 +38,9 @@ from typing import Any
 
 import torch
 
-from xla_swap.hf_capture import (OUTPUT_FORMS, IdentityLayer, LayerCapture, StopForward, Swapped, final_norm, is_const,
-                                 is_tensor_tree, leaves, one_sequence_per_row)
+from xla_swap.hf_capture import (OUTPUT_FORMS, BaseOutput, IdentityLayer, LayerCapture, StopForward, Swapped,
+                                 final_norm, hidden_state_output, is_const, is_tensor_tree, leaves,
+                                 one_sequence_per_row)
 from xla_swap.hf_refusals import (KeepTensorAttributes, describe_failure, is_tracer_error, refuse_extra_outputs,
                                   refuse_state_between_layers, refuse_unsupported)
 from xla_swap.moe import FORMS, experts_while_traced
@@ -289,7 +290,7 @@ class CausalLMLast(torch.nn.Module):
         if norm_attr is not None:
             self.add_module("norm", getattr(base, norm_attr))
         self.add_module("lm_head", model.get_output_embeddings())
-        self._stub = _BaseOutput(base)
+        self._stub = BaseOutput(base)
 
     @property
     def norm_attr(self) -> str | None:
@@ -301,7 +302,7 @@ class CausalLMLast(torch.nn.Module):
         Raises ValueError naming the module and the feature when the model's code does not trace."""
         if self._norm_attr is not None:
             h = self.norm(h)
-        self._stub.output = _hidden_state_output(h)
+        self._stub.output = hidden_state_output(h)
         try:
             with Swapped((self._owner, self._prefix, self._stub)):
                 out = self._model(use_cache=False) if _accepts(self._model, "use_cache") else self._model()
@@ -315,43 +316,8 @@ class CausalLMLast(torch.nn.Module):
         return out.logits if hasattr(out, "logits") else out[0]
 
 
-def _hidden_state_output(h):
-    """The base model's output as the causal LM's forward reads it: ``last_hidden_state`` ``h``; every other
-    field it reads (``past_key_values``, an MoE model's ``router_logits``, ...) is ``None``."""
-    import dataclasses
-
-    from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
-
-    global _HiddenStateOutput
-    if _HiddenStateOutput is None:
-        @dataclasses.dataclass
-        class _HiddenStateOutput(BaseModelOutputWithPastAndCrossAttentions):
-            def __getattr__(self, name):
-                if name.startswith("_"):
-                    raise AttributeError(name)
-                return None
-    return _HiddenStateOutput(last_hidden_state=h)
-
-
-_HiddenStateOutput = None
-
-
 def _accepts(mod, name: str) -> bool:
     return name in inspect.signature(mod.forward).parameters
-
-
-class _BaseOutput(torch.nn.Module):
-    """Stands in for the base model inside the causal LM's forward: returns the given output."""
-
-    def __init__(self, base):
-        super().__init__()
-        object.__setattr__(self, "config", getattr(base, "config", None))
-        self.output = None
-
-    def forward(self, *args, **kwargs):
-        if self.output is None:
-            raise RuntimeError("the base-model stub was called outside CausalLMLast.forward")
-        return self.output
 
 
 def _find(obj, names, pred):
@@ -430,7 +396,7 @@ def causal_lm_stages(model: torch.nn.Module, layers_attr: str | None = None, nor
     first, last = _ends(model, base, prefix, layers_attr, found_norm)
     record, out = _capture(model, first)
     if norm_attr is None:   # found by name: checked (or found) against what the base's forward does
-        norm = final_norm(base, layers_attr, found_norm, record[-1][0], out)
+        norm = final_norm(base, layers_attr, found_norm, record[-1][0], out, _called_before_layers(first))
         if norm != found_norm:
             form = first.output_form
             first, last = _ends(model, base, prefix, layers_attr, norm)
@@ -485,7 +451,8 @@ def _locate(model, layers_attr, norm_attr) -> tuple:
     if not cands or head is None:
         raise TypeError(f"model must be a Hugging Face causal LM with a base model and an output embedding, got {name}")
     cfg = getattr(model, "config", None)
-    counts = {getattr(cfg, k, None) for k in ("num_hidden_layers", "decoder_layers", "num_decoder_layers")} - {None}
+    counts = {getattr(cfg, k, None) for k in ("num_hidden_layers", "decoder_layers", "num_decoder_layers",
+                                                "num_layers")} - {None}
     is_list = lambda v: isinstance(v, torch.nn.ModuleList) and len(v) > 0 and (not counts or len(v) in counts)
     for base in cands:
         attr = layers_attr if layers_attr is not None else _find(base, _LAYER_NAMES, is_list)
@@ -508,6 +475,20 @@ def _locate(model, layers_attr, norm_attr) -> tuple:
     if norm_attr is None:
         norm_attr = _find(base, _NORM_NAMES, lambda v: isinstance(v, torch.nn.Module))
     return base, path, attr, norm_attr or None
+
+
+def _called_before_layers(first: CausalLMFirst) -> set:
+    """The names of the base model's children its forward calls before its last decoder layer (probe input)."""
+    called: set = set()
+    hooks = [child.register_forward_hook(lambda *_, n=n: called.add(n))
+             for n, child in first.base_module.named_children() if n != first.layer_attr]
+    try:
+        with torch.no_grad():
+            first.run_layers(*_probe_inputs(first.probe_vocab), None, stop=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    return called
 
 
 def _ours(exc: BaseException) -> bool:

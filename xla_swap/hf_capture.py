@@ -1,6 +1,7 @@
 """The stand-ins :mod:`xla_swap.hf` puts in place of a causal LM's decoder layers while the model's own
-forward runs (recording what each layer is given), and the small helpers they share with
-:mod:`xla_swap.kv_cache`. Imports torch; ``transformers`` where a model's forward runs.
+forward runs (recording what each layer is given), the stub standing in for the base model in the
+last stage (:class:`BaseOutput`), and the small helpers they share with :mod:`xla_swap.kv_cache`.
+Imports torch; ``transformers`` where a model's forward runs.
 """
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import inspect
 import torch
 
 __all__ = ["StopForward", "layer_output", "OUTPUT_FORMS", "Unused", "holds", "StandIn", "LayerCapture",
-           "IdentityLayer", "is_tensor_tree", "leaves", "is_const", "Swapped", "one_sequence_per_row", "final_norm"]
+           "IdentityLayer", "is_tensor_tree", "leaves", "is_const", "Swapped", "one_sequence_per_row", "final_norm",
+           "hidden_state_output", "BaseOutput"]
 
 
 class StopForward(Exception):
@@ -170,12 +172,13 @@ class IdentityLayer(StandIn):
         return layer_output(h, self.form)
 
 
-def final_norm(base, layers_attr: str, norm_attr: str | None, h, out) -> str | None:
-    """The name of ``base``'s child (not ``layers_attr``) that its forward applies to the last layer's output
-    ``h`` (``[batch, seq, hidden]``) to give its own output ``out`` (a model output or tuple): ``norm_attr``
-    when it does; else ``None`` when ``out`` equals ``h``; else the first other child that does (dropout
-    and identity modules left out); else ``norm_attr`` (also when ``out`` holds no tensor). Each child is
-    tried in eager torch (one failing on ``h`` is passed over)."""
+def final_norm(base, layers_attr: str, norm_attr: str | None, h, out, before=frozenset()) -> str | None:
+    """The name of ``base``'s child (not ``layers_attr``, none of ``before``: the children its forward calls
+    before the layers) that its forward applies to the last layer's output ``h`` (``[batch, seq, hidden]``)
+    to give its own output ``out`` (a model output or tuple): ``norm_attr`` when it does; else ``None`` when
+    ``out`` equals ``h``; else the one other child that does (dropout and identity modules left out); else
+    ``norm_attr`` (also when ``out`` holds no tensor, or several children do). Each child is tried in eager
+    torch (one failing on ``h`` is passed over)."""
     y = getattr(out, "last_hidden_state", None) if out is not None else None
     if y is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         y = out[0]
@@ -191,11 +194,46 @@ def final_norm(base, layers_attr: str, norm_attr: str | None, h, out) -> str | N
         return isinstance(got, torch.Tensor) and got.shape == y.shape and torch.equal(got, y)
 
     with torch.no_grad():
-        if norm_attr and gives_y(norm_attr):
+        if norm_attr and norm_attr not in before and gives_y(norm_attr):
             return norm_attr
         if y is h or (y.shape == h.shape and torch.equal(h, y)):
             return None
-        for n, child in base.named_children():
-            if n not in (layers_attr, norm_attr) and not isinstance(child, skip) and gives_y(n):
-                return n
-    return norm_attr
+        found = [n for n, child in base.named_children() if n not in (layers_attr, norm_attr) and n not in before
+                 and not isinstance(child, skip) and gives_y(n)]
+    return found[0] if len(found) == 1 else norm_attr
+
+
+def hidden_state_output(h):
+    """The base model's output as the causal LM's forward reads it: ``last_hidden_state`` ``h``; every other
+    field it reads (``past_key_values``, an MoE model's ``router_logits``, ...) is ``None``."""
+    import dataclasses
+
+    from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
+
+    global _HiddenStateOutput
+    if _HiddenStateOutput is None:
+        @dataclasses.dataclass
+        class _HiddenStateOutput(BaseModelOutputWithPastAndCrossAttentions):
+            def __getattr__(self, name):
+                if name.startswith("_"):
+                    raise AttributeError(name)
+                return None
+    return _HiddenStateOutput(last_hidden_state=h)
+
+
+_HiddenStateOutput = None
+
+
+class BaseOutput(torch.nn.Module):
+    """Stands in for the base model inside the causal LM's forward: returns the given output."""
+
+    def __init__(self, base):
+        super().__init__()
+        object.__setattr__(self, "config", getattr(base, "config", None))
+        self.output = None
+
+    def forward(self, *args, **kwargs):
+        """``output`` (set by the caller); RuntimeError when unset."""
+        if self.output is None:
+            raise RuntimeError("the base-model stub was called outside CausalLMLast.forward")
+        return self.output
