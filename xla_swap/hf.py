@@ -176,6 +176,12 @@ class CausalLMFirst(torch.nn.Module):
                 out = self.call_base(kw)
             except StopForward:
                 pass
+        if len(record) < n and not stop:
+            skipped = [i for i, c in enumerate(caps) if c.returned is None]
+            raise ValueError(f"{type(self._base).__name__}.forward calls {len(record)} of its {n} decoder layers: it "
+                             f"skips {', '.join(f'{i} ({type(self._layers[i]).__name__})' for i in skipped)} on this "
+                             "input (e.g. cross-attention layers without their encoder states); the stages run "
+                             "every layer: not supported")
         if len(record) < n:
             raise ValueError(f"{type(self._base).__name__}.forward called {len(record)} of its {n} decoder layers")
         if len(record) > n:
@@ -392,7 +398,8 @@ def causal_lm_stages(model: torch.nn.Module, layers_attr: str | None = None, nor
     base_params = {id(p) for p in base.parameters()}
     for pn, p in model.named_parameters(remove_duplicate=False):
         if id(p) not in base_params and all(p is not q for q in head.parameters()):
-            raise ValueError(f"{name} has parameter {pn} outside its base model and output embedding: not supported")
+            raise ValueError(f"{name} has parameter {pn} outside its base model and output embedding (a head that "
+                             "computes more than the output embedding): not supported")
     first, last = _ends(model, base, prefix, layers_attr, found_norm)
     record, out = _capture(model, first)
     if norm_attr is None:   # found by name: checked (or found) against what the base's forward does
