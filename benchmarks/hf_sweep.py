@@ -221,7 +221,7 @@ def _shrink_family(cfg, d: dict, n: int | None) -> None:
 
 def _skip_reason(cls) -> str | None:
     name = cls.__name__
-    if "ConditionalGeneration" in name:
+    if "ConditionalGeneration" in name or "Multimodal" in name:
         return "a multimodal ForConditionalGeneration class (image/audio inputs); its text model has its own row"
     if any(w in name for w in ("Musicgen", "Moshi", "Whisper", "TrOCR", "Clvp", "Csm", "Git", "Fuyu", "Blt")):
         return "not a text-only causal LM (its inputs or decoder are audio, speech, image or byte-patch based)"
@@ -302,12 +302,15 @@ INTERNAL = ("ConcretizationTypeError", "TracerArrayConversionError", "TracerBool
 
 def _is_refusal(exc: BaseException) -> bool:
     """A deliberate refusal: ValueError / TypeError / NotImplementedError raised by xla_swap's own code, whose
-    sentence names no internal error (``INTERNAL``) as the reason."""
+    own words (before the first ": " and outside "(details: ...)") are not an internal error (``INTERNAL``),
+    and which does not hand the reason over to the tracer's text (``stage_fn ... failed to trace``)."""
     if not isinstance(exc, (ValueError, TypeError, NotImplementedError)):
         return False
     tb = traceback.extract_tb(exc.__traceback__)
     sentence = str(exc).split("(details:")[0]
-    return bool(tb) and f"{os.sep}xla_swap{os.sep}" in tb[-1].filename and not any(m in sentence for m in INTERNAL)
+    own = sentence.split(": ")[0]
+    return bool(tb) and f"{os.sep}xla_swap{os.sep}" in tb[-1].filename and not any(m in own for m in INTERNAL) \
+        and "failed to trace for h of" not in sentence
 
 
 def _ce(logits, labels):

@@ -41,8 +41,8 @@ import torch
 from xla_swap.hf_capture import (OUTPUT_FORMS, BaseOutput, IdentityLayer, LayerCapture, StopForward, Swapped,
                                  final_norm, hidden_state_output, is_const, is_tensor_tree, leaves,
                                  one_sequence_per_row)
-from xla_swap.hf_refusals import (KeepTensorAttributes, describe_failure, is_tracer_error, refuse_extra_outputs,
-                                  refuse_state_between_layers, refuse_unsupported)
+from xla_swap.hf_refusals import (KeepTensorAttributes, describe_failure, failure_module, is_tracer_error,
+                                  refuse_extra_outputs, refuse_state_between_layers, refuse_unsupported)
 from xla_swap.moe import FORMS, experts_while_traced
 
 __all__ = ["causal_lm_stages", "decoder_layers", "CausalLMFirst", "CausalLMLast"]
@@ -299,6 +299,12 @@ class CausalLMLast(torch.nn.Module):
         self._stub = BaseOutput(base)
 
     @property
+    def extra_fields_read(self) -> list[str]:
+        """The fields of the base model's output other than ``last_hidden_state`` (outside its output class)
+        that the causal LM's forward has read in this stage (they are ``None`` here)."""
+        return list(self._stub.read)
+
+    @property
     def norm_attr(self) -> str | None:
         """The name of the base model's final norm this stage applies (``None``: none)."""
         return self._norm_attr
@@ -308,7 +314,7 @@ class CausalLMLast(torch.nn.Module):
         Raises ValueError naming the module and the feature when the model's code does not trace."""
         if self._norm_attr is not None:
             h = self.norm(h)
-        self._stub.output = hidden_state_output(h)
+        self._stub.output = hidden_state_output(h, self._stub.read)
         try:
             with Swapped((self._owner, self._prefix, self._stub)):
                 out = self._model(use_cache=False) if _accepts(self._model, "use_cache") else self._model()
@@ -564,6 +570,11 @@ def _probe(model, base, layers_attr: str, first: CausalLMFirst, last: CausalLMLa
         except Exception as e:   # noqa: BLE001 - named below unless already a refusal of this module
             if _ours(e):
                 raise
+            if last.extra_fields_read or failure_module(e) == name:
+                raise ValueError(f"{name}.forward fails after its base model in the last stage, which calls it "
+                                 "with no inputs and the base model's output replaced by the last hidden state "
+                                 f"(other fields read: {sorted(set(last.extra_fields_read))}): {describe_failure(e)}; "
+                                 "not supported") from e
             raise ValueError(f"{name}: the stages' ends fail on a probe input (the base model's forward does "
                              f"something after its layers that the stages do not reproduce; final norm used: "
                              f"{last.norm_attr!r}): {describe_failure(e)}; pass norm_attr= naming the base model's "

@@ -203,9 +203,10 @@ def final_norm(base, layers_attr: str, norm_attr: str | None, h, out, before=fro
     return found[0] if len(found) == 1 else norm_attr
 
 
-def hidden_state_output(h):
+def hidden_state_output(h, read: list | None = None):
     """The base model's output as the causal LM's forward reads it: ``last_hidden_state`` ``h``; every other
-    field it reads (``past_key_values``, an MoE model's ``router_logits``, ...) is ``None``."""
+    field it reads (``past_key_values``, an MoE model's ``router_logits``, ...) is ``None``, and the names of
+    fields outside the output class it reads are appended to ``read``."""
     import dataclasses
 
     from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
@@ -217,8 +218,13 @@ def hidden_state_output(h):
             def __getattr__(self, name):
                 if name.startswith("_"):
                     raise AttributeError(name)
+                read_list = self.__dict__.get("read_fields")
+                if read_list is not None:
+                    read_list.append(name)
                 return None
-    return _HiddenStateOutput(last_hidden_state=h)
+    out = _HiddenStateOutput(last_hidden_state=h)
+    object.__setattr__(out, "read_fields", read)
+    return out
 
 
 _HiddenStateOutput = None
@@ -231,6 +237,8 @@ class BaseOutput(torch.nn.Module):
         super().__init__()
         object.__setattr__(self, "config", getattr(base, "config", None))
         self.output = None
+        #: the fields of the base model's output outside its class that the causal LM's forward read.
+        self.read: list[str] = []
 
     def forward(self, *args, **kwargs):
         """``output`` (set by the caller); RuntimeError when unset."""

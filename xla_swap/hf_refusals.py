@@ -23,7 +23,7 @@ import torch
 from xla_swap.hf_capture import Unused, holds, is_tensor_tree, leaves
 
 __all__ = ["refuse_unsupported", "refuse_extra_outputs", "refuse_state_between_layers", "describe_failure",
-           "is_tracer_error",
+           "failure_module", "is_tracer_error",
            "KeepTensorAttributes"]
 
 #: jax's tracer errors (by class name: this module does not import jax) -> the feature they mean.
@@ -73,6 +73,13 @@ def _model_frame(exc: BaseException):
             found = (cls, code.co_name, code.co_filename.split("site-packages" + os.sep)[-1], tb.tb_lineno)
         tb = tb.tb_next
     return found
+
+
+def failure_module(exc: BaseException) -> str | None:
+    """The class name of the module whose method raised ``exc`` (the innermost frame of the bottom of its
+    cause chain in a model's code), or ``None``."""
+    site = _model_frame(_innermost(exc))
+    return site[0] if site is not None else None
 
 
 def is_tracer_error(exc: BaseException) -> bool:
