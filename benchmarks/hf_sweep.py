@@ -94,7 +94,7 @@ PATTERNS = (
     (r"intermediate_size$|ffn_dim$|inner_dim$", INTER),
     (r"max_position|max_seq|model_max_length", 256),
 )
-LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "encoder_layers")
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "encoder_layers", "num_blocks")
 #: tokens ids the configs name, moved into the small vocabulary.
 TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
               "cls_token_id", "mask_token_id", "unk_token_id")

@@ -465,7 +465,7 @@ def _locate(model, layers_attr, norm_attr) -> tuple:
         raise TypeError(f"model must be a Hugging Face causal LM with a base model and an output embedding, got {name}")
     cfg = getattr(model, "config", None)
     counts = {getattr(cfg, k, None) for k in ("num_hidden_layers", "decoder_layers", "num_decoder_layers",
-                                                "num_layers")} - {None}
+                                                "num_layers", "num_blocks")} - {None}
     is_list = lambda v: isinstance(v, torch.nn.ModuleList) and len(v) > 0 and (not counts or len(v) in counts)
     for base in cands:
         attr = layers_attr if layers_attr is not None else _find(base, _LAYER_NAMES, is_list)
