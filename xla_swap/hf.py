@@ -171,7 +171,7 @@ class CausalLMFirst(torch.nn.Module):
         if "use_cache" in self._accepts:
             kw["use_cache"] = False
         out = None
-        with Swapped((self._base, self._layer_attr, caps)), KeepTensorAttributes(self._ends()):
+        with Swapped((self._base, self._layer_attr, caps)), self.kept_attributes():
             try:
                 out = self.call_base(kw)
             except StopForward:
@@ -200,9 +200,10 @@ class CausalLMFirst(torch.nn.Module):
         own = {n: getattr(holder if holder is not None else self, "own_" + n) for n in self._own}
         return torch.func.functional_call(self._base, own, (), kwargs, strict=False) if own else self._base(**kwargs)
 
-    def _ends(self) -> list:
-        """The base module and its modules outside the decoder layers (whose tensor attributes a forward keeps)."""
-        return [self._base] + [m for m in self.modules() if m is not self]
+    def kept_attributes(self) -> KeepTensorAttributes:
+        """A context manager restoring the tensor attributes that a forward of the base module sets on it and
+        its modules outside the decoder layers (a cache built in the forward keeps no traced value)."""
+        return KeepTensorAttributes([self._base] + [m for m in self.modules() if m is not self])
 
     def forward(self, input_ids, attention_mask=None, position_ids=None):
         """The first layer's input and every layer's keyword arguments, as the model computes them (class

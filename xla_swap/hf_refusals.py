@@ -23,7 +23,7 @@ import torch
 from xla_swap.hf_capture import Unused, holds, is_tensor_tree, leaves
 
 __all__ = ["refuse_unsupported", "refuse_extra_outputs", "refuse_state_between_layers", "describe_failure",
-           "failure_module", "is_tracer_error",
+           "failure_module", "is_tracer_error", "refuse_longrope_generation",
            "KeepTensorAttributes"]
 
 #: jax's tracer errors (by class name: this module does not import jax) -> the feature they mean.
@@ -142,6 +142,24 @@ def _rope_types(module) -> list[str]:
     if isinstance(v, dict):
         return [t for t in v.values() if isinstance(t, str)]
     return []
+
+
+def refuse_longrope_generation(model, prompt_len: int, max_new_tokens: int) -> None:
+    """Raise ValueError where ``model`` has rotary embeddings with ``rope_type`` ``"longrope"`` and a
+    generation of ``max_new_tokens`` after a prompt of ``prompt_len`` positions (padding included) grows past
+    ``config.original_max_position_embeddings``: ``transformers``' generate then drops its KV cache and runs
+    the whole sequence again (every key rotated with the long factors), which a cached generation does not."""
+    orig = getattr(getattr(model, "config", None), "original_max_position_embeddings", None)
+    if not isinstance(orig, int) or not prompt_len <= orig < prompt_len + max_new_tokens - 1:
+        return
+    for path, sub in model.named_modules():
+        if "longrope" in _rope_types(sub):
+            raise ValueError(
+                f"{type(model).__name__}: {path} ({type(sub).__name__}) rope_type 'longrope' switches to its long "
+                f"factors past original_max_position_embeddings={orig}, and transformers' generate then drops its "
+                "KV cache and runs the whole sequence again (every key rotated with the long factors), which the "
+                f"stack's cached generation does not: keep prompt + max_new_tokens within {orig + 1} positions "
+                f"(got {prompt_len} + {max_new_tokens}), or start from a prompt longer than {orig}")
 
 
 def refuse_unsupported(model, name: str, prefix: str, layers_attr: str, layers) -> None:

@@ -141,7 +141,7 @@ class DecodeFirst(torch.nn.Module):
             kw["use_cache"] = True
         if "cache_position" in first.base_keywords:
             kw["cache_position"] = torch.arange(input_ids.shape[1], dtype=torch.int32) + offset
-        with Swapped((first.base_module, first.layer_attr, caps)):
+        with Swapped((first.base_module, first.layer_attr, caps)), first.kept_attributes():
             try:
                 first.call_base(kw, self)
             except StopForward:
