@@ -63,6 +63,21 @@ VARIANTS = {
     "inkling2_text+blocks_of_2": {"n_layers_per_attn_res_block": 2},   # block states gathered from layer outputs
 }
 
+#: what was found for the rows that are not exact (diagnosed by hand; the README prints it beside the row).
+DIAGNOSIS = {
+    "afmoe": "its router is zero-initialised (AfmoePreTrainedModel._init_weights): every score ties at step 0 and "
+             "torch's top-k breaks ties unlike jax's (afmoe+random_router, the same model with a random router, "
+             "is exact)",
+    "axk2": "its sparse-attention index keeps the top 4 of 12 keys by a ReLU score, and scores of exactly 0 tie: "
+            "torch's top-k breaks the tie unlike jax's (axk2+all_keys, the index keeping every key, is exact)",
+    "beam": "a per-layer Python scalar (BeamDecoderLayer.attn_residual_add_idx = 2 (layer_idx + 1)) in layers "
+            "that share one stage function",
+    "diffllama": "a per-layer Python scalar (DiffLlamaAttention.lambda_init, from layer_idx) in layers that share "
+                 "one stage function",
+    "smollm3": "per-layer rotary on/off (config.no_rope_layers) in layers that share one stage function "
+               "(smollm3+all_rope is exact)",
+}
+
 #: config keys -> the small value (set where the config has the key and its value is not None).
 SIZES = {
     **dict.fromkeys(("hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "model_dim", "dim"), HIDDEN),
@@ -494,8 +509,10 @@ def write_readme(path: str, results: list, meta: dict) -> None:
                 lines.append(f"- `{r['row']}` ({r['class']}): logits {m['logits']:.1e}, update {m['update']:.1e}{note}")
             elif kind == "wrong":
                 m = r["max_rel"]
+                why = f" Cause: {DIAGNOSIS[r['row']]}." if r["row"] in DIAGNOSIS else ""
                 lines.append(f"- `{r['row']}` ({r['class']}): logits {m['logits']:.1e}, loss {m['loss']:.1e}, update "
-                             f"{m['update']:.1e} (worst parameter {m['worst_update'][0]}: {m['worst_update'][1]:.1e})")
+                             f"{m['update']:.1e} (worst parameter {m['worst_update'][0]}: {m['worst_update'][1]:.1e})."
+                             + why)
             else:
                 why = (r.get("message") or r.get("reason") or "").replace("\n", " ")
                 lines.append(f"- `{r['row']}` ({r['class']}): {why[:600]}")
