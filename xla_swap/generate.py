@@ -52,6 +52,7 @@ import torch
 from xla_swap.executors.decode import StatefulStreamer, state_nbytes
 from xla_swap.hf import CausalLMFirst, CausalLMLast
 from xla_swap.index_checks import check_index_range, token_id_bounds
+from xla_swap.hf_refusals import refuse_longrope_generation
 from xla_swap.kv_cache import OFFSET, DecodeFirst, LayerKV, kv_cache_bytes, layer_kwargs
 from xla_swap.mixed_precision import stage_functions_in
 from xla_swap.planning.units import check_budget_bytes
@@ -341,6 +342,7 @@ def _check_args(stack, input_ids, attention_mask, max_new_tokens, do_sample, tem
             raise ValueError("attention_mask has a row without any token")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    refuse_longrope_generation(stack.modules[0].causal_lm, input_ids.shape[1], max_new_tokens)
     if not isinstance(do_sample, bool):
         raise TypeError(f"do_sample must be a bool, got {type(do_sample).__name__}")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \

@@ -1,136 +1,58 @@
 """Hugging Face causal LMs as ``(first, layers, last)`` stages for ``SwappedStack``, built from the model's own code.
 
-The ends of the model run the model's own forward methods, with the decoder layers replaced:
+The base model (the module holding the decoder layers) is found by ``transformers``' own accessors:
+``base_model_prefix``, ``get_decoder()``, the child holding ``get_input_embeddings()``. Its ends run
+the model's own forward methods, with the decoder layers replaced (:mod:`xla_swap.hf_capture`):
 
-* ``first`` runs the base model's ``forward`` (``model.model``, ``model.transformer``, ...)
-  with every decoder layer replaced by a *capture* that records the arguments the model
-  passes it and returns the hidden state unchanged; the last capture stops the forward. So
-  the embedding (with its own scaling), position ids, rotary or other position embeddings
-  and every layer's own mask (full or sliding window, by the model's ``layer_types`` /
-  ``sliding_window``, from ``transformers.masking_utils`` as the model calls it) are the
-  model's. The carry holds each distinct keyword value once; layers that the model gives
-  different values (e.g. Gemma-2's sliding and full masks, Gemma-3's per-layer-type rotary)
-  form *groups*, and each layer stage picks its group's values (``first.layer_keys`` and
-  ``first.select_layer_kwargs``, read by ``SwappedStack``).
-* ``last`` applies the base model's final norm, then runs the causal LM's own ``forward``
-  with the base model replaced by a stub that returns the normed hidden state: the head and
-  every logit transform of that forward (Cohere's ``logit_scale``, Gemma-2/3's
-  ``final_logit_softcapping``, Granite's ``logits_scaling``, ...) are the model's.
+* ``first`` runs the base model's ``forward`` with every decoder layer replaced by a *capture*
+  that records the arguments the model passes it and returns the hidden state unchanged, in
+  the form the model reads (bare, or first of a tuple the model indexes with ``[0]``); the last
+  capture stops the forward. So the embedding (with its own scaling), position ids, rotary or
+  other position embeddings and every layer's own mask (full or sliding window, from
+  ``transformers.masking_utils`` as the model calls it) are the model's. The carry holds each
+  distinct keyword value once; layers that the model gives different values (e.g. Gemma-2's
+  sliding and full masks) form *groups*, and each layer stage picks its group's values
+  (``first.layer_keys`` and ``first.select_layer_kwargs``, read by ``SwappedStack``).
+* ``last`` applies the base model's final norm (found by name, else as the child the base's
+  forward applies after its layers), then runs the causal LM's own ``forward`` with the base
+  model replaced by a stub that returns the normed hidden state: the head and every logit
+  transform of that forward (Cohere's ``logit_scale``, Gemma-2's softcapping, ...) are the model's.
 
 Mixture-of-experts layers run their own routing; their experts (``transformers``'
 ``@use_experts_implementation`` modules) run, while traced, the form the caller names:
-:func:`xla_swap.moe.dense_experts_forward` (``experts="dense"``, the default) or
-:func:`xla_swap.moe.sorted_experts_forward` (``experts="sorted"``).
+:func:`xla_swap.moe.dense_experts_forward` (``experts="dense"``) or ``sorted_experts_forward``.
 
 A ``peft`` LoRA model is cut through the model it wraps, adapters included (:mod:`xla_swap.peft_models`).
 
 At construction a probe (a few tokens, eager torch on the CPU, the layers replaced by the
 identity) checks that ``last(first(ids))`` equals the model's own logits with the same
 identity layers, and that the model's forward passes the hidden state unchanged from layer
-to layer: a model these stages cannot express is refused with an error naming it.
+to layer. A model these stages cannot express is refused with an error naming the module and
+the feature (:mod:`xla_swap.hf_refusals`), also where its own code fails or does not trace.
 
 The module imports torch; ``transformers`` only where a model is given.
 """
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any
 
 import torch
 
+from xla_swap.hf_capture import (OUTPUT_FORMS, BaseOutput, IdentityLayer, LayerCapture, StopForward, Swapped,
+                                 final_norm, hidden_state_output, is_const, is_tensor_tree, leaves,
+                                 one_sequence_per_row)
+from xla_swap.hf_refusals import (KeepTensorAttributes, describe_failure, failure_module, is_tracer_error,
+                                  refuse_extra_outputs, refuse_state_between_layers, refuse_unsupported)
+from xla_swap.hf_locate import locate
 from xla_swap.moe import FORMS, experts_while_traced
 from xla_swap.peft_models import peft_causal_lm
 
 __all__ = ["causal_lm_stages", "decoder_layers", "CausalLMFirst", "CausalLMLast"]
 
-#: attribute names of the base model's final norm, in the layouts of the installed ``transformers``.
-_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "final_norm", "norm_f")
-#: attribute names of the decoder layer list.
-_LAYER_NAMES = ("layers", "h", "blocks", "layer", "decoder_layers")
 #: small probe: batch 2, the first row left-padded (so no mask is skipped as "all ones").
 _PROBE_T = 8
-
-
-class StopForward(Exception):
-    """Raised by the last capture: the first stage needs nothing after the layers' inputs."""
-
-
-class LayerCapture(torch.nn.Module):
-    """Stands in for decoder layer ``index`` while the model's own forward runs: appends
-    ``(hidden_state, {argument name: value})`` to ``record`` (the layer's arguments bound to its
-    ``signature``, ``**kwargs`` flattened) and returns the hidden state unchanged, or raises
-    :class:`StopForward` when ``stop``. Raises ``TypeError`` when the call does not bind."""
-
-    def __init__(self, index: int, signature: inspect.Signature, record: list, stop: bool):
-        super().__init__()
-        self.index, self.signature, self.stop = index, signature, stop
-        object.__setattr__(self, "record", record)
-
-    def forward(self, *args, **kwargs):
-        """Record ``(hidden_state, arguments)`` and return the hidden state (raise ``StopForward`` when ``stop``)."""
-        bound = self.signature.bind(*args, **kwargs).arguments
-        extra = bound.pop(next(n for n, p in self.signature.parameters.items()
-                               if p.kind == p.VAR_KEYWORD), {}) if any(
-            p.kind == p.VAR_KEYWORD for p in self.signature.parameters.values()) else {}
-        bound.update(extra)
-        h = bound.pop(next(iter(self.signature.parameters)))
-        self.record.append((h, bound))
-        if self.stop:
-            raise StopForward
-        return h
-
-
-def is_tensor_tree(v) -> bool:
-    """Whether ``v`` is a tensor or a non-empty (nested) tuple / list of tensors only."""
-    if isinstance(v, torch.Tensor):
-        return True
-    if isinstance(v, (tuple, list)) and v:
-        return all(is_tensor_tree(x) for x in v)
-    return False
-
-
-def _leaves(v) -> list:
-    return [v] if isinstance(v, torch.Tensor) else [t for x in v for t in _leaves(x)]
-
-
-def is_const(v) -> bool:
-    """Whether ``v`` is a Python constant a stage can close over (``None``, bool, int, float, str)."""
-    return v is None or isinstance(v, (bool, int, float, str))
-
-
-class Swapped:
-    """Context manager: ``setattr(obj, name, value)`` for each ``(obj, name, value)`` triple for its
-    duration, the old values restored on exit (in reverse order, also when the body raises)."""
-
-    def __init__(self, *triples):
-        self.triples, self.old = triples, []
-
-    def __enter__(self):
-        for obj, name, value in self.triples:
-            self.old.append((obj, name, getattr(obj, name)))
-            setattr(obj, name, value)
-
-    def __exit__(self, *exc):
-        for obj, name, value in reversed(self.old):
-            setattr(obj, name, value)
-        self.old = []
-
-
-class _one_sequence_per_row:
-    """Context manager: ``transformers.masking_utils.find_packed_sequence_indices`` returns ``None`` (no
-    packed sequences), its eager result for position ids ``0..T-1`` in every row."""
-
-    def __enter__(self):
-        import transformers.masking_utils as mu
-        self.saved = getattr(mu, "find_packed_sequence_indices", None)
-        if self.saved is not None:
-            mu.find_packed_sequence_indices = lambda position_ids: None
-        return self
-
-    def __exit__(self, *exc):
-        if self.saved is not None:
-            import transformers.masking_utils as mu
-            mu.find_packed_sequence_indices = self.saved
 
 
 class CausalLMFirst(torch.nn.Module):
@@ -142,7 +64,8 @@ class CausalLMFirst(torch.nn.Module):
     returns ``(h, kwargs)``: ``h`` the embedded input ``[batch, seq, hidden]`` (the model's
     dtype) and ``kwargs`` a dict of the distinct keyword values the model passes its layers
     (masks, position embeddings, position ids), a key ``name@g`` holding the value of group
-    ``g``'s layers only. Its parameters are the base model's outside the layers and the final norm.
+    ``g``'s layers only. Its parameters are the base model's outside the layers and the final norm (the base's
+    own, not in a child module, as ``own_<name>``).
     """
 
     def __init__(self, model, base, layer_attr: str, norm_attr: str | None):
@@ -153,13 +76,23 @@ class CausalLMFirst(torch.nn.Module):
         for name, child in base.named_children():
             if name not in (layer_attr, norm_attr):
                 self.add_module(name, child)
+        # the base's own tensors (e.g. RecurrentGemma's normalizer): held here as own_<name>, swapped into the
+        # base while its forward runs (so a traced stage gets them as inputs)
+        self._own = [n for n, _ in base.named_parameters(recurse=False)] + [n for n, _ in base.named_buffers(recurse=False)]
+        for n, p in base.named_parameters(recurse=False):
+            self.register_parameter("own_" + n, p)
+        for n, b in base.named_buffers(recurse=False):
+            self.register_buffer("own_" + n, b)
         real = getattr(base, layer_attr)
+        object.__setattr__(self, "_layers", list(real))   # not submodules: read for their constant attributes
         self._signatures = [inspect.signature(m.forward) for m in real]
         self._accepts = set(inspect.signature(base.forward).parameters)
         head = model.get_output_embeddings()
         self._vocab = int(head.weight.shape[0]) if isinstance(getattr(head, "weight", None), torch.Tensor) else 2
-        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        emb = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
         self._rows = int(emb.num_embeddings) if isinstance(emb, torch.nn.Embedding) else self._vocab
+        rows = getattr(emb, "num_embeddings", None)
+        self._probe_vocab = min(self._vocab, int(rows)) if isinstance(rows, int) and rows > 0 else self._vocab
         #: per layer, its group (an int): layers of one group get the same keyword values.
         self.layer_keys: list[int] = []
         #: per group, the constant (non-tensor) keyword arguments the model passes those layers.
@@ -167,6 +100,8 @@ class CausalLMFirst(torch.nn.Module):
         #: ``{id(parameter): name}`` in the model the stages were cut from when that is not ``causal_lm``
         #: (a PEFT model: ``xla_swap.peft_models``), else ``None``: ``SwappedStack``'s checkpoint names.
         self.parameter_names: dict[int, str] | None = None
+        #: the form of a decoder layer's output the model reads (:func:`layer_output`; set by the probe).
+        self.output_form: int = 0
 
     @property
     def base_module(self) -> torch.nn.Module:
@@ -177,6 +112,12 @@ class CausalLMFirst(torch.nn.Module):
     def causal_lm(self) -> torch.nn.Module:
         """The whole causal LM this stage was cut from, read-only."""
         return self._model
+
+    @property
+    def probe_vocab(self) -> int:
+        """The ids the probe and ``example_inputs`` draw from: ``[0, probe_vocab)``, within the input and the
+        output embedding (where the model's head has more rows than its input embedding)."""
+        return self._probe_vocab
 
     @property
     def layer_attr(self) -> str:
@@ -209,18 +150,33 @@ class CausalLMFirst(torch.nn.Module):
         ``SwappedStack`` checks before running (:func:`xla_swap.index_checks.token_id_bounds`)."""
         return {0: ("input_ids", self._rows)}
 
-    def run_layers(self, input_ids, attention_mask, position_ids, stop: bool):
+    def captures(self, record: list, stop: bool, fill=None, taint: bool = False) -> torch.nn.ModuleList:
+        """One :class:`LayerCapture` per decoder layer, appending to ``record``, in this model's output form
+        (entries after the hidden state ``fill``; ``taint``: see :class:`LayerCapture`); with ``stop`` the
+        last one ends the forward."""
+        n = len(self._signatures)
+        return torch.nn.ModuleList([LayerCapture(i, s, record, stop and i == n - 1, self.output_form, layer, fill,
+                                                 taint) for i, (s, layer) in enumerate(zip(self._signatures,
+                                                                                          self._layers))])
+
+    def identity_layers(self) -> torch.nn.ModuleList:
+        """One :class:`IdentityLayer` per decoder layer, in this model's output form."""
+        return torch.nn.ModuleList([IdentityLayer(s, self.output_form, layer)
+                                    for s, layer in zip(self._signatures, self._layers)])
+
+    def run_layers(self, input_ids, attention_mask, position_ids, stop: bool, fill=None, taint: bool = False):
         """Run the base module's forward with each decoder layer replaced by a recorder.
 
         Args: ``input_ids`` int ``[batch, seq]``, ``attention_mask`` ``[batch, seq]`` or ``None``,
         ``position_ids`` int ``[batch or 1, seq]`` or ``None``; ``stop``: end the forward after the
-        last layer. Returns ``(record, out)``: per layer ``(hidden, kwargs)`` and the base's output
-        (``None`` when stopped). Raises ``TypeError`` for ``position_ids`` the base does not take,
+        last layer; ``fill``: the stand-ins' output entries after the hidden state; ``taint``: the stand-ins
+        return a new leaf requiring grad (:class:`LayerCapture`). Returns ``(record, out)``:
+        per layer ``(hidden, kwargs)`` and the base's output (``None`` when stopped). Raises ``TypeError`` for ``position_ids`` the base does not take,
         ``ValueError`` when the base skips a layer or changes the hidden state between layers.
         """
         record: list = []
         n = len(self._signatures)
-        caps = torch.nn.ModuleList([LayerCapture(i, s, record, stop and i == n - 1) for i, s in enumerate(self._signatures)])
+        caps = self.captures(record, stop, fill, taint)
         kw = {"input_ids": input_ids, "attention_mask": attention_mask}
         if position_ids is not None:
             if "position_ids" not in self._accepts:
@@ -229,27 +185,57 @@ class CausalLMFirst(torch.nn.Module):
         if "use_cache" in self._accepts:
             kw["use_cache"] = False
         out = None
-        with Swapped((self._base, self._layer_attr, caps)):
+        with Swapped((self._base, self._layer_attr, caps)), self.kept_attributes():
             try:
-                out = self._base(**kw)
+                out = self.call_base(kw)
             except StopForward:
                 pass
-        if len(record) != n:
+        if len(record) < n and not stop:
+            skipped = [i for i, c in enumerate(caps) if c.returned is None]
+            raise ValueError(f"{type(self._base).__name__}.forward calls {len(record)} of its {n} decoder layers: it "
+                             f"skips {', '.join(f'{i} ({type(self._layers[i]).__name__})' for i in skipped)} on this "
+                             "input (e.g. cross-attention layers without their encoder states); the stages run "
+                             "every layer: not supported")
+        if len(record) < n:
             raise ValueError(f"{type(self._base).__name__}.forward called {len(record)} of its {n} decoder layers")
+        if len(record) > n:
+            raise ValueError(f"{type(self._base).__name__}.forward makes {len(record)} calls to its {n} decoder "
+                             "layers (a layer run more than once, as in looped or recurrent-depth models): the "
+                             "stages run each layer once: not supported")
         for i in range(1, n):
-            if record[i][0] is not record[i - 1][0]:
+            if record[i][0] is not caps[i - 1].returned:
                 raise ValueError(f"{type(self._base).__name__}.forward changes the hidden state between decoder layers "
                                  f"{i - 1} and {i} (outside the layers): not expressible as a stack of layer stages")
         return record, out
 
+    def call_base(self, kwargs: dict, holder: torch.nn.Module | None = None):
+        """``base_module(**kwargs)`` with the base's own tensors as ``holder`` (default: this module) holds them
+        (attributes ``own_<name>``, see the class docstring)."""
+        own = {n: getattr(holder if holder is not None else self, "own_" + n) for n in self._own}
+        return torch.func.functional_call(self._base, own, (), kwargs, strict=False) if own else self._base(**kwargs)
+
+    def kept_attributes(self) -> KeepTensorAttributes:
+        """A context manager restoring the tensor attributes that a forward of the base module sets on it and
+        its modules outside the decoder layers (a cache built in the forward keeps no traced value)."""
+        return KeepTensorAttributes([self._base] + [m for m in self.modules() if m is not self])
+
     def forward(self, input_ids, attention_mask=None, position_ids=None):
-        """The first layer's input and every layer's keyword arguments, as the model computes them (class docstring)."""
+        """The first layer's input and every layer's keyword arguments, as the model computes them (class
+        docstring). Raises ValueError naming the module and the feature when the model's code does not trace."""
+        try:
+            return self._forward(input_ids, attention_mask, position_ids)
+        except Exception as e:   # noqa: BLE001 - jax's tracer errors are re-raised with the model's module named
+            if not is_tracer_error(e):
+                raise
+            raise ValueError(f"{type(self._base).__name__}.forward does not trace: {describe_failure(e)}") from e
+
+    def _forward(self, input_ids, attention_mask, position_ids):
         if attention_mask is None and position_ids is None:
             # No mask and the model's own positions: one sequence per row, which transformers finds by
             # reading the position ids (find_packed_sequence_indices) in eager torch but cannot while
             # traced. Told so, it builds what it builds in eager torch: no mask where SDPA's is_causal
             # does the same (full-attention layers), the window mask where one is needed.
-            with _one_sequence_per_row():
+            with one_sequence_per_row():
                 record, _ = self.run_layers(input_ids, None, None, stop=True)
         else:
             record, _ = self.run_layers(input_ids, attention_mask, position_ids, stop=True)
@@ -276,7 +262,7 @@ class CausalLMFirst(torch.nn.Module):
                 if not (v is None or is_tensor_tree(v)):
                     raise ValueError(f"{type(self._base).__name__}.forward passes decoder layer {i} {name}= a "
                                      f"{type(v).__name__}: only tensors, tuples of tensors and constants are supported")
-                if v is not None and any(t.is_complex() for t in _leaves(v)):
+                if v is not None and any(t.is_complex() for t in leaves(v)):
                     raise ValueError(f"{type(self._base).__name__}.forward passes decoder layer {i} {name}= a complex "
                                      "tensor (e.g. rotary embeddings as complex numbers): not supported in the stages")
             if all(v is values[0] for v in values):
@@ -293,7 +279,7 @@ class CausalLMFirst(torch.nn.Module):
     def example_inputs(self) -> tuple:
         """A small input, ``(input_ids [2, 8], attention_mask [2, 8])`` with the first row left-padded:
         ``SwappedStack`` traces every stage on it at construction (a model that does not trace is refused there)."""
-        return _probe_inputs(self._vocab)
+        return _probe_inputs(self._probe_vocab)
 
     def select_layer_kwargs(self, key: int, kwargs: dict) -> dict:
         """The keyword arguments of a layer of group ``key`` from the carry dict ``kwargs`` (see the class)."""
@@ -315,74 +301,50 @@ class CausalLMLast(torch.nn.Module):
     scaling, softcapping). Its parameters are the final norm's and the output embedding's.
     """
 
-    def __init__(self, model, base, norm_attr: str | None):
+    def __init__(self, model, base, norm_attr: str | None, base_path: str | None = None):
         super().__init__()
         object.__setattr__(self, "_model", model)
-        self._prefix = model.base_model_prefix
+        path = base_path or model.base_model_prefix
+        owner, _, self._prefix = path.rpartition(".")
+        object.__setattr__(self, "_owner", model.get_submodule(owner) if owner else model)
         self._norm_attr = norm_attr
         if norm_attr is not None:
             self.add_module("norm", getattr(base, norm_attr))
         self.add_module("lm_head", model.get_output_embeddings())
-        self._stub = _BaseOutput(base)
+        self._stub = BaseOutput(base)
+
+    @property
+    def extra_fields_read(self) -> list[str]:
+        """The fields of the base model's output other than ``last_hidden_state`` (outside its output class)
+        that the causal LM's forward has read in this stage (they are ``None`` here)."""
+        return list(self._stub.read)
+
+    @property
+    def norm_attr(self) -> str | None:
+        """The name of the base model's final norm this stage applies (``None``: none)."""
+        return self._norm_attr
 
     def forward(self, h):
-        """Logits of hidden states ``h`` ``[batch, seq, hidden]`` by the model's own final norm and head."""
+        """Logits of hidden states ``h`` ``[batch, seq, hidden]`` by the model's own final norm and head.
+        Raises ValueError naming the module and the feature when the model's code does not trace."""
         if self._norm_attr is not None:
             h = self.norm(h)
-        self._stub.output = _hidden_state_output(h)
+        self._stub.output = hidden_state_output(h, self._stub.read)
         try:
-            with Swapped((self._model, self._prefix, self._stub)):
+            with Swapped((self._owner, self._prefix, self._stub)):
                 out = self._model(use_cache=False) if _accepts(self._model, "use_cache") else self._model()
+        except Exception as e:   # noqa: BLE001 - jax's tracer errors are re-raised with the model's module named
+            if not is_tracer_error(e):
+                raise
+            raise ValueError(f"{type(self._model).__name__}.forward after its base model does not trace: "
+                             f"{describe_failure(e)}") from e
         finally:
             self._stub.output = None
         return out.logits if hasattr(out, "logits") else out[0]
 
 
-def _hidden_state_output(h):
-    """The base model's output as the causal LM's forward reads it: ``last_hidden_state`` ``h``; every other
-    field it reads (``past_key_values``, an MoE model's ``router_logits``, ...) is ``None``."""
-    import dataclasses
-
-    from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
-
-    global _HiddenStateOutput
-    if _HiddenStateOutput is None:
-        @dataclasses.dataclass
-        class _HiddenStateOutput(BaseModelOutputWithPastAndCrossAttentions):
-            def __getattr__(self, name):
-                if name.startswith("_"):
-                    raise AttributeError(name)
-                return None
-    return _HiddenStateOutput(last_hidden_state=h)
-
-
-_HiddenStateOutput = None
-
-
 def _accepts(mod, name: str) -> bool:
     return name in inspect.signature(mod.forward).parameters
-
-
-class _BaseOutput(torch.nn.Module):
-    """Stands in for the base model inside the causal LM's forward: returns the given output."""
-
-    def __init__(self, base):
-        super().__init__()
-        object.__setattr__(self, "config", getattr(base, "config", None))
-        self.output = None
-
-    def forward(self, *args, **kwargs):
-        if self.output is None:
-            raise RuntimeError("the base-model stub was called outside CausalLMLast.forward")
-        return self.output
-
-
-def _find(obj, names, pred):
-    for n in names:
-        v = getattr(obj, n, None)
-        if v is not None and pred(v):
-            return n
-    return None
 
 
 def causal_lm_stages(model: torch.nn.Module, layers_attr: str | None = None, norm_attr: str | None = None,
@@ -400,14 +362,17 @@ def causal_lm_stages(model: torch.nn.Module, layers_attr: str | None = None, nor
 
     Args:
       model: a ``transformers`` causal LM (``...ForCausalLM``, ``GPT2LMHeadModel``): a base
-        model at ``model.base_model_prefix`` whose decoder layers are a ``ModuleList`` of
+        model (at ``model.base_model_prefix``, or ``model.get_decoder()``, or the child holding
+        ``model.get_input_embeddings()``) whose decoder layers are a ``ModuleList`` of
         ``config.num_hidden_layers`` modules (``layers``, ``h``, ``blocks``; or ``layers_attr``);
         or a ``peft`` ``PeftModel`` of one with LoRA (or DoRA) adapters: the stages run its
         modules, adapters included, and ``first.parameter_names`` holds its parameter names
         (:mod:`xla_swap.peft_models`).
       layers_attr: the name of that ``ModuleList`` in the base model, when not a common one.
-      norm_attr: the name of the base model's final norm (``norm``, ``ln_f``,
-        ``final_layernorm``, ...: found by name, checked by the probe), or ``""`` for none.
+      norm_attr: the name of the base model's final norm, or ``""`` for none. Default: found by
+        name (``norm``, ``ln_f``, ``final_layernorm``, ...) and checked against what the base's
+        forward does after its layers on the probe input; where that name does not match, the
+        child of the base model that does (Lfm2's ``embedding_norm``).
       experts: how a mixture-of-experts layer's experts run in the stages (ignored for a model
         without experts): ``"dense"`` (default; every expert on every token: ``E / k`` times the
         routed expert FLOPs and ``[E, N, 2 I]`` + ``[E, N, D]`` activations per layer, plain
@@ -431,7 +396,10 @@ def causal_lm_stages(model: torch.nn.Module, layers_attr: str | None = None, nor
         with the auxiliary loss or router jitter noise asked for, complex keyword tensors; a
         parameter or buffer of the ends (outside the decoder layers) is on the meta device (the
         probe needs values: build such a model's stack with :func:`xla_swap.load_stack`, which
-        loads the ends for the probe).
+        loads the ends for the probe); rotary embeddings with ``rope_type`` ``"dynamic"`` (their
+        frequencies depend on earlier calls); the model's own forward failing with its layers
+        replaced by stand-ins, or its ends failing on the probe input (the message names where in
+        the model's code, and says to pass ``norm_attr=`` where the final norm may be another).
 
     Mixture-of-experts layers keep their routing; their experts run in the form ``experts``
     while the stages are traced (forward hooks on those layers,
@@ -441,23 +409,25 @@ def causal_lm_stages(model: torch.nn.Module, layers_attr: str | None = None, nor
         raise ValueError(f"experts must be one of {sorted(FORMS)}, got {experts!r}")
     model, names = peft_causal_lm(model)
     name = type(model).__name__
-    base, prefix, layers_attr, norm_attr = _locate(model, layers_attr, norm_attr)
+    base, prefix, layers_attr, found_norm = locate(model, layers_attr, norm_attr)
     layers = list(getattr(base, layers_attr))
-    _refuse_unsupported(model, name, prefix, layers_attr, layers)
+    refuse_unsupported(model, name, prefix, layers_attr, layers)
     head = model.get_output_embeddings()
     base_params = {id(p) for p in base.parameters()}
     for pn, p in model.named_parameters(remove_duplicate=False):
         if id(p) not in base_params and all(p is not q for q in head.parameters()):
-            raise ValueError(f"{name} has parameter {pn} outside its base model and output embedding: not supported")
-    first = CausalLMFirst(model, base, layers_attr, norm_attr)
+            raise ValueError(f"{name} has parameter {pn} outside its base model and output embedding (a head that "
+                             "computes more than the output embedding): not supported")
+    first, last = _ends(model, base, prefix, layers_attr, found_norm)
+    record, out = _capture(model, first)
+    if norm_attr is None:   # found by name: checked (or found) against what the base's forward does
+        norm = final_norm(base, layers_attr, found_norm, record[-1][0], out, _called_before_layers(first))
+        if norm != found_norm:
+            form = first.output_form
+            first, last = _ends(model, base, prefix, layers_attr, norm)
+            first.output_form = form
     first.parameter_names = names
-    last = CausalLMLast(model, base, norm_attr)
-    for stage, m in (("first", first), ("last", last)):
-        for n, t in list(m.named_parameters()) + list(m.named_buffers()):
-            if t.is_meta:
-                raise ValueError(f"{name}: {stage}.{n} is on the meta device: the probe runs the model's ends on "
-                                 "values; load the model with xla_swap.load_stack(model, checkpoint)")
-    _probe(model, base, layers_attr, first, last)
+    _probe(model, base, layers_attr, first, last, record)
     experts_while_traced(model, layers, experts)   # the checks passed: hooks for the stages' tracing
     return first, layers, last
 
@@ -467,71 +437,78 @@ def decoder_layers(model: torch.nn.Module, layers_attr: str | None = None) -> to
 
     Raises: TypeError as :func:`causal_lm_stages` (not a causal LM; no layer list found).
     """
-    base, _, layers_attr, _ = _locate(peft_causal_lm(model)[0], layers_attr, None)
+    base, _, layers_attr, _ = locate(peft_causal_lm(model)[0], layers_attr, None)
     return getattr(base, layers_attr)
 
 
-def _locate(model, layers_attr, norm_attr) -> tuple:
-    """``(base, base_model_prefix, layers_attr, norm_attr or None)`` of a causal LM; TypeError when not one."""
+def _ends(model, base, prefix: str, layers_attr: str, norm_attr: str | None) -> tuple:
+    """``(first, last)`` of a located model; ValueError when one of their tensors is on the meta device."""
+    first = CausalLMFirst(model, base, layers_attr, norm_attr)
+    last = CausalLMLast(model, base, norm_attr, prefix)
+    for stage, m in (("first", first), ("last", last)):
+        for n, t in list(m.named_parameters()) + list(m.named_buffers()):
+            if t.is_meta:
+                raise ValueError(f"{type(model).__name__}: {stage}.{n} is on the meta device: the probe runs the "
+                                 "model's ends on values; load the model with xla_swap.load_stack(model, checkpoint)")
+    return first, last
+
+
+def _called_before_layers(first: CausalLMFirst) -> set:
+    """The names of the base model's children its forward calls before its last decoder layer (probe input)."""
+    called: set = set()
+    hooks = [child.register_forward_hook(lambda *_, n=n: called.add(n))
+             for n, child in first.base_module.named_children() if n != first.layer_attr]
+    try:
+        with torch.no_grad():
+            first.run_layers(*_probe_inputs(first.probe_vocab), None, stop=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    return called
+
+
+def _ours(exc: BaseException) -> bool:
+    """Whether ``exc`` is a ValueError / TypeError raised by xla_swap's own code (a refusal already naming the
+    module and the feature)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return isinstance(exc, (ValueError, TypeError)) and tb is not None and \
+        os.path.dirname(tb.tb_frame.f_code.co_filename) == os.path.dirname(__file__)
+
+
+def _capture(model, first: CausalLMFirst) -> tuple:
+    """Run the base model's forward on the probe input with the layers replaced by captures, in the first
+    output form of :data:`OUTPUT_FORMS` the model reads (set on ``first``); returns ``run_layers``'s
+    ``(record, out)``. Raises ValueError naming the module and what failed when no form runs."""
+    ids, mask = _probe_inputs(first.probe_vocab)
+    errors, base = [], type(first.base_module).__name__
+    for form in OUTPUT_FORMS:
+        first.output_form = form
+        try:
+            with torch.no_grad():
+                found = first.run_layers(ids, mask, None, stop=False)
+        except Exception as e:   # noqa: BLE001 - the next form, else the first form's error, named
+            errors.append(e)
+            continue
+        if form >= 2:
+            refuse_extra_outputs(model, first, ids, mask)
+        refuse_state_between_layers(model, first, ids, mask)
+        return found
+    first.output_form = 0
+    if _ours(errors[0]):
+        raise errors[0]
+    raise ValueError(f"{type(model).__name__}: {base}.forward fails with its decoder layers replaced by the stages' "
+                     f"stand-ins (each returning the hidden state, bare or as the first of a tuple): "
+                     f"{describe_failure(errors[0])}; the stages cannot express this model") from errors[0]
+
+
+def _probe(model, base, layers_attr: str, first: CausalLMFirst, last: CausalLMLast, record: list) -> None:
+    """Group the layers by the keyword values the model gives them (``record``: ``run_layers``'s on the
+    probe input), and check the ends against the model's forward."""
     name = type(model).__name__
-    prefix = getattr(model, "base_model_prefix", None)
-    base = getattr(model, prefix, None) if prefix else None
-    if not isinstance(base, torch.nn.Module) or not hasattr(model, "get_output_embeddings") \
-            or model.get_output_embeddings() is None:
-        raise TypeError(f"model must be a Hugging Face causal LM with a base model and an output embedding, got {name}")
-    n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
-    is_list = lambda v: isinstance(v, torch.nn.ModuleList) and len(v) > 0 and (n_layers is None or len(v) == n_layers)
-    if layers_attr is None:
-        layers_attr = _find(base, _LAYER_NAMES, is_list)
-    if layers_attr is None or not is_list(getattr(base, layers_attr, None)):
-        raise TypeError(f"{name}: no decoder layer list (a ModuleList of config.num_hidden_layers modules) found at "
-                        f"{prefix}.{layers_attr or '/'.join(_LAYER_NAMES)}; pass layers_attr=")
-    if norm_attr is None:
-        norm_attr = _find(base, _NORM_NAMES, lambda v: isinstance(v, torch.nn.Module))
-    return base, prefix, layers_attr, norm_attr or None
-
-
-def _refuse_unsupported(model, name: str, prefix: str, layers_attr: str, layers) -> None:
-    """Raise ValueError naming the first module of ``layers`` with a feature the stages cannot run.
-
-    Mixture-of-experts blocks run when their experts are a ``transformers`` experts module
-    (``@use_experts_implementation``, run as :func:`xla_swap.moe.dense_experts_forward` or
-    :func:`xla_swap.moe.sorted_experts_forward` in the stages) and the model asks for nothing the
-    stages leave out: the auxiliary load-balancing loss (``output_router_logits``: the stages
-    return logits, the loss is the caller's) and
-    router jitter noise (random: cannot equal torch's).
-    """
-    from xla_swap.moe import experts_modules
-    cfg = getattr(model, "config", None)
-    for i, layer in enumerate(layers):
-        known = {id(m) for _, m in experts_modules(layer)}
-        for sub_name, sub in layer.named_modules():
-            cls = type(sub).__name__
-            where = f"{name}: {prefix}.{layers_attr}.{i}.{sub_name} ({cls})"
-            if id(sub) in known:
-                if getattr(cfg, "output_router_logits", False):
-                    raise ValueError(f"{where} is a mixture-of-experts block and config.output_router_logits=True "
-                                     "asks for the auxiliary load-balancing loss, which the stages do not compute "
-                                     "(they return logits); set config.output_router_logits=False")
-                continue
-            if float(getattr(sub, "jitter_noise", 0) or 0) > 0:
-                raise ValueError(f"{where} multiplies its input by random router jitter noise "
-                                 "(config.router_jitter_noise > 0), which cannot equal torch's; set it to 0")
-            leaf = sub_name.split(".")[-1]
-            is_moe = leaf == "experts" or cls.endswith(("Experts", "SparseMoeBlock", "MoE", "MoeBlock"))
-            if is_moe and not any(k in {id(m) for m in sub.modules()} for k in known):
-                raise ValueError(
-                    f"{where} is a mixture-of-experts block whose experts are not a transformers experts module "
-                    "(@use_experts_implementation): its routing has data-dependent shapes, which the stages do "
-                    "not trace")
-
-
-def _probe(model, base, layers_attr: str, first: CausalLMFirst, last: CausalLMLast) -> None:
-    """Group the layers by the keyword values the model gives them, and check the ends against the model's forward."""
-    name = type(model).__name__
-    ids, mask = _probe_inputs(first.vocab_size)
+    ids, mask = _probe_inputs(first.probe_vocab)
     with torch.no_grad():
-        record, _ = first.run_layers(ids, mask, None, stop=False)
         keys: dict[tuple, int] = {}
         layer_keys, constants = [], {}
         for i, (_, kw) in enumerate(record):
@@ -545,15 +522,31 @@ def _probe(model, base, layers_attr: str, first: CausalLMFirst, last: CausalLMLa
             layer_keys.append(keys[key])
         first.layer_keys, first.constants = layer_keys, constants
         # the model's own logits with identity layers, against last(first(...)) with the same
-        ident = torch.nn.ModuleList([_Identity(s) for s in first.layer_signatures])
-        with Swapped((base, layers_attr, ident)):
-            ref = model(input_ids=ids, attention_mask=mask)
-        ref = ref.logits if hasattr(ref, "logits") else ref[0]
-        h, kw = first(ids, mask)
-        got = last(h)
+        ident = first.identity_layers()
+        try:
+            with Swapped((base, layers_attr, ident)):
+                ref = model(input_ids=ids, attention_mask=mask, **({"use_cache": False} if _accepts(model, "use_cache")
+                                                                    else {}))
+            ref = ref.logits if hasattr(ref, "logits") else ref[0]
+            h, kw = first(ids, mask)
+            got = last(h)
+        except Exception as e:   # noqa: BLE001 - named below unless already a refusal of this module
+            if _ours(e):
+                raise
+            if last.extra_fields_read or failure_module(e) == name:
+                raise ValueError(f"{name}.forward fails after its base model in the last stage, which calls it "
+                                 "with no inputs and the base model's output replaced by the last hidden state "
+                                 f"(other fields read: {sorted(set(last.extra_fields_read))}): {describe_failure(e)}; "
+                                 "not supported") from e
+            raise ValueError(f"{name}: the stages' ends fail on a probe input (the base model's forward does "
+                             f"something after its layers that the stages do not reproduce; final norm used: "
+                             f"{last.norm_attr!r}): {describe_failure(e)}; pass norm_attr= naming the base model's "
+                             f"final norm (or norm_attr='' for none) if it is another") from e
     if got.shape != ref.shape or not torch.equal(got[mask.bool()], ref[mask.bool()]):
         raise ValueError(f"{name}: the stages' logits differ from the model's own forward on a probe input (the "
-                         "base model's forward does something after its layers that the stages do not reproduce)")
+                         f"base model's forward does something after its layers that the stages do not reproduce; "
+                         f"final norm used: {last.norm_attr!r}): pass norm_attr= naming the base model's final norm "
+                         f"(or norm_attr='' for none) if it is another")
 
 
 def _probe_inputs(vocab: int) -> tuple:
@@ -562,12 +555,3 @@ def _probe_inputs(vocab: int) -> tuple:
     mask = torch.ones(2, _PROBE_T, dtype=torch.long)
     mask[0, :2] = 0
     return ids, mask
-
-
-class _Identity(torch.nn.Module):
-    def __init__(self, signature):
-        super().__init__()
-        self.signature = signature
-
-    def forward(self, *args, **kwargs):
-        return self.signature.bind(*args, **kwargs).arguments[next(iter(self.signature.parameters))]

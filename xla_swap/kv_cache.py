@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from xla_swap.hf import CausalLMFirst, LayerCapture, is_const, is_tensor_tree, StopForward, Swapped
+from xla_swap.hf import CausalLMFirst
+from xla_swap.hf_capture import StopForward, Swapped, is_const, is_tensor_tree
 from xla_swap.stages import TIED
 
 __all__ = ["OFFSET", "kv_cache_bytes", "LayerKV", "layer_kwargs", "DecodeFirst"]
@@ -117,6 +118,10 @@ class DecodeFirst(torch.nn.Module):
         object.__setattr__(self, "_env", env)
         for name, child in first.named_children():
             self.add_module(name, child)
+        for name, p in first.named_parameters(recurse=False):   # the base's own tensors (own_<name>)
+            self.register_parameter(name, p)
+        for name, b in first.named_buffers(recurse=False):
+            self.register_buffer(name, b)
         self._cache_kw, self._cache_len, self._n = cache_kw, cache_len, n_layers
         self._keys = layer_keys
         object.__setattr__(self, "_consts", consts)
@@ -128,7 +133,7 @@ class DecodeFirst(torch.nn.Module):
         first = self._first
         record: list = []
         n = len(first.layer_signatures)
-        caps = torch.nn.ModuleList([LayerCapture(i, s, record, i == n - 1) for i, s in enumerate(first.layer_signatures)])
+        caps = first.captures(record, stop=True)
         cache = LayerKV(self._env, None, self._env.t2j_iso(offset), self._cache_len, self._n)
         kw = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
               self._cache_kw: cache}
@@ -136,9 +141,9 @@ class DecodeFirst(torch.nn.Module):
             kw["use_cache"] = True
         if "cache_position" in first.base_keywords:
             kw["cache_position"] = torch.arange(input_ids.shape[1], dtype=torch.int32) + offset
-        with Swapped((first.base_module, first.layer_attr, caps)):
+        with Swapped((first.base_module, first.layer_attr, caps)), first.kept_attributes():
             try:
-                first.base_module(**kw)
+                first.call_base(kw, self)
             except StopForward:
                 pass
         if len(record) != n:

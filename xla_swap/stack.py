@@ -54,6 +54,7 @@ from xla_swap.budget import AutotuneMixin, check_calibration_arg, resident_for_b
 from xla_swap.checkpoint import CheckpointMixin, model_parameter_names
 from xla_swap.executors.streaming import StreamingRuntime, remat_from_policy
 from xla_swap.hf import causal_lm_stages  # noqa: F401  (re-exported: the entry point's splitter)
+from xla_swap.hf_refusals import describe_failure
 from xla_swap.index_checks import token_id_bounds
 from xla_swap.mixed_precision import cast_floats, check_mixed_precision, stage_functions_in
 from xla_swap.planning.optimizer import AdamW
@@ -464,7 +465,8 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
     def _check_trace(self, inputs: tuple) -> None:
         """Trace the forward of every stage (shapes only, nothing compiled or run) on ``inputs``.
 
-        Raises: ValueError naming the stage and its module when a stage fails to trace.
+        Raises: ValueError naming the stage and its module when a stage fails to trace, and where in the
+        model's code and why (``xla_swap.hf_refusals.describe_failure``), the tracer's own message after.
         """
         try:
             with self.torch_precision():
@@ -473,7 +475,8 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
             msg = str(e)
             i = int(msg.split(":")[0].split()[1]) if msg.startswith("stage ") else None
             where = f"{self.stage_names[i]} ({type(self.modules[i]).__name__})" if i is not None else "a stage"
-            raise ValueError(f"{where} does not trace with torchax on an example input: {msg}") from e
+            raise ValueError(f"{where} does not trace with torchax on an example input: {describe_failure(e)}"
+                             f"\n(details: {msg})") from e
 
     @contextlib.contextmanager
     def torch_precision(self):

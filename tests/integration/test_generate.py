@@ -1,6 +1,6 @@
 """``SwappedStack.generate``: the tokens of Hugging Face's ``model.generate`` for small Llama, Mistral
-(sliding window shorter than the sequence), Qwen2, Gemma-2, Gemma-3 and Mixtral models, batch 4, left padding, 32 new
-tokens; sampling reproducible; the KV cache on the host and on the device equal; decode compiled once;
+(sliding window shorter than the sequence), Qwen2, Gemma-2, Gemma-3, Mixtral, GPT-NeoX, Phi-3 with longrope and Falcon
+models, batch 4, left padding, 32 new tokens; sampling reproducible; the KV cache on the host and on the device equal; decode compiled once;
 bad arguments refused before anything runs."""
 import pytest
 import torch
@@ -30,6 +30,17 @@ def _model(family):
     elif family == "gemma3":   # sliding and full layers, a rotary embedding per layer type
         cfg = transformers.Gemma3TextConfig(**common, head_dim=16, sliding_window=8)
         cls = transformers.Gemma3ForCausalLM
+    elif family.startswith("phi3-longrope"):   # short rotary factors up to `orig` positions, long ones past them
+        orig = int(family.split("-")[-1]) if family.count("-") == 2 else 8   # 8: the prompts of 11 start long
+        factors = dict(short_factor=[1.0 + 0.1 * i for i in range(8)], long_factor=[2.0 + 0.1 * i for i in range(8)])
+        cfg = transformers.Phi3Config(**common, pad_token_id=0, original_max_position_embeddings=orig,
+                                      rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                                           original_max_position_embeddings=orig, **factors))
+        cls = transformers.Phi3ForCausalLM
+    elif family == "falcon":   # its layers return a tuple the model indexes with [0]
+        cfg = transformers.FalconConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        max_position_embeddings=256)
+        cls = transformers.FalconForCausalLM
     elif family == "gpt_neox":   # its layers take the cache as layer_past=
         cfg = transformers.GPTNeoXConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=4, max_position_embeddings=256)
@@ -56,7 +67,8 @@ def _stack(model):
     return xla_swap.SwappedStack(layers, first=first, last=last)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma2", "gemma3", "mixtral", "gpt_neox"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma2", "gemma3", "mixtral", "gpt_neox",
+                                    "phi3-longrope", "falcon"])
 def test_greedy_equals_hf(family):
     model = _model(family)
     ids, mask = _prompts()
@@ -65,6 +77,21 @@ def test_greedy_equals_hf(family):
     got = _stack(model).generate(ids, mask, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
     assert got.shape == ref.shape == (4, 11 + NEW)
     assert torch.equal(got, ref), (got[:, 11:], ref[:, 11:])
+
+
+def test_longrope_switch_mid_generation_refused():
+    """Phi-3 longrope whose generation would grow past ``original_max_position_embeddings`` (16, from a prompt
+    of 11): transformers' generate drops its cache there and runs the sequence again with the long factors, a
+    cached generation cannot: refused by name before anything runs; within 17 positions it equals HF."""
+    model = _model("phi3-longrope-16")
+    ids, mask = _prompts()
+    stack = _stack(model)
+    with pytest.raises(ValueError, match="model.rotary_emb \\(Phi3RotaryEmbedding\\) rope_type 'longrope' switches to "
+                                         "its long factors past original_max_position_embeddings=16"):
+        stack.generate(ids, mask, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)
+    assert torch.equal(stack.generate(ids, mask, max_new_tokens=6, eos_token_id=None, pad_token_id=0), ref)
 
 
 def test_stop_tokens_equal_hf():
