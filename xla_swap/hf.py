@@ -412,12 +412,7 @@ def causal_lm_stages(model: torch.nn.Module, layers_attr: str | None = None, nor
     base, prefix, layers_attr, found_norm = locate(model, layers_attr, norm_attr)
     layers = list(getattr(base, layers_attr))
     refuse_unsupported(model, name, prefix, layers_attr, layers)
-    head = model.get_output_embeddings()
-    base_params = {id(p) for p in base.parameters()}
-    for pn, p in model.named_parameters(remove_duplicate=False):
-        if id(p) not in base_params and all(p is not q for q in head.parameters()):
-            raise ValueError(f"{name} has parameter {pn} outside its base model and output embedding (a head that "
-                             "computes more than the output embedding): not supported")
+    _refuse_parameters_outside(model, base)
     first, last = _ends(model, base, prefix, layers_attr, found_norm)
     record, out = _capture(model, first)
     if norm_attr is None:   # found by name: checked (or found) against what the base's forward does
@@ -439,6 +434,16 @@ def decoder_layers(model: torch.nn.Module, layers_attr: str | None = None) -> to
     """
     base, _, layers_attr, _ = locate(peft_causal_lm(model)[0], layers_attr, None)
     return getattr(base, layers_attr)
+
+
+def _refuse_parameters_outside(model, base) -> None:
+    """ValueError naming a parameter of ``model`` outside its base model and its output embedding."""
+    head = model.get_output_embeddings()
+    base_params = {id(p) for p in base.parameters()}
+    for pn, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in base_params and all(p is not q for q in head.parameters()):
+            raise ValueError(f"{type(model).__name__} has parameter {pn} outside its base model and output embedding "
+                             "(a head that computes more than the output embedding): not supported")
 
 
 def _ends(model, base, prefix: str, layers_attr: str, norm_attr: str | None) -> tuple:
