@@ -190,6 +190,18 @@ def _ce(lo, y):
     return torch.nn.functional.cross_entropy(lo.flatten(0, 1).float(), y.flatten())
 
 
+def torch_train_step(logits_fn, y, opt, losses: list):
+    """A torch training step ``() -> None``: cross-entropy of ``logits_fn()`` against ``y``, backward, the
+    optimizer's step, gradients dropped; each loss appended (detached) to ``losses``."""
+    def step():
+        loss = _ce(logits_fn(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return step
+
+
 def _tag(args, b, s, model_cpu):
     return {"b": b, "s": s, "tokens": b * s, "layers": args.layers, "d": args.d, "f": args.f,
             "heads": args.heads, "kv_heads": args.kv_heads,
@@ -221,12 +233,7 @@ def torch_rows(args, b, s, model_cpu) -> list:
                 _ce(m(xc).logits, yc).backward()
                 m.zero_grad(set_to_none=True)
 
-            def step():
-                loss = _ce(m(xc).logits, yc)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                losses.append(loss.detach())
+            step = torch_train_step(lambda: m(xc).logits, yc, opt, losses)
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             tb = median_time(fwdbwd, args.steps, _sync)

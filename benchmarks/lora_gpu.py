@@ -54,7 +54,7 @@ import sys
 import time
 import warnings
 
-from attention_gpu import _batch, _budget_bytes, _ce, _device, _sync, llama, measure_link_bulk
+from attention_gpu import _batch, _budget_bytes, _ce, _device, _sync, llama, measure_link_bulk, torch_train_step
 from step_timing import median_time
 
 PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -128,13 +128,7 @@ def torch_row(args, b, s, peft_cpu, ckpt: bool) -> dict:
         opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-5, fused=dev.type == "cuda")
         xc, yc = x.to(dev), y.to(dev)
         losses = []
-
-        def step():
-            loss = _ce(m(input_ids=xc).logits, yc)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
+        step = torch_train_step(lambda: m(input_ids=xc).logits, yc, opt, losses)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         t = median_time(step, args.steps, _sync)
