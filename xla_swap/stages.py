@@ -31,8 +31,8 @@ from xla_swap.mixed_precision import is_float
 from xla_swap.torch_bridge import inputs_to_jax, module_fn, to_numpy
 
 __all__ = ["linear_weights", "embedding_padding_rows", "stage_signature", "layer_selection", "TIED", "split_carry",
-           "meta_tensor", "stage_tensors", "tied_parameters", "stage_avals", "program_key", "attribute_key", "attribute_keys",
-           "layer_groups", "example_carry", "stage_functions", "host_stages"]
+           "meta_tensor", "stage_tensors", "tied_parameters", "stage_avals", "program_key", "attribute_key",
+           "attribute_keys", "layer_groups", "example_carry", "stage_functions", "host_stages"]
 
 
 def linear_weights(mod: torch.nn.Module) -> frozenset[str]:
