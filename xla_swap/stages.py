@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from xla_swap.executors._stages import check_input_dtypes
+from xla_swap.hf_refusals import describe_failure
 from xla_swap.mixed_precision import is_float
 from xla_swap.torch_bridge import inputs_to_jax, module_fn, to_numpy
 
@@ -256,7 +257,8 @@ def layer_groups(layers: list, fns: list, transposed: list, keys: list, carry=No
     ``config.layer_types[self.layer_idx]``) gives its layer its own function; without ``carry``, by
     :func:`attribute_keys` (every layer holding another plain setting gets its own).
 
-    Raises: ValueError naming the layer and its module when a layer does not trace on ``carry``.
+    Raises: ValueError naming the layer and its module when a layer does not trace on ``carry``, and where
+      in the model's code and why (``xla_swap.hf_refusals.describe_failure``).
     """
     found: dict = {}
     groups = []
@@ -266,7 +268,7 @@ def layer_groups(layers: list, fns: list, transposed: list, keys: list, carry=No
             what = program_key(f, stage_avals(m, transposed[i]), carry) if carry is not None else plain[i]
         except Exception as e:  # noqa: BLE001  (any trace failure is refused with the layer named)
             raise ValueError(f"layers[{i}] ({type(m).__name__}) does not trace with torchax on an example input: "
-                             f"{type(e).__name__}: {e}") from e
+                             f"{describe_failure(e)}\n(details: {type(e).__name__}: {e})") from e
         groups.append(found.setdefault((stage_signature(m), keys[i], what), len(found)))
     return groups
 
