@@ -44,7 +44,8 @@ from xla_swap.hf_capture import (OUTPUT_FORMS, BaseOutput, IdentityLayer, LayerC
                                  final_norm, hidden_state_output, is_const, is_tensor_tree, leaves,
                                  one_sequence_per_row)
 from xla_swap.hf_refusals import (KeepTensorAttributes, describe_failure, failure_module, is_tracer_error,
-                                  refuse_extra_outputs, refuse_state_between_layers, refuse_unsupported)
+                                  refuse_extra_outputs, refuse_old_transformers, refuse_state_between_layers,
+                                  refuse_unsupported)
 from xla_swap.hf_locate import locate
 from xla_swap.moe import FORMS, experts_while_traced
 from xla_swap.peft_models import peft_causal_lm
@@ -409,6 +410,7 @@ def causal_lm_stages(model: torch.nn.Module, layers_attr: str | None = None, nor
         raise ValueError(f"experts must be one of {sorted(FORMS)}, got {experts!r}")
     model, names = peft_causal_lm(model)
     name = type(model).__name__
+    refuse_old_transformers(name)
     base, prefix, layers_attr, found_norm = locate(model, layers_attr, norm_attr)
     layers = list(getattr(base, layers_attr))
     refuse_unsupported(model, name, prefix, layers_attr, layers)

@@ -22,8 +22,8 @@ import torch
 
 from xla_swap.hf_capture import Unused, holds, is_tensor_tree, leaves
 
-__all__ = ["refuse_unsupported", "refuse_extra_outputs", "refuse_state_between_layers", "describe_failure",
-           "failure_module", "is_tracer_error", "refuse_longrope_generation",
+__all__ = ["NEEDS_TRANSFORMERS", "refuse_old_transformers", "refuse_unsupported", "refuse_extra_outputs",
+           "refuse_state_between_layers", "describe_failure", "failure_module", "is_tracer_error", "refuse_longrope_generation",
            "KeepTensorAttributes"]
 
 #: jax's tracer errors (by class name: this module does not import jax) -> the feature they mean.
@@ -160,6 +160,22 @@ def refuse_longrope_generation(model, prompt_len: int, max_new_tokens: int) -> N
                 "KV cache and runs the whole sequence again (every key rotated with the long factors), which the "
                 f"stack's cached generation does not: keep prompt + max_new_tokens within {orig + 1} positions "
                 f"(got {prompt_len} + {max_new_tokens}), or start from a prompt longer than {orig}")
+
+
+#: causal LMs the stages give torch's results for only from a ``transformers`` version on:
+#: ``{class name: (version, what goes wrong below it)}``.
+NEEDS_TRANSFORMERS = {"CodeGenForCausalLM": ((5, 24), "its stages give NaN logits under transformers 5.17")}
+
+
+def refuse_old_transformers(name: str) -> None:
+    """Raise ValueError when the installed ``transformers`` is older than :data:`NEEDS_TRANSFORMERS` asks for
+    causal LM class ``name``: the message names the class, the version needed and the one installed."""
+    import transformers
+    need = NEEDS_TRANSFORMERS.get(name)
+    have = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
+    if need is not None and have < need[0]:
+        raise ValueError(f"{name} needs transformers >= {'.'.join(map(str, need[0]))} in the stages ({need[1]}); "
+                         f"installed {transformers.__version__}")
 
 
 def refuse_unsupported(model, name: str, prefix: str, layers_attr: str, layers) -> None:
