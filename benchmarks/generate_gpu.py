@@ -48,8 +48,11 @@ import statistics
 import sys
 import time
 
-SHAPES = {"8b": dict(d=4096, f=14336, heads=32, kv=8), "70b": dict(d=8192, f=28672, heads=64, kv=8)}
-SMOKE = {"8b": dict(d=64, f=128, heads=4, kv=2), "70b": dict(d=64, f=160, heads=4, kv=2)}
+SHAPES = {"8b": dict(d=4096, f=14336, heads=32, kv=8), "70b": dict(d=8192, f=28672, heads=64, kv=8),
+          "d5120": dict(d=5120, f=27648, heads=40, kv=8, layers=16), "d8192": dict(d=8192, f=28672, heads=64, kv=8,
+                                                                                  layers=8)}
+SMOKE = {"8b": dict(d=64, f=128, heads=4, kv=2), "70b": dict(d=64, f=160, heads=4, kv=2),
+         "d5120": dict(d=64, f=192, heads=4, kv=2, layers=2), "d8192": dict(d=64, f=96, heads=4, kv=2, layers=2)}
 
 
 def _config(shape: dict, layers: int, vocab: int, max_pos: int):
@@ -58,6 +61,11 @@ def _config(shape: dict, layers: int, vocab: int, max_pos: int):
                        num_hidden_layers=layers, num_attention_heads=shape["heads"],
                        num_key_value_heads=shape["kv"], max_position_embeddings=max_pos,
                        tie_word_embeddings=False)
+
+
+def _layers(name: str, shape: dict, args) -> int:
+    """The layer count of shape ``name``: its own (``d5120``, ``d8192``) or ``--layers-8b`` / ``--layers-70b``."""
+    return shape.get("layers") or (args.layers_8b if name == "8b" else args.layers_70b)
 
 
 def _param_bytes(cfg, itemsize: int = 2) -> int:
@@ -156,6 +164,46 @@ def measure_bandwidth(nbytes: int, reps: int = 5) -> dict:
     hbm = 2 * nbytes / statistics.median(ts)
     del x, y
     return {"h2d_GBps": h2d / 1e9, "hbm_GBps": hbm / 1e9, "buffer_bytes": nbytes}
+
+
+def stream_only(rt, reps: int = 3) -> float:
+    """Seconds to copy every streamed stage's weights ``pinned_host`` -> device in order, ``rt.prefetch_depth``
+    copies in flight, nothing computed (median of ``reps`` after one warm-up): what the link gives the
+    stack's own arrays, leaf by leaf, against the one-buffer copy of :func:`measure_bandwidth`."""
+    import jax
+    ts = []
+    for _ in range(reps + 1):
+        t, window = time.perf_counter(), collections.deque()
+        for i, p in enumerate(rt.host_params):
+            if rt.resident[i]:
+                continue
+            window.append(jax.device_put(p, rt.device_shardings[i]))
+            if len(window) > rt.prefetch_depth:
+                jax.block_until_ready(window.popleft())
+        for a in window:
+            jax.block_until_ready(a)
+        ts.append(time.perf_counter() - t)
+        del window
+    return statistics.median(ts[1:])
+
+
+def torch_h2d(nbytes: int, reps: int = 5) -> float | None:
+    """GB/s of one pinned torch CPU tensor of ``nbytes`` copied to the first CUDA device (``None`` without CUDA)."""
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    ts = []
+    for _ in range(reps + 1):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t)
+    del src, dst
+    torch.cuda.empty_cache()
+    return nbytes / statistics.median(ts[1:]) / 1e9
 
 
 def _prompt(batch: int, prompt: int, vocab: int):
@@ -322,8 +370,8 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
     import xla_swap
     from xla_swap.planning.policy import OffloadPolicy
     shape = (SMOKE if args.cpu_smoke else SHAPES)[name]
-    layers = args.layers_8b if name == "8b" else args.layers_70b
-    new = args.new_tokens if name == "8b" else args.new_tokens_70b
+    layers = _layers(name, shape, args)
+    new = args.new_tokens_70b if name == "70b" else args.new_tokens
     cfg = _config(shape, layers, args.vocab, max_pos=args.prompt + max(new, args.accel_new_tokens) + 128)
     gdev = "cuda" if cuda else "cpu"
     res: dict = {"shape": dict(shape, layers=layers, vocab=args.vocab), "rows": {}}
@@ -357,7 +405,7 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
     res["weight_bytes"] = w
     res["link_floor_s"] = w / (bw["h2d_GBps"] * 1e9)
     res["hbm_floor_s"] = w / (bw["hbm_GBps"] * 1e9)
-    batches = list(args.batches if name == "8b" else args.batches_70b)
+    batches = list(args.batches_70b if name == "70b" else args.batches)
     if args.plan_batch:   # the batch that maximises tokens/s for the free device memory (xla_swap.generate.choose_batch)
         from xla_swap.generate import choose_batch, release_generation
         up = lambda x: -(-x // 64) * 64   # noqa: E731
@@ -367,15 +415,22 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
         res["planned_batch"], res["planned_why"] = planned, why
         if planned not in batches:
             batches.append(planned)
+    res["stream_only_s"] = stream_only(rt)
     compute: dict = {}
-    if name == "8b" and not args.no_resident:   # the decode compute: every stage resident on the device
-        res_stack = xla_swap.SwappedStack(lyr, first=first, last=last, policy=OffloadPolicy(params="device"))
+    if not args.no_resident and (name == "8b" or w < args.resident_max_gb * 1e9):   # the decode compute: resident
+        wkw = {} if name == "8b" else {"weights": RandomWeights(gdev)}
+        res_stack = xla_swap.SwappedStack(lyr, first=first, last=last, policy=OffloadPolicy(params="device"), **wkw)
         for b in batches:
             r = time_stack(res_stack, b, args.prompt, min(new, args.resident_new_tokens), args.vocab)
             compute[b] = r["decode_step_s"]
             res["rows"][f"resident_b{b}"] = {k: v for k, v in r.items() if k not in ("tokens", "hlo")}
         del res_stack
         gc.collect()
+    if args.profile_dir:   # a perfetto trace of a short run at the first batch (the compile run first)
+        import jax
+        time_stack(stack, batches[0], args.prompt, 4, args.vocab)
+        with jax.profiler.trace(os.path.join(args.profile_dir, f"{name}_b{batches[0]}"), create_perfetto_trace=True):
+            time_stack(stack, batches[0], args.prompt, 4, args.vocab)
     for b in batches:
         r = time_stack(stack, b, args.prompt, new, args.vocab)
         c = compute.get(b, res["hbm_floor_s"])
@@ -384,7 +439,7 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
         r["ratio_to_floor"] = r["decode_step_s"] / r["floor_s"]
         res["rows"][f"stack_b{b}"] = r
     if args.kv_host and (name == "8b" or args.kv_host_70b):
-        b = max(args.batches if name == "8b" else args.batches_70b)
+        b = max(args.batches_70b if name == "70b" else args.batches)
         r = time_stack(stack, b, args.prompt, new, args.vocab, kv_cache="host")
         r["floor_s"] = max(res["link_floor_s"] + 2 * r["kv_cache_bytes"] / (bw["h2d_GBps"] * 1e9),
                            compute.get(b, res["hbm_floor_s"]))
@@ -439,7 +494,9 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
 
 def render(data: dict) -> str:
     bw = data.get("bandwidth") or {"h2d_GBps": float("nan"), "hbm_GBps": float("nan")}
-    lines = [f"h2d {bw['h2d_GBps']:.1f} GB/s, hbm {bw['hbm_GBps']:.0f} GB/s ({data.get('device', '?')})",
+    th2d = bw.get("torch_h2d_GBps")
+    lines = [f"h2d {bw['h2d_GBps']:.1f} GB/s (torch pinned copy: {th2d or float('nan'):.1f}), "
+             f"hbm {bw['hbm_GBps']:.0f} GB/s ({data.get('device', '?')})",
              "| shape | row | batch | TTFT s | decode step s | floor s | step / floor | tokens/s | KV cache |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, s in data["shapes"].items():
@@ -453,6 +510,9 @@ def render(data: dict) -> str:
             lines.append(f"| {name} ({s['weight_bytes'] / 1e9:.1f} GB) | {row} | {r['batch']} | {r['ttft_s']:.3f} | "
                          f"{r['decode_step_s']:.4f} | {floor} | {ratio} | {r['tokens_per_s']:.1f} | "
                          f"{r.get('placement', '')} |")
+        if "stream_only_s" in s:
+            lines.append(f"{name}: the weights alone streamed in {s['stream_only_s']:.4f} s "
+                         f"({s['weight_bytes'] / s['stream_only_s'] / 1e9:.1f} GB/s)")
         for row, r in s["rows"].items():   # the host-cache question: tokens, arithmetic, kernels
             for key, what in (("hlo_vs_device_cache", "tokens_equal_device_cache"),
                               ("hlo_vs_first_run", "tokens_equal_first_run")):
@@ -489,6 +549,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-host-70b", action="store_true", help="the same row for the 70b shape")
     ap.add_argument("--no-accelerate", action="store_true")
     ap.add_argument("--no-resident", action="store_true")
+    ap.add_argument("--resident-max-gb", type=float, default=40.0,
+                    help="shapes other than 8b: the resident (compute floor) rows when the weights are smaller")
+    ap.add_argument("--profile-dir", default=None, help="write a perfetto trace of 4 tokens at each shape's first batch")
     ap.add_argument("--check-hf", action="store_true", help="compare the stack's tokens with transformers' generate")
     ap.add_argument("--xla-deterministic", action="store_true",
                     help="compile with GEMM autotuning off (XLA_FLAGS += --xla_gpu_autotune_level=0): every "
@@ -525,7 +588,8 @@ def main(argv=None) -> int:
     from xla_swap.executors.host_pool import ensure_host_memory_limit
     need = {}
     for s in shapes:
-        cfg = _config((SMOKE if args.cpu_smoke else SHAPES)[s], args.layers_8b if s == "8b" else args.layers_70b,
+        shape = (SMOKE if args.cpu_smoke else SHAPES)[s]
+        cfg = _config(shape, _layers(s, shape, args),
                       args.vocab, 4096)
         need[s] = _param_bytes(cfg, 4 if args.cpu_smoke else 2)
     data["host_pool_GiB"] = ensure_host_memory_limit(max(need.values()))
@@ -533,6 +597,7 @@ def main(argv=None) -> int:
     import jax
     data["device"] = str(jax.devices()[0].device_kind)
     data["bandwidth"] = bw = measure_bandwidth(args.bw_mib << 20)
+    bw["torch_h2d_GBps"] = torch_h2d(4 << 30) if cuda else None
     for s in shapes:
         avail = _host_available()
         if need[s] * 1.15 > avail:
