@@ -2,23 +2,26 @@
 ``get_state_dict`` form) and ``save_checkpoint`` / ``load_checkpoint`` (``torch.distributed.checkpoint``,
 DCP), as the mixin :class:`CheckpointMixin`.
 
-Saving streams: a DCP save planner (:func:`_streaming_save_planner`) copies each shard out of its
-``pinned_host`` buffer only when the writer asks for it. Loading checks every key, shape and dtype
-first, then restores one stage at a time (``StreamingRuntime.load_stage``).
+Saving streams: a DCP save planner (:func:`xla_swap.checkpoint_dcp.streaming_save_planner`) copies
+each shard out of its ``pinned_host`` buffer only when the writer asks for it; with several jax
+processes each writes its own devices' shards in one DCP save over ``torch.distributed``. Loading
+checks every key, shape and dtype first, then restores one stage at a time
+(``StreamingRuntime.load_stage``), each process reading only the regions its devices hold, so a
+checkpoint loads with any number of processes and devices.
 
 The module imports torch (``torch.distributed.checkpoint`` when used) and jax.
 """
 from __future__ import annotations
 
-import contextlib
-import warnings
 from typing import Callable
 
 import jax
 import torch
 
+from xla_swap.checkpoint_dcp import (assembled, quiet_dcp, region_load_planner, shard_chunks, shard_regions,
+                                     streaming_save_planner)
 from xla_swap.planning.optimizer import AdamW
-from xla_swap.torch_bridge import to_numpy, to_torch, torch_dtype
+from xla_swap.torch_bridge import to_torch, torch_dtype
 
 __all__ = ["CheckpointMixin", "model_parameter_names"]
 
@@ -33,81 +36,23 @@ def model_parameter_names(modules: list, first) -> dict:
     return {(i, n): given[id(p)] for i, m in enumerate(modules) for n, p in m.named_parameters() if id(p) in given}
 
 
-def _chunks(a: jax.Array, transposed: bool) -> list[tuple[tuple, tuple, Callable]]:
-    """The distinct shards of ``a`` held by this process, in torch's layout: ``[(offsets, sizes,
-    load)]`` where ``load()`` copies the shard into a CPU torch tensor (replicated shards once)."""
-    out, seen = [], set()
-    for sh in a.addressable_shards:
-        start = tuple(s.start or 0 for s in sh.index)
-        if start in seen:
-            continue
-        seen.add(start)
-        sizes = tuple(sh.data.shape)
-
-        def load(data=sh.data):
-            t = to_torch(data)
-            return t.t().contiguous() if transposed else t
-        out.append((start[::-1], sizes[::-1], load) if transposed else (start, sizes, load))
-    return out
-
-
 #: the torch optimizer's state key of each moment kind of ``SwappedStack._ckpt_layout``.
 _MOMENT_KEYS = {"m": "exp_avg", "v": "exp_avg_sq", "step": "step"}
 
 
-@contextlib.contextmanager
-def _single_process_dcp():
-    """Silence DCP's warnings that it runs in one process (``no_dist=True``: the stack's own choice) and
-    that its writer calls the deprecated ``tensor.storage()``."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")  # DCP's own writer calls it
-        yield
+def _check_process_group(what: str) -> None:
+    """RuntimeError unless ``torch.distributed`` is initialized over as many processes as jax spans."""
+    import torch.distributed as dist
+    n = jax.process_count()
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"{what}: the stack spans {n} jax processes and torch.distributed is not initialized; "
+                           "the processes write one checkpoint through a torch.distributed process group: call "
+                           "xla_swap.distributed.initialize() (under torchrun) or "
+                           "torch.distributed.init_process_group('gloo') in every process first")
+    if dist.get_world_size() != n:
+        raise RuntimeError(f"{what}: torch.distributed's world size is {dist.get_world_size()}, jax spans {n} "
+                           "processes; initialize torch.distributed over the same processes")
 
-
-def _streaming_save_planner(tensors: dict, objects: dict):
-    """A ``torch.distributed.checkpoint`` save planner whose tensors are copied from the host
-    buffers only when the writer asks for each one (``resolve_data``), one shard at a time.
-
-    Args:
-      tensors: ``{fqn: (global torch shape, torch dtype, [(offsets, sizes, load), ...])}``.
-      objects: ``{fqn: picklable object}`` (saved as bytes).
-    """
-    import torch.distributed.checkpoint as dcp
-
-    class StreamingSavePlanner(dcp.DefaultSavePlanner):
-        def __init__(self, tensors: dict, objects: dict):
-            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-            self._tensors, self._objects = tensors, objects
-            self._load = {}
-
-        def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
-            self.state_dict, self.is_coordinator = self._objects, is_coordinator
-
-        def create_local_plan(self) -> dcp.SavePlan:
-            from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-            from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-            items = []
-            for fqn, (shape, dtype, chunks) in self._tensors.items():
-                for offsets, sizes, load in chunks:
-                    idx = MetadataIndex(fqn, torch.Size(offsets))
-                    self._load[(fqn, tuple(offsets))] = load
-                    items.append(WriteItem(
-                        index=idx, type=WriteItemType.SHARD if len(chunks) > 1 else WriteItemType.TENSOR,
-                        tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=torch.Size(offsets),
-                                                                               sizes=torch.Size(sizes)),
-                                                    properties=TensorProperties(dtype=dtype), size=torch.Size(shape))))
-            items += [WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO) for fqn in self._objects]
-            self.plan = dcp.SavePlan(items)
-            return self.plan
-
-        def resolve_data(self, write_item):
-            from torch.distributed.checkpoint.planner import WriteItemType
-            if write_item.type == WriteItemType.BYTE_IO:
-                return super().resolve_data(write_item)
-            return self._load[(write_item.index.fqn, tuple(write_item.index.offset))]()
-
-    return StreamingSavePlanner(tensors, objects)
 
 class CheckpointMixin:
     """The checkpoint methods of :class:`xla_swap.stack.SwappedStack` (it inherits them).
@@ -176,7 +121,12 @@ class CheckpointMixin:
             if not isinstance(v, torch.Tensor):
                 raise TypeError(f"state_dict: {k} must be a torch.Tensor, got {type(v).__name__}")
         meta = {k: (tuple(v.shape), v.dtype) for k, v in flat.items()}
-        self._restore(meta, lambda keys: {k: flat[k] for k in keys}, optim.get("param_groups"), "state_dict")
+
+        def read(regions):
+            for k, pieces in regions.items():
+                for off, t in pieces.items():
+                    t.copy_(flat[k][tuple(slice(o, o + s) for o, s in zip(off, t.shape))])
+        self._restore(meta, read, optim.get("param_groups"), "state_dict")
 
     def save_checkpoint(self, path, *, extra: dict | None = None) -> None:
         """Write :meth:`state_dict` as a ``torch.distributed.checkpoint`` (DCP) checkpoint into the
@@ -191,13 +141,24 @@ class CheckpointMixin:
         its buffer, its ``[out, in]`` transpose, the writer's serialization; at most four), never
         the model or one stage. Not measured: derived from the writer's one-item-at-a-time loop.
 
+        With several jax processes (``jax.distributed``), every process calls this with the same
+        ``path`` (a folder all of them see: a shared file system across hosts): it is one DCP save
+        over ``torch.distributed``'s default process group, each process writing its own devices'
+        shards into its own files (``__<rank>_0.distcp``; a piece held by devices of several
+        processes, e.g. a replicated bias, by one of them) and rank 0 the ``.metadata`` file. The
+        step, the param groups and ``extra`` are written by jax process 0 (pass the same ``extra``
+        everywhere). Such a checkpoint loads with any number of processes (:meth:`load_checkpoint`).
+
         Args:
           path: a folder (``str`` or ``os.PathLike``).
           extra: ``None`` or a dict ``{str: picklable}`` saved beside the state, e.g.
             ``{"scheduler": sched.state_dict()}`` (:meth:`load_checkpoint` returns it).
 
-        Raises: TypeError: ``path`` or ``extra`` of the wrong type. ValueError: as
-          :meth:`state_dict` (pending micro-batches; several processes).
+        Raises (before anything is written): TypeError: ``path`` or ``extra`` of the wrong type.
+          ValueError: pending micro-batches (as :meth:`state_dict`). RuntimeError: the stack spans
+          several jax processes and ``torch.distributed`` is not initialized (call
+          ``xla_swap.distributed.initialize()`` or ``torch.distributed.init_process_group("gloo")``
+          in every process), or its world size is not the number of jax processes.
         """
         import os
 
@@ -206,28 +167,40 @@ class CheckpointMixin:
             raise TypeError(f"path must be a str or os.PathLike folder, got {type(path).__name__}")
         if extra is not None and (not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra)):
             raise TypeError(f"extra must be None or a dict with str keys, got {type(extra).__name__}")
-        self._check_checkpointable("save_checkpoint")
+        self._check_checkpointable("save_checkpoint", several_processes=True)
+        several = jax.process_count() > 1
+        if several:
+            _check_process_group("save_checkpoint")
+        lead = jax.process_index() == 0
         tensors = {}
         for i, stage_layout in enumerate(self._ckpt_layout()):
             for key, (fqn, name, kind, j, shape, dtype) in stage_layout.items():
                 if kind == "step":
-                    tensors[key] = (shape, dtype, [((), (), lambda: torch.tensor(float(self.runtime.step)))])
+                    step = [((), (), lambda: torch.tensor(float(self.runtime.step)))]
+                    tensors[key] = (shape, dtype, step if lead else [], 1)
                 else:
-                    tensors[key] = (shape, dtype, _chunks(self._ckpt_source(i, name, kind, j),
-                                                          name in self.transposed[i]))
+                    tensors[key] = (shape, dtype, *shard_chunks(self._ckpt_source(i, name, kind, j),
+                                                                name in self.transposed[i]))
         objects = {f"extra.{k}": v for k, v in (extra or {}).items()}
         if self.optimizer is not None:
             objects["optim.param_groups"] = self._param_groups_state()
         os.makedirs(path, exist_ok=True)
         # per_thread_copy_ahead=0: the writer resolves (copies) one shard, writes it, then the next
         writer = dcp.FileSystemWriter(path, per_thread_copy_ahead=0)
-        with _single_process_dcp():
-            dcp.save({}, storage_writer=writer, planner=_streaming_save_planner(tensors, objects), no_dist=True)
+        with quiet_dcp():
+            dcp.save({}, storage_writer=writer, planner=streaming_save_planner(tensors, objects if lead else {}),
+                     no_dist=not several)
 
     def load_checkpoint(self, path) -> dict:
         """Restore the training state from a :meth:`save_checkpoint` folder, as :meth:`load_state_dict`
-        does, reading one stage at a time (extra host memory: about three times one stage's
-        weights and moments).
+        does, one stage at a time.
+
+        The checkpoint may come from any number of processes and devices: each process reads only
+        the regions of each tensor its own devices' shards hold (DCP reshards: a region may span
+        chunks another process wrote), with no collective (``torch.distributed`` need not be
+        initialized; with several jax processes every process calls this, the folder visible to
+        all). Extra host memory per process: about three times its share of one stage's weights
+        and moments (the regions read, the arrays built from them, the runtime's new buffers).
 
         The checkpoint's keys, shapes and dtypes (its metadata), its step counts and param groups
         are checked before anything changes. Should reading a stage's data fail after that (a
@@ -244,7 +217,7 @@ class CheckpointMixin:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a str or os.PathLike folder, got {type(path).__name__}")
-        self._check_checkpointable("load_checkpoint")
+        self._check_checkpointable("load_checkpoint", several_processes=True)
         if not os.path.isfile(os.path.join(path, ".metadata")):
             raise FileNotFoundError(f"path={os.fspath(path)!r} holds no torch.distributed.checkpoint checkpoint "
                                     "(no .metadata file)")
@@ -255,24 +228,24 @@ class CheckpointMixin:
                      and not k.startswith("extra.") and k != "optim.param_groups"})
         objects = {k: None for k in md if k.startswith("extra.") or k == "optim.param_groups"}
         if objects:
-            with _single_process_dcp():
+            with quiet_dcp():
                 dcp.load(objects, storage_reader=dcp.FileSystemReader(path), no_dist=True)
 
-        def read(keys):
-            sd = {k: torch.empty(meta[k][0], dtype=meta[k][1]) for k in keys}
-            with _single_process_dcp():
-                dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=True)
-            return sd
+        def read(regions):
+            with quiet_dcp():
+                dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=region_load_planner(regions),
+                         no_dist=True)
         self._restore(meta, read, objects.get("optim.param_groups"), f"checkpoint {os.fspath(path)!r}")
         return {k[len("extra."):]: v for k, v in objects.items() if k.startswith("extra.")}
 
-    def _check_checkpointable(self, what: str) -> None:
+    def _check_checkpointable(self, what: str, several_processes: bool = False) -> None:
         if self.runtime.grad_acc is not None:
             raise ValueError(f"{what}: {self.runtime.micro_batches} accumulated micro-batches are pending (train_step("
                              "accumulate=True) since the last update); their gradients are not part of the state: "
                              "finish the accumulation with train_step(accumulate=False) first")
-        if jax.process_count() > 1:
-            raise ValueError(f"{what} is not implemented for a stack spanning {jax.process_count()} processes")
+        if jax.process_count() > 1 and not several_processes:
+            raise ValueError(f"{what} is not implemented for a stack spanning {jax.process_count()} processes; "
+                             "save_checkpoint / load_checkpoint are")
 
     def _fqn(self, stage: int, name: str) -> str:
         """torch-style name of parameter ``name`` of ``stage``: its name in the model the stages were cut
@@ -332,7 +305,8 @@ class CheckpointMixin:
 
     def _restore(self, meta: dict, read: Callable, groups, where: str) -> None:
         """Check ``meta`` (``{flat key: (shape, torch dtype)}``) and ``groups`` against the stack, then
-        load each stage from ``read(keys) -> {key: tensor}`` and set the step and the groups.
+        load each stage and set the step and the groups. ``read(regions)`` fills ``regions``
+        (``{flat key: {offsets: CPU tensor}}``) with those regions of the saved tensors.
 
         Raises ValueError naming the key before anything changes (see :meth:`load_state_dict`).
         """
@@ -350,38 +324,48 @@ class CheckpointMixin:
         if self.optimizer is not None:
             if groups is None:
                 raise ValueError(f"{where} has no optim.param_groups")
-            steps = read([k for k, v in want.items() if v[2] == "step"])
-            vals = {float(t) for t in steps.values()}
+            steps = {k: {(): torch.empty((), dtype=v[5])} for k, v in want.items() if v[2] == "step"}
+            read(steps)
+            vals = {float(r[()]) for r in steps.values()}
             if len(vals) > 1 or (vals and (not float(next(iter(vals))).is_integer() or next(iter(vals)) < 0)):
                 raise ValueError(f"{where}: the parameters' steps differ or are not counts: {sorted(vals)[:4]}")
             step = int(next(iter(vals))) if vals else self.runtime.step
             new_groups = self._checked_groups_state(groups, where)
         for i, stage_layout in enumerate(layout):
-            keys = [k for k, v in stage_layout.items() if v[2] != "step"]
             try:
-                got = read(keys)
+                self._restore_stage(i, stage_layout, read)
             except Exception as e:
                 if i == 0:
                     raise
                 raise RuntimeError(f"{where}: reading stage {self.stage_names[i]} failed after stages "
                                    f"{self.stage_names[0]}..{self.stage_names[i - 1]} were restored; load again") from e
-            params, state = dict(self.runtime.host_params[i]), {}
-            for k in keys:
-                _, n, kind, j, _, _ = stage_layout[k]
-                t = got[k].detach().to("cpu")
-                a = to_numpy(t.t() if n in self.transposed[i] else t)
-                if kind == "w":
-                    params[n] = a
-                else:
-                    state.setdefault(j, [None, None])[0 if kind == "m" else 1] = a
-            self.runtime.load_stage(i, params, [tuple(state[j]) for j in sorted(state)]
-                                    if self.optimizer is not None else None)
         if self.optimizer is not None:
             self.runtime.step = step
             if self.torch_optimizer is not None:
                 for g, saved in zip(self.torch_optimizer.param_groups, groups):
                     g.update({k: v for k, v in saved.items() if k != "params"})
             self.runtime.param_groups = new_groups
+
+    def _restore_stage(self, i: int, stage_layout: dict, read: Callable) -> None:
+        """Read the regions of stage ``i``'s weights and moments this process's devices hold
+        (``read`` as :meth:`_restore`'s) and put them into the runtime's host buffers."""
+        sources, regions = {}, {}
+        for k, (_, n, kind, j, _, dtype) in stage_layout.items():
+            if kind != "step":
+                sources[k] = self._ckpt_source(i, n, kind, j)
+                regions[k] = {off: torch.empty(sizes, dtype=dtype)
+                              for off, sizes in shard_regions(sources[k], n in self.transposed[i]).values()}
+        read(regions)
+        params, state = dict(self.runtime.host_params[i]), {}
+        for k, src in sources.items():
+            _, n, kind, j, _, _ = stage_layout[k]
+            a = assembled(src, n in self.transposed[i], regions.pop(k))
+            if kind == "w":
+                params[n] = a
+            else:
+                state.setdefault(j, [None, None])[0 if kind == "m" else 1] = a
+        self.runtime.load_stage(i, params, [tuple(state[j]) for j in sorted(state)]
+                                if self.optimizer is not None else None)
 
     def _checked_groups_state(self, groups, where: str) -> list[AdamW]:
         """The runtime's groups for saved ``groups`` (``_param_groups_state`` form); ValueError if they
