@@ -8,7 +8,7 @@ memory, with weights, gradients and AdamW state in host memory.
     stack.sync_modules()               # the trained weights back into the nn.Modules
     stack.save_checkpoint("ckpt/")     # weights, AdamW moments, step (torch.distributed.checkpoint)
 
-Design (``docs/design.md``):
+Design (``docs/explanation/design.md``):
 
 * **Bridge.** Each stage (``first``, every layer, ``last``) is turned into a JAX function by
   torchax (:mod:`xla_swap.torch_bridge`, :mod:`xla_swap.stages`); layers that compute the same
@@ -37,7 +37,7 @@ Design (``docs/design.md``):
   :mod:`xla_swap.executors.streaming` (jax's own bounded caches; ``benchmarks/leak_cycles.py``).
 
 Beside it: :mod:`xla_swap.sharding`, :mod:`xla_swap.mixed_precision`, :mod:`xla_swap.budget`,
-:mod:`xla_swap.checkpoint` (docs/design.md lists them). Imports torch, torchax, jax; not torch_xla.
+:mod:`xla_swap.checkpoint` (docs/explanation/design.md lists them). Imports torch, torchax, jax; not torch_xla.
 """
 from __future__ import annotations
 
