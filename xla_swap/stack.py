@@ -260,8 +260,8 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
       transpose_linear: hold every ``nn.Linear`` weight in host (and device) memory as
         ``[in, out]``, the transpose of torch's ``[out, in]`` (default ``True``). The stage hands
         the module the transpose, which XLA folds into the matmul: it then contracts like
-        ``h @ w`` ("NN") instead of ``F.linear``'s "NT", which measured up to 9 % more compute
-        per stage on an H100 (``benchmarks/results/torch_stack_cyclic/README.md``). Everything
+        ``h @ w`` ("NN") instead of ``F.linear``'s "NT", which costs more compute per stage
+        (docs/explanation/design.md, "``nn.Linear`` weights held ``[in, out]``"). Everything
         the user sees stays in torch's layout: ``shard`` callables get torch's shape and return
         torch's spec, ``state_dicts()``, ``sync_modules()`` and ``.grad`` are ``[out, in]``;
         only ``runtime.host_params`` and ``last_grads`` hold the names in ``transposed`` as

@@ -460,8 +460,8 @@ def test_bad_plan_arguments():
 
 # The default shape of benchmarks/results/torch_stack/README.md (H100): 8 bf16 FFN layers, D=8192, F=32768, bf16
 # AdamW moments (as torch keeps them for bf16 parameters), prefetch depth k=2, pinned link 53.9 / 54.6 / 75.1 GB/s,
-# host memory 21.2 GB/s (docs/explanation/measured-facts.md, section 7).  That run timed each call on its own, before the cyclic
-# schedule: a single (cold) call of the time model.
+# host memory 21.2 GB/s (docs/explanation/measured-facts.md, section 7).  That run timed each call on its own,
+# without the cyclic schedule: a single (cold) call of the time model.
 TS_N = 2 * D * F                                  # parameters per layer
 TS_LINK = Link(h2d_gbps=53.886, d2h_gbps=54.643, both_gbps=75.106, host_memory_gbps=21.2)
 TS_ONDEV_ADAMW_S = 0.359      # whole step, moments in device memory (median; the README's "ondev_adamw" samples)
@@ -504,7 +504,7 @@ def test_streamed_mode_wins_and_matches_measured_step_at_default_shape():
     assert p.floor_s == pytest.approx(floor, rel=1e-9)
     assert p.step_s >= p.floor_s
     assert p.step_s == pytest.approx(TSC_STREAMED_S, rel=0.1)      # measured 0.753 s
-    # A single call (the earlier run, each call on its own): the first k layers stream in too, 2L - k - 1 weights.
+    # A single call (the run that timed each call on its own): the first k layers stream in too, 2L - k - 1 weights.
     cold_layer = ts_layer()
     cold = evaluate(TS_HOST_POLICY, cold_layer, L, TS_LINK, steady_state=False)
     assert cold.optimizer_mode == "streamed" and not cold.steady_state

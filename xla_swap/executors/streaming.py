@@ -60,7 +60,7 @@ __all__ = ["StreamingRuntime", "StageEvent", "TraceRecorder", "tree_nbytes", "DE
 def _check_trace(trace) -> None:
     """Raise ``TypeError`` unless ``trace`` is a ``TraceRecorder`` or ``None``."""
     if trace is not None and not isinstance(trace, TraceRecorder):
-        hint = " (trace=True was replaced by trace=TraceRecorder())" if isinstance(trace, bool) else ""
+        hint = " (pass trace=TraceRecorder() to record a trace)" if isinstance(trace, bool) else ""
         raise TypeError(f"trace must be an xla_swap.executors.TraceRecorder or None, got {type(trace).__name__}{hint}")
 
 

@@ -90,7 +90,7 @@ class Link:
         return touched_bytes / (self.host_memory_gbps * GB)
 
 
-#: Pinned host memory on an NVIDIA H200 (docs/explanation/measured-facts.md, measured 2026-11-22): 54 GB/s each way,
+#: Pinned host memory on an NVIDIA H200 (docs/explanation/measured-facts.md, section 4): 54 GB/s each way,
 #: ~93 GB/s both at once.
 H200_PINNED = Link(h2d_gbps=54.0, d2h_gbps=54.0, both_gbps=93.0)
 
