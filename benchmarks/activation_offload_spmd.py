@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""A named activation offloaded under SPMD, run through the PJRT executor (issue 21, item 5).
+"""A named activation offloaded under SPMD, run through the PJRT executor.
 
 Two steps, two processes (the GPU machine has no torch_xla):
 

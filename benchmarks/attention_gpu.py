@@ -306,7 +306,7 @@ def stack_rows(args, b, s, model_cpu, link):
         variants.append(("xla", False, True, {}))
     if args.saved_rows and b * s <= args.saved_max_tokens:
         variants.append(("cudnn_saved", True, True, {"policy": saved, "offload_activations": True}))
-        # the chooser's pick under a budget (remat or kept residuals, docs/planner.md "Remat or
+        # the chooser's pick under a budget (remat or kept residuals, docs/reference/planner.md "Remat or
         # residuals"): the first step measures the link and the layers, then runs the choice
         variants.append(("cudnn_chosen", True, True, {"budget_bytes": _budget_bytes(args)}))
     rows = []

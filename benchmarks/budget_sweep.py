@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""A schedule planned from measurement (issue 12): a device-memory budget sweep of the torch entry
+"""A schedule planned from measurement: a device-memory budget sweep of the torch entry
 point with AdamW, measured against the planner's prediction, and the automatically chosen schedule
 (``SwappedStack.autotune``) against the floor and the best hand-picked row of the same run.
 

@@ -1,4 +1,4 @@
-"""Host-memory leak check of construct / call / drop cycles (issue 21, item 4).
+"""Host-memory leak check of construct / call / drop cycles.
 
 Builds, calls and drops the same model ``--cycles`` times, one case after another in one
 process, and samples the process RSS (``/proc/self/statm``, bytes) after each cycle (after

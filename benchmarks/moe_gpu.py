@@ -33,7 +33,7 @@ bandwidths measured in this run on a layer's own host buffers (``link_bandwidth`
 ``link_floor_terms``; the duplex rate measured here, two ``device_put`` calls issued together, came
 out below what the stack's own overlapped step reaches on an H100, so its 7 W / both term is
 recorded but not part of that floor); ``link_floor_reference_s`` = max(4 W / 54, 3 W / 54,
-7 W / 93 GB/s), the reference rates of ``docs/measured.md``. Model TFLOP/s use the routed FLOPs:
+7 W / 93 GB/s), the reference rates of ``docs/explanation/measured-facts.md``. Model TFLOP/s use the routed FLOPs:
 6 x (parameters active per token: attention, router, ``top_k`` experts, norms, the head) x tokens
 + causal attention's 6 x B x S^2 x (heads x head_dim) per layer (forward and backward).
 
@@ -56,7 +56,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from step_timing import median_time  # noqa: E402
 
-#: reference pinned-host bandwidths of an H100 (bytes/s: h2d, d2h, both), ``docs/measured.md``.
+#: reference pinned-host bandwidths of an H100 (bytes/s: h2d, d2h, both), ``docs/explanation/measured-facts.md``.
 REFERENCE_LINK = {"h2d": 54e9, "d2h": 54e9, "both": 93e9}
 #: tiny shapes of ``--smoke`` (CPU, float32).
 SMOKE = dict(d=64, f=128, num_experts=4, top_k=2, vocab=128, batch=2, seq=16, compare_layers=2, layers=3, steps=1,

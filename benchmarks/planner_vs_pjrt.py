@@ -134,7 +134,7 @@ def predict(cfg, policy):
 
     Returns ``(plan, plan_with_optimizer, plan_accelerator)``: ``plan`` evaluates
     ``layer_cost(cfg)`` with ``optimizer_bytes=0`` (the lowered step has no optimizer) and
-    ``target="xla_cpu"`` (what this comparison compiles for: docs/planner.md,
+    ``target="xla_cpu"`` (what this comparison compiles for: docs/reference/planner.md,
     "Target"); ``plan_with_optimizer`` is ``evaluate(policy, layer_cost(cfg), L,
     target="xla_cpu")`` unmodified; ``plan_accelerator`` is ``plan`` with the default
     ``target="accelerator"`` (what a GPU/TPU would hold; recorded, not compared).

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Ties in ``torch.topk``: torch on the device against the stages' ``topk``, and a tied MoE router.
 
-What it checks (``docs/moe.md``, "Ties in the routers' top-k"):
+What it checks (``docs/explanation/mixture-of-experts.md``, "Ties in the routers' top-k"):
 
 1. ``torch.topk`` on the torch device (CUDA if there is one, else the CPU) against ``torch.topk``
    traced in the stages' environment for the first jax device (``xla_swap.moe.topk_like_torch``:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """torch whole beside ``SwappedStack`` on the GPU, and torch's fp32 matmul setting honoured.
 
-One process, in this order (issue 21's GPU check):
+One process, in this order:
 
 1. torch alone on the device: an MLP's forward and backward (CUDA autograd), one FSDP2
    ``fully_shard`` step (world size 1) and a ``torch.compile``-d forward and backward;

@@ -17,7 +17,7 @@ through ``SwappedStack`` (default policy: weights, gradients, bf16 AdamW moments
 Medians of ``--steps`` after one warm-up, seconds; ratios to ``plain`` of the same run. The
 fused step's transfer floor is printed beside it: weights W in twice (forward and backward) and
 the two bf16 moments in (4 W host to device), weights and moments out (3 W), at 54 GB/s each
-way and 93 GB/s both at once (the H100 figures of ``docs/measured.md``; not measured here), the
+way and 93 GB/s both at once (the H100 figures of ``docs/explanation/measured-facts.md``; not measured here), the
 prefetched stages kept across the turns not subtracted.
 
 Also: a bf16 ``[8192, 4096] @ [4096, 14336]`` matmul under jax's ``highest`` and ``default``

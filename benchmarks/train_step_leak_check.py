@@ -1,4 +1,4 @@
-"""Host-memory leak check of ``StreamingRuntime.train_step`` (the reliability issue's item 9).
+"""Host-memory leak check of ``StreamingRuntime.train_step``.
 
 Runs ``--steps`` training steps twice: once with a fresh loss closure every step (targets
 captured by a new ``lambda``: the natural way to pass them, which used to cache and compile

@@ -19,7 +19,7 @@ weights are parameters of their decoder layer and stream with it. Its ``torch.to
 torch does (:func:`topk_like_torch`: equal scores, as a zero-initialised router gives, pick torch's
 experts). :func:`experts_while_traced`
 switches the model to a form while the stages are traced only. Costs, the measured choice between
-the forms and the hooks: ``docs/moe.md``. The module imports torch; ``transformers``, ``torchax``
+the forms and the hooks: ``docs/explanation/mixture-of-experts.md``. The module imports torch; ``transformers``, ``torchax``
 and ``jax`` where called.
 """
 from __future__ import annotations

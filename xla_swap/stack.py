@@ -8,7 +8,7 @@ memory, with weights, gradients and AdamW state in host memory.
     stack.sync_modules()               # the trained weights back into the nn.Modules
     stack.save_checkpoint("ckpt/")     # weights, AdamW moments, step (torch.distributed.checkpoint)
 
-Design (``docs/design.md``):
+Design (``docs/explanation/design.md``):
 
 * **Bridge.** Each stage (``first``, every layer, ``last``) is turned into a JAX function by
   torchax (:mod:`xla_swap.torch_bridge`, :mod:`xla_swap.stages`); layers that compute the same
@@ -37,7 +37,7 @@ Design (``docs/design.md``):
   :mod:`xla_swap.executors.streaming` (jax's own bounded caches; ``benchmarks/leak_cycles.py``).
 
 Beside it: :mod:`xla_swap.sharding`, :mod:`xla_swap.mixed_precision`, :mod:`xla_swap.budget`,
-:mod:`xla_swap.checkpoint` (docs/design.md lists them). Imports torch, torchax, jax; not torch_xla.
+:mod:`xla_swap.checkpoint` (docs/explanation/design.md lists them). Imports torch, torchax, jax; not torch_xla.
 """
 from __future__ import annotations
 
@@ -260,8 +260,8 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
       transpose_linear: hold every ``nn.Linear`` weight in host (and device) memory as
         ``[in, out]``, the transpose of torch's ``[out, in]`` (default ``True``). The stage hands
         the module the transpose, which XLA folds into the matmul: it then contracts like
-        ``h @ w`` ("NN") instead of ``F.linear``'s "NT", which measured up to 9 % more compute
-        per stage on an H100 (``benchmarks/results/torch_stack_cyclic/README.md``). Everything
+        ``h @ w`` ("NN") instead of ``F.linear``'s "NT", which costs more compute per stage
+        (docs/explanation/design.md, "``nn.Linear`` weights held ``[in, out]``"). Everything
         the user sees stays in torch's layout: ``shard`` callables get torch's shape and return
         torch's spec, ``state_dicts()``, ``sync_modules()`` and ``.grad`` are ``[out, in]``;
         only ``runtime.host_params`` and ``last_grads`` hold the names in ``transposed`` as

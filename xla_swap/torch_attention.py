@@ -2,9 +2,8 @@
 
 torchax lowers ``torch.nn.functional.scaled_dot_product_attention`` (what Hugging Face's
 ``sdpa`` attention calls) to XLA's unfused form, which materialises the ``[B, N, T, S]``
-scores: an H100 spent 3.70 / 10.5 ms (forward / forward+backward) where torch's fused kernel
-spent 0.52 / 2.33 ms (B=2, 32 query and 8 K/V heads, S=4096, bf16, causal;
-``benchmarks/results/attention_gpu/``). torchax 0.0.6 also returns NaN for a query row whose
+scores, several times slower than torch's fused kernel on a GPU
+(docs/explanation/measured-facts.md, section 10). torchax 0.0.6 also returns NaN for a query row whose
 keys are all masked (a padding query of a left-padded batch), which the next layer spreads to
 every row; torch returns zeros there.
 
@@ -21,8 +20,8 @@ every row; torch returns zeros there.
   padded positions differs, one that leaves them out does not).
   fp32 operands, and any case cuDNN refuses at trace time, run :func:`sdpa_reference`.
   The kernel takes ``[B, T, N, H]``: the transposes around it cancel against a ``transformers``
-  layer's own (0.95-1.06x torch's SDPA on an H100, forward and backward); contiguous
-  ``[B, N, T, H]`` operands are copied (forward 1.10-1.26x; ``benchmarks/results/attention_gpu/``).
+  layer's own, so it runs as fast as torch's SDPA; contiguous ``[B, N, T, H]`` operands are
+  copied around it (docs/explanation/measured-facts.md, section 11).
   A float ``attn_mask`` is cuDNN's ``bias``. Its gradient is computed only where it is
   differentiated (a ``jax.custom_vjp`` reads that at trace time); otherwise the backward leaves
   that output off (:func:`xla_swap._compat.jax.cudnn_attention_fixed_bias`). In a stack, a float

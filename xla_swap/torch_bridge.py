@@ -119,8 +119,7 @@ def _cuda_to_jax(t: torch.Tensor, sharding=None) -> jax.Array:
 
     A piece already on its device is shared through DLPack; the others are copied by torch peer to peer
     (:func:`tensor_to_sharding`, :func:`_cuda_put`): jax's own resharding of a one-GPU array went through
-    a much slower path (on 2 H200s the input of the data-parallel forward took 113 ms for 128 MiB;
-    ``benchmarks/README.md``, "The torch entry point on N GPUs").
+    a much slower path (docs/explanation/history.md, "CUDA inputs on several GPUs").
     """
     if sharding is None:
         with torch.cuda.device(t.device):

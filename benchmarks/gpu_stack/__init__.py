@@ -1,4 +1,4 @@
-"""GPU benchmark: the L-layer bf16 FFN stack of docs/measured.md, host-offloaded in several ways.
+"""GPU benchmark: the L-layer bf16 FFN stack of docs/explanation/measured-facts.md, host-offloaded in several ways.
 
 Run from the repository root (jax only; no torch, no torch_xla)::
 
@@ -8,8 +8,8 @@ Run from the repository root (jax only; no torch, no torch_xla)::
 Stack: ``layer(h) = h + gelu(h @ a) @ b`` with ``a: (D, F)``, ``b: (F, D)`` in bfloat16;
 D=8192, F=32768 gives 1 GiB of weights per layer, 8 GiB for 8 layers. Inputs ``(T, D)``
 bfloat16 for T in ``--tokens`` (default 8192 32768). The reference figures (bandwidths,
-on-device and streaming times, floors) are in docs/measured.md; the runs in
-docs/benchmark-history.md.
+on-device and streaming times, floors) are in docs/explanation/measured-facts.md; the runs in
+docs/reference/benchmark-runs.md.
 
 Design, one idea per module:
 

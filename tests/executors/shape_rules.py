@@ -1,4 +1,4 @@
-"""The shape rules of ``xla_swap/`` (issue 24 of the project's tracker: one idea per module), checked
+"""The shape rules of ``xla_swap/`` (one idea per module), checked
 on the source by ``test_package_shape``:
 
 * no module over :data:`MAX_MODULE_LINES` lines, no function or method over :data:`MAX_FUNCTION_LINES`

@@ -6,7 +6,7 @@ from __future__ import annotations
 from shape_rules import (MAX_FUNCTION_LINES, MAX_MODULE_DOCSTRING_LINES, MAX_MODULE_LINES, PACKAGE,
                          private_attribute_reads, private_imports, repeated_blocks, shape_violations)
 
-# The private reads of another object's attributes that remain (issue 24, part A, under way): each is to
+# The private reads of another object's attributes that remain: each is to
 # become a documented public property / method of the owning class; the test fails on any read not listed
 # here and on any entry listed here that no longer occurs, so the list only shrinks.
 REMAINING_PRIVATE_READS = {

@@ -1,4 +1,4 @@
-"""A dropped ``StreamingRuntime`` releases everything it made (issue 21, item 4).
+"""A dropped ``StreamingRuntime`` releases everything it made.
 
 After ``del`` the runtime, its executables, the wrappers it traced, its jitted loss and its
 host buffers are dead (weak references), by reference counting alone (no reference cycle

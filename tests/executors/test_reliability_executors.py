@@ -1,4 +1,4 @@
-"""Fuzzing the public entry points of the executors and the torch entry point (reliability issue).
+"""Fuzzing the public entry points of the executors and the torch entry point.
 
 Each entry point gets one generated bad (or odd) argument in one position; only ``ValueError``,
 ``TypeError`` or a documented error class may come out, the user's arrays and modules are
@@ -105,7 +105,7 @@ def test_fuzz_executor_entry_points_raise_only_documented_errors(entry, arg):
     np.testing.assert_allclose(np.asarray(StreamingRuntime(layer, params).forward(x)), ref, rtol=1e-5, atol=1e-6)
 
 
-# ------------------------------------------------------------------- issue 21: the remaining bad inputs
+# ------------------------------------------------------------------- more bad inputs
 def _ref(params, x):
     for p in params:
         x = x + np.tanh(x @ p["a"])

@@ -75,7 +75,7 @@ def test_traced_training_does_not_donate(params, x):
 
 def test_bad_trace_arguments_raise_before_anything_runs(params, x):
     with pytest.raises(TypeError, match=r"trace must be an xla_swap.executors.TraceRecorder or None, got bool "
-                                        r"\(trace=True was replaced by trace=TraceRecorder\(\)\)"):
+                                        r"\(pass trace=TraceRecorder\(\) to record a trace\)"):
         StreamingRuntime(layer, params, trace=True)
     rt = StreamingRuntime(layer, params)
     with pytest.raises(TypeError, match="trace must be .* got list"):

@@ -1,4 +1,4 @@
-"""Reliability of the front end and the planner (issue 11): no crash, no silent wrong result,
+"""Reliability of the front end and the planner: no crash, no silent wrong result,
 a clear error naming the argument for every bad input, before any state changes."""
 import os
 import re
@@ -352,9 +352,9 @@ def test_fuzz_public_entry_points_raise_only_documented_errors(entry, arg):
     torch.testing.assert_close((x @ x).cpu(), x0 @ x0, rtol=1e-5, atol=1e-5)
 
 
-# ------------------------------------------------------------------- issue 21
+# ------------------------------------------------------------------- sharding strings, device ids
 @pytest.mark.spmd
-def test_issue21_sharding_strings_with_bad_device_ids_are_named():
+def test_sharding_strings_with_bad_device_ids_are_named():
     import torch_xla.runtime as xr
     n = xr.global_runtime_device_count()
     x0 = torch.randn(4, 4, generator=torch.Generator().manual_seed(7))

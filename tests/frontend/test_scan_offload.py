@@ -289,7 +289,7 @@ torch_xla.sync()
 
 # torch_xla 2.9's CPU backend has no host offloader: after partitioning, it cannot emit XLA's
 # internal host-offload custom calls and raises this, or (about a third of the runs at 8 devices)
-# crashes with heap corruption in its error path: SIGABRT, now and then SIGSEGV (docs/measured.md
+# crashes with heap corruption in its error path: SIGABRT, now and then SIGSEGV (docs/explanation/measured-facts.md
 # section 9). The partitioned module is dumped before any of these; any other failure fails the test.
 _CPU_BACKEND_REFUSAL = "No registered implementation for untyped custom call to MoveToHost for Host"
 _HEAP_CORRUPTION_SIGNALS = (-6, -11)            # SIGABRT, SIGSEGV

@@ -140,7 +140,7 @@ def test_host_memory_of_loading_without_a_second_copy(wide_checkpoints):
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["bf16", "mixed"])
 def test_host_rss_within_the_bound(wide_checkpoints, mixed):
-    """Issue 25's bound, meta model and safetensors checkpoint, AdamW, two training steps, every stage
+    """The host RSS bound, meta model and safetensors checkpoint, AdamW, two training steps, every stage
     streamed (``autotune=False``). ``W``: the bf16 weight bytes (2 bytes a parameter).
 
     - bf16 weights and bf16 moments: the state is 3 W; RSS at most 3.2 W;

@@ -15,7 +15,7 @@ planner's memory model for the compiler that actually runs here: XLA:CPU's
 ``strip-memory-placement-annotations`` pass deletes the placement annotations and nothing is
 prefetched, so there is no window of ``prefetch_depth + 1`` layers of weights or in-flight
 gradient; instead XLA:CPU materialises the per-layer slices the layer's dots read (its weights,
-its saved input and, without remat, its saved intermediates) as device temporaries (docs/planner.md,
+its saved input and, without remat, its saved intermediates) as device temporaries (docs/reference/planner.md,
 "Target", lists what was measured). Measurement:
 ``memory_report()`` of the module lowered with UNSHARDED weights, which the executor compiles
 for one device, so its per-device bytes are the global bytes the planner predicts; this is why

@@ -1,4 +1,4 @@
-"""A dropped ``SwappedStack`` releases everything it made (issue 21, item 4): the stack, its runtime,
+"""A dropped ``SwappedStack`` releases everything it made: the stack, its runtime,
 its stage closures (they capture the modules), its converted loss, the executables and the host
 buffers of weights and AdamW state are dead once the stack is dropped, by reference counting alone,
 on 1 device and with the weights FSDP-sharded over several (the stack's sharding rule is a closure

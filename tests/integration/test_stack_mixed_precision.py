@@ -16,7 +16,7 @@ accumulation order, excess precision kept between fused ops):
   (measured, ``test_bf16_floor``); after 10 steps the mixed-precision stack is as far from torch as
   torch's own pure-bf16-stack variant is (``BF16_FLOOR`` below), not closer.
 
-Against ``torch.autocast`` (issue 25's reference: fp32 master weights, ``torch.autocast("cpu",
+Against ``torch.autocast`` (the reference of mixed-precision training: fp32 master weights, ``torch.autocast("cpu",
 torch.bfloat16)`` forward and loss, ``torch.optim.AdamW``), ``test_against_torch_autocast``. "rel": per
 tensor ``||a - b|| / ||b||`` (Frobenius), the worst over the model's parameters, as the other tests
 of the repo. rel 1e-5 is not reachable by any implementation that does not reproduce torch's CPU

@@ -63,7 +63,7 @@ def test_patterns_catch_the_known_forms():
     design = "DESIGN" + ".md"          # split so that the scan above does not flag this file
     bad = ["see ../" + "shared/" + design, f"figures from ``{design}``", f"({design}, one H200)",
            "Script: shared/" + "probes/x.py", "/work/" + "shared/seeds"]
-    good = ["docs/measured.md", "docs/design.md", "benchmarks/README.md", "MY_DESIGN.md"]
+    good = ["docs/explanation/measured-facts.md", "docs/explanation/design.md", "benchmarks/README.md", "MY_DESIGN.md"]
     for s in bad:
         assert any(p.search(s) for p in OUTSIDE_REFERENCES), s
     for s in good:

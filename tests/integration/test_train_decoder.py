@@ -1,4 +1,4 @@
-"""Training with the planner's policy equals the un-offloaded run step for step (issue: 20 steps, rtol 1e-5)."""
+"""Training with the planner's policy equals the un-offloaded run step for step (20 steps, rtol 1e-5)."""
 import pytest
 
 import xla_util  # noqa: F401  (SPMD on the virtual devices)

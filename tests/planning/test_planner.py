@@ -16,7 +16,7 @@ from xla_swap.planning.policy import OffloadPolicy
 
 MiB = 1 << 20
 
-# --- the docs/measured.md stack: 8 bf16 FFN layers, D=8192, F=32768 (1 GiB of weights each), 8192 tokens,
+# --- the docs/explanation/measured-facts.md stack: 8 bf16 FFN layers, D=8192, F=32768 (1 GiB of weights each), 8192 tokens,
 # 100 ms forward for the stack on an H200, Adam state in fp32.
 D, F, T, L = 8192, 32768, 8192, 8
 N_BIG = 2 * D * F
@@ -90,7 +90,7 @@ def test_budget_that_fits_everything_gives_all_device(layer, n, training):
     assert p.policy.is_all_device and not p.policy.remat and p.policy.prefetch_depth == 1
     assert p.host_bytes == 0
     act = sum(layer.activations.values())
-    if training:   # memory model of docs/planner.md, by hand
+    if training:   # memory model of docs/reference/planner.md, by hand
         expect = n * (layer.param_bytes + layer.grad_bytes + layer.optimizer_bytes + act
                       + layer.intermediate_bytes + layer.carry_bytes) + layer.working_bytes + layer.carry_bytes
         assert p.policy.activations == {k: "device" for k in layer.activations}
@@ -109,7 +109,7 @@ def test_budget_that_fits_everything_gives_all_device(layer, n, training):
 def test_design_stack_shrinking_budget_sequence():
     plans = sweep(BIG, L)
     got = [(short(p.policy), p.device_bytes) for p in plans]
-    # Thresholds from the memory model of docs/planner.md, by hand. Per layer: P = G = 1 GiB
+    # Thresholds from the memory model of docs/reference/planner.md, by hand. Per layer: P = G = 1 GiB
     # (weights, gradients), O = 4 GiB (Adam), A = 0.5 GiB (ffn_hidden), U = 0.5 GiB (untagged), C = 0.125
     # GiB (saved layer input); working set W = A + U (default) = 1 GiB; live carry C; prefetch depth 1, so
     # a host-placed class keeps a window of 2 layers (1 layer for in-flight gradients).
@@ -152,7 +152,7 @@ def test_design_stack_shrinking_budget_sequence():
                                          46.125, 45.125, 44.625, 43.625, 42.625, 41.625, 40.125, 39.125, 38.125,
                                          30.0, 24.0, 18.0, 13.125, 12.0]
     assert all(p.optimizer_mode == ("streamed" if p.policy.optimizer_state == "host" else "device") for p in plans)
-    # The order docs/planner.md claims ("Search").
+    # The order docs/reference/planner.md claims ("Search").
     assert first_leave_order(plans) == ["activations", "params", "grads", "optimizer_state"]
     # Step times by hand for the first moves: offloading ffn_hidden (512 MiB / 54 GB/s = 9.9 ms < 12.5 ms
     # compute) exposes one copy per pass; its recompute costs its byte share (1/2) of a forward per layer.
@@ -167,7 +167,7 @@ def test_design_stack_shrinking_budget_sequence():
 def test_small_stack_shrinking_budget_sequence():
     plans = sweep(SMALL, 6)
     # Compute-bound: a layer's weights and Adam state cross the link in the backward (streamed optimizer mode)
-    # faster than the layer computes, so all three leave the device first (docs/planner.md, order claimed).
+    # faster than the layer computes, so all three leave the device first (docs/reference/planner.md, order claimed).
     assert [short(p.policy) for p in plans] == [
         ("device", "device", "device", ("device", "device"), False, 1),
         ("host", "host", "host", ("device", "device"), False, 1),
@@ -248,7 +248,7 @@ def test_plan_fits_budget_or_reports_exact_minimum(layers, budget, link, trainin
                                      rel=1e-12)
     # the exact minimum peak, or 1 (the smallest budget) for layers of zero bytes
     assert p.min_budget_bytes == min_feasible_bytes(*args, training=training, target=target) <= max(1, p.device_bytes)
-    pol = p.policy   # structural rules 1-2 of docs/planner.md ("Search")
+    pol = p.policy   # structural rules 1-2 of docs/reference/planner.md ("Search")
     assert pol.optimizer_state == "device" or pol.grads == "host"
     assert pol.grads == "device" or pol.params == "host"
     if p.min_budget_bytes < budget:   # less memory is never faster
@@ -460,8 +460,8 @@ def test_bad_plan_arguments():
 
 # The default shape of benchmarks/results/torch_stack/README.md (H100): 8 bf16 FFN layers, D=8192, F=32768, bf16
 # AdamW moments (as torch keeps them for bf16 parameters), prefetch depth k=2, pinned link 53.9 / 54.6 / 75.1 GB/s,
-# host memory 21.2 GB/s (docs/measured.md, section 7).  That run timed each call on its own, before the cyclic
-# schedule: a single (cold) call of the time model.
+# host memory 21.2 GB/s (docs/explanation/measured-facts.md, section 7).  That run timed each call on its own,
+# without the cyclic schedule: a single (cold) call of the time model.
 TS_N = 2 * D * F                                  # parameters per layer
 TS_LINK = Link(h2d_gbps=53.886, d2h_gbps=54.643, both_gbps=75.106, host_memory_gbps=21.2)
 TS_ONDEV_ADAMW_S = 0.359      # whole step, moments in device memory (median; the README's "ondev_adamw" samples)
@@ -484,7 +484,7 @@ def test_host_update_bytes_default_is_adamw_traffic():
     # read param + grad + m + v, write param + m + v: 14 bytes per bf16 parameter
     assert layer.host_update_bytes == 2 * layer.param_bytes + layer.grad_bytes + 2 * layer.optimizer_bytes == 14 * TS_N
     assert dataclasses.replace(layer, host_update_bytes=123).host_update_bytes == 123
-    assert Link(54, 54).host_memory_gbps == 21.2                     # the docs/measured.md default
+    assert Link(54, 54).host_memory_gbps == 21.2                     # the docs/explanation/measured-facts.md default
     assert TS_LINK.host_update_s(21.2 * GB) == pytest.approx(1.0)
 
 
@@ -504,7 +504,7 @@ def test_streamed_mode_wins_and_matches_measured_step_at_default_shape():
     assert p.floor_s == pytest.approx(floor, rel=1e-9)
     assert p.step_s >= p.floor_s
     assert p.step_s == pytest.approx(TSC_STREAMED_S, rel=0.1)      # measured 0.753 s
-    # A single call (the earlier run, each call on its own): the first k layers stream in too, 2L - k - 1 weights.
+    # A single call (the run that timed each call on its own): the first k layers stream in too, 2L - k - 1 weights.
     cold_layer = ts_layer()
     cold = evaluate(TS_HOST_POLICY, cold_layer, L, TS_LINK, steady_state=False)
     assert cold.optimizer_mode == "streamed" and not cold.steady_state

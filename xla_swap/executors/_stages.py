@@ -206,9 +206,8 @@ def index_by_identity(items, x):
 def probe(a, seed: int = 0) -> np.ndarray:
     """A numpy array of aval ``a`` to time a stage with: N(0, 1) values for a floating dtype, zeros
     otherwise (indices, masks). Not zeros throughout: a GPU's matmul units draw less power on
-    zeros, so an all-zero input can time faster than the data the runtime then runs on: with zeros
-    the on-device steps of an H100 budget sweep ran 1.04-1.15x the calibrated compute, with these
-    inputs 0.96-1.03 (``benchmarks/results/budget_sweep/README.md``)."""
+    zeros, so an all-zero input can time faster than the data the runtime then runs on
+    (docs/explanation/history.md, "Stage timing inputs")."""
     dt = np.dtype(a.dtype)
     if not jnp.issubdtype(dt, jnp.floating):
         return np.zeros(a.shape, dt)

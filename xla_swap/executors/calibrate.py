@@ -42,7 +42,7 @@ from . import optim as _optim
 from .streaming import StreamingRuntime
 
 #: Fewest timed copies per direction of :func:`calibrate`'s link measurement (medians): enough that
-#: a stall of one copy does not move the median (docs/benchmark-history.md, "Planner and chooser
+#: a stall of one copy does not move the median (docs/reference/benchmark-runs.md, "Planner and chooser
 #: against H100 runs").
 LINK_REPS = 7
 
@@ -89,7 +89,7 @@ class Calibration:
 
         Training: ``costs`` (``working_bytes`` from the backward). A forward: each stage's
         ``working_bytes`` is its compiled forward's temporaries where measured: the backward's
-        figure is not what a forward holds (docs/benchmark-history.md, "Planner and chooser against
+        figure is not what a forward holds (docs/reference/benchmark-runs.md, "Planner and chooser against
         H100 runs").
 
         Raises: TypeError: ``training`` is not a bool.
@@ -194,7 +194,7 @@ LINK_WARMUP_MAX = 20
 def _warm_up(move, nbytes: int) -> int:
     """Copies until the rate stops rising (a copy no more than 5 % above the best so far, after
     at least 2), at most :data:`LINK_WARMUP_MAX`; returns how many ran. The first copies of a
-    process can run far below the link (docs/benchmark-history.md, "Planner and chooser against
+    process can run far below the link (docs/reference/benchmark-runs.md, "Planner and chooser against
     H100 runs")."""
     best = 0.0
     for n in range(1, LINK_WARMUP_MAX + 1):

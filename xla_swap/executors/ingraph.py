@@ -5,15 +5,15 @@ traced into one ``jax.jit``; every stage's weights are *separate* ``pinned_host`
 parameters. XLA:GPU turns each ``device_put`` of a whole host buffer into an asynchronous
 ``copy-start``/``copy-done`` pair on a second stream and overlaps it with the previous
 stage's compute; it does not do that for dynamic slices of one stacked host buffer (the
-``lax.scan`` form), which it reads on the compute stream (measured on one H200: 161 ms vs
-240 ms for the 8-layer 1 GiB/layer bf16 FFN stack at 8192 tokens, floor 159 ms). How far
+``lax.scan`` form), which it reads on the compute stream (docs/explanation/measured-facts.md,
+section 5: the per-stage buffers run at the floor, the stacked form about 1.5x it). How far
 ahead XLA prefetches is XLA's choice (its scheduler); ``copy_start_count`` and
 ``memory_report`` of the compiled program tell what it did.
 
 Compared with :class:`xla_swap.executors.streaming.StreamingRuntime`: one executable and
-no host-side dispatch per stage, but no control over device memory (forward: two stages
-of weights were measured; a training step was measured at 9.6 GiB of temporaries for the
-same stack, so only the forward is offered here).
+no host-side dispatch per stage, but no control over device memory: in a forward XLA keeps
+about two stages of weights, in a training step it prefetches without bound (section 6), so
+only the forward is offered here.
 
 The module imports only numpy and jax (no torch, no torch_xla).
 """

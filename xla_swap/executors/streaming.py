@@ -7,8 +7,8 @@ asynchronously (``jax.device_put`` to memory kind ``device`` returns at once; th
 which the host dispatches copies and executables is what makes them overlap). ``k`` is the
 prefetch depth.
 
-Why this shape: docs/design.md, "One ``pinned_host`` buffer per layer" and "Streaming: one
-executable per stage, prefetch depth k" (figures in docs/measured.md, sections 4-6). The runtime's
+Why this shape: docs/explanation/design.md, "One ``pinned_host`` buffer per layer" and "Streaming: one
+executable per stage, prefetch depth k" (figures in docs/explanation/measured-facts.md, sections 4-6). The runtime's
 parts live in placement.py, compilation.py, stage_programs.py, loop.py, update_pass.py and
 instrumentation.py of this package; this module holds its constructor and entry points.
 
@@ -60,7 +60,7 @@ __all__ = ["StreamingRuntime", "StageEvent", "TraceRecorder", "tree_nbytes", "DE
 def _check_trace(trace) -> None:
     """Raise ``TypeError`` unless ``trace`` is a ``TraceRecorder`` or ``None``."""
     if trace is not None and not isinstance(trace, TraceRecorder):
-        hint = " (trace=True was replaced by trace=TraceRecorder())" if isinstance(trace, bool) else ""
+        hint = " (pass trace=TraceRecorder() to record a trace)" if isinstance(trace, bool) else ""
         raise TypeError(f"trace must be an xla_swap.executors.TraceRecorder or None, got {type(trace).__name__}{hint}")
 
 

@@ -5,7 +5,7 @@ frontend_attributes={_xla_buffer_placement="pinned_host"|"device"}`` (the form J
 torch_xla 2.9's ``place_to_host`` / ``place_to_device`` emit it without a ``sharding``, so the
 SPMD partitioner rejects it (``Side-effect HLO must have sharding``), and its IR node hashes
 only the call target, so the two directions collide in torch_xla's graph hash (measured; see
-docs/measured.md). Here each annotation is a tiny StableHLO module (custom call + sharding +
+docs/explanation/measured-facts.md). Here each annotation is a tiny StableHLO module (custom call + sharding +
 placement) applied with torch_xla's ``_xla_user_computation`` (through
 :mod:`xla_swap._compat.torch_xla`): the IR node's hash is the hash of that
 module, so direction and sharding are part of it, and the custom call carries its sharding.
@@ -19,7 +19,7 @@ these targets, so each gets the activation's own slice of the mesh and the parti
 collective. ``annotate_device_placement`` itself cannot take that route: without a sharding
 torch_xla 2.9's partitioner refuses it (``Side-effect HLO must have sharding``), with
 ``{replicated}`` likewise, and with a tiled one its default handler refuses a side-effecting
-call (``Side-effect ops cannot be replicated``); measured, docs/measured.md section 9.
+call (``Side-effect ops cannot be replicated``); measured, docs/explanation/measured-facts.md section 9.
 
 The ops are ``torch.library`` custom ops (``torch.ops.xla_swap.*``) with fake kernels and
 autograd formulas, so AOTAutograd (which torch_xla's ``scan`` uses) traces them:

@@ -6,7 +6,7 @@ signature: every candidate is mapped onto the planner's streaming policy over pe
 :class:`LayerCost` s rewritten for it and timed by :func:`xla_swap.planning.evaluate`; the
 fastest predicted candidate that fits wins. :func:`evaluate_choice` predicts one configuration;
 :class:`ChoiceCache` keeps choices in memory. The mapping, the search order and the tie-breaks
-are in docs/planner.md, "The chooser".
+are in docs/reference/planner.md, "The chooser".
 
 Framework-neutral: pure Python, imports neither torch, torch_xla nor jax (the measurement that
 feeds it, :func:`xla_swap.executors.calibrate.calibrate`, lives on the executor side).
@@ -56,7 +56,7 @@ class ScheduleChoice:
       device_bytes: predicted peak device bytes.
       step_s: predicted time of a call in a loop (the cyclic schedule's steady state), seconds.
       floor_s: the planner's floor of that call: ``max(compute, bytes / bandwidth)``, seconds.
-      plan: the planner's :class:`Plan` of the rewritten costs (docs/planner.md, "The chooser").
+      plan: the planner's :class:`Plan` of the rewritten costs (docs/reference/planner.md, "The chooser").
       extra_device_bytes: ``{component: bytes}`` added to ``plan.device_bytes`` (resident stages,
         device moments, live carry).
       budget_bytes: the budget it was chosen for (``None`` from :func:`evaluate_choice`).
@@ -278,7 +278,7 @@ def _ranking(costs: list) -> list[int]:
 
 def _order(costs: list, training: bool) -> list[int]:
     """The stage order whose prefixes are tried as residency sets: in training the last stage
-    first (the stages the backward needs first); in a forward :func:`_ranking` (docs/planner.md, "The chooser")."""
+    first (the stages the backward needs first); in a forward :func:`_ranking` (docs/reference/planner.md, "The chooser")."""
     return list(reversed(range(len(costs)))) if training else _ranking(costs)
 
 
@@ -298,7 +298,7 @@ def choose_schedule(costs: Sequence[LayerCost], link: Link, budget_bytes: int, *
     """The fastest predicted ``StreamingRuntime`` configuration whose predicted peak fits ``budget_bytes``.
 
     Prefetch depth 1 is a last resort: it is chosen only when no configuration with ``k >= 2``
-    fits (docs/planner.md, "The chooser").
+    fits (docs/reference/planner.md, "The chooser").
 
     Args:
       costs, link, training: as for :func:`evaluate_choice`.
@@ -312,7 +312,7 @@ def choose_schedule(costs: Sequence[LayerCost], link: Link, budget_bytes: int, *
       allow_no_remat: training: try ``remat=False`` too (each stage keeps its vjp residuals,
         ``intermediate_bytes``, instead of recomputing its forward), with the residuals in device
         memory or, with ``offload_activations``, in ``pinned_host`` beside the stage input
-        (docs/planner.md, "Remat or residuals"). Needs ``costs`` whose ``backward_factor`` excludes
+        (docs/reference/planner.md, "Remat or residuals"). Needs ``costs`` whose ``backward_factor`` excludes
         the recompute (``Calibration.costs`` does). Default ``False``: ``remat`` as given.
 
     Returns: the chosen :class:`ScheduleChoice` (``budget_bytes`` and ``candidates`` set). Everything

@@ -1,6 +1,6 @@
 """What the planner is told about a model and a machine: per-layer costs (:class:`LayerCost`) and the host link (:class:`Link`).
 
-Sizes in bytes, times in seconds, bandwidths in GB/s (1e9 bytes/s); docs/planner.md describes
+Sizes in bytes, times in seconds, bandwidths in GB/s (1e9 bytes/s); docs/reference/planner.md describes
 how the planner uses them. Pure Python.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from xla_swap.planning.units import GB, as_amount, as_bytes, as_float, from_dict
 __all__ = ["HOST_MEMORY_GBPS", "Link", "H200_PINNED", "adam_state_bytes", "LayerCost"]
 
 #: Host memory bandwidth in GB/s (1e9 bytes/s) of the GPU host: a 2 GiB bf16 ``copy_`` moved
-#: 21.2 GB/s (docs/measured.md, section 7, the FSDP2 anchor on the H100 machine). Used as the
+#: 21.2 GB/s (docs/explanation/measured-facts.md, section 7, the FSDP2 anchor on the H100 machine). Used as the
 #: bytes *touched* (read + written) per second by a CPU optimizer update.
 HOST_MEMORY_GBPS = 21.2
 
@@ -26,18 +26,18 @@ class Link:
 
     Per device: with ``num_devices > 1`` each device has its own link (its own PCIe link to the
     host memory attached to it) and moves its own shard over it; ``host_memory_gbps`` is the host
-    memory bandwidth one device's CPU update gets (docs/planner.md, "Several devices").
+    memory bandwidth one device's CPU update gets (docs/reference/planner.md, "Several devices").
 
     Args:
       h2d_gbps: host-to-device bandwidth when only that direction moves.
       d2h_gbps: device-to-host bandwidth when only that direction moves.
       both_gbps: aggregate bandwidth (sum of both directions) when both move at once; ``None``
-        means full duplex (``h2d_gbps + d2h_gbps``).  docs/measured.md measured ~93 GB/s on an H200,
+        means full duplex (``h2d_gbps + d2h_gbps``).  docs/explanation/measured-facts.md measured ~93 GB/s on an H200,
         not 2 x 54.
       host_memory_gbps: host memory bandwidth in GB/s: the bytes a CPU optimizer update reads
         plus writes per second (the third resource, beside PCIe and device compute, of the
         ``"host"`` optimizer mode).  Default :data:`HOST_MEMORY_GBPS` = 21.2 GB/s, the bf16 copy
-        measured on the H100 host (docs/measured.md, section 7).
+        measured on the H100 host (docs/explanation/measured-facts.md, section 7).
 
     Raises:
       TypeError / ValueError: a bandwidth is not a finite number > 0 (the message names it).
@@ -90,7 +90,7 @@ class Link:
         return touched_bytes / (self.host_memory_gbps * GB)
 
 
-#: Pinned host memory on an NVIDIA H200 (docs/measured.md, measured 2026-11-22): 54 GB/s each way,
+#: Pinned host memory on an NVIDIA H200 (docs/explanation/measured-facts.md, section 4): 54 GB/s each way,
 #: ~93 GB/s both at once.
 H200_PINNED = Link(h2d_gbps=54.0, d2h_gbps=54.0, both_gbps=93.0)
 
@@ -137,7 +137,7 @@ class LayerCost:
         when it runs on the CPU (the ``"host"`` optimizer mode).  ``None`` (default) means
         ``2 * param_bytes + grad_bytes + 2 * optimizer_bytes``: AdamW reads the weights, the
         gradient and both moments and writes the weights and both moments, each in its own dtype
-        (14 bytes per bf16 parameter with bf16 moments; docs/measured.md, section 7).  Give it
+        (14 bytes per bf16 parameter with bf16 moments; docs/explanation/measured-facts.md, section 7).  Give it
         for other layouts, e.g. fp32 master weights beside bf16 device weights.
       update_bytes: the weights an update on the device writes back to host memory: the trainable
         ones (frozen weights, e.g. a LoRA model's base, get no gradient and never move back).

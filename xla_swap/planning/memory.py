@@ -1,4 +1,4 @@
-"""The planner's memory model: the peak device bytes of a policy (docs/planner.md, "Memory model").
+"""The planner's memory model: the peak device bytes of a policy (docs/reference/planner.md, "Memory model").
 
 The streamed weights' window is the live set of the runtime's schedule
 (:attr:`~xla_swap.planning.prefetch.PrefetchSchedule.max_live_stages`). Pure Python.
@@ -13,7 +13,7 @@ from xla_swap.planning.prefetch import PrefetchSchedule
 
 __all__ = ["TARGETS", "DeviceMemory", "device_memory", "activation_placements"]
 
-#: Compilers the memory model describes (docs/planner.md, "Target"): ``"accelerator"`` - XLA:GPU /
+#: Compilers the memory model describes (docs/reference/planner.md, "Target"): ``"accelerator"`` - XLA:GPU /
 #: XLA:TPU, whose host offloader turns placement annotations into copies (the default) - and
 #: ``"xla_cpu"`` - XLA:CPU, which strips the annotations and materialises per-layer slices.
 TARGETS = ("accelerator", "xla_cpu")
@@ -77,7 +77,7 @@ def _saved_for_backward(policy: OffloadPolicy, layers: list[LayerCost], placed: 
 
 
 def _operand_copies(policy: OffloadPolicy, layers: list[LayerCost], placed: dict, training: bool) -> int:
-    """XLA:CPU's dense copies of one layer's sliced operands (docs/planner.md, "Target")."""
+    """XLA:CPU's dense copies of one layer's sliced operands (docs/reference/planner.md, "Target")."""
     def one(layer):
         saved = (layer.carry_bytes + (0 if policy.remat else layer.intermediate_bytes)
                  + sum(b for n, b in layer.activations.items() if placed[n] == "device")) if training else 0
@@ -118,7 +118,7 @@ def device_memory(policy: OffloadPolicy, layers: list[LayerCost], training: bool
       schedule: the call's :class:`PrefetchSchedule` whose live set is the window (the one the time
         model times, :func:`xla_swap.planning.rows.schedule_for`); default: built here.
 
-    Returns: a :class:`DeviceMemory`; the terms are those of docs/planner.md, "Memory model".
+    Returns: a :class:`DeviceMemory`; the terms are those of docs/reference/planner.md, "Memory model".
     """
     cpu = target == "xla_cpu"
     # XLA:CPU prefetches nothing (0: only the layer being computed, counted in its operand copies)

@@ -5,7 +5,7 @@ time (:mod:`~xla_swap.planning.timing`); :func:`plan` searches the policy space
 (:mod:`~xla_swap.planning.search`) for the fastest one that fits, or raises
 :class:`InfeasibleBudgetError` with the exact minimum budget; :func:`min_feasible_bytes` gives that
 minimum. The model, its terms and the order in which a shrinking budget moves things to the host
-are in docs/planner.md.
+are in docs/reference/planner.md.
 
 Bytes for sizes, seconds for times, GB/s (1e9 bytes/s) for link bandwidths. Pure Python: imports
 neither torch, torch_xla nor jax. Invalid inputs raise ``ValueError`` / ``TypeError`` naming the
@@ -63,7 +63,7 @@ def _check_num_devices(num_devices) -> int:
 
 def _per_device(layers: list[LayerCost], n: int) -> list[LayerCost]:
     """One device's share of each layer over ``n`` devices: weights, gradients, optimizer state, the
-    weights an update writes back and the CPU update's bytes divided by ``n``, rounded up; the rest as given (docs/planner.md,
+    weights an update writes back and the CPU update's bytes divided by ``n``, rounded up; the rest as given (docs/reference/planner.md,
     "Several devices")."""
     if n == 1:
         return layers
@@ -175,16 +175,16 @@ def evaluate(policy: OffloadPolicy, layers: LayerCost | Sequence[LayerCost], num
       policy: the :class:`OffloadPolicy` to evaluate.
       layers: one :class:`LayerCost` repeated ``num_layers`` times, or one per layer.
       num_layers: number of layers (required with a single LayerCost).
-      link: host link bandwidths (GB/s); default :data:`H200_PINNED` (docs/measured.md).
+      link: host link bandwidths (GB/s); default :data:`H200_PINNED` (docs/explanation/measured-facts.md).
       training: forward + backward + optimizer step (True) or forward only (False).
       target: the compiler the memory model describes, one of :data:`TARGETS`: ``"accelerator"``
         (default; XLA:GPU / XLA:TPU with host offloading) or ``"xla_cpu"`` (XLA:CPU strips the
         placement annotations, prefetches nothing and materialises per-layer slices;
-        docs/planner.md, "Target").  The time model is the same for both.
+        docs/reference/planner.md, "Target").  The time model is the same for both.
       optimizer_mode: ``None`` (default: with ``policy.optimizer_state == "host"`` the faster of
         ``"streamed"`` and ``"host"``), or one of :data:`OPTIMIZER_MODES`, which must match the
         policy's ``optimizer_state`` (``"device"`` for ``"device"``; ``"streamed"`` / ``"host"`` for
-        ``"host"``).  Ignored in inference.  docs/planner.md, "Optimizer modes".
+        ``"host"``).  Ignored in inference.  docs/reference/planner.md, "Optimizer modes".
       host_overlap: in the ``"host"`` mode, whether each layer's CPU update starts as soon as its
         gradient reached host memory, overlapping the backward of the layers before it (True,
         ZeRO-Offload; default) or only after the whole backward (False, FSDP2's
@@ -194,11 +194,11 @@ def evaluate(policy: OffloadPolicy, layers: LayerCost | Sequence[LayerCost], num
         first ``k`` layers' weights on the device (``k+1`` in training), streamed or kept by the call
         before.  ``False``: a single, cold call (the first of a loop, or ``prefetch_next_call=False``):
         every weight it uses streams in during the call.
-        docs/planner.md, "Steady state".  The memory model is the same for both.
+        docs/reference/planner.md, "Steady state".  The memory model is the same for both.
       num_devices: the devices the stack is sharded over, FSDP-style or tensor-parallel (default 1):
         each holds and moves ``1/n`` of every layer's weights, gradients and optimizer state; the
         other LayerCost fields (compute, activations) and ``link`` are per device as given, and so
-        is every byte and time of the result (docs/planner.md, "Several devices").
+        is every byte and time of the result (docs/reference/planner.md, "Several devices").
 
     Named activations of the layers that ``policy.activations`` does not mention are treated as
     ``"device"`` (saved on the device); in inference activation placements are ignored.
@@ -257,7 +257,7 @@ def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
       num_layers: number of layers (required with a single LayerCost; must match a sequence).
       budget_bytes: device-memory budget in bytes, an int > 0 (required); layers of zero bytes fit
         any (:func:`min_feasible_bytes` is then 1).
-      link: host link bandwidths in GB/s; default :data:`H200_PINNED` (54/54/93 GB/s, docs/measured.md).
+      link: host link bandwidths in GB/s; default :data:`H200_PINNED` (54/54/93 GB/s, docs/explanation/measured-facts.md).
       training: True for forward + backward + optimizer step, False for inference (forward only:
         no gradients, optimizer state or saved activations; the policy's activations are empty).
       max_prefetch_depth: largest ``prefetch_depth`` considered (1..16, default 4).
@@ -274,7 +274,7 @@ def plan(layers: LayerCost | Sequence[LayerCost], num_layers: int | None = None,
 
     Returns: a :class:`Plan` (its ``optimizer_mode`` says how the optimizer step runs). Search,
     tie-breaking and the order in which shrinking budgets move components to the host:
-    docs/planner.md, "Search".
+    docs/reference/planner.md, "Search".
 
     Raises:
       InfeasibleBudgetError: no policy fits; ``.min_budget_bytes`` is the exact minimum (bytes),

@@ -6,7 +6,7 @@ executes event by event (``RuntimeLoop``: ``executed_events`` records them), the
 ``tests/executors/test_schedule_residency.py`` checks the runtime's measured residency against it,
 ``tests/executors/test_schedule_one_object.py`` its executed events.
 
-The schedule (``L`` stages, prefetch depth ``k``; docs/design.md, "Streaming" and "The schedule is
+The schedule (``L`` stages, prefetch depth ``k``; docs/explanation/design.md, "Streaming" and "The schedule is
 cyclic across calls"):
 
 * forward: before stage 0 computes, stages ``0..min(k, L)-1`` are fetched (the prologue); after

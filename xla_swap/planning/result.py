@@ -40,7 +40,7 @@ class Plan:
     Attributes:
       policy: the chosen :class:`OffloadPolicy`.
       device_bytes: predicted peak device bytes of one device (memory model of
-        docs/planner.md); with ``num_devices > 1`` every byte count of a Plan is per device.
+        docs/reference/planner.md); with ``num_devices > 1`` every byte count of a Plan is per device.
       host_bytes: bytes kept in host memory (one device's share).
       layer_transfer_s: per layer, transfer seconds summed over phases (``Link.transfer_s``).
       layer_compute_s: per layer, compute seconds summed over phases (incl. recompute, update).
@@ -64,7 +64,7 @@ class Plan:
         allows (``{"device": ...}``, or ``{"streamed": ..., "host": ...}``); empty in inference.
       host_update_s: total seconds of CPU optimizer update, ``sum(host_update_bytes) /
         host_memory_gbps`` (0 unless ``optimizer_mode == "host"``).
-      num_devices: the devices the stack is sharded over (docs/planner.md, "Several devices").
+      num_devices: the devices the stack is sharded over (docs/reference/planner.md, "Several devices").
       schedule: the :class:`~xla_swap.planning.prefetch.PrefetchSchedule` of one call whose steps the
         time model timed and whose live set the memory model counted (``None`` for a Plan built by hand).
       steady_state: whether ``step_s`` / ``floor_s`` / the per-layer times describe a call of a loop

@@ -1,4 +1,4 @@
-"""The rows the time model simulates, read from the runtime's schedule (docs/planner.md, "Time model").
+"""The rows the time model simulates, read from the runtime's schedule (docs/reference/planner.md, "Time model").
 
 One :class:`~xla_swap.planning.prefetch.PrefetchSchedule` per call describes it: each of its steps
 (a stage's forward or backward) becomes one :class:`Row`, whose inbound bytes are the weights the
@@ -22,7 +22,7 @@ __all__ = ["OPTIMIZER_MODES", "Row", "optimizer_modes_of", "schedule_for", "fetc
            "phase_rows",
            "offloaded_rows", "recompute_s", "activation_traffic"]
 
-#: Where and how the optimizer step runs (docs/planner.md, "Optimizer modes"): ``"device"`` - the
+#: Where and how the optimizer step runs (docs/reference/planner.md, "Optimizer modes"): ``"device"`` - the
 #: state lives in device memory (``OffloadPolicy.optimizer_state="device"``); ``"streamed"`` - the
 #: state lives in host memory and each layer's state crosses PCIe in the backward, the update runs
 #: on the device right after the layer's backward (``StreamingRuntime(optimizer=...,

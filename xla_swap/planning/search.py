@@ -1,5 +1,5 @@
 """The planner's search: the policy space, and the fastest predicted policy that fits a budget
-(docs/planner.md, "Search"). Pure Python.
+(docs/reference/planner.md, "Search"). Pure Python.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ MAX_NAMED_ACTIVATIONS = 6
 
 
 def candidates(layers: list[LayerCost], training: bool, max_depth: int):
-    """Every policy of the search space, in a fixed order (docs/planner.md, "Search", rules 1-2).
+    """Every policy of the search space, in a fixed order (docs/reference/planner.md, "Search", rules 1-2).
 
     Raises: ValueError: more than :data:`MAX_NAMED_ACTIVATIONS` distinct named activations.
     """

@@ -1,5 +1,5 @@
 """The planner's time model: a step's rows (:mod:`~xla_swap.planning.rows`, read from the runtime's
-schedule) timed on one compute stream and two copy queues (docs/planner.md, "Time model", "Steady
+schedule) timed on one compute stream and two copy queues (docs/reference/planner.md, "Time model", "Steady
 state", "Optimizer modes"). Pure Python.
 """
 from __future__ import annotations
@@ -170,7 +170,7 @@ def time_offloaded_optimizer(policy: OffloadPolicy, layers: list[LayerCost], lin
                              host_overlap: bool = True, steady_state: bool = True,
                              schedule: PrefetchSchedule | None = None) -> dict:
     """Time a training step whose optimizer state lives in host memory, in ``mode`` ``"streamed"`` or
-    ``"host"`` (docs/planner.md, "Optimizer modes"), the whole step as one stream on a shared link.
+    ``"host"`` (docs/reference/planner.md, "Optimizer modes"), the whole step as one stream on a shared link.
 
     Returns a dict: ``step_s``, ``floor_s``, ``phase_s`` (forward, backward, optimizer: the exposed
     part of the host update), ``phase_layers``, ``layer_transfer_s``, ``layer_compute_s`` (device

@@ -12,7 +12,7 @@ from typing import Mapping
 
 __all__ = ["GB", "GiB", "MAX_BYTES", "REL_TIE", "MAX_PREFETCH_DEPTH", "as_prefetch_depth", "as_bytes", "check_budget_bytes", "as_float", "as_amount", "from_dict", "gib"]
 
-#: Bytes per GB (link bandwidths are in GB/s, as in docs/measured.md).
+#: Bytes per GB (link bandwidths are in GB/s, as in docs/explanation/measured-facts.md).
 GB = 1_000_000_000
 #: Bytes per GiB (used in messages and tables only).
 GiB = 1 << 30
