@@ -68,6 +68,13 @@ def _layers(name: str, shape: dict, args) -> int:
     return shape.get("layers") or (args.layers_8b if name == "8b" else args.layers_70b)
 
 
+def _devices(args) -> list:
+    """The first ``--gpus`` jax devices: the stack's weights split FSDP-style over them, each device's shard in
+    its own ``pinned_host``."""
+    import jax
+    return jax.devices()[:args.gpus]
+
+
 def _param_bytes(cfg, itemsize: int = 2) -> int:
     """bf16 bytes of a Llama of ``cfg`` (from a meta-device model: nothing allocated)."""
     import torch
@@ -135,15 +142,18 @@ def _real_ends(model, cfg):
     return model
 
 
-def measure_bandwidth(nbytes: int, reps: int = 5) -> dict:
-    """``{"h2d_GBps", "hbm_GBps"}``: a ``pinned_host`` -> device copy of ``nbytes`` and an on-device copy (read + write)."""
+def measure_bandwidth(nbytes: int, reps: int = 5, gpus: int = 1) -> dict:
+    """``{"h2d_GBps", "hbm_GBps"}``: a ``pinned_host`` -> device copy of ``nbytes`` and an on-device copy (read + write).
+
+    With ``gpus > 1`` the buffer is split over the first ``gpus`` devices and every device copies its part at
+    once: ``h2d_GBps`` is the aggregate over the devices' host links (the N-GPU floor is ``W / h2d``)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
-    dev = jax.devices()[0]
-    host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
-    dsh = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
-    n = nbytes // 2
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:gpus]), ("d",))
+    host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"), memory_kind="pinned_host")
+    dsh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"), memory_kind="device")
+    n = nbytes // 2 * gpus
     x = jax.device_put(np.ones((n,), jnp.bfloat16), host)
     ts = []
     for _ in range(reps + 1):
@@ -163,7 +173,7 @@ def measure_bandwidth(nbytes: int, reps: int = 5) -> dict:
         ts.append(time.perf_counter() - t)
     hbm = 2 * nbytes / statistics.median(ts)
     del x, y
-    return {"h2d_GBps": h2d / 1e9, "hbm_GBps": hbm / 1e9, "buffer_bytes": nbytes}
+    return {"h2d_GBps": h2d * gpus / 1e9, "hbm_GBps": hbm * gpus / 1e9, "buffer_bytes": nbytes * gpus, "gpus": gpus}
 
 
 def stream_only(rt, reps: int = 3) -> float:
@@ -187,23 +197,27 @@ def stream_only(rt, reps: int = 3) -> float:
     return statistics.median(ts[1:])
 
 
-def torch_h2d(nbytes: int, reps: int = 5) -> float | None:
-    """GB/s of one pinned torch CPU tensor of ``nbytes`` copied to the first CUDA device (``None`` without CUDA)."""
+def torch_h2d(nbytes: int, reps: int = 5, gpus: int = 1) -> float | None:
+    """GB/s of pinned torch CPU tensors of ``nbytes`` copied to each of the first ``gpus`` CUDA devices at once
+    (aggregate; ``None`` without CUDA)."""
     import torch
     if not torch.cuda.is_available():
         return None
-    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    pairs = [(torch.empty(nbytes, dtype=torch.uint8).pin_memory(), torch.empty(nbytes, dtype=torch.uint8,
+                                                                           device=f"cuda:{g}")) for g in range(gpus)]
     ts = []
     for _ in range(reps + 1):
-        torch.cuda.synchronize()
+        for g in range(gpus):
+            torch.cuda.synchronize(g)
         t = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
+        for src, dst in pairs:
+            dst.copy_(src, non_blocking=True)
+        for g in range(gpus):
+            torch.cuda.synchronize(g)
         ts.append(time.perf_counter() - t)
-    del src, dst
+    del pairs
     torch.cuda.empty_cache()
-    return nbytes / statistics.median(ts[1:]) / 1e9
+    return gpus * nbytes / statistics.median(ts[1:]) / 1e9
 
 
 def _prompt(batch: int, prompt: int, vocab: int):
@@ -386,7 +400,7 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
         _fill_random(model, gdev)
         model.eval()
         first, lyr, last = xla_swap.causal_lm_stages(model)
-        stack = xla_swap.SwappedStack(lyr, first=first, last=last)
+        stack = xla_swap.SwappedStack(lyr, first=first, last=last, devices=_devices(args))
     else:              # layers only ever on the meta device; weights straight into pinned_host per stage
         with torch.device("meta"):
             model = LlamaForCausalLM(cfg)
@@ -398,7 +412,7 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
             model.model.norm.weight.fill_(1.0)
         model.eval()
         first, lyr, last = xla_swap.causal_lm_stages(model)
-        stack = xla_swap.SwappedStack(lyr, first=first, last=last, weights=RandomWeights(gdev))
+        stack = xla_swap.SwappedStack(lyr, first=first, last=last, weights=RandomWeights(gdev), devices=_devices(args))
     res["build_s"] = time.perf_counter() - t0
     rt = stack.runtime
     w = rt.weight_nbytes
@@ -419,7 +433,8 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
     compute: dict = {}
     if not args.no_resident and (name == "8b" or w < args.resident_max_gb * 1e9):   # the decode compute: resident
         wkw = {} if name == "8b" else {"weights": RandomWeights(gdev)}
-        res_stack = xla_swap.SwappedStack(lyr, first=first, last=last, policy=OffloadPolicy(params="device"), **wkw)
+        res_stack = xla_swap.SwappedStack(lyr, first=first, last=last, policy=OffloadPolicy(params="device"),
+                                          devices=_devices(args), **wkw)
         for b in batches:
             r = time_stack(res_stack, b, args.prompt, min(new, args.resident_new_tokens), args.vocab)
             compute[b] = r["decode_step_s"]
@@ -507,7 +522,7 @@ def render(data: dict) -> str:
             fl = r.get("floor_s")
             floor = "" if fl is None else f"{fl:.4f}"
             ratio = "" if fl is None else f"{r['ratio_to_floor']:.3f}"
-            lines.append(f"| {name} ({s['weight_bytes'] / 1e9:.1f} GB) | {row} | {r['batch']} | {r['ttft_s']:.3f} | "
+            lines.append(f"| {name} ({s['weight_bytes'] / 1e9:.1f} GB, {data['args'].get('gpus', 1)} GPU) | {row} | {r['batch']} | {r['ttft_s']:.3f} | "
                          f"{r['decode_step_s']:.4f} | {floor} | {ratio} | {r['tokens_per_s']:.1f} | "
                          f"{r.get('placement', '')} |")
         if "stream_only_s" in s:
@@ -551,6 +566,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-resident", action="store_true")
     ap.add_argument("--resident-max-gb", type=float, default=40.0,
                     help="shapes other than 8b: the resident (compute floor) rows when the weights are smaller")
+    ap.add_argument("--gpus", type=int, default=1, help="devices the stack spans (weights split FSDP-style, "
+                                                         "each GPU pulling its W/N; floors from all of them at once)")
     ap.add_argument("--profile-dir", default=None, help="write a perfetto trace of 4 tokens at each shape's first batch")
     ap.add_argument("--check-hf", action="store_true", help="compare the stack's tokens with transformers' generate")
     ap.add_argument("--xla-deterministic", action="store_true",
@@ -596,8 +613,8 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available() and not args.cpu_smoke
     import jax
     data["device"] = str(jax.devices()[0].device_kind)
-    data["bandwidth"] = bw = measure_bandwidth(args.bw_mib << 20)
-    bw["torch_h2d_GBps"] = torch_h2d(4 << 30) if cuda else None
+    data["bandwidth"] = bw = measure_bandwidth(args.bw_mib << 20, gpus=args.gpus)
+    bw["torch_h2d_GBps"] = torch_h2d(4 << 30, gpus=args.gpus) if cuda else None
     for s in shapes:
         avail = _host_available()
         if need[s] * 1.15 > avail:
