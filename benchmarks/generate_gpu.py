@@ -431,7 +431,7 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
             batches.append(planned)
     res["stream_only_s"] = stream_only(rt)
     compute: dict = {}
-    if not args.no_resident and (name == "8b" or w < args.resident_max_gb * 1e9):   # the decode compute: resident
+    if not args.no_resident and (name == "8b" or (name != "70b" and w < args.resident_max_gb * 1e9)):   # the decode compute: resident
         wkw = {} if name == "8b" else {"weights": RandomWeights(gdev)}
         res_stack = xla_swap.SwappedStack(lyr, first=first, last=last, policy=OffloadPolicy(params="device"),
                                           devices=_devices(args), **wkw)
@@ -565,7 +565,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-accelerate", action="store_true")
     ap.add_argument("--no-resident", action="store_true")
     ap.add_argument("--resident-max-gb", type=float, default=40.0,
-                    help="shapes other than 8b: the resident (compute floor) rows when the weights are smaller")
+                    help="d5120, d8192: the resident (compute floor) rows when the weights are smaller")
     ap.add_argument("--gpus", type=int, default=1, help="devices the stack spans (weights split FSDP-style, "
                                                          "each GPU pulling its W/N; floors from all of them at once)")
     ap.add_argument("--profile-dir", default=None, help="write a perfetto trace of 4 tokens at each shape's first batch")

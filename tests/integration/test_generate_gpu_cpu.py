@@ -45,3 +45,25 @@ def test_deterministic_xla_flags():
     flags = generate_gpu.deterministic_xla_flags("--xla_gpu_autotune_level=4 --xla_dump_to=/tmp/d")
     assert flags.split() == ["--xla_dump_to=/tmp/d", "--xla_gpu_autotune_level=0"]
     assert generate_gpu.deterministic_xla_flags("") == "--xla_gpu_autotune_level=0"
+
+
+def test_two_devices_and_own_shapes(tmp_path, num_devices):
+    """A shape with its own layer count over 2 devices: floors from both devices' links, resident rows."""
+    out = tmp_path / "gen.json"
+    assert generate_gpu.main(["--cpu-smoke", "--shapes", "d8192", "--no-kv-host", "--gpus", "2", "--batches", "2",
+                              "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["bandwidth"]["gpus"] == 2
+    s = data["shapes"]["d8192"]
+    assert s["shape"]["layers"] == 2 and s["stream_only_s"] > 0
+    assert s["rows"]["stack_b2"]["compute_floor_from"] == "resident stack"
+    assert s["rows"]["stack_b2"]["decode_step_s"] > 0
+
+
+def test_prefill_smoke(tmp_path):
+    import prefill_gpu
+    out = tmp_path / "prefill.json"
+    assert prefill_gpu.main(["--cpu-smoke", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["prompt"] for r in rows] == [16, 32]
+    assert all(r["torch_s"] > 0 and r["stack_s"] > 0 and r["stack_over_torch"] > 0 for r in rows)
