@@ -265,6 +265,10 @@ def choose_batch(stack, prompt_len: int, max_new_tokens: int, *, device_budget_b
     sequence (every layer: ``2 x kv_heads x head_dim x cache_len x itemsize``), ``temp`` the largest stage
     executable's temporaries for one sequence's prefill (XLA's ``memory_analysis`` of the batch-1 prefill,
     compiled here), ``window`` ``prefetch_depth + 1`` of the largest stage's weights plus resident stages.
+    Over ``n`` data-parallel devices (``runtime.batch_axis``) every device holds ``B / n`` sequences and
+    ``1 / n`` of the prefetched weights: the prefill is compiled at ``n`` and ``2n`` rows, its temporaries split
+    into a fixed part (the gathered weights) and a part per sequence, and ``batch = n x floor((budget -
+    window / n - fixed) / (kv + temp))``, a multiple of ``n`` (``budget`` per device).
 
     Args:
       stack: as for :func:`generate`.
@@ -287,27 +291,50 @@ def choose_batch(stack, prompt_len: int, max_new_tokens: int, *, device_budget_b
     _, _, _, p_len, cache_len, device_budget_bytes = _check_args(
         stack, ids, None, max_new_tokens, False, 1.0, None, None, None, None, None, "device", device_budget_bytes,
         None, prompt_bucket)
+    n = _data_parallel_width(stack)
     with stack.torch_precision():
         gen = _Generator(stack, 1, cache_len, "device", device_budget_bytes)
-        streamer = gen.streamer
-        exes = streamer.executables((np.zeros((1, p_len), np.int32), np.zeros((1, cache_len), np.int32),
-                                     np.zeros((1, p_len), np.int32), np.int32(0)))
-        temp = 0
-        for exe in exes:
-            mem = exe.memory_analysis()
-            temp = max(temp, int(getattr(mem, "temp_size_in_bytes", 0) or 0) + int(
-                getattr(mem, "output_size_in_bytes", 0) or 0))
+        temps = [_prefill_temps(_Generator(stack, b * n, cache_len, "device", device_budget_bytes) if b * n > 1
+                                else gen, b * n, p_len, cache_len) for b in ((1, 2) if n > 1 else (1,))]
+    if n > 1:   # per device: a fixed part (the gathered weights) and a part per sequence (each device holds B / n)
+        marginal = max(t2 - t1 for t1, t2 in zip(*temps))
+        fixed = max(max(0, t1 - (t2 - t1)) for t1, t2 in zip(*temps))
+    else:       # one device: the batch-1 prefill's temporaries counted per sequence (an upper bound)
+        marginal, fixed = max(temps[0]), 0
     budget, source = device_budget_bytes, "device_budget_bytes"
     if budget is None:
         stats = _memory_stats(stack.runtime.activation_sharding)
         if stats is None:
             raise ValueError("device_budget_bytes is needed on a platform without memory statistics (the CPU)")
         budget, source = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0), "free device memory"
-    per_seq = gen.kv_total + temp
-    batch = int(max(1, min(max_batch, (budget - gen.window) // max(1, per_seq))))
-    why = (f"batch {batch}: ({source} {budget} B - streaming window {gen.window} B) / (KV cache {gen.kv_total} B + "
-           f"prefill temporaries {temp} B per sequence, cache_len {cache_len}), at most max_batch {max_batch}")
+    per_seq = gen.kv_total + marginal
+    window = gen.window if n == 1 else -(-gen.window // n)   # each device prefetches its 1/n shards
+    per_device = max(1, (budget - window - fixed) // max(1, per_seq))
+    batch = int(max(1, min(max_batch // n * n or 1, n * per_device)))
+    why = (f"batch {batch}: {n} x ({source} {budget} B - streaming window {window} B - fixed temporaries {fixed} B) "
+           f"/ (KV cache {gen.kv_total} B + prefill temporaries {marginal} B per sequence, cache_len {cache_len}), "
+           f"at most max_batch {max_batch}" + (f", a multiple of the {n} data-parallel devices" if n > 1 else ""))
     return batch, why
+
+
+def _data_parallel_width(stack) -> int:
+    """How many devices a batch splits over: the activation sharding's devices when the stack splits the batch
+    (``runtime.batch_axis``), else 1."""
+    rt = stack.runtime
+    return len(rt.activation_sharding.device_set) if rt.batch_axis is not None else 1
+
+
+def _prefill_temps(gen: _Generator, batch: int, p_len: int, cache_len: int) -> list[int]:
+    """Per stage executable of a ``batch``-row prefill: its temporaries plus outputs, bytes per device (XLA's
+    ``memory_analysis``; compiled here, nothing runs)."""
+    z = np.zeros
+    exes = gen.streamer.executables((z((batch, p_len), np.int32), z((batch, cache_len), np.int32),
+                                     z((batch, p_len), np.int32), np.int32(0)))
+    out = []
+    for exe in exes:
+        mem = exe.memory_analysis()
+        out.append(int(getattr(mem, "temp_size_in_bytes", 0) or 0) + int(getattr(mem, "output_size_in_bytes", 0) or 0))
+    return out
 
 
 def _check_args(stack, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p,

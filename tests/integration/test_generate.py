@@ -164,6 +164,27 @@ def test_choose_batch_grows_with_the_budget():
         choose_batch(stack, 11, NEW)          # the CPU has no memory statistics
 
 
+def test_choose_batch_over_devices_is_a_multiple_that_fits(num_devices):
+    """Over n data-parallel devices each holds B / n sequences and 1/n of the prefetched weights: the batch is a
+    multiple of n, and the chosen batch's prefill (compiled) fits the per-device budget with its KV cache (the
+    estimate counts the cache also among the executables' outputs: conservative, within a factor 2)."""
+    import jax
+    from xla_swap.generate import _Generator, _prefill_temps, choose_batch
+    first, layers, last = xla_swap.causal_lm_stages(_model("llama"))
+    stack = xla_swap.SwappedStack(layers, first=first, last=last, devices=jax.devices())
+    n = num_devices
+    assert stack.runtime.batch_axis is not None
+    budget = 16 << 20
+    batch, why = choose_batch(stack, 11, NEW, device_budget_bytes=budget)
+    assert batch % n == 0 and batch >= n and f"multiple of the {n}" in why
+    gen = _Generator(stack, batch, 48, "device", budget)
+    window = -(-gen.window // n)
+    used = max(_prefill_temps(gen, batch, 16, 48)) + gen.kv_total // n + window
+    assert used <= budget, (used, budget, why)
+    more = _Generator(stack, 2 * batch, 48, "device", budget)   # not far below what fits: twice the batch does not
+    assert max(_prefill_temps(more, 2 * batch, 16, 48)) + more.kv_total // n + window > budget
+
+
 def test_bad_arguments_refused_before_running():
     model = _model("llama")
     ids, mask = _prompts()
