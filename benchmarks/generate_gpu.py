@@ -609,7 +609,8 @@ def main(argv=None) -> int:
         cfg = _config(shape, _layers(s, shape, args),
                       args.vocab, 4096)
         need[s] = _param_bytes(cfg, 4 if args.cpu_smoke else 2)
-    data["host_pool_GiB"] = ensure_host_memory_limit(max(need.values()))
+    # the pool is per device: each of --gpus devices pins its 1/N of the weights
+    data["host_pool_GiB"] = ensure_host_memory_limit(-(-max(need.values()) // args.gpus))
     cuda = torch.cuda.is_available() and not args.cpu_smoke
     import jax
     data["device"] = str(jax.devices()[0].device_kind)

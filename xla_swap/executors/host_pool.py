@@ -24,6 +24,9 @@ def ensure_host_memory_limit(nbytes: int, *, headroom: float = 1.1, environ: Mut
                              initialized: Callable[[], bool] | None = None) -> int:
     """Make PJRT GPU's pinned host pool hold ``nbytes``: set ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``.
 
+    The pool is per device: with weights split over N GPUs, pass one device's share (a pool sized for
+    the whole model is allocated N times, and the host runs out of memory).
+
     The pool needed is ``ceil(nbytes x headroom / 2**30)`` GiB. When the variable (or, unset, the
     default of 64 GiB) already allows that, nothing changes. Otherwise, before jax's backends
     exist, the variable is set to that many GiB; after, the pool can no longer change and the
