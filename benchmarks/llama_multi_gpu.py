@@ -99,11 +99,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--coordinator-port", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.cpu_smoke and args.piece is None:
+    if args.cpu_smoke and args.piece is None:   # the tiny defaults, where the command line left the default
         for k, v in _SMOKE.items():
-            if k == "gpus" and args.gpus is not None:
-                continue
-            setattr(args, k, v)
+            if getattr(args, k) == p.get_default(k):
+                setattr(args, k, v)
     bad = [a for a in args.anchors.split(",") if a and a not in ANCHORS]
     if bad:
         p.error(f"--anchors: unknown {bad}; any of {ANCHORS}")
