@@ -63,6 +63,7 @@ import llama_report  # noqa: E402
 TARGETS = llama_report.TARGETS
 ANCHORS = ("fsdp2", "deepspeed")
 _SMOKE = dict(shapes=["tiny"], tokens=[32, 64], seq=16, reps=1, warmup=0, gpus=2, torchrun_shapes=["tiny"],
+              torchrun_tokens=[16, 32], shape_tokens=[],
               anchor_shapes=["tiny"], largest_shape="tiny", largest_layers=3, largest_tokens=[32])
 
 
@@ -73,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shapes", nargs="+", default=["8b", "34b"], help="llama_model.SHAPES names")
     p.add_argument("--layers", type=int, default=None, help="decoder layers of every shape (default: the shape's, 4)")
     p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768], help="tokens per GPU")
+    p.add_argument("--shape-tokens", nargs="*", default=["34b=8192"], help="SHAPE=T1,T2: tokens per GPU of one "
+                   "shape instead of --tokens (default 34b=8192: the 9-minute budget)")
     p.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1, help="untimed steps after the compiling one")
@@ -81,16 +84,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--anchor-checkpointing", action="store_true", help="anchors with gradient checkpointing")
     p.add_argument("--no-torchrun", action="store_true", help="skip the torchrun form")
     p.add_argument("--torchrun-shapes", nargs="*", default=["8b"])
-    p.add_argument("--torchrun-tokens", type=int, nargs="+", default=None, help="tokens per rank (default --tokens)")
+    p.add_argument("--torchrun-tokens", type=int, nargs="+", default=[4096, 32768],
+                   help="tokens per rank (default 4096: strong scaling at 8192 on 2; 32768: weak)")
     p.add_argument("--largest", action="store_true", help="also the largest-model row (last)")
     p.add_argument("--largest-shape", default="34b")
     p.add_argument("--largest-layers", type=int, default=48)
     p.add_argument("--largest-tokens", type=int, nargs="+", default=[16384], help="global tokens")
-    p.add_argument("--budget-s", type=float, default=510, help="wall time for every piece together")
+    p.add_argument("--budget-s", type=float, default=500, help="wall time for every piece together")
     p.add_argument("--compilation-cache", default=None, help="jax's persistent compilation cache (a folder)")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--render", default=None, help="re-render a llama_multi_gpu.json, run nothing")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on virtual CPU devices")
+    p.add_argument("--torchrun", action="store_true", help="run as one rank of `torchrun --nproc-per-node n` "
+                   "(the first of --shapes, --tokens per rank; rows into --out-dir/torchrun_SHAPE_rankR.json)")
     # the pieces' own options (set by the driver)
     p.add_argument("--piece", choices=["ours", "torchrun", "largest"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--piece-out", default=None, help=argparse.SUPPRESS)
@@ -106,7 +112,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [a for a in args.anchors.split(",") if a and a not in ANCHORS]
     if bad:
         p.error(f"--anchors: unknown {bad}; any of {ANCHORS}")
+    try:
+        args.tokens_of = {k: sorted({int(t) for t in v.split(",")}) for k, _, v in
+                          (x.partition("=") for x in args.shape_tokens)}
+    except ValueError:
+        p.error(f"--shape-tokens: SHAPE=T1,T2 ..., got {args.shape_tokens}")
     return args
+
+
+def tokens_of(args, shape: str) -> list[int]:
+    """Tokens per GPU of ``shape``: its ``--shape-tokens`` entry, else ``--tokens``."""
+    return args.tokens_of.get(shape) or sorted(set(args.tokens))
 
 
 def _free_port() -> int:
@@ -150,11 +166,12 @@ def plan(args, n: int, work: str) -> list[dict]:
         out = os.path.join(work, f"ours_{shape}.json")
         pieces.append(dict(name=f"ours:{shape}", kind="ours", shape=shape, out=out, min_s=60, cmd=[
             py, me, "--piece", "ours", "--shape", shape, *layers, "--gpus", str(n), "--piece-out", out,
-            "--tokens", *map(str, args.tokens), *common]))
+            "--tokens", *map(str, tokens_of(args, shape)), *common]))
         for a in anchors if shape in (args.anchor_shapes if args.anchor_shapes is not None else args.shapes) else []:
             pieces.append(dict(name=f"{a}:{shape}", kind="anchor", anchor=a, shape=shape, min_s=45, cmd=[
                 py, os.path.join(HERE, "anchors.py"), "--anchor", a, "--llama", shape, *layers, "--seq",
-                str(args.seq), "--tokens", *map(str, args.tokens), "--reps", str(args.reps), "--world-size", str(n)]
+                str(args.seq), "--tokens", *map(str, tokens_of(args, shape)), "--reps", str(args.reps),
+                "--world-size", str(n)]
                 + (["--checkpointing"] if args.anchor_checkpointing else [])))
         if not args.no_torchrun and shape in args.torchrun_shapes and n > 1:
             out = os.path.join(work, f"torchrun_{shape}_rank{{rank}}.json")
@@ -163,7 +180,7 @@ def plan(args, n: int, work: str) -> list[dict]:
                                env_extra=one_device, cmd=[
                 py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), me, "--piece",
                 "torchrun", "--shape", shape, *layers, "--piece-out", out, "--coordinator-port", str(_free_port()),
-                "--tokens", *map(str, args.torchrun_tokens or args.tokens), *common]))
+                "--tokens", *map(str, args.torchrun_tokens), *common]))
     if args.largest:
         out = os.path.join(work, "largest.json")
         pieces.append(dict(name=f"largest:{args.largest_shape}", kind="largest", shape=args.largest_shape, out=out,
@@ -174,16 +191,22 @@ def plan(args, n: int, work: str) -> list[dict]:
 
 
 def run_cmd(cmd: list, env: dict, timeout_s: float, log_path: str) -> dict:
-    """Run ``cmd`` in its own process group, stdout and stderr into ``log_path``; the whole group killed
-    after ``timeout_s``. ``{"rc", "wall_s", "timed_out"}``."""
+    """Run ``cmd`` in its own process group, stdout and stderr into ``log_path``. After ``timeout_s`` the
+    group gets SIGTERM (torchrun passes it on to its ranks, which run in sessions of their own), then
+    SIGKILL 15 s later. ``{"rc", "wall_s", "timed_out"}``."""
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             rc, timed_out = p.wait(timeout=max(1.0, timeout_s)), False
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)   # the group this call started (its ranks included)
-            rc, timed_out = p.wait(), True
+            os.killpg(p.pid, signal.SIGTERM)   # the group this call started
+            try:
+                rc = p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                rc = p.wait()
+            timed_out = True
     return {"rc": rc, "wall_s": time.perf_counter() - t0, "timed_out": timed_out}
 
 
@@ -242,7 +265,8 @@ def drive(args) -> dict:
     os.makedirs(work, exist_ok=True)
     os.makedirs(logs, exist_ok=True)
     env = _env(args, n)
-    raw = {"argv": sys.argv, "n": n, "tokens_per_gpu": sorted(set(args.tokens)), "seq": args.seq, "reps": args.reps,
+    raw = {"argv": sys.argv, "n": n, "tokens_per_gpu": {s: tokens_of(args, s) for s in args.shapes}, "seq": args.seq,
+           "reps": args.reps, "torchrun_tokens_per_rank": args.torchrun_tokens,
            "warmup": args.warmup, "cpu_smoke": args.cpu_smoke, "budget_s": args.budget_s, "pieces": {},
            "ours": {}, "torchrun": {}, "anchors": {}, "largest": None}
     build = None
@@ -261,7 +285,7 @@ def drive(args) -> dict:
             except subprocess.TimeoutExpired:
                 pass
         log_path = os.path.join(logs, piece["name"].replace(":", "_") + ".log")
-        status = run_cmd(piece["cmd"], dict(env, **piece.get("env_extra", {})), left - 5, log_path)
+        status = run_cmd(piece["cmd"], dict(env, **piece.get("env_extra", {})), left - 20, log_path)
         result = collect(piece, log_path, n)
         raw["pieces"][piece["name"]] = dict(status, cmd=" ".join(piece["cmd"]))
         store = {"ours": raw["ours"], "torchrun": raw["torchrun"], "anchor": raw["anchors"]}.get(piece["kind"])
@@ -295,6 +319,12 @@ def write(raw: dict, out_dir: str | None) -> str:
 def main(argv=None) -> int:
     """The CLI: a piece (``--piece``), the re-rendering (``--render``), or the whole run."""
     args = parse_args(argv)
+    if args.torchrun and not args.piece:   # by hand under torchrun: the piece the driver would start
+        args.piece, args.shape = "torchrun", args.shape or args.shapes[0]
+        if args.out_dir:
+            os.makedirs(args.out_dir, exist_ok=True)
+            args.piece_out = os.path.join(args.out_dir, f"torchrun_{args.shape}_rank{{rank}}.json")
+        args.fill_device = "cuda:0"   # made cuda:LOCAL_RANK by the piece where CUDA is there
     if args.piece:
         import llama_scaling
         return llama_scaling.run_piece(args)

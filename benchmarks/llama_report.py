@@ -127,6 +127,7 @@ def analyze(raw: dict) -> dict:
     n, per_gpu = raw["n"], raw["tokens_per_gpu"]
     shapes = {}
     for shape, piece in raw.get("ours", {}).items():
+        tokens = per_gpu.get(shape, []) if isinstance(per_gpu, dict) else per_gpu
         links = {k: piece.get(k) for k in ("host_link", "nvlink", "gemm_flops")}
         tr_rows, tr_form = _torchrun_rows(raw.get("torchrun", {}).get(shape))
         rows = [row_metrics(r, links) for r in piece.get("rows", []) + tr_rows]
@@ -135,7 +136,7 @@ def analyze(raw: dict) -> dict:
                          "params": (piece.get("rows") or [{}])[0].get("params"), "rows": rows,
                          "weight_bytes": next((r["bytes"]["weight"] for r in piece.get("rows", []) if "bytes" in r),
                                               None),
-                         "scaling": scaling(rows, n, per_gpu, forms),
+                         "scaling": scaling(rows, n, tokens, forms),
                          "anchors": anchor_rows(raw.get("anchors", {}), shape, rows, n)}
     largest = None
     lg = raw.get("largest")

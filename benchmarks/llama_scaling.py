@@ -279,7 +279,8 @@ def piece_ours(args) -> int:
 def _start_distributed(args) -> str:
     """Start jax's multi-controller engine in this torchrun rank: ``xla_swap.distributed.initialize()`` where
     it exists (form ``"torchrun"``: local batches), else ``jax.distributed.initialize`` from torchrun's
-    ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``MASTER_ADDR`` and ``--coordinator-port`` (form
+    ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``MASTER_ADDR`` and ``--coordinator-port`` (default
+    ``MASTER_PORT + 1``) (form
     ``"torchrun_global_batch"``). On the CPU, gloo collectives."""
     import jax
     if os.environ.get("JAX_PLATFORMS", "") == "cpu":
@@ -293,8 +294,8 @@ def _start_distributed(args) -> str:
         return "torchrun"
     local = int(os.environ["LOCAL_RANK"])
     kw = {} if os.environ.get("JAX_PLATFORMS", "") == "cpu" else {"local_device_ids": [local]}
-    jax.distributed.initialize(coordinator_address=f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:"
-                                                   f"{args.coordinator_port}",
+    port = args.coordinator_port or int(os.environ["MASTER_PORT"]) + 1   # torchrun's own store is on MASTER_PORT
+    jax.distributed.initialize(coordinator_address=f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{port}",
                                num_processes=int(os.environ["WORLD_SIZE"]), process_id=int(os.environ["RANK"]),
                                **kw)
     return "torchrun_global_batch"
@@ -308,7 +309,7 @@ def piece_torchrun(args) -> int:
     import torch
     if torch.cuda.is_available():
         torch.cuda.set_device(local)
-        args.fill_device = f"cuda:{local}"
+    args.fill_device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
     shape = lm.shape_of(args.shape, args.layers)
     w = Writer(args.piece_out.replace("{rank}", str(rank)) if args.piece_out else None,
                piece="torchrun", shape_name=args.shape, shape=shape, rank=rank, world=world)

@@ -28,7 +28,8 @@ def _rows(a, form, n):
 
 def test_smoke_run_every_piece(tmp_path, capsys):
     anchors = "fsdp2" if _fsdp2_available() else ""
-    assert llama_multi_gpu.main(["--cpu-smoke", "--tokens", "32", "--anchors", anchors, "--out-dir", str(tmp_path)]) == 0
+    assert llama_multi_gpu.main(["--cpu-smoke", "--tokens", "32", "--torchrun-tokens", "32", "--anchors", anchors,
+                                 "--out-dir", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     data = json.loads((tmp_path / "llama_multi_gpu.json").read_text())
     raw, a = data["raw"], data["analysis"]
