@@ -353,10 +353,11 @@ def _rank_device(device, rank: int, world_size: int) -> torch.device:
 
 
 def _per_tokens(workload, tokens: list[int], reps: int, device: torch.device, model, opt_step, *,
-                rank: int, world_size: int, seed: int, barrier=None, clear=None, **extra: Any) -> dict:
+                rank: int, world_size: int, seed: int, barrier=None, clear=None, backward=None, **extra: Any) -> dict:
     """Each token count in turn on the built ``model`` (FSDP2's module or DeepSpeed's engine): this rank's
     ``T / world_size`` tokens (input seeded ``seed + 1 + rank``), :func:`_measure`, :func:`_result`, the
-    maxima over the ranks. Returns the first T's dict with ``by_tokens`` (every T's) when several."""
+    maxima over the ranks. ``backward(loss)``: default ``loss.backward()`` (DeepSpeed: ``engine.backward``,
+    which scales and reduces). Returns the first T's dict with ``by_tokens`` (every T's) when several."""
     by: dict[str, dict] = {}
     for T in tokens:
         t_local = T // world_size
@@ -368,8 +369,8 @@ def _per_tokens(workload, tokens: list[int], reps: int, device: torch.device, mo
 
         def forward_backward():
             loss = workload.loss(model, batch)
-            if hasattr(model, "backward"):   # a DeepSpeed engine scales and reduces through its own call
-                model.backward(loss)
+            if backward is not None:
+                backward(loss)
             else:
                 loss.backward()
             if clear is not None:
@@ -589,7 +590,7 @@ def deepspeed_anchor(workload, tokens, reps: int = 3, *, stage: int = 3, optimiz
             barrier = dist.barrier
         # engine.step() also zeroes the gradients
         return _per_tokens(workload, tokens, reps, device, engine, engine.step, rank=rank, world_size=world_size,
-                           seed=seed, barrier=barrier, **info)
+                           seed=seed, barrier=barrier, backward=engine.backward, **info)
     except Exception as e:  # noqa: BLE001 - report, never raise
         info["error"] = f"{type(e).__name__}: {e}"[-4000:]
         info["traceback"] = traceback.format_exc()[-8000:]

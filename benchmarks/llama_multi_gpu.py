@@ -71,7 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The CLI (module docstring); ``--piece`` and the options after it are the pieces' own."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gpus", type=int, default=None, help="n (default: every visible GPU; 2 with --cpu-smoke)")
-    p.add_argument("--shapes", nargs="+", default=["8b", "34b"], help="llama_model.SHAPES names")
+    p.add_argument("--shapes", nargs="*", default=["8b", "34b"], help="llama_model.SHAPES names (none: only "
+                   "--largest)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers of every shape (default: the shape's, 4)")
     p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768], help="tokens per GPU")
     p.add_argument("--shape-tokens", nargs="*", default=["34b=8192"], help="SHAPE=T1,T2: tokens per GPU of one "
@@ -90,6 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--largest-shape", default="34b")
     p.add_argument("--largest-layers", type=int, default=48)
     p.add_argument("--largest-tokens", type=int, nargs="+", default=[16384], help="global tokens")
+    p.add_argument("--largest-anchor-layers", type=int, default=0, help="after the largest row: FSDP2 "
+                   "CPUOffloadPolicy (built on the meta device) on this many layers of --largest-shape (0: none)")
     p.add_argument("--budget-s", type=float, default=500, help="wall time for every piece together")
     p.add_argument("--compilation-cache", default=None, help="jax's persistent compilation cache (a folder)")
     p.add_argument("--out-dir", default=None)
@@ -132,12 +135,16 @@ def _free_port() -> int:
 
 
 def _cuda_count() -> int:
-    """Visible GPUs by nvidia-smi (the driver imports neither torch nor jax)."""
+    """Visible GPUs: nvidia-smi's list (the driver starts no CUDA context), else torch's count."""
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+        count = sum(1 for ln in out.splitlines() if ln.startswith("GPU "))
     except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for ln in out.splitlines() if ln.startswith("GPU "))
+        count = 0
+    if count and os.environ.get("CUDA_VISIBLE_DEVICES") is None:
+        return count
+    import torch
+    return torch.cuda.device_count()
 
 
 def _env(args, n: int) -> dict:
@@ -187,6 +194,11 @@ def plan(args, n: int, work: str) -> list[dict]:
                            min_s=90, cmd=[py, me, "--piece", "largest", "--shape", args.largest_shape, "--layers",
                                           str(args.largest_layers), "--gpus", str(n), "--piece-out", out,
                                           "--tokens", *map(str, args.largest_tokens), *common]))
+        if args.largest_anchor_layers:
+            pieces.append(dict(name=f"fsdp2-largest:{args.largest_shape}", kind="largest_anchor", min_s=90, cmd=[
+                py, os.path.join(HERE, "anchors.py"), "--anchor", "fsdp2", "--llama", args.largest_shape, "--layers",
+                str(args.largest_anchor_layers), "--meta-init", "--seq", str(args.seq), "--tokens",
+                *map(str, args.largest_tokens), "--reps", str(args.reps), "--world-size", str(n)]))
     return pieces
 
 
@@ -235,7 +247,7 @@ def _last_json(log_path: str, key: str) -> dict | None:
 
 def collect(piece: dict, log_path: str, n: int):
     """What a finished (or stopped) piece left: its JSON, the torchrun ranks' JSONs, the anchor's line."""
-    if piece["kind"] == "anchor":
+    if piece["kind"] in ("anchor", "largest_anchor"):
         return _last_json(log_path, "anchor")
     if piece["kind"] == "torchrun":
         ranks = [_load(piece["out"].replace("{rank}", str(r))) for r in range(n)]
@@ -268,7 +280,7 @@ def drive(args) -> dict:
     raw = {"argv": sys.argv, "n": n, "tokens_per_gpu": {s: tokens_of(args, s) for s in args.shapes}, "seq": args.seq,
            "reps": args.reps, "torchrun_tokens_per_rank": args.torchrun_tokens,
            "warmup": args.warmup, "cpu_smoke": args.cpu_smoke, "budget_s": args.budget_s, "pieces": {},
-           "ours": {}, "torchrun": {}, "anchors": {}, "largest": None}
+           "ours": {}, "torchrun": {}, "anchors": {}, "largest": None, "largest_anchor": None}
     build = None
     if "deepspeed" in args.anchors and not args.cpu_smoke:
         build = start_cpu_adam_build(env, os.path.join(logs, "cpu_adam_build.log"))
@@ -289,8 +301,8 @@ def drive(args) -> dict:
         result = collect(piece, log_path, n)
         raw["pieces"][piece["name"]] = dict(status, cmd=" ".join(piece["cmd"]))
         store = {"ours": raw["ours"], "torchrun": raw["torchrun"], "anchor": raw["anchors"]}.get(piece["kind"])
-        if piece["kind"] == "largest":
-            raw["largest"] = result
+        if piece["kind"] in ("largest", "largest_anchor"):
+            raw[piece["kind"]] = result
         elif result is not None:
             store[piece["name"] if piece["kind"] == "anchor" else piece["shape"]] = result
         print(json.dumps({"piece": piece["name"], **status, "result": result is not None,

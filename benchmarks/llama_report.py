@@ -148,6 +148,10 @@ def analyze(raw: dict) -> dict:
         peak = (lg.get("host_after") or {}).get("VmHWM")
         largest["peak_rss_bytes"] = peak
         largest["peak_rss_over_state"] = peak / lg["state_bytes"] if peak and lg.get("state_bytes") else None
+        x = raw.get("largest_anchor")
+        if x:
+            largest["anchor"] = {k: x.get(k) for k in ("anchor", "shape", "T", "step_s", "forward_backward_s",
+                                                       "optimizer_s", "host_peak_rss_bytes", "param_pinned", "error")}
     checks = [dict(c, shape=s) for s, d in shapes.items() for c in d["scaling"] if "met" in c]
     checks += [{"shape": s, "what": f"{a['anchor']} / ours at {a['tokens']}", "value": a["anchor_over_single"],
                 "target": "> 1 (ours faster)", "met": a["anchor_over_single"] > 1}
@@ -254,6 +258,13 @@ def _render_largest(lg: dict) -> list:
                      f"{_tf(r.get('tflops_per_gpu'))} | {_ms(r.get('floor_s'))} ({r.get('bound')}) | "
                      f"{_rx(r.get('ratio'), '.3f')} |" if not r.get("error") else f"| {r['n']} | {r['tokens']} | "
                      f"error: {r['error'][:200]} |||||")
+    x = lg.get("anchor")
+    if x:
+        lines += ["", f"FSDP2 CPUOffloadPolicy (built on the meta device), {(x.get('shape') or {}).get('layers')} layers "
+                  f"of the same shape, {x.get('T')} tokens: " + (f"error {str(x['error'])[:200]}" if x.get("error") else
+                  f"step {_ms(x['step_s'])} ms (forward+backward {_ms(x['forward_backward_s'])}, optimizer "
+                  f"{_ms(x.get('optimizer_s'))}), peak host RSS per rank {_gb(x.get('host_peak_rss_bytes'))}, "
+                  f"parameters pinned: {x.get('param_pinned')}")]
     return lines
 
 
