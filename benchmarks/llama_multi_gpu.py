@@ -9,7 +9,8 @@ default policy (weights, gradients, AdamW moments in ``pinned_host``). The piece
 each in its own process(es), within ``--budget-s`` (a piece that no longer fits is skipped and says so):
 
 1. ``ours`` per shape (``llama_scaling.piece_ours``): the links, then 1-GPU rows at each ``--tokens``
-   (tokens per GPU) and n-GPU rows at the same global counts (strong scaling) and at n times them (weak);
+   (tokens per GPU; ``--shape-tokens`` per shape, 34b at 8192 by default) and n-GPU rows at the same
+   global counts (strong scaling) and at n times them (weak);
 2. the anchors per shape (``anchors.py --llama``, ``--world-size n``): FSDP2 with
    ``CPUOffloadPolicy(pin_memory=True)`` and DeepSpeed ZeRO-3 with parameters and optimizer offloaded
    (its CPU Adam is built in the background from the start), at the strong-scaling global counts;
@@ -99,7 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--render", default=None, help="re-render a llama_multi_gpu.json, run nothing")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on virtual CPU devices")
     p.add_argument("--torchrun", action="store_true", help="run as one rank of `torchrun --nproc-per-node n` "
-                   "(the first of --shapes, --tokens per rank; rows into --out-dir/torchrun_SHAPE_rankR.json)")
+                   "(the first of --shapes, --torchrun-tokens per rank; rows into --out-dir/torchrun_SHAPE_rankR.json)")
     # the pieces' own options (set by the driver)
     p.add_argument("--piece", choices=["ours", "torchrun", "largest"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--piece-out", default=None, help=argparse.SUPPRESS)
@@ -332,7 +333,7 @@ def main(argv=None) -> int:
     """The CLI: a piece (``--piece``), the re-rendering (``--render``), or the whole run."""
     args = parse_args(argv)
     if args.torchrun and not args.piece:   # by hand under torchrun: the piece the driver would start
-        args.piece, args.shape = "torchrun", args.shape or args.shapes[0]
+        args.piece, args.shape, args.tokens = "torchrun", args.shape or args.shapes[0], args.torchrun_tokens
         if args.out_dir:
             os.makedirs(args.out_dir, exist_ok=True)
             args.piece_out = os.path.join(args.out_dir, f"torchrun_{args.shape}_rank{{rank}}.json")
