@@ -21,7 +21,8 @@ def row_metrics(row: dict, links: dict) -> dict:
     of ``links["host_link"]["n"]`` on n GPUs (``["1"]`` on one): each GPU moves 1/n of the bytes at 1/n of
     the aggregate; ``nvlink_s = 3 (n-1)/n W / nvlink`` (weights all-gathered in the forward and the backward,
     gradients reduce-scattered; None where NVLink was not measured); ``compute_s`` = FLOPs x 4/3 / (n x the
-    GEMM rate), a lower bound. ``floor_s`` the largest, ``bound`` which, ``ratio = step / floor``.
+    GEMM rate), a lower bound. ``floor_s`` the largest (the host links, NVLink and the SMs work at once),
+    ``bound`` which, ``ratio = step / floor``; ``host_plus_nvlink_s`` the two link terms added (a diagnostic).
     """
     n, step = row["n"], row.get("step_s")
     out = {k: row.get(k) for k in ("form", "n", "tokens", "b", "s", "tokens_per_gpu", "first_loss", "last_loss",
@@ -42,6 +43,8 @@ def row_metrics(row: dict, links: dict) -> dict:
     if links.get("gemm_flops"):
         terms["compute"] = row["flops"] * REMAT_FACTOR / (n * links["gemm_flops"])
     out.update({f"{k}_s": v for k, v in terms.items()})
+    if "host" in terms and "nvlink" in terms:   # were the two links not to overlap (not the floor: a diagnostic)
+        out["host_plus_nvlink_s"] = terms["host"] + terms["nvlink"]
     out["nvlink_bytes_per_gpu"] = 3 * (n - 1) / n * B["weight"]
     if terms:
         out["bound"] = max(terms, key=terms.get)

@@ -101,7 +101,7 @@ def host_link(devs, gib_per_device: float = 1.0, reps: int = 3) -> dict:
     return {"n": len(devs), **bw}
 
 
-def gemm_rate(dev, m: int = 8192, chain: int = 8, reps: int = 3) -> float:
+def gemm_rate(dev, m: int = 8192, chain: int = 16, reps: int = 5) -> float:
     """Dense bf16 matmul rate of one device (FLOP/s, best of ``reps``): ``chain`` products of ``[m, m]``."""
     import jax
     import jax.numpy as jnp
