@@ -127,6 +127,7 @@ def test_analyze_floors_speedups_and_targets():
     assert r["nvlink_s"] == pytest.approx(3 * 0.5 * 2 * GB / (200 * GB))
     assert r["compute_s"] == pytest.approx(6e9 * 8192 * 4 / 3 / (2 * 700e12))
     assert r["bound"] == "host" and r["floor_s"] == pytest.approx(host) and r["ratio"] == pytest.approx(0.17 / host)
+    assert r["host_plus_nvlink_s"] == pytest.approx(host + r["nvlink_s"])    # a diagnostic, not the floor
     assert rows[(2, 65536)]["bound"] == "compute"
     one = rows[(1, 8192)]                          # one GPU: its own link, no NVLink term
     assert one["host_s"] == pytest.approx(max(5 / 50, 6 / 50, 11 / 70)) and "nvlink_s" not in one
