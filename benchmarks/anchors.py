@@ -1,62 +1,51 @@
 #!/usr/bin/env python
-"""Anchor measurements: the FFN stack trained with the usual torch CPU-offload tools.
+"""Anchor measurements: the FFN stack, or a Hugging Face Llama, trained with the usual torch CPU-offload tools.
 
-The stack is the one of ``benchmarks/gpu_stack/`` written as a torch module: ``L`` layers,
-each ``h + b(gelu(a(h), approximate="tanh"))`` with ``a = nn.Linear(D, F, bias=False)`` and
-``b = nn.Linear(F, D, bias=False)``, weights drawn from N(0, 0.02^2) in the given dtype
-(bfloat16 by default). The input is ``(T, D)`` in the same dtype, the loss
-``mean(out.float() ** 2)``.
+The default model is the stack of ``benchmarks/gpu_stack/`` written as a torch module (:class:`FFNWorkload`):
+``L`` layers, each ``h + b(gelu(a(h), approximate="tanh"))`` with ``a = nn.Linear(D, F, bias=False)`` and
+``b = nn.Linear(F, D, bias=False)``, weights N(0, 0.02^2) in the given dtype (bfloat16 by default), input
+``(T, D)`` in the same dtype, loss ``mean(out.float() ** 2)``. ``--llama NAME`` (``--layers``, ``--seq``)
+trains a ``transformers`` ``LlamaForCausalLM`` of ``llama_model.SHAPES[NAME]`` instead
+(``llama_model.LlamaWorkload``: ``T`` tokens as ``T / seq`` sequences of ``seq``, cross-entropy on the
+next tokens; ``--checkpointing``: transformers' non-reentrant gradient checkpointing).
 
-Two anchors:
+Two anchors, each on ``--world-size N`` ranks (one process per GPU, ``cuda:LOCAL_RANK``; data parallel:
+the global ``T`` tokens split ``T/N`` per rank, each rank its own input):
 
-* :func:`fsdp2_cpu_offload_step`: ``torch.distributed.fsdp.fully_shard`` on every layer and on
-  the root with ``CPUOffloadPolicy(pin_memory=True)``: parameters and gradients live in pinned
-  host memory, each layer is copied to the device for its forward and again for its backward,
-  and ``torch.optim.AdamW(foreach=True)`` steps on the host (on the bf16 parameters
-  themselves: no fp32 master copy, optimizer states in bf16). World size 1 by default; with
-  ``--world-size N`` the CLI starts N processes (one per GPU, ``cuda:LOCAL_RANK``; gloo
-  processes on CPU), each weight is sharded over the N ranks and the global ``T`` tokens are
-  split ``T/N`` per rank (data parallel, as torch FSDP trains).
-* :func:`deepspeed_zero_offload_step` (one process, world size 1): DeepSpeed ZeRO stage 3 with ``offload_param`` and
-  ``offload_optimizer`` on the CPU (pinned), bf16 enabled (so fp32 master weights and fp32
-  Adam states on the host), optimizer ``DeepSpeedCPUAdam`` (JIT-built with ninja at first
-  use) or, when that cannot be built, ``torch.optim.AdamW`` on the host (``torch_adam``);
-  the dict says which ran.
+* :func:`fsdp2_anchor`: ``torch.distributed.fsdp.fully_shard`` on every block (FFN layer, decoder layer)
+  and on the root with ``CPUOffloadPolicy(pin_memory=True)``: parameters and gradients live in pinned
+  host memory, each block is copied to the device for its forward and again for its backward, and
+  ``torch.optim.AdamW(foreach=True)`` steps on the host (on the bf16 parameters themselves: no fp32
+  master copy, optimizer states in bf16). gloo ranks on CPU. ``--meta-init``: the model is built on the
+  meta device, sharded, then materialised on the host (``to_empty(device="cpu")``, values drawn per
+  shard): for models larger than one GPU.
+* :func:`deepspeed_anchor`: DeepSpeed ZeRO stage 3 with ``offload_param`` and ``offload_optimizer`` on the
+  CPU (pinned), bf16 enabled (so fp32 master weights and fp32 Adam states on the host), optimizer
+  ``DeepSpeedCPUAdam`` (JIT-built with ninja at first use) or, when that cannot be built,
+  ``torch.optim.AdamW`` on the host (``torch_adam``); the dict says which ran.
 
-Each returns the medians over ``reps`` steps, after one warm-up step, in seconds:
-``forward_s`` (a forward under ``torch.no_grad()``), ``forward_backward_s``, ``optimizer_s``
-(the optimizer step, with zeroing the gradients) and ``step_s`` (forward + backward +
-optimizer, one host timer over the three); ``peak_device_bytes`` is
-``torch.cuda.max_memory_allocated()`` over the timed steps (None on CPU). Every timed region
-starts and ends with ``torch.cuda.synchronize()`` (on CUDA) around ``time.perf_counter()``.
-The dict also holds the samples of every rep, ``setup_s`` (building and sharding the model)
-and ``host_peak_rss_bytes`` (the process' peak resident set, bytes; the weights are drawn on
-the device and then moved to the host by the offloading tool). DeepSpeed may log to stdout:
-the JSON line of the CLI is the last line.
+Each returns the medians over ``reps`` steps, after one warm-up step, in seconds: ``forward_s`` (a forward
+under ``torch.no_grad()``), ``forward_backward_s``, ``optimizer_s`` (the optimizer step, with zeroing the
+gradients) and ``step_s`` (forward + backward + optimizer, one host timer over the three);
+``peak_device_bytes`` is ``torch.cuda.max_memory_allocated()`` over the timed steps (None on CPU). Every
+timed region starts and ends with ``torch.cuda.synchronize()`` (on CUDA) around ``time.perf_counter()``.
+With several ``--tokens`` the model is built once and each T measured in turn: the top-level keys are the
+first T's, ``by_tokens`` holds every T's. The dict also holds the samples, ``setup_s`` and
+``host_peak_rss_bytes``. With several ranks the ranks meet at a barrier (untimed) before each timed forward
+and step; the times are the maxima over the ranks of each rank's median (``per_rank``), and only rank 0
+prints. DeepSpeed may log to stdout: the JSON line of the CLI is the last line.
 
-With several ranks every rank times its own steps (the ranks meet at a barrier, untimed, before
-each timed forward and each timed step); the reported ``forward_s`` /
-``forward_backward_s`` / ``optimizer_s`` / ``step_s`` are the maxima over the ranks of each
-rank's median (``per_rank`` holds every rank's medians), ``peak_device_bytes`` the maximum
-over ranks, and only rank 0 prints the JSON line (with ``world_size`` and ``T_per_rank``).
-
-Both set ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and
-``NVSHMEM_DISABLE_NVLS=1`` (``os.environ.setdefault``) before initialising
-``torch.distributed`` (nccl on CUDA, gloo on CPU; ``MASTER_ADDR``/``MASTER_PORT`` set when
-absent), and destroy the process group they created at the end.
-
-Run one anchor per command, one JSON line on stdout::
+Both set ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1`` before
+initialising ``torch.distributed`` (nccl on CUDA, gloo on CPU), and destroy the group they created.
 
     python benchmarks/anchors.py --anchor fsdp2 --shape 8192,32768,8 --tokens 8192 --reps 3
-    python benchmarks/anchors.py --anchor fsdp2 --shape 8192,32768,8 --tokens 8192 --world-size 2
-    python benchmarks/anchors.py --anchor deepspeed --shape 4096,14336,16 --tokens 8192
+    python benchmarks/anchors.py --anchor fsdp2 --llama 8b --layers 4 --tokens 8192 32768 --world-size 2
+    python benchmarks/anchors.py --anchor deepspeed --llama 8b --layers 4 --tokens 8192 --world-size 2
 
-``--world-size N`` (N > 1) starts N copies of this command, one per rank, with ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set (as ``torchrun`` does;
-a command started by ``torchrun`` with the same ``--world-size`` runs as that rank directly),
-waits for them (``--timeout-s``), stops the others when one fails, and prints rank 0's line.
-
-This module imports torch only (DeepSpeed inside :func:`deepspeed_zero_offload_step`).
+``--world-size N`` (N > 1) starts N copies of this command, one per rank, with ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set (as ``torchrun`` does; a command started by
+``torchrun`` with the same ``--world-size`` runs as that rank), waits for them (``--timeout-s``), stops the
+others when one fails, and prints rank 0's line. Imports torch (DeepSpeed, transformers where used).
 """
 from __future__ import annotations
 
@@ -79,8 +68,12 @@ from torch import nn
 __all__ = [
     "FFNLayer",
     "make_ffn_stack",
+    "FFNWorkload",
+    "fsdp2_anchor",
     "fsdp2_cpu_offload_step",
+    "deepspeed_anchor",
     "deepspeed_zero_offload_step",
+    "deepspeed_config",
     "parse_args",
     "launch_ranks",
     "main",
@@ -129,6 +122,62 @@ def make_ffn_stack(
                 p.normal_(0.0, 0.02, generator=gen)
             layers.append(layer)
     return nn.Sequential(*layers)
+
+
+class FFNWorkload:
+    """The FFN stack as the anchors train it: what :func:`fsdp2_anchor` and :func:`deepspeed_anchor` need of a
+    model (``llama_model.LlamaWorkload`` is the other one).
+
+    ``build`` makes the model (:func:`make_ffn_stack`; ``meta=True``: on the meta device), ``blocks`` the
+    modules sharded one by one, ``batch(tokens, device, seed)`` one rank's input (``(x,)``: ``(tokens, D)``
+    normal values in ``dtype``), ``forward`` / ``loss`` the model on it (``mean(out.float()**2)``),
+    ``materialize`` fills a model built on the meta device once its storage exists (FSDP2's ``to_empty``),
+    ``bucket_elements`` one block's parameters (DeepSpeed's prefetch bucket), ``describe`` the JSON fields.
+    """
+
+    def __init__(self, D: int, F: int, L: int, dtype: torch.dtype = torch.bfloat16):
+        self.D, self.F, self.L, self.dtype = D, F, L, dtype
+        self.bucket_elements = 2 * D * F
+
+    def describe(self) -> dict:
+        return {"model": "ffn", "D": self.D, "F": self.F, "L": self.L}
+
+    def build(self, device: torch.device, seed: int = 0, meta: bool = False) -> nn.Module:
+        if meta:
+            return nn.Sequential(*[FFNLayer(self.D, self.F, self.dtype, "meta") for _ in range(self.L)])
+        return make_ffn_stack(self.D, self.F, self.L, self.dtype, device, seed)
+
+    def blocks(self, model: nn.Module) -> list:
+        return list(model)
+
+    def materialize(self, model: nn.Module, device: torch.device, seed: int = 0) -> None:
+        _fill_normal(model, device, seed)
+
+    def batch(self, tokens: int, device: torch.device, seed: int) -> tuple:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        return (torch.randn(tokens, self.D, dtype=self.dtype, device=device, generator=gen),)
+
+    def forward(self, model: nn.Module, batch: tuple) -> torch.Tensor:
+        return model(batch[0])
+
+    def loss(self, model: nn.Module, batch: tuple) -> torch.Tensor:
+        return _loss(model(batch[0]))
+
+
+def _fill_normal(model: nn.Module, device: torch.device, seed: int, std: float = 0.02) -> None:
+    """Values for a model materialised from the meta device: each parameter's local tensor (a DTensor's
+    shard, wherever it lives) N(0, std^2) where it has two or more dimensions, drawn on ``device``
+    (generator ``seed``: fast on a GPU) and copied in, ones otherwise."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            t = p.to_local() if hasattr(p, "to_local") else p
+            if t.dim() >= 2:
+                t.copy_(torch.randn(t.shape, generator=gen, device=device).mul_(std).to(t.dtype))
+            else:
+                t.fill_(1.0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -275,48 +324,23 @@ def _measure(
 # FSDP2
 
 
-def fsdp2_cpu_offload_step(
-    D: int,
-    F: int,
-    L: int,
-    T: int,
-    reps: int = 3,
-    *,
-    optimizer: bool = True,
-    dtype: torch.dtype = torch.bfloat16,
-    device: torch.device | str | None = None,
-    seed: int = 0,
-    lr: float = 1e-4,
-    rank: int = 0,
-    world_size: int = 1,
-) -> dict:
-    """FSDP2 (``fully_shard``) with ``CPUOffloadPolicy`` on ``world_size`` ranks: medians of ``reps``.
+def _tokens_list(tokens, world_size: int) -> list[int]:
+    """``tokens`` (an int or a sequence of them) as a list, each a positive multiple of ``world_size``.
+    Raises ValueError naming the first that is not."""
+    ts = [int(tokens)] if isinstance(tokens, int) else [int(t) for t in tokens]
+    if not ts:
+        raise ValueError("tokens: at least one token count")
+    for t in ts:
+        if t < 1 or t % world_size:
+            raise ValueError(f"T={t} tokens do not split evenly over {world_size} ranks")
+    return ts
 
-    Every layer and the root are wrapped with
-    ``fully_shard(..., mesh=<world_size-device mesh>, offload_policy=CPUOffloadPolicy(pin_memory=...))``
-    (``pin_memory=True`` on CUDA; False on CPU, where there is nothing to pin for). The model
-    is built on ``device`` (default: ``cuda:rank`` if CUDA is available, else CPU; every rank
-    draws the same weights from ``seed``) and moved to the host by ``fully_shard``, each rank
-    keeping its shard. ``torch.optim.AdamW(lr, foreach=True)`` steps on the host shards.
-    Data parallel: ``T`` is the global token count, each rank runs ``T / world_size`` tokens
-    (its own input, seeded ``seed + 1 + rank``); ``T`` must be a multiple of ``world_size``.
 
-    Called once in every rank (the CLI's ``--world-size`` starts the ranks). Returns a dict:
-    ``forward_s``, ``forward_backward_s``, ``optimizer_s`` (None when ``optimizer`` is False),
-    ``step_s`` (seconds: this rank's median with one rank; with several, the maximum over the
-    ranks of each rank's median, ``per_rank`` listing every rank's medians),
-    ``peak_device_bytes`` (bytes, max over ranks, or None on CPU), ``samples`` (this rank's
-    reps, seconds), ``setup_s``, ``host_peak_rss_bytes`` (this rank), ``world_size``,
-    ``T_per_rank``, the configuration and versions. Initialises (and destroys) the process
-    group (nccl on CUDA, gloo on CPU) unless one exists.
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
+def _rank_device(device, rank: int, world_size: int) -> torch.device:
+    """The device of this rank: ``device`` if given, else ``cuda:LOCAL_RANK`` (``cuda:0`` with one rank)
+    when CUDA is there, else the CPU."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} of world size {world_size}")
-    if T % world_size:
-        raise ValueError(f"T={T} tokens do not split evenly over {world_size} ranks")
     if device is not None:
         device = torch.device(device)
     elif torch.cuda.is_available():
@@ -325,65 +349,120 @@ def fsdp2_cpu_offload_step(
         device = torch.device("cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _per_tokens(workload, tokens: list[int], reps: int, device: torch.device, model, opt_step, *,
+                rank: int, world_size: int, seed: int, barrier=None, clear=None, backward=None, **extra: Any) -> dict:
+    """Each token count in turn on the built ``model`` (FSDP2's module or DeepSpeed's engine): this rank's
+    ``T / world_size`` tokens (input seeded ``seed + 1 + rank``), :func:`_measure`, :func:`_result`, the
+    maxima over the ranks. ``backward(loss)``: default ``loss.backward()`` (DeepSpeed: ``engine.backward``,
+    which scales and reduces). Returns the first T's dict with ``by_tokens`` (every T's) when several."""
+    by: dict[str, dict] = {}
+    for T in tokens:
+        t_local = T // world_size
+        batch = workload.batch(t_local, device, seed + 1 + rank)
+
+        def forward():
+            with torch.no_grad():
+                return workload.forward(model, batch)
+
+        def forward_backward():
+            loss = workload.loss(model, batch)
+            if backward is not None:
+                backward(loss)
+            else:
+                loss.backward()
+            if clear is not None:
+                clear()
+
+        samples = _measure(device, reps, forward, forward_backward, opt_step, barrier)
+        fields = {**workload.describe(), **extra, "T": T, "T_per_rank": t_local, "world_size": world_size,
+                  "reps": reps}
+        res = _result(samples, device, **fields)
+        if world_size > 1:
+            _max_over_ranks(res)
+        by[str(T)] = res
+        del batch
+    out = dict(by[str(tokens[0])])
+    if len(tokens) > 1:
+        out["by_tokens"] = by
+    return out
+
+
+def fsdp2_anchor(workload, tokens, reps: int = 3, *, optimizer: bool = True, device=None, seed: int = 0,
+                 lr: float = 1e-4, rank: int = 0, world_size: int = 1, meta_init: bool = False) -> dict:
+    """FSDP2 (``fully_shard``) with ``CPUOffloadPolicy`` on ``world_size`` ranks: medians of ``reps``.
+
+    Every block of ``workload`` (:class:`FFNWorkload`, ``llama_model.LlamaWorkload``) and the root are
+    wrapped with ``fully_shard(..., mesh=<world_size-device mesh>, offload_policy=CPUOffloadPolicy(
+    pin_memory=...))`` (``pin_memory=True`` on CUDA; False on CPU, where there is nothing to pin for). The
+    model is built on ``device`` (default: ``cuda:LOCAL_RANK`` if CUDA is available, else CPU; every rank
+    draws the same weights from ``seed``) and moved to the host by ``fully_shard``, each rank keeping its
+    shard; with ``meta_init`` it is built on the meta device, sharded, then materialised on the host
+    (``to_empty(device="cpu")``) and filled by ``workload.materialize``. ``torch.optim.AdamW(lr,
+    foreach=True)`` steps on the host shards. ``tokens``: a global token count or several (each a multiple
+    of ``world_size``; each rank runs ``T / world_size`` tokens of its own input).
+
+    Called once in every rank (the CLI's ``--world-size`` starts the ranks). Returns a dict: ``forward_s``,
+    ``forward_backward_s``, ``optimizer_s`` (None when ``optimizer`` is False), ``step_s`` (seconds: this
+    rank's median with one rank; with several, the maximum over the ranks of each rank's median,
+    ``per_rank`` listing every rank's medians), ``peak_device_bytes`` (bytes, max over ranks, or None on
+    CPU), ``samples``, ``setup_s``, ``host_peak_rss_bytes`` (this rank), ``world_size``, ``T_per_rank``,
+    ``param_pinned``, the configuration and versions; ``by_tokens`` with several token counts. Initialises
+    (and destroys) the process group (nccl on CUDA, gloo on CPU) unless one exists. Raises ValueError: a
+    token count that does not split over the ranks, a rank outside the world.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    tokens = _tokens_list(tokens, world_size)
+    device = _rank_device(device, rank, world_size)
     created = _init_process_group(device, rank, world_size)
     try:
         t_setup = time.perf_counter()
         mesh = init_device_mesh(device.type, (world_size,))
         pin = device.type == "cuda"
         policy = CPUOffloadPolicy(pin_memory=pin)
-        model = make_ffn_stack(D, F, L, dtype, device, seed)
-        for layer in model:
-            fully_shard(layer, mesh=mesh, offload_policy=policy)
+        model = workload.build(device, seed, meta=meta_init)
+        for block in workload.blocks(model):
+            fully_shard(block, mesh=mesh, offload_policy=policy)
         fully_shard(model, mesh=mesh, offload_policy=policy)
+        if meta_init:
+            model.to_empty(device="cpu")
+            workload.materialize(model, device, seed)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True) if optimizer else None
-        gen = torch.Generator(device=device)
-        gen.manual_seed(seed + 1 + rank)
-        t_local = T // world_size
-        x = torch.randn(t_local, D, dtype=dtype, device=device, generator=gen)
         _release_cached(device)
         setup_s = time.perf_counter() - t_setup
-        param_device = next(model.parameters()).to_local().device.type
-
-        def forward():
-            with torch.no_grad():
-                return model(x)
-
-        def forward_backward():
-            _loss(model(x)).backward()
+        local = next(model.parameters()).to_local()
 
         def optimizer_step():
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        if opt is None:
-            def clear_grads():
-                model.zero_grad(set_to_none=True)
-            fb = lambda: (forward_backward(), clear_grads())  # noqa: E731
-        else:
-            fb = forward_backward
         barrier = None
         if world_size > 1:
             import torch.distributed as dist
             barrier = dist.barrier
-        samples = _measure(device, reps, forward, fb, optimizer_step if opt else None, barrier)
-        res = _result(
-            samples,
-            device,
-            anchor="fsdp2",
-            D=D, F=F, L=L, T=T, reps=reps,
-            dtype=str(dtype).replace("torch.", ""),
-            optimizer="torch.optim.AdamW(foreach=True)" if opt else None,
-            pin_memory=pin,
-            param_device=param_device,
-            setup_s=setup_s,
-            world_size=world_size,
-            T_per_rank=t_local,
-        )
-        if world_size > 1:
-            _max_over_ranks(res)
-        return res
+        return _per_tokens(
+            workload, tokens, reps, device, model, optimizer_step if opt else None, rank=rank,
+            world_size=world_size, seed=seed, barrier=barrier,
+            clear=None if opt else (lambda: model.zero_grad(set_to_none=True)), anchor="fsdp2",
+            dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
+            optimizer="torch.optim.AdamW(foreach=True)" if opt else None, pin_memory=pin,
+            param_device=local.device.type, param_pinned=bool(local.is_pinned()) if pin else False,
+            meta_init=meta_init, setup_s=setup_s)
     finally:
         _destroy_process_group(created)
+
+
+def fsdp2_cpu_offload_step(D: int, F: int, L: int, T: int, reps: int = 3, *, optimizer: bool = True,
+                           dtype: torch.dtype = torch.bfloat16, device=None, seed: int = 0, lr: float = 1e-4,
+                           rank: int = 0, world_size: int = 1) -> dict:
+    """:func:`fsdp2_anchor` on the FFN stack ``D, F, L`` in ``dtype`` at ``T`` global tokens (the keys of
+    that function's dict, plus ``D``, ``F``, ``L``)."""
+    return fsdp2_anchor(FFNWorkload(D, F, L, dtype), T, reps, optimizer=optimizer, device=device, seed=seed,
+                        lr=lr, rank=rank, world_size=world_size)
 
 
 _RANK_KEYS = ("forward_s", "forward_backward_s", "optimizer_s", "step_s")
@@ -411,12 +490,13 @@ def _max_over_ranks(res: dict) -> None:
 
 
 def deepspeed_config(D: int, F: int, *, stage: int = 3, torch_adam: bool = False,
-                     lr: float = 1e-4, pin_memory: bool = True) -> dict:
-    """The DeepSpeed config of :func:`deepspeed_zero_offload_step` (a plain dict).
+                     lr: float = 1e-4, pin_memory: bool = True, bucket_elements: int | None = None) -> dict:
+    """The DeepSpeed config of :func:`deepspeed_anchor` (a plain dict).
 
     ZeRO ``stage`` 3 offloads parameters and optimizer to the CPU (ZeRO-Infinity without
     NVMe); stage 2 offloads the optimizer only (ZeRO-Offload). The prefetch bucket holds one
-    layer (2*D*F elements), the persistence threshold is 0 (every parameter offloaded).
+    block (``bucket_elements``, default 2*D*F: one FFN layer), the persistence threshold is 0
+    (every parameter offloaded).
     """
     zero: dict[str, Any] = {
         "stage": stage,
@@ -427,7 +507,7 @@ def deepspeed_config(D: int, F: int, *, stage: int = 3, torch_adam: bool = False
     if stage == 3:
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin_memory}
         zero["stage3_param_persistence_threshold"] = 0
-        zero["stage3_prefetch_bucket_size"] = 2 * D * F
+        zero["stage3_prefetch_bucket_size"] = bucket_elements or 2 * D * F
     opt_params: dict[str, Any] = {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
                                   "weight_decay": 0.01}
     if torch_adam:
@@ -455,51 +535,38 @@ def _cpu_adam_buildable() -> tuple[bool, str]:
         return False, f"{type(e).__name__}: {e}"[-2000:]
 
 
-def deepspeed_zero_offload_step(
-    D: int,
-    F: int,
-    L: int,
-    T: int,
-    reps: int = 3,
-    *,
-    stage: int = 3,
-    optimizer: str = "auto",
-    device: torch.device | str | None = None,
-    seed: int = 0,
-    lr: float = 1e-4,
-) -> dict:
-    """DeepSpeed ZeRO ``stage`` (3: params + optimizer offloaded to the CPU; 2: optimizer
-    only), bf16, world size 1: medians of ``reps`` steps, after one warm-up step.
+def deepspeed_anchor(workload, tokens, reps: int = 3, *, stage: int = 3, optimizer: str = "auto", device=None,
+                     seed: int = 0, lr: float = 1e-4, rank: int = 0, world_size: int = 1) -> dict:
+    """DeepSpeed ZeRO ``stage`` (3: params + optimizer offloaded to the CPU; 2: optimizer only), bf16, on
+    ``world_size`` ranks (this one ``rank``, ``cuda:LOCAL_RANK``): medians of ``reps`` steps after one
+    warm-up step, per global token count of ``tokens`` (each rank ``T / world_size`` of its own input).
 
-    ``optimizer``: ``"auto"`` builds DeepSpeedCPUAdam (ninja JIT; may take a minute) and falls
-    back to ``torch.optim.AdamW`` on the host (``torch_adam: true``) if the build fails;
-    ``"cpu_adam"`` or ``"torch_adam"`` force one. The dict's ``optimizer`` names the one that
-    ran, ``cpu_adam_error`` says why CPU Adam was not used.
+    ``optimizer``: ``"auto"`` builds DeepSpeedCPUAdam (ninja JIT; may take a minute) and falls back to
+    ``torch.optim.AdamW`` on the host (``torch_adam: true``) if the build fails; ``"cpu_adam"`` or
+    ``"torch_adam"`` force one. The dict's ``optimizer`` names the one that ran, ``cpu_adam_error`` says
+    why CPU Adam was not used.
 
-    Returns the keys of :func:`fsdp2_cpu_offload_step` (seconds, bytes) plus ``config`` (the
-    DeepSpeed config) and ``deepspeed`` (its version); or ``{"error": "...", ...}`` (never an
-    exception) when DeepSpeed is not importable, CUDA is missing, or the run fails.
+    Returns the keys of :func:`fsdp2_anchor` (seconds, bytes) plus ``config`` (the DeepSpeed config) and
+    ``deepspeed`` (its version); or ``{"error": "...", ...}`` (never an exception) when DeepSpeed is not
+    importable, CUDA is missing, or the run fails.
     """
     for k, v in _NO_MULTICAST_ENV.items():
         os.environ.setdefault(k, v)
+    info: dict[str, Any] = {"anchor": "deepspeed", "stage": stage, "world_size": world_size, **workload.describe()}
     try:
         import deepspeed
     except Exception as e:  # noqa: BLE001 - ImportError or a broken install
-        return {"anchor": "deepspeed", "error": f"deepspeed not importable: "
-                f"{type(e).__name__}: {e}"}
-    device = torch.device(device) if device is not None else _default_device()
-    if device.type != "cuda":
-        return {"anchor": "deepspeed", "error": "the deepspeed anchor needs a CUDA device",
-                "deepspeed": deepspeed.__version__}
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        return dict(info, error=f"deepspeed not importable: {type(e).__name__}: {e}")
+    info["deepspeed"] = deepspeed.__version__
     created = False
-    info: dict[str, Any] = {"anchor": "deepspeed", "deepspeed": deepspeed.__version__,
-                            "D": D, "F": F, "L": L, "T": T, "reps": reps, "stage": stage}
     try:
-        for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        tokens = _tokens_list(tokens, world_size)
+        device = _rank_device(device, rank, world_size)
+        if device.type != "cuda":
+            return dict(info, error="the deepspeed anchor needs a CUDA device")
+        for k, v in (("RANK", str(rank)), ("LOCAL_RANK", str(device.index)), ("WORLD_SIZE", str(world_size))):
             os.environ.setdefault(k, v)  # deepspeed.comm reads them
-        created = _init_process_group(device)
+        created = _init_process_group(device, rank, world_size)
         deepspeed.init_distributed(dist_backend="nccl", auto_mpi_discovery=False)
         use_torch_adam = optimizer == "torch_adam"
         if optimizer == "auto":
@@ -507,32 +574,23 @@ def deepspeed_zero_offload_step(
             use_torch_adam = not ok
             if msg:
                 info["cpu_adam_error"] = msg
-        config = deepspeed_config(D, F, stage=stage, torch_adam=use_torch_adam, lr=lr)
+        config = deepspeed_config(0, 0, stage=stage, torch_adam=use_torch_adam, lr=lr,
+                                  bucket_elements=workload.bucket_elements)
         info["config"] = json.loads(json.dumps(config))  # a copy: deepspeed may edit its own
         t_setup = time.perf_counter()
-        model = make_ffn_stack(D, F, L, torch.bfloat16, device, seed)
-        engine, opt, _, _ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=config)
+        model = workload.build(device, seed)
+        engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         info["optimizer"] = type(getattr(opt, "optimizer", opt)).__name__
         info["zero_optimizer"] = type(opt).__name__
-        gen = torch.Generator(device=device)
-        gen.manual_seed(seed + 1)
-        x = torch.randn(T, D, dtype=torch.bfloat16, device=device, generator=gen)
         _release_cached(device)
         info["setup_s"] = time.perf_counter() - t_setup
-
-        def forward():
-            with torch.no_grad():
-                return engine(x)
-
-        def forward_backward():
-            engine.backward(_loss(engine(x)))
-
-        def optimizer_step():
-            engine.step()  # also zeroes the gradients
-
-        samples = _measure(device, reps, forward, forward_backward, optimizer_step)
-        return _result(samples, device, **info)
+        barrier = None
+        if world_size > 1:
+            import torch.distributed as dist
+            barrier = dist.barrier
+        # engine.step() also zeroes the gradients
+        return _per_tokens(workload, tokens, reps, device, engine, engine.step, rank=rank, world_size=world_size,
+                           seed=seed, barrier=barrier, backward=engine.backward, **info)
     except Exception as e:  # noqa: BLE001 - report, never raise
         info["error"] = f"{type(e).__name__}: {e}"[-4000:]
         info["traceback"] = traceback.format_exc()[-8000:]
@@ -540,6 +598,13 @@ def deepspeed_zero_offload_step(
     finally:
         with contextlib.suppress(Exception):
             _destroy_process_group(created)
+
+
+def deepspeed_zero_offload_step(D: int, F: int, L: int, T: int, reps: int = 3, *, stage: int = 3,
+                                optimizer: str = "auto", device=None, seed: int = 0, lr: float = 1e-4) -> dict:
+    """:func:`deepspeed_anchor` on the FFN stack ``D, F, L`` (bf16) at ``T`` tokens, world size 1."""
+    return deepspeed_anchor(FFNWorkload(D, F, L), T, reps, stage=stage, optimizer=optimizer, device=device,
+                            seed=seed, lr=lr)
 
 
 # ---------------------------------------------------------------------------------------
@@ -554,20 +619,29 @@ def _shape(s: str) -> tuple[int, int, int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The CLI: ``--anchor fsdp2|deepspeed --shape D,F,L --tokens T --reps N`` (+ options)."""
+    """The CLI: ``--anchor fsdp2|deepspeed --shape D,F,L | --llama NAME --tokens T [T ...] --reps N`` (+ options)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--anchor", choices=["fsdp2", "deepspeed"], required=True)
-    p.add_argument("--shape", type=_shape, default=(8192, 32768, 8), help="D,F,L")
-    p.add_argument("--tokens", type=int, default=8192, help="T (global: split over the ranks)")
+    p.add_argument("--shape", type=_shape, default=(8192, 32768, 8), help="D,F,L of the FFN stack")
+    p.add_argument("--llama", default=None, help="a llama_model.SHAPES name (8b, 34b, tiny): an HF Llama "
+                   "instead of the FFN stack")
+    p.add_argument("--layers", type=int, default=None, help="with --llama: decoder layers (default: the shape's)")
+    p.add_argument("--seq", type=int, default=4096, help="with --llama: tokens per sequence")
+    p.add_argument("--checkpointing", action="store_true", help="with --llama: transformers' gradient "
+                   "checkpointing (non-reentrant)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[8192],
+                   help="T (global: split over the ranks); several: measured in turn on one model")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None,
                    help="default: cuda:LOCAL_RANK (cuda:0 with one rank) if available, else cpu")
     p.add_argument("--no-optimizer", action="store_true",
                    help="fsdp2 only: forward and backward, no optimizer step")
+    p.add_argument("--meta-init", action="store_true", help="fsdp2 only: build on the meta device, shard, "
+                   "materialise on the host (models larger than one GPU)")
     p.add_argument("--world-size", type=int, default=1,
-                   help="fsdp2 only: ranks (processes, one GPU each), started by this command")
+                   help="ranks (processes, one GPU each), started by this command")
     p.add_argument("--timeout-s", type=float, default=None,
                    help="with --world-size > 1: stop the ranks after this many seconds")
     p.add_argument("--stage", type=int, choices=[2, 3], default=3, help="deepspeed only")
@@ -577,6 +651,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.world_size < 1:
         p.error(f"--world-size must be >= 1, got {args.world_size}")
     return args
+
+
+def workload_of(args: argparse.Namespace):
+    """The model the CLI's arguments name: :class:`FFNWorkload` of ``--shape``, or with ``--llama`` a
+    ``llama_model.LlamaWorkload`` (``--layers``, ``--seq``, ``--checkpointing``)."""
+    if args.llama is None:
+        return FFNWorkload(*args.shape)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from llama_model import LlamaWorkload, shape_of
+
+    return LlamaWorkload(shape_of(args.llama, args.layers), seq=args.seq, checkpointing=args.checkpointing)
 
 
 def _free_port() -> int:
@@ -590,7 +675,7 @@ def _is_rank_process(world_size: int) -> bool:
     return world_size > 1 and "RANK" in os.environ and os.environ.get("WORLD_SIZE") == str(world_size)
 
 
-def launch_ranks(argv: list[str], world_size: int, timeout_s: float | None = None) -> dict:
+def launch_ranks(argv: list[str], world_size: int, timeout_s: float | None = None, anchor: str = "fsdp2") -> dict:
     """Run this script as ``world_size`` rank processes with ``argv`` and return rank 0's JSON dict.
 
     Each rank gets ``RANK``, ``LOCAL_RANK`` (= rank), ``WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``,
@@ -651,48 +736,53 @@ def launch_ranks(argv: list[str], world_size: int, timeout_s: float | None = Non
     if json_lines:
         res = json.loads(json_lines[-1])
     else:
-        res = {"anchor": "fsdp2", "world_size": world_size,
+        res = {"anchor": anchor, "world_size": world_size,
                "error": f"{reason or 'rank 0 printed no result'} (return codes {codes}): {texts[0][1][-2000:]}"}
     if "error" not in res and (reason or any(codes)):
         res["error"] = f"{reason or 'a rank failed'} (return codes {codes})"
     return res
 
 
+def _run_rank(args: argparse.Namespace, rank: int) -> dict:
+    """This process's anchor as ``rank`` of ``--world-size``: its dict, or one with ``error`` and
+    ``traceback`` (printed to stderr with several ranks) when it raised."""
+    ws = args.world_size
+    try:
+        workload = workload_of(args)
+        if args.anchor == "fsdp2":
+            return fsdp2_anchor(workload, args.tokens, args.reps, optimizer=not args.no_optimizer,
+                                device=args.device, seed=args.seed, rank=rank, world_size=ws,
+                                meta_init=args.meta_init)
+        return deepspeed_anchor(workload, args.tokens, args.reps, stage=args.stage, optimizer=args.ds_optimizer,
+                                device=args.device, seed=args.seed, rank=rank, world_size=ws)
+    except Exception as e:  # noqa: BLE001 - one JSON line either way
+        res = {"anchor": args.anchor, "world_size": ws, "rank": rank, "error": f"{type(e).__name__}: {e}"[-4000:],
+               "traceback": traceback.format_exc()[-8000:]}
+        if ws > 1:
+            sys.stderr.write(res["traceback"])
+        return res
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run one anchor and print its dict as one JSON line on stdout; return the dict.
 
-    With ``--world-size N > 1`` (fsdp2 only) this starts the N ranks (:func:`launch_ranks`)
-    unless it is one of them; a rank prints its line only as rank 0.
+    With ``--world-size N > 1`` this starts the N ranks (:func:`launch_ranks`) unless it is one of
+    them; a rank prints its line only as rank 0. A token count that does not split over the ranks is
+    refused before any rank starts.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    D, F_, L = args.shape
     ws = args.world_size
     rank = 0
-    if ws > 1 and args.anchor != "fsdp2":
-        res = {"anchor": args.anchor, "error": "--world-size > 1 is implemented for fsdp2 only"}
-    elif ws > 1 and args.tokens % ws:
+    bad = [t for t in args.tokens if t < 1 or t % ws]
+    if bad:
         res = {"anchor": args.anchor, "world_size": ws,
-               "error": f"--tokens {args.tokens} does not split evenly over {ws} ranks"}
+               "error": f"--tokens {bad[0]} does not split evenly over {ws} ranks"}
     elif ws > 1 and not _is_rank_process(ws):
-        res = launch_ranks(argv, ws, args.timeout_s)
-    elif args.anchor == "fsdp2":
-        rank = int(os.environ["RANK"]) if ws > 1 else 0
-        try:
-            res = fsdp2_cpu_offload_step(D, F_, L, args.tokens, args.reps,
-                                         optimizer=not args.no_optimizer,
-                                         device=args.device, seed=args.seed,
-                                         rank=rank, world_size=ws)
-        except Exception as e:  # noqa: BLE001 - one JSON line either way
-            res = {"anchor": "fsdp2", "world_size": ws, "rank": rank,
-                   "error": f"{type(e).__name__}: {e}"[-4000:],
-                   "traceback": traceback.format_exc()[-8000:]}
-            if ws > 1:
-                sys.stderr.write(res["traceback"])
+        res = launch_ranks(argv, ws, args.timeout_s, anchor=args.anchor)
     else:
-        res = deepspeed_zero_offload_step(D, F_, L, args.tokens, args.reps, stage=args.stage,
-                                          optimizer=args.ds_optimizer, device=args.device,
-                                          seed=args.seed)
+        rank = int(os.environ["RANK"]) if ws > 1 else 0
+        res = _run_rank(args, rank)
     sys.stdout.flush()
     if rank == 0:
         print(json.dumps(res, default=str), flush=True)

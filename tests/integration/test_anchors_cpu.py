@@ -52,10 +52,11 @@ def test_make_ffn_stack_shapes_and_determinism():
 def test_parse_args():
     a = anchors.parse_args(["--anchor", "deepspeed", "--shape", "4096,14336,16",
                             "--tokens", "2048", "--reps", "5"])
-    assert (a.anchor, a.shape, a.tokens, a.reps) == ("deepspeed", (4096, 14336, 16), 2048, 5)
+    assert (a.anchor, a.shape, a.tokens, a.reps) == ("deepspeed", (4096, 14336, 16), [2048], 5)
     assert a.stage == 3 and a.ds_optimizer == "auto" and not a.no_optimizer
     d = anchors.parse_args(["--anchor", "fsdp2"])
-    assert d.shape == (8192, 32768, 8) and d.tokens == 8192
+    assert d.shape == (8192, 32768, 8) and d.tokens == [8192] and d.llama is None
+    assert anchors.parse_args(["--anchor", "fsdp2", "--tokens", "16", "32"]).tokens == [16, 32]
     with pytest.raises(SystemExit):
         anchors.parse_args(["--anchor", "fsdp2", "--shape", "1,2"])
     with pytest.raises(SystemExit):
@@ -114,8 +115,6 @@ def test_world_size_option_and_refusals(capsys, restore_env):
     assert anchors.parse_args(["--anchor", "fsdp2", "--world-size", "4"]).world_size == 4
     with pytest.raises(SystemExit):
         anchors.parse_args(["--anchor", "fsdp2", "--world-size", "0"])
-    res = anchors.main(["--anchor", "deepspeed", "--world-size", "2"])
-    assert "fsdp2 only" in res["error"]
     res = anchors.main(["--anchor", "fsdp2", "--shape", "64,128,2", "--tokens", "15", "--world-size", "2"])
     assert "does not split evenly" in res["error"]  # refused before any rank starts
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["world_size"] == 2
@@ -125,3 +124,29 @@ def test_rank_launcher_timeout_stops_the_ranks(restore_env):
     res = anchors.main(["--anchor", "fsdp2", "--shape", "64,128,2", "--tokens", "16", "--world-size", "2",
                         "--timeout-s", "0.2"])
     assert res["error"].startswith("timed out after 0.2 s")
+
+
+def test_llama_fsdp2_two_ranks_two_token_counts(capsys, restore_env):
+    """An HF Llama (llama_model's tiny shape) under FSDP2 on 2 gloo ranks, both token counts on one model:
+    each T has its own medians and every rank's, each rank ran T/2 tokens as whole sequences."""
+    res = anchors.main(["--anchor", "fsdp2", "--llama", "tiny", "--seq", "16", "--tokens", "64", "32",
+                        "--reps", "1", "--world-size", "2", "--timeout-s", "120"])
+    assert "error" not in res, res
+    assert res["model"] == "llama" and res["shape"]["d"] == 64 and res["seq"] == 16
+    assert set(res["by_tokens"]) == {"64", "32"} and res["T"] == 64          # the first T at the top
+    for T, r in res["by_tokens"].items():
+        assert r["T"] == int(T) and r["T_per_rank"] == int(T) // 2 and r["world_size"] == 2
+        assert [x["rank"] for x in r["per_rank"]] == [0, 1]
+        for key in _TIMES:
+            assert r[key] == max(x[key] for x in r["per_rank"]) > 0
+    assert res["param_device"] == "cpu" and res["optimizer"].startswith("torch.optim.AdamW")
+
+
+def test_llama_fsdp2_meta_init(restore_env):
+    """--meta-init: built on the meta device, sharded, materialised on the host with finite values; a step runs."""
+    import llama_model
+    w = llama_model.LlamaWorkload(llama_model.shape_of("tiny"), seq=8)
+    res = anchors.fsdp2_anchor(w, 16, 1, device="cpu", meta_init=True)
+    assert "error" not in res and res["meta_init"] is True and res["step_s"] > 0
+    assert res["samples"]["step_s"][0] > 0 and res["param_device"] == "cpu"
+

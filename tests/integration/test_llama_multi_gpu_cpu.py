@@ -1,0 +1,155 @@
+"""The HF Llama multi-GPU benchmark (benchmarks/llama_multi_gpu.py) on virtual CPU devices: the whole driver
+at the tiny shape (one process on 1 and 2 devices, FSDP2 on 2 gloo ranks, 2 torchrun ranks), the largest-model
+piece in this process, and the analysis on a hand-made raw dict (floors, speed-ups, targets, anchors)."""
+import json
+import math
+
+import jax
+import pytest
+
+import llama_model as lm
+import llama_multi_gpu
+import llama_report
+import llama_scaling
+
+
+def _fsdp2_available():
+    try:
+        import torch.distributed as dist
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard  # noqa: F401
+    except ImportError:
+        return False
+    return dist.is_available()
+
+
+def _rows(a, form, n):
+    return {r["tokens"]: r for r in a["shapes"]["tiny"]["rows"] if r["form"] == form and r["n"] == n}
+
+
+def test_smoke_run_every_piece(tmp_path, capsys):
+    anchors = "fsdp2" if _fsdp2_available() else ""
+    assert llama_multi_gpu.main(["--cpu-smoke", "--tokens", "32", "--torchrun-tokens", "32", "--anchors", anchors,
+                                 "--out-dir", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    data = json.loads((tmp_path / "llama_multi_gpu.json").read_text())
+    raw, a = data["raw"], data["analysis"]
+    assert a == json.loads(json.dumps(llama_report.analyze(raw), default=str))   # the saved analysis is the raw's
+    for name, p in raw["pieces"].items():
+        assert p["rc"] == 0 and not p["timed_out"], (name, (tmp_path / "logs" / (name.replace(":", "_") + ".log"))
+                                                     .read_text()[-3000:])
+    one, two = _rows(a, "single", 1), _rows(a, "single", 2)
+    assert set(one) == {32} and set(two) == {32, 64}        # 1 GPU at 32 per GPU; 2 GPUs: strong 32, weak 64
+    shape = raw["ours"]["tiny"]["shape"]
+    counts = lm.param_counts(shape)
+    for r in raw["ours"]["tiny"]["rows"]:
+        B = r["bytes"]
+        assert B["m"] == 2 * 2 * counts["total"]              # both AdamW moments of every bf16 weight, in and out
+        assert B["w"] == B["weight"] >= 2 * counts["total"]   # the updated weights out (buffers too)
+        assert r["flops"] == lm.model_flops(shape, r["b"], r["s"])
+    for r in list(one.values()) + list(two.values()):
+        terms = [r[k] for k in ("host_s", "compute_s") if r.get(k) is not None]
+        assert r["floor_s"] == max(terms) and r["ratio"] == pytest.approx(r["step_s"] / r["floor_s"])
+        assert r["tflops_per_gpu"] == pytest.approx(r["flops"] / r["step_s"] / r["n"] / 1e12)
+    # the same batch and weights on 1 and 2 devices: the same first loss (bf16 sums in another order)
+    assert two[32]["first_loss"] == pytest.approx(one[32]["first_loss"], rel=2e-3)
+    assert math.isclose(one[32]["first_loss"], math.log(shape["vocab"]), rel_tol=0.05)   # random weights
+    tr = {r["tokens"]: r for r in a["shapes"]["tiny"]["rows"] if r["form"].startswith("torchrun")}
+    assert set(tr) == {64}                                    # 32 tokens per rank, 2 ranks
+    assert tr[64]["first_loss"] == pytest.approx(two[64]["first_loss"], rel=2e-3)
+    sc = {(s["form"], s["kind"]) for s in a["shapes"]["tiny"]["scaling"]}
+    assert ("single", "strong") in sc and ("single", "weak") in sc and any(f.startswith("torchrun") for f, _ in sc)
+    for s in a["shapes"]["tiny"]["scaling"]:
+        k = 1 if s["kind"] == "strong" else 2
+        assert s["speedup"] == pytest.approx(k * s["step_1_s"] / s["step_n_s"]) and "met" in s
+    if anchors:
+        (x,) = a["shapes"]["tiny"]["anchors"]
+        assert x["anchor"] == "fsdp2" and x["world_size"] == 2 and x["tokens"] == 32
+        assert x["anchor_over_single"] == pytest.approx(x["step_s"] / two[32]["step_s"])
+    table = llama_report.render(a)
+    assert table + "\n" in printed and (tmp_path / "llama_multi_gpu.md").read_text() == table + "\n"
+    assert llama_multi_gpu.main(["--render", str(tmp_path / "llama_multi_gpu.json")]) == 0
+    assert capsys.readouterr().out == table + "\n"
+
+
+def test_pieces_skipped_past_the_budget(tmp_path, capsys):
+    assert llama_multi_gpu.main(["--cpu-smoke", "--budget-s", "1", "--largest", "--out-dir", str(tmp_path)]) == 0
+    raw = json.loads((tmp_path / "llama_multi_gpu.json").read_text())["raw"]
+    assert set(raw["pieces"]) == {"ours:tiny", "fsdp2:tiny", "deepspeed:tiny", "torchrun:tiny", "largest:tiny"}
+    assert all("skipped" in p for p in raw["pieces"].values())
+    assert '{"piece": "ours:tiny", "skipped": ' in capsys.readouterr().out
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 virtual devices")
+def test_largest_piece(tmp_path):
+    out = tmp_path / "largest.json"
+    args = llama_multi_gpu.parse_args(["--piece", "largest", "--shape", "tiny", "--layers", "3", "--gpus", "2",
+                                       "--tokens", "32", "--seq", "16", "--reps", "1", "--warmup", "0",
+                                       "--piece-out", str(out)])
+    assert llama_scaling.run_piece(args) == 0
+    d = json.loads(out.read_text())
+    counts = lm.param_counts(lm.shape_of("tiny", 3))
+    assert d["weight_bytes"] == 2 * counts["total"] and d["state_bytes"] == 3 * d["weight_bytes"]
+    (row,) = d["rows"]
+    assert row["n"] == 2 and row["form"] == "largest" and row["step_s"] > 0 and row["shape"]["layers"] == 3
+    a = llama_report.analyze({"n": 2, "tokens_per_gpu": [16], "largest": d})["largest"]
+    assert a["peak_rss_over_state"] == d["host_after"]["VmHWM"] / d["state_bytes"]
+    assert a["rows"][0]["ratio"] == pytest.approx(row["step_s"] / a["rows"][0]["floor_s"])
+
+
+def _raw():
+    """Two GPUs, one shape: 1-GPU rows at 8192 and 32768, 2-GPU rows at 8192, 16384, 32768, 65536 (GB/s and
+    TFLOP/s chosen so that 8192 on 2 GPUs is host-bound and 65536 compute-bound), an FSDP2 anchor."""
+    GB = 1e9
+    B = {"w_in": 1 * GB, "w": 2 * GB, "m": 4 * GB, "act": 0, "weight": 2 * GB}
+    steps = {(1, 8192): 0.30, (1, 32768): 1.00, (2, 8192): 0.17, (2, 16384): 0.30, (2, 32768): 0.52,
+             (2, 65536): 1.02}
+    rows = [{"form": "single", "n": n, "tokens": T, "b": T // 4096, "s": 4096, "tokens_per_gpu": T // n,
+             "flops": 6e9 * T, "bytes": B, "step_s": t, "first_loss": 10.4} for (n, T), t in steps.items()]
+    links = {"host_link": {"n": {"h2d": 100 * GB, "d2h": 100 * GB, "both": 140 * GB},
+                           "1": {"h2d": 50 * GB, "d2h": 50 * GB, "both": 70 * GB}},
+             "nvlink": {"per_gpu": 200 * GB, "peer_access": [True, True]}, "gemm_flops": 700e12}
+    return {"n": 2, "tokens_per_gpu": [8192, 32768], "pieces": {}, "ours": {"8b": dict(links, shape={}, rows=rows)},
+            "anchors": {"fsdp2:8b": {"anchor": "fsdp2", "T": 8192, "step_s": 0.5, "forward_backward_s": 0.2,
+                                     "optimizer_s": 0.3, "world_size": 2, "optimizer": "AdamW",
+                                     "by_tokens": {"8192": {"step_s": 0.5, "forward_backward_s": 0.2, "world_size": 2},
+                                                   "32768": {"step_s": 0.4, "forward_backward_s": 0.3,
+                                                             "world_size": 2}}}}}
+
+
+def test_analyze_floors_speedups_and_targets():
+    raw = _raw()
+    a = llama_report.analyze(raw)
+    rows = {(r["n"], r["tokens"]): r for r in a["shapes"]["8b"]["rows"]}
+    GB = 1e9
+    r = rows[(2, 8192)]
+    host = max((1 + 4) * GB / (100 * GB), (2 + 4) * GB / (100 * GB), (1 + 2 + 8) * GB / (140 * GB))
+    assert r["host_s"] == pytest.approx(host)
+    assert r["nvlink_s"] == pytest.approx(3 * 0.5 * 2 * GB / (200 * GB))
+    assert r["compute_s"] == pytest.approx(6e9 * 8192 * 4 / 3 / (2 * 700e12))
+    assert r["bound"] == "host" and r["floor_s"] == pytest.approx(host) and r["ratio"] == pytest.approx(0.17 / host)
+    assert r["host_plus_nvlink_s"] == pytest.approx(host + r["nvlink_s"])    # a diagnostic, not the floor
+    assert rows[(2, 65536)]["bound"] == "compute"
+    one = rows[(1, 8192)]                          # one GPU: its own link, no NVLink term
+    assert one["host_s"] == pytest.approx(max(5 / 50, 6 / 50, 11 / 70)) and "nvlink_s" not in one
+    sc = {(s["kind"], s["tokens"]): s for s in a["shapes"]["8b"]["scaling"]}
+    assert sc[("strong", 8192)]["speedup"] == pytest.approx(0.30 / 0.17)
+    assert sc[("weak", 65536)]["speedup"] == pytest.approx(2 * 1.00 / 1.02)
+    assert sc[("strong", 8192)]["met"] == (0.17 / host <= 1.10)              # host-bound: judged by its floor
+    assert sc[("weak", 65536)]["met"] == (2 * 1.00 / 1.02 >= 1.85)           # compute-bound: by its speed-up
+    assert sc[("weak", 65536)]["met"] is True
+    x = {t["tokens"]: t for t in a["shapes"]["8b"]["anchors"]}
+    assert x[8192]["anchor_over_single"] == pytest.approx(0.5 / 0.17)
+    assert x[32768]["anchor_over_single"] == pytest.approx(0.4 / 0.52)
+    checks = {c.get("what"): c["met"] for c in a["checks"] if "what" in c}
+    assert checks == {"fsdp2 / ours at 8192": True, "fsdp2 / ours at 32768": False}
+    text = llama_report.render(a)
+    assert "**missed**" in text and "| fsdp2 (AdamW) | 8192 |" in text
+    json.dumps(a)
+
+
+def test_batch_shape():
+    assert lm.batch_shape(8192, 2) == (2, 4096) and lm.batch_shape(65536, 2) == (16, 4096)
+    assert lm.batch_shape(8192, 4) == (4, 2048)              # fewer sequences than devices: shorter ones
+    assert lm.batch_shape(32, 2, seq=16) == (2, 16)
+    with pytest.raises(ValueError, match="do not split"):
+        lm.batch_shape(7, 2)
