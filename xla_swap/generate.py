@@ -491,8 +491,8 @@ def _gathered_prompts(check, input_ids, attention_mask, max_new_tokens: int, do_
     both = multihost_utils.process_allgather(np.stack([ids, full]), tiled=False)   # [ranks, 2, b, width]
     r = jax.process_index()
     own = (input_ids.detach().to("cpu", torch.int64), slice(r * b, (r + 1) * b))
-    return (own, torch.from_numpy(both[:, 0].reshape(-1, width).astype(np.int64)),
-            torch.from_numpy(both[:, 1].reshape(-1, width).astype(np.int64)), int(lengths[0, 2]) if lengths[0, 1] else None)
+    ids, mask = (torch.from_numpy(both[:, k].reshape(-1, width).astype(np.int64)) for k in (0, 1))
+    return own, ids, mask, int(lengths[0, 2]) if lengths[0, 1] else None
 
 
 def _initial_state(ids_cpu: torch.Tensor, mask: torch.Tensor, p_len: int, cache_len: int, max_new_tokens: int,

@@ -143,9 +143,10 @@ def _checked_devices(devices) -> list:
     if isinstance(devices, jax.Device) or not isinstance(devices, Sequence) or not devices or \
             not all(isinstance(d, jax.Device) for d in devices):
         raise TypeError(f"devices must be a non-empty sequence of jax.Device, got {devices!r}")
-    if per_rank_batches() and {d.process_index for d in devices} != set(range(jax.process_count())):
+    processes = {d.process_index for d in devices}
+    if per_rank_batches() and processes != set(range(jax.process_count())):
         raise ValueError("with per-rank batches (xla_swap.distributed.initialize) devices must span every process "
-                         f"(default jax.devices()), got devices of processes {sorted({d.process_index for d in devices})}")
+                         f"(default jax.devices()), got devices of processes {sorted(processes)}")
     return devices
 
 
