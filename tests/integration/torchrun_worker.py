@@ -4,7 +4,8 @@ single-process reference on the whole batch.
     torchrun --nproc-per-node 2 tests/integration/torchrun_worker.py OUT_DIR   # RANK etc. from torchrun
     python tests/integration/torchrun_worker.py OUT_DIR                          # one process, whole batch
 
-The device count per process comes from ``XLA_FLAGS`` (the test sets it). A small HF ``LlamaForCausalLM``
+The device count per process comes from ``XLA_FLAGS`` (the test sets it); ``WORKER_CUDA=1`` on GPUs
+passes the batches as CUDA tensors on each process's GPU. A small HF ``LlamaForCausalLM``
 through ``causal_lm_stages`` and a ``SwappedStack`` with ``torch.optim.AdamW``: forward (a batch that
 splits over the devices, and one of a row per rank, which runs replicated), 3 training steps, the AdamW
 moments, ``sync_modules``, greedy ``generate`` (same prompt lengths, and a shorter prompt on the last
@@ -35,7 +36,9 @@ from xla_swap.stack import SwappedStack  # noqa: E402
 from xla_swap.torch_bridge import to_torch  # noqa: E402
 
 r, n = (xd.rank(), xd.world_size()) if per_rank else (0, 1)
-assert len(jax.devices()) == 4, jax.devices()
+# WORKER_CUDA=1 (on GPUs): the batches as CUDA tensors on this process's GPU
+dev = torch.device("cuda", xd.local_rank() if per_rank else 0) if os.environ.get("WORKER_CUDA") else None
+assert dev is not None or len(jax.devices()) == 4, jax.devices()
 if per_rank:
     assert xd.per_rank_batches() and jax.process_index() == r and jax.process_count() == n
     assert torch.distributed.is_initialized() and torch.distributed.get_rank() == r
@@ -45,7 +48,7 @@ if per_rank:
 def mine(t):
     """This rank's rows of a global batch (the whole batch in the single-process run)."""
     k = t.shape[0] // n
-    return t[r * k:(r + 1) * k]
+    return t[r * k:(r + 1) * k].to(dev or "cpu")
 
 
 def ce(logits, labels):
@@ -64,12 +67,13 @@ split = [a for tree in (stack.runtime.host_params, stack.runtime.optimizer_state
          for a in jax.tree_util.tree_leaves(tree) if not a.sharding.is_fully_replicated]
 assert len(split) > 10 and all(a.sharding.memory_kind == "pinned_host" for a in split)
 # each process pins only its own devices' shards: its share of every split weight and moment
-assert all(sum(s.data.size for s in a.addressable_shards) * 4 == a.size * len(jax.local_devices()) for a in split)
+assert all(sum(s.data.size for s in a.addressable_shards) * len(jax.devices()) == a.size * len(jax.local_devices())
+           for a in split)
 ids = torch.randint(0, V, (4, 9), generator=torch.Generator().manual_seed(0))   # the global batch
 x, y = ids[:, :-1], ids[:, 1:]
 
 res = {"forward": stack(mine(x)).tolist()}
-if 2 % n == 0:   # one row per rank (2 x 2 devices): splits over no process's devices, runs replicated
+if 2 % n == 0 and len(jax.devices()) == 4:   # a row per rank (2 x 2 devices): splits over no process's devices
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         res["forward_replicated"] = stack(mine(x[:2])).tolist()
