@@ -11,6 +11,8 @@ Layers (each importable on its own):
   checkpoint (``xla_swap.load_stack``, imported on first use).
 * ``xla_swap.use_compilation_cache`` - jax's persistent compilation cache for the stage
   executables (``xla_swap.executors.compile_cache``, imported on first use).
+* ``xla_swap.distributed`` - ``initialize()``: one process per GPU as ``torchrun`` starts them, each
+  passing its own batch (imported on first use; ``docs/torchrun.md``).
 
 This top-level module imports nothing heavy, so ``import xla_swap.planning`` and
 ``import xla_swap.executors`` work on machines without torch_xla.
@@ -20,13 +22,16 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     """Lazy access to the torch entry point: ``xla_swap.SwappedStack`` imports torch and jax on first use
-    (``load_stack``, ``use_compilation_cache`` likewise)."""
+    (``load_stack``, ``use_compilation_cache`` and the module ``distributed`` likewise)."""
     if name in ("SwappedStack", "causal_lm_stages"):
         from xla_swap import stack
         return getattr(stack, name)
     if name == "load_stack":
         from xla_swap import loading
         return loading.load_stack
+    if name == "distributed":
+        import importlib
+        return importlib.import_module("xla_swap.distributed")
     if name == "use_compilation_cache":
         from xla_swap.executors import compile_cache
         return compile_cache.use_compilation_cache

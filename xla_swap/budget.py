@@ -101,10 +101,15 @@ class AutotuneMixin:
 
         Raises: ``xla_swap.planning.InfeasibleBudgetError`` (a ``ValueError``) when nothing fits,
           ``ValueError`` / ``TypeError`` for bad arguments (a bad ``budget_bytes`` as
-          ``xla_swap.planning.units.check_budget_bytes`` words it); the stack is unchanged then.
+          ``xla_swap.planning.units.check_budget_bytes`` words it), ``ValueError`` with per-rank batches
+          (:mod:`xla_swap.distributed`); the stack is unchanged then.
         """
+        from xla_swap.distributed import per_rank_batches
         from xla_swap.executors.calibrate import autotune
         check_calibration_arg(calibration)
+        if per_rank_batches():
+            raise ValueError("autotune with per-rank batches (xla_swap.distributed): each process would measure and "
+                             "choose its own schedule; build the stack with a policy")
         x = self._carry_in(inputs if isinstance(inputs, (tuple, list)) else (inputs,))
         cal = self.calibration if calibration is None else calibration
         with self.torch_precision():

@@ -49,6 +49,9 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from jax.experimental import multihost_utils
+
+from xla_swap.distributed import check_ranks_agree, gather_ints, per_rank_batches
 from xla_swap.executors.decode import StatefulStreamer, state_nbytes
 from xla_swap.hf import CausalLMFirst, CausalLMLast
 from xla_swap.index_checks import check_index_range, token_id_bounds
@@ -140,6 +143,8 @@ class _Generator:
         if free is None:
             stats = _memory_stats(act)
             free = None if stats is None else stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+            if free is not None and jax.process_count() > 1:   # one choice for every process: the least free
+                free = int(gather_ints([free]).min())
             source = "free device memory" if free is not None else "no memory statistics (CPU): fits"
         fits = free is None or self.kv_total + self.window <= free
         why = (f"KV cache {self.kv_total} B ({len(self.kv_nbytes)} layers x 2 x batch {self.batch} x cache_len "
@@ -230,7 +235,7 @@ def _decode_stage_fns(stack, cache_len: int, cache_kw: str) -> list:
 
 def _memory_stats(sharding) -> dict | None:
     try:
-        d = next(iter(sharding.device_set))
+        d = next(d for d in sharding.device_set if d.process_index == jax.process_index())   # one of this process
         return d.memory_stats()
     except Exception:  # noqa: BLE001 - a platform without statistics
         return None
@@ -277,7 +282,8 @@ def choose_batch(stack, prompt_len: int, max_new_tokens: int, *, device_budget_b
       device_budget_bytes: bytes for the stack on the device; default the free device memory.
       max_batch: upper bound of the answer (int >= 1).
 
-    Returns: ``(batch, explanation)`` (``batch >= 1``, the explanation giving the figures).
+    Returns: ``(batch, explanation)`` (``batch >= 1``, the explanation giving the figures). With per-rank
+    batches (:mod:`xla_swap.distributed`; every rank calls it) the batch of each rank.
 
     Raises:
       ValueError: a bad argument; no budget given on a platform without memory statistics (the CPU).
@@ -314,6 +320,9 @@ def choose_batch(stack, prompt_len: int, max_new_tokens: int, *, device_budget_b
     why = (f"batch {batch}: {n} x ({source} {budget} B - streaming window {window} B - fixed temporaries {fixed} B) "
            f"/ (KV cache {gen.kv_total} B + prefill temporaries {marginal} B per sequence, cache_len {cache_len}), "
            f"at most max_batch {max_batch}" + (f", a multiple of the {n} data-parallel devices" if n > 1 else ""))
+    if per_rank_batches():   # every rank's batch is a part of the global one
+        batch = max(1, int(gather_ints([batch]).min()) // jax.process_count())
+        why += f"; per rank {batch}: the least over the ranks / {jax.process_count()} ranks"
     return batch, why
 
 
@@ -439,7 +448,8 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
       prompt_bucket: prompts are left-padded to a multiple of it (one prefill executable per bucket).
 
     Returns: int64 ``[batch, prompt + n]`` CPU tensor: ``input_ids`` and the ``n <= max_new_tokens``
-      generated tokens (``n < max_new_tokens`` when every row stopped; stopped rows padded).
+      generated tokens (``n < max_new_tokens`` when every row stopped; stopped rows padded). With per-rank
+      batches (:mod:`xla_swap.distributed`): this rank's prompts in, its rows out (same batch size on every rank).
       ``stack.last_generation`` holds the placement, its explanation, the KV cache bytes,
       ``first_token_s`` (seconds from the start of the prefill to its token) and ``step_done_s``
       (per step, seconds from that start to the step's token, read one step late: differences
@@ -459,9 +469,14 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         ``max_new_tokens``; ``prompt_bucket < 1``; a decoder layer that does not keep a
         ``transformers``-style KV cache (message names it).
     """
-    mask, eos, pad, p_len, cache_len, device_budget_bytes = _check_args(
-        stack, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
-        pad_token_id, seed, kv_cache, device_budget_bytes, max_cache_len, prompt_bucket)
+    def check(ids, m, seed=seed):
+        return _check_args(stack, ids, m, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
+                           pad_token_id, seed, kv_cache, device_budget_bytes, max_cache_len, prompt_bucket)
+    own = None   # with per-rank batches: (this rank's prompts, its rows of the global batch)
+    if per_rank_batches():
+        own, input_ids, attention_mask, seed = _gathered_prompts(check, input_ids, attention_mask, max_new_tokens,
+                                                                 do_sample, seed)
+    mask, eos, pad, p_len, cache_len, device_budget_bytes = check(input_ids, attention_mask, seed)
     if do_sample and seed is None:
         seed = int(torch.randint(0, 2 ** 31 - 1, ()).item())
     ids_cpu = input_ids.detach().to("cpu", torch.int64)
@@ -476,7 +491,35 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     stack.last_generation = dict(placement=gen.placement, explanation=gen.explanation, kv_cache_bytes=gen.kv_total,
                                  kv_cache_bytes_per_layer=gen.kv_nbytes, cache_len=cache_len, prompt_len=p_len,
                                  new_tokens=int(n_done), first_token_s=first_s, step_done_s=done_s)
+    if own is not None:
+        ids_cpu, out = own[0], out[own[1]]
     return torch.cat([ids_cpu, torch.from_numpy(out.astype(np.int64))], dim=1)
+
+
+def _gathered_prompts(check, input_ids, attention_mask, max_new_tokens: int, do_sample: bool, seed) -> tuple:
+    """Per-rank batches: ``((this rank's ids, its rows), ids, mask, seed)``: every rank's prompts, checked by
+    ``check(ids, mask)`` here first, as one batch in rank order, left-padded to the longest prompt, and rank
+    0's seed (drawn there from torch's generator when ``None`` and sampling). A collective: every rank calls
+    it. Raises what ``check`` raises here, and ValueError when another rank refused its arguments or passes
+    another batch size or ``max_new_tokens``."""
+    try:
+        mask = check(input_ids, attention_mask)[0]
+    except (TypeError, ValueError, IndexError):
+        check_ranks_agree("generate's arguments", None)
+        raise
+    check_ranks_agree("input_ids", (input_ids.shape[0], max_new_tokens))   # the batch size and max_new_tokens
+    if do_sample and seed is None:
+        seed = int(torch.randint(0, 2 ** 31 - 1, ()).item())
+    b, t = input_ids.shape
+    lengths = gather_ints([t, seed is not None, seed or 0])
+    width = int(lengths[:, 0].max())
+    ids, full = np.zeros((b, width), np.int32), np.zeros((b, width), np.int32)
+    ids[:, width - t:], full[:, width - t:] = input_ids.detach().cpu().numpy(), mask.numpy()
+    both = multihost_utils.process_allgather(np.stack([ids, full]), tiled=False)   # [ranks, 2, b, width]
+    r = jax.process_index()
+    own = (input_ids.detach().to("cpu", torch.int64), slice(r * b, (r + 1) * b))
+    ids, mask = (torch.from_numpy(both[:, k].reshape(-1, width).astype(np.int64)) for k in (0, 1))
+    return own, ids, mask, int(lengths[0, 2]) if lengths[0, 1] else None
 
 
 def _initial_state(ids_cpu: torch.Tensor, mask: torch.Tensor, p_len: int, cache_len: int, max_new_tokens: int,

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from xla_swap.budget import AutotuneMixin, check_calibration_arg, resident_for_budget
+from xla_swap.distributed import per_rank_batches
 from xla_swap.checkpoint import CheckpointMixin, model_parameter_names
 from xla_swap.executors.streaming import StreamingRuntime, remat_from_policy
 from xla_swap.hf import causal_lm_stages  # noqa: F401  (re-exported: the entry point's splitter)
@@ -63,7 +64,7 @@ from xla_swap.planning.units import check_budget_bytes
 from xla_swap.sharding import StageSharding, check_shard
 from xla_swap.stages import host_stages, linear_weights, meta_tensor, stage_functions, tied_parameters
 from xla_swap.torch_attention import torchax_env, warn_eager_attention
-from xla_swap.torch_bridge import inputs_to_jax, output_to_torch, to_torch, torch_matmul_precision
+from xla_swap.torch_bridge import inputs_to_jax, output_to_torch, rank_rows_to_torch, to_torch, torch_matmul_precision
 from xla_swap.training import TrainingMixin
 
 __all__ = ["SwappedStack", "causal_lm_stages", "DEFAULT_POLICY", "torch_matmul_precision"]
@@ -109,6 +110,9 @@ def _check_options(*, policy, budget_bytes, data_parallel, accumulate_grads, tra
     if not isinstance(fused_attention, bool):
         raise TypeError(f"fused_attention must be a bool, got {fused_attention!r}")
     check_calibration_arg(calibration)
+    if budget_bytes is not None and autotune and per_rank_batches():
+        raise ValueError("autotune with per-rank batches: each process would measure and choose its own schedule; "
+                         "give policy= or budget_bytes= with autotune=False")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if not isinstance(skip_nonfinite, bool):
@@ -139,6 +143,10 @@ def _checked_devices(devices) -> list:
     if isinstance(devices, jax.Device) or not isinstance(devices, Sequence) or not devices or \
             not all(isinstance(d, jax.Device) for d in devices):
         raise TypeError(f"devices must be a non-empty sequence of jax.Device, got {devices!r}")
+    processes = {d.process_index for d in devices}
+    if per_rank_batches() and processes != set(range(jax.process_count())):
+        raise ValueError("with per-rank batches (xla_swap.distributed.initialize) devices must span every process "
+                         f"(default jax.devices()), got devices of processes {sorted(processes)}")
     return devices
 
 
@@ -346,6 +354,8 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
         ``param_dtype`` and ``mp_policy``, an ``mp_policy`` field not honoured (named), a floating
         parameter (or what ``weights`` gives for one) that is not float32 with ``param_dtype``.
         TypeError: ``mp_policy`` not a ``MixedPrecisionPolicy``.
+      ValueError: with per-rank batches (:mod:`xla_swap.distributed`), ``devices`` not spanning every process,
+        or ``budget_bytes`` with ``autotune`` (each process would choose its own schedule).
       ImportError: torchax is not installed.
     """
 
@@ -470,7 +480,7 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
         """
         try:
             with self.torch_precision():
-                self.runtime.output_aval(self._carry_in(tuple(inputs)))
+                self.runtime.output_aval(self._carry_in(tuple(inputs), per_rank=False))
         except (ValueError, TypeError) as e:
             msg = str(e)
             i = int(msg.split(":")[0].split()[1]) if msg.startswith("stage ") else None
@@ -498,6 +508,7 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
         on the stack's one device) by peer-to-peer copies and DLPack, and give a CUDA output on the
         first CUDA input's device (no copy through the host: the way to serve at the floor). A
         batch that does not split over the data-parallel devices runs replicated (exact; a warning).
+        With per-rank batches (:mod:`xla_swap.distributed`): this rank's batch in, its rows out.
 
         Each new input shape compiles once (bounded cache, ``max_signatures``).
 
@@ -565,13 +576,15 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
                     params[n].copy_(t)
 
     # ------------------------------------------------------------------ internals
-    def _carry_in(self, inputs):
+    def _carry_in(self, inputs, per_rank: bool | None = None):
+        """The inputs as the runtime takes them (this rank's batch with per-rank batches, unless ``per_rank=False``)."""
         if not inputs:
             raise TypeError("forward/train_step need at least one input tensor")
         if not self.has_first and len(inputs) != 1:
             raise TypeError(f"without a `first` stage the layers take one input (h), got {len(inputs)}")
         x = inputs_to_jax(tuple(inputs), "inputs", self.runtime.input_sharding_of,
-                          token_id_bounds(self.modules[0] if self.has_first else None))   # IndexError first
+                          token_id_bounds(self.modules[0] if self.has_first else None),   # IndexError first
+                          per_rank=per_rank_batches() if per_rank is None else per_rank)
         if self.param_dtype is not None and self.cast_inputs and not self.has_first:
             x = cast_floats(x, jnp.bfloat16)   # h as the layers compute it (the carry check wants it so)
         x = x if self.has_first else (x[0], {})
@@ -581,4 +594,5 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
     def _out(self, y, device: torch.device | None):
         if isinstance(y, tuple) and len(y) == 2 and isinstance(y[1], dict):
             y = y[0]
-        return jax.tree_util.tree_map(lambda a: output_to_torch(a, device), y)
+        convert = rank_rows_to_torch if per_rank_batches() else output_to_torch
+        return jax.tree_util.tree_map(lambda a: convert(a, device), y)

@@ -4,7 +4,9 @@
   ``ml_dtypes.bfloat16``); :func:`inputs_to_jax` / :func:`output_to_torch` hand CUDA tensors to
   jax and back through DLPack (no copy through the host), split over or assembled from several
   local GPUs by peer-to-peer copies, laid out where the runtime places them (:func:`tensor_pieces`
-  says which piece goes to which device).
+  says which piece goes to which device). With per-rank batches (:mod:`xla_swap.distributed`)
+  :func:`local_to_global` makes this process's batch its rows of the global array and
+  :func:`rank_rows_to_torch` gives an output's rows of this process back.
 * **Functions.** :func:`module_fn` turns an ``nn.Module``'s ``forward`` into a JAX function of its
   weights with torchax (``torch.func.functional_call`` under torchax's environment);
   :func:`torch_fn` does the same for a torch function of tensors (a loss).
@@ -26,7 +28,7 @@ import torch
 from xla_swap.index_checks import check_index_range
 
 __all__ = ["torch_matmul_precision", "to_numpy", "to_torch", "inputs_to_jax", "tensor_pieces", "tensor_to_sharding",
-           "output_to_torch", "module_fn", "torch_fn", "torch_dtype"]
+           "output_to_torch", "local_to_global", "rank_rows_to_torch", "module_fn", "torch_fn", "torch_dtype"]
 
 
 #: torch's fp32 matmul setting -> ``jax.default_matmul_precision``: ``"ieee"`` (torch's default,
@@ -142,6 +144,45 @@ def _as_int32(t: torch.Tensor, lo_hi: tuple | None) -> torch.Tensor:
     return t
 
 
+def _on_gpus(a) -> bool:
+    """Whether jax array ``a`` lives in GPU device memory (its addressable devices are GPUs)."""
+    return isinstance(a, jax.Array) and a.sharding.memory_kind in (None, "device") and \
+        all(s.device.platform == "gpu" for s in a.addressable_shards)
+
+
+def _assemble(shape: tuple, parts: list, device: torch.device | None) -> torch.Tensor:
+    """A torch tensor of ``shape`` from ``parts`` ``[(dst index, single-device jax array, src index), ...]``
+    (``out[dst] = data[src]``): on the CUDA ``device`` by peer-to-peer copies (DLPack, never through the
+    host; the GPUs involved synchronised before returning: jax may reuse a buffer once the array is
+    dropped), else on the CPU."""
+    if device is None:
+        out = None
+        for dst, data, src in parts:
+            piece = np.asarray(data)[src]
+            if out is None:
+                out = np.empty(shape, piece.dtype)
+            out[dst] = piece
+        return to_torch(out)
+    out, used = None, {device}
+    for dst, data, src in parts:
+        s = _cuda_of(next(iter(data.devices())))
+        used.add(s)
+        with torch.cuda.device(s):
+            piece = torch.from_dlpack(data)[src]
+        if out is None:
+            out = torch.empty(shape, dtype=piece.dtype, device=device)
+        out[dst].copy_(piece)
+    for d in used:
+        torch.cuda.synchronize(d)
+    return out
+
+
+def _box(index: tuple, shape: tuple) -> tuple:
+    """A device's ``index`` (tuple of slices) into an array of ``shape`` as ``((start, stop), ...)`` per dimension."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
 def output_to_torch(a, device: torch.device | None) -> torch.Tensor:
     """A runtime output as a torch tensor: on the CUDA ``device`` when given and the array lives on
     GPUs (through DLPack; an array split over several local GPUs is assembled on ``device`` by
@@ -151,39 +192,129 @@ def output_to_torch(a, device: torch.device | None) -> torch.Tensor:
     (it does not see torch's streams), so the devices involved are synchronised before returning
     (only where such a copy ran: an output on ``device`` itself is shared, not copied).
     """
-    if device is not None and isinstance(a, jax.Array) and a.sharding.memory_kind in (None, "device") \
-            and a.is_fully_addressable and all(d.platform == "gpu" for d in a.devices()):
+    if device is not None and _on_gpus(a) and a.is_fully_addressable:
         if len(a.devices()) == 1 or a.is_fully_replicated:
             sh = next((s for s in a.addressable_shards if _cuda_of(s.device) == device), a.addressable_shards[0])
-            src = _cuda_of(sh.device)
-            with torch.cuda.device(src):
-                t = torch.from_dlpack(sh.data)
-            if src == device:
-                return t
-            out = t.to(device)
-            torch.cuda.synchronize(src)
-            torch.cuda.synchronize(device)
-            return out
-        out, done, used = None, set(), {device}
+            if _cuda_of(sh.device) == device:
+                with torch.cuda.device(device):
+                    return torch.from_dlpack(sh.data)
+            return _assemble(a.shape, [((), sh.data, ())], device)
+        parts, done = [], set()
         for sh in a.addressable_shards:
-            key = tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s for s in sh.index)
-            if key in done:
-                continue
-            done.add(key)
-            src = _cuda_of(sh.device)
-            used.add(src)
-            with torch.cuda.device(src):
-                piece = torch.from_dlpack(sh.data)
-            if out is None:
-                out = torch.empty(a.shape, dtype=piece.dtype, device=device)
-            out[sh.index].copy_(piece)
-        for d in used:
-            torch.cuda.synchronize(d)
-        return out
+            key = _box(sh.index, a.shape)
+            if key not in done:
+                done.add(key)
+                parts.append((sh.index, sh.data, ()))
+        return _assemble(a.shape, parts, device)
     return to_torch(a)
 
 
-def inputs_to_jax(x, what: str, placement: Callable | None = None, bounds: dict | None = None):
+def _process_boxes(sharding, shape: tuple) -> dict:
+    """``{process index: {box, ...}}``: the boxes (:func:`_box`) every process's devices hold of an array of
+    ``shape`` under ``sharding`` (read from every device's index: the same answer on every process)."""
+    boxes: dict = {}
+    for d, index in sharding.devices_indices_map(tuple(shape)).items():
+        boxes.setdefault(d.process_index, set()).add(_box(index, shape))
+    return boxes
+
+
+def _own_block(p: int, n: int) -> tuple[int, int]:
+    """Process ``p``'s rows ``[lo, hi)`` of a leading dimension ``n`` split over the processes in order."""
+    m = n // jax.process_count()
+    return p * m, (p + 1) * m
+
+
+def _clipped(box: tuple, lo: int, hi: int) -> tuple | None:
+    """``box`` with its leading dimension clipped to ``[lo, hi)`` (``None`` when nothing is left)."""
+    a, b = max(box[0][0], lo), min(box[0][1], hi)
+    return ((a, b),) + tuple(box[1:]) if a < b else None
+
+
+def _holds_own_rows(sharding, shape: tuple) -> bool:
+    """Whether every process's devices hold all of its own block of rows (:func:`_own_block`)."""
+    boxes = _process_boxes(sharding, shape)
+    block = (shape[0] // jax.process_count()) * int(np.prod(shape[1:], dtype=np.int64))
+    for p in range(jax.process_count()):
+        clipped = {c for b in boxes.get(p, ()) if (c := _clipped(b, *_own_block(p, shape[0]))) is not None}
+        if sum(int(np.prod([hi - lo for lo, hi in c], dtype=np.int64)) for c in clipped) != block:
+            return False
+    return True
+
+
+def local_to_global(t: torch.Tensor, sharding) -> jax.Array:
+    """This process's batch ``t`` (CPU or CUDA, leading dimension ``b``) as its rows of the global array
+    ``[processes x b, ...]`` (the processes' batches concatenated in process order) laid out as ``sharding``.
+
+    Where every device holds rows of its own process's block only (a batch split over the devices in
+    process order), each device gets its piece of ``t`` (CUDA pieces by peer-to-peer copies and DLPack);
+    otherwise (a replicated layout, a batch that does not split over the local devices) every process's
+    batch is gathered through the host first (``process_allgather``: a collective, taken on every process
+    alike since the choice reads every device's index).
+    """
+    r, b = jax.process_index(), t.shape[0]
+    shape = (jax.process_count() * b,) + tuple(t.shape[1:])
+    if all(lo <= box[0][0] and box[0][1] <= hi for p, boxes in _process_boxes(sharding, shape).items()
+           for lo, hi in [_own_block(p, shape[0])] for box in boxes):
+        put = _cuda_put if t.device.type == "cuda" else _cpu_put
+        pieces = []
+        for d, index in tensor_pieces(shape, sharding):
+            lo, hi = _box(index, shape)[0]
+            pieces.append(put(t[(slice(lo - r * b, hi - r * b),) + tuple(index[1:])], d))
+        if len(sharding.device_set) == 1:
+            return pieces[0]
+        return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
+    from jax.experimental import multihost_utils
+    whole = to_torch(multihost_utils.process_allgather(to_numpy(t), tiled=True))
+    return tensor_to_sharding(whole, sharding, _cpu_put)
+
+
+def rank_rows_to_torch(a, device: torch.device | None) -> torch.Tensor:
+    """This process's rows of a global runtime output ``a`` (per-rank batches: process ``p`` gets rows
+    ``[p x m, (p + 1) x m)`` of its leading dimension ``processes x m``), as :func:`output_to_torch` gives
+    a tensor (on the CUDA ``device`` when given and ``a`` lives on GPUs, else the CPU). Taken from this
+    process's own devices where they hold those rows; otherwise gathered (a collective, taken on every
+    process alike). An output whose leading dimension does not split over the processes (a scalar) is
+    given whole."""
+    w = jax.process_count()
+    if not isinstance(a, jax.Array) or w == 1 or a.ndim == 0 or a.shape[0] % w:
+        return output_to_torch(a, device)
+    lo, hi = _own_block(jax.process_index(), a.shape[0])
+    device = device if _on_gpus(a) else None
+    if not _holds_own_rows(a.sharding, a.shape):
+        whole = to_torch(a)[lo:hi]
+        return whole if device is None else whole.to(device)
+    parts, done = [], set()
+    for sh in a.addressable_shards:
+        box = _box(sh.index, a.shape)
+        c = _clipped(box, lo, hi)
+        if c is None or c in done:
+            continue
+        done.add(c)
+        dst = (slice(c[0][0] - lo, c[0][1] - lo),) + tuple(slice(x, y) for x, y in c[1:])
+        src = (slice(c[0][0] - box[0][0], c[0][1] - box[0][0]),) + tuple(slice(x - bx, y - bx) for (x, y), (bx, _) in
+                                                                        zip(c[1:], box[1:]))
+        parts.append((dst, sh.data, src))
+    return _assemble((hi - lo,) + tuple(a.shape[1:]), parts, device)
+
+
+def _jax_dtype(dtype: torch.dtype) -> np.dtype:
+    """jax's (numpy's) dtype of a torch dtype (``bfloat16`` as ``ml_dtypes.bfloat16``)."""
+    return to_numpy(torch.empty(0, dtype=dtype)).dtype
+
+
+def _checked_inputs(x, what: str, bounds: dict | None) -> tuple[bool, tuple]:
+    """``(single, tensors)`` of :func:`inputs_to_jax`'s ``x``: checked, detached, int64 as int32 without x64."""
+    single = isinstance(x, torch.Tensor)
+    if not (single or (isinstance(x, (tuple, list)) and x and all(isinstance(t, torch.Tensor) for t in x))):
+        raise TypeError(f"{what} must be a torch.Tensor or a non-empty tuple of torch.Tensors, got {type(x).__name__}")
+    xs = (x,) if single else tuple(x)
+    # every index check before any tensor is converted; its min/max read also serves the int32 check
+    ranges = {i: check_index_range(xs[i], *b) for i, b in sorted((bounds or {}).items()) if i < len(xs)}
+    return single, tuple(_as_int32(t, ranges.get(i)).detach() for i, t in enumerate(xs))
+
+
+def inputs_to_jax(x, what: str, placement: Callable | None = None, bounds: dict | None = None,
+                  per_rank: bool = False):
     """A torch tensor, or a tuple/list of them, as jax / numpy arrays (same structure; a tensor stays one leaf).
 
     ``placement``: ``(avals) -> shardings``, given the tuple of every tensor's ``jax.ShapeDtypeStruct`` (as
@@ -192,25 +323,50 @@ def inputs_to_jax(x, what: str, placement: Callable | None = None, bounds: dict 
     they stay on their own GPU); CPU tensors become numpy arrays (the runtime copies them to the devices).
     ``bounds``: ``{position: (name, size[, ignore_index[, what]])}``: the tensor at that position (0 for a
     lone tensor) is checked by :func:`xla_swap.index_checks.check_index_range` (module docstring there: cost).
+    ``per_rank`` (per-rank batches, :mod:`xla_swap.distributed`; needs ``placement``): ``x`` is this
+    process's batch; each tensor becomes its rows of the global array (:func:`local_to_global`), placed
+    as ``placement`` places the global avals. A collective: every process calls it (every process's
+    checks end in one exchange, so that a refusal anywhere raises everywhere instead of leaving the
+    others waiting).
 
     Raises: TypeError: ``x`` is not a tensor or a non-empty tuple of them (the message names ``what``);
       IndexError: a checked tensor holds an index out of its range; ValueError: an int64 tensor holds
-      values outside int32 with ``jax_enable_x64`` off.
+      values outside int32 with ``jax_enable_x64`` off; with ``per_rank``, a 0-d tensor, another process
+      refused its own or passes other shapes or dtypes (:func:`xla_swap.distributed.check_ranks_agree`).
     """
-    single = isinstance(x, torch.Tensor)
-    if not (single or (isinstance(x, (tuple, list)) and x and all(isinstance(t, torch.Tensor) for t in x))):
-        raise TypeError(f"{what} must be a torch.Tensor or a non-empty tuple of torch.Tensors, got {type(x).__name__}")
-    xs = (x,) if single else tuple(x)
-    # every index check before any tensor is converted; its min/max read also serves the int32 check
-    ranges = {i: check_index_range(xs[i], *b) for i, b in sorted((bounds or {}).items()) if i < len(xs)}
-    xs = tuple(_as_int32(t, ranges.get(i)).detach() for i, t in enumerate(xs))
+    if per_rank:
+        return _per_rank_inputs(x, what, placement, bounds)
+    single, xs = _checked_inputs(x, what, bounds)
     shardings = (None,) * len(xs)
     if placement is not None and any(t.device.type == "cuda" for t in xs):
-        shardings = tuple(placement(tuple(jax.ShapeDtypeStruct(tuple(t.shape), to_numpy(torch.empty(0, dtype=t.dtype)).dtype)
-                                          for t in xs)))
+        shardings = tuple(placement(tuple(jax.ShapeDtypeStruct(tuple(t.shape), _jax_dtype(t.dtype)) for t in xs)))
     out = tuple(_cuda_to_jax(t.contiguous(), sh) if t.device.type == "cuda" else to_numpy(t)
                 for t, sh in zip(xs, shardings))
     return out[0] if single else out
+
+
+def _per_rank_inputs(x, what: str, placement: Callable, bounds: dict | None):
+    """:func:`inputs_to_jax` with ``per_rank``: the local checks, one exchange, then the global arrays."""
+    from xla_swap.distributed import check_ranks_agree
+    try:
+        single, xs = _checked_inputs(x, what, bounds)
+        flat = [i for i, t in enumerate(xs) if t.dim() == 0]
+        if flat:
+            raise ValueError(f"{what if single else f'{what}[{flat[0]}]'} is 0-d: with per-rank batches every "
+                             "tensor's leading dimension is this rank's batch")
+    except (TypeError, ValueError, IndexError):
+        check_ranks_agree(what, None)
+        raise
+    check_ranks_agree(what, tuple((tuple(t.shape), str(t.dtype)) for t in xs))
+    n = jax.process_count()
+    avals = tuple(jax.ShapeDtypeStruct((n * t.shape[0],) + tuple(t.shape[1:]), _jax_dtype(t.dtype)) for t in xs)
+    out = tuple(local_to_global(t.contiguous(), sh) for t, sh in zip(xs, placement(avals)))
+    return out[0] if single else out
+
+
+def _cpu_put(piece: torch.Tensor, d: jax.Device) -> jax.Array:
+    """A CPU tensor's ``piece`` on jax device ``d`` (a host copy)."""
+    return jax.device_put(to_numpy(piece), d)
 
 
 def module_fn(mod: torch.nn.Module, env, transposed: frozenset = frozenset(), padding_rows: dict | None = None):

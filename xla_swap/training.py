@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from xla_swap.distributed import per_rank_batches, world_size
 from xla_swap.executors._stages import check_input_dtypes, tree_aval
 from xla_swap.index_checks import class_target_bounds
 from xla_swap.planning.optimizer import AdamW
@@ -154,7 +155,8 @@ class TrainingMixin:
           inputs: a torch tensor or a tuple of them (the arguments of ``first``).
           targets: a torch tensor or a tuple of them (CPU, or CUDA on any local GPU), passed to the
             loss after the output, laid out like it: split on the batch over the data-parallel
-            devices where the output is, replicated (or on the stack's one device) otherwise.
+            devices where the output is, replicated (or on the stack's one device) otherwise. With
+            per-rank batches (:mod:`xla_swap.distributed`) ``inputs`` and ``targets`` are this rank's.
           loss_fn: a torch function ``(output, *targets) -> scalar`` (default: the constructor's).
             Converted and compiled once per :func:`loss_key`: a lambda recreated each step with
             the same code, reading the same numbers, modules and functions, compiles once; one
@@ -238,10 +240,13 @@ class TrainingMixin:
         out = self.runtime.output_aval(x)
         if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
             out = out[0]   # no `last` stage: the output is the layers' (h, layer_kwargs) carry
-        bounds = class_target_bounds(targets, getattr(out, "shape", None), loss_fn)
+        shape, per_rank = getattr(out, "shape", None), per_rank_batches()
+        if per_rank and shape and shape[0] % world_size() == 0:   # the output rows of this rank's batch
+            shape = (shape[0] // world_size(),) + tuple(shape[1:])
+        bounds = class_target_bounds(targets, shape, loss_fn)
         jax_targets = inputs_to_jax(targets if isinstance(targets, (tuple, list)) else (targets,), "targets",
                                     functools.partial(self.runtime.loss_args_sharding_of, tree_aval(x, "inputs")),
-                                    bounds=bounds)
+                                    bounds=bounds, per_rank=per_rank)
         check_input_dtypes(jax_targets, "targets")
         return jax_targets
 
