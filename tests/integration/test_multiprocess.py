@@ -28,6 +28,7 @@ def _free_port() -> int:
 def _run(nproc: int, ndev: int, out: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = str(ROOT)
+    env["NPROC"] = "8"   # XLA:CPU's thread pool: with one thread per core a gloo collective can starve a device
     port = str(_free_port())
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(nproc), port, str(ndev), str(out)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

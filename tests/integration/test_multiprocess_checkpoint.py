@@ -27,6 +27,7 @@ WORKER = Path(__file__).resolve().parent / "mp_ckpt_worker.py"
 def _run(nproc: int, ndev: int, out: Path, save="-", load="-") -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = str(ROOT)
+    env["NPROC"] = "8"   # XLA:CPU's thread pool: with one thread per core a gloo collective can starve a device
     ports = [str(_free_port()), str(_free_port())]
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(nproc), *ports, str(ndev), str(out),
                                str(save), str(load)],
