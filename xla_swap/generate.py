@@ -50,11 +50,13 @@ import numpy as np
 import torch
 
 from xla_swap.executors.decode import StatefulStreamer, state_nbytes
+from xla_swap.executors.routed_experts import RoutedStreamer
 from xla_swap.hf import CausalLMFirst, CausalLMLast
 from xla_swap.index_checks import check_index_range, token_id_bounds
 from xla_swap.hf_refusals import refuse_longrope_generation
 from xla_swap.kv_cache import OFFSET, DecodeFirst, LayerKV, kv_cache_bytes, layer_kwargs
 from xla_swap.mixed_precision import stage_functions_in
+from xla_swap.moe_decode import FetchPlan, check_fetch_args, routed_specs, routing_info
 from xla_swap.planning.units import check_budget_bytes
 from xla_swap.sampling import next_token_step
 from xla_swap.stages import TIED
@@ -82,7 +84,8 @@ def _round_up(x: int, m: int) -> int:
 class _Generator:
     """The stage functions and the :class:`StatefulStreamer` of one (batch, cache length, placement)."""
 
-    def __init__(self, stack, batch: int, cache_len: int, kv_cache: str, budget: int | None):
+    def __init__(self, stack, batch: int, cache_len: int, kv_cache: str, budget: int | None, routing=None,
+                 expert_layout: str = "stacked"):
         rt = stack.runtime
         self.batch, self.cache_len = batch, cache_len
         self.runtime = rt   # (not the stack: no reference cycle through stack._generators)
@@ -96,11 +99,15 @@ class _Generator:
         self.window = (rt.prefetch_depth + 1) * max(rt.stage_nbytes) + sum(
             b for b, r in zip(rt.stage_nbytes, rt.resident) if r)
         self.placement, self.explanation = self._placement(kv_cache, budget, rt.activation_sharding)
-        self.streamer = StatefulStreamer(self._stage_fns, rt.host_params, rt.device_shardings, state_avals=avals,
-                                         activation_sharding=rt.activation_sharding,
-                                         state_on_host=self.placement == "host",
-                                         prefetch_depth=rt.prefetch_depth, resident=rt.resident,
-                                         gather_weights=rt.batch_axis is not None)
+        kw = dict(state_avals=avals, activation_sharding=rt.activation_sharding,
+                  state_on_host=self.placement == "host", prefetch_depth=rt.prefetch_depth, resident=rt.resident,
+                  gather_weights=rt.batch_axis is not None)
+        if routing is None:   # every expert streamed with its layer
+            self.streamer = StatefulStreamer(self._stage_fns, rt.host_params, rt.device_shardings, **kw)
+        else:                 # routed experts (xla_swap.moe_decode)
+            self.streamer = RoutedStreamer(self._stage_fns, rt.host_params, rt.device_shardings, **kw,
+                                           routed_specs=routed_specs(stack, routing, self._stage_fns),
+                                           expert_layout=expert_layout)
         self._select_exes: dict = {}
 
     def _cache_avals(self, stack) -> list:
@@ -236,14 +243,16 @@ def _memory_stats(sharding) -> dict | None:
         return None
 
 
-def _generator(stack, batch: int, cache_len: int, kv_cache: str, budget) -> _Generator:
+def _generator(stack, batch: int, cache_len: int, kv_cache: str, budget, routing=None,
+               expert_layout: str = "stacked") -> _Generator:
     """The stack's generator for these shapes (one at a time: a new one drops the previous KV cache)."""
-    key = (batch, cache_len, kv_cache, budget, stack.matmul_precision, id(stack.runtime))
+    key = (batch, cache_len, kv_cache, budget, stack.matmul_precision, id(stack.runtime), routing is not None,
+           expert_layout)
     gens = stack.__dict__.setdefault("_generators", {})
     gen = gens.get(key)
     if gen is None or gen.runtime is not stack.runtime:
         gens.clear()
-        gen = _Generator(stack, batch, cache_len, kv_cache, budget)
+        gen = _Generator(stack, batch, cache_len, kv_cache, budget, routing, expert_layout)
         gens[key] = gen
     return gen
 
@@ -386,7 +395,7 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              eos_token_id: int | Sequence[int] | None = FROM_CONFIG, pad_token_id: int | None = FROM_CONFIG,
              seed: int | None = None,
              kv_cache: str = "auto", device_budget_bytes: int | None = None, max_cache_len: int | None = None,
-             prompt_bucket: int = 16) -> torch.Tensor:
+             prompt_bucket: int = 16, expert_fetch: str = "auto", expert_layout: str = "stacked") -> torch.Tensor:
     """Generate tokens with ``stack`` (built from :func:`xla_swap.causal_lm_stages`), as ``model.generate``.
 
     See the module docstring for the design and how ``kv_cache="auto"`` places the cache.
@@ -410,13 +419,18 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
       max_cache_len: the cache length (default the bucketed prompt plus ``max_new_tokens``, rounded
         up to ``prompt_bucket``); a fixed value keeps one set of decode executables for every call.
       prompt_bucket: prompts are left-padded to a multiple of it (one prefill executable per bucket).
+      expert_fetch, expert_layout: mixture-of-experts layers: ``"auto"``, ``"routed"`` (copy only the experts a
+        step's tokens were routed to) or ``"all"``; the routed slices cut from the stacked ``pinned_host`` weights
+        (``"stacked"``) or a per-expert copy (``"split"``); :mod:`xla_swap.moe_decode`,
+        ``docs/how-to/mixture-of-experts-serving.md``.
 
     Returns: int64 ``[batch, prompt + n]`` CPU tensor: ``input_ids`` and the ``n <= max_new_tokens``
       generated tokens (``n < max_new_tokens`` when every row stopped; stopped rows padded).
       ``stack.last_generation`` holds the placement, its explanation, the KV cache bytes,
       ``first_token_s`` (seconds from the start of the prefill to its token) and ``step_done_s``
       (per step, seconds from that start to the step's token, read one step late: differences
-      are decode step times).
+      are decode step times). For a mixture-of-experts model, ``"experts"``: per step whether it was routed
+      and the ``(layer, expert ids)`` it copied, and why (:class:`xla_swap.moe_decode.FetchPlan`).
 
     Raises (before anything runs):
       TypeError: ``stack`` not built from ``causal_lm_stages``; ``input_ids`` not an integer
@@ -430,25 +444,31 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         ``device_budget_bytes`` not None or an int > 0 (TypeError for a bool or a non-number);
         ``max_cache_len`` below the bucketed prompt plus
         ``max_new_tokens``; ``prompt_bucket < 1``; a decoder layer that does not keep a
-        ``transformers``-style KV cache (message names it).
+        ``transformers``-style KV cache (message names it); ``expert_fetch`` or ``expert_layout`` unknown;
+        ``expert_fetch="routed"`` for a stack that cannot (no experts, several devices, ``param_dtype``).
     """
+    check_fetch_args(expert_fetch, expert_layout)
     mask, eos, pad, p_len, cache_len, device_budget_bytes = _check_args(
         stack, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
         pad_token_id, seed, kv_cache, device_budget_bytes, max_cache_len, prompt_bucket)
+    plan = FetchPlan(routing_info(stack), expert_fetch, input_ids.shape[0], p_len)
     if do_sample and seed is None:
         seed = int(torch.randint(0, 2 ** 31 - 1, ()).item())
     ids_cpu = input_ids.detach().to("cpu", torch.int64)
     with stack.torch_precision():
         stack.runtime.release_prefetched()   # the streamer prefetches its own first stages
-        gen = _generator(stack, input_ids.shape[0], cache_len, kv_cache, device_budget_bytes)
+        gen = _generator(stack, input_ids.shape[0], cache_len, kv_cache, device_budget_bytes, plan.routing,
+                         expert_layout)
         sampling = (do_sample, float(temperature), top_k, None if top_p is None else float(top_p))
         select = gen.select_exe(sampling, len(eos), max_new_tokens, pad)
         st, prompt = _initial_state(ids_cpu, mask, p_len, cache_len, max_new_tokens, eos, pad, seed,
                                     stack.runtime.activation_sharding)
-        out, n_done, first_s, done_s = _decode(gen, select, st, prompt, max_new_tokens)
+        out, n_done, first_s, done_s = _decode(gen, select, st, prompt, max_new_tokens, plan)
     stack.last_generation = dict(placement=gen.placement, explanation=gen.explanation, kv_cache_bytes=gen.kv_total,
                                  kv_cache_bytes_per_layer=gen.kv_nbytes, cache_len=cache_len, prompt_len=p_len,
                                  new_tokens=int(n_done), first_token_s=first_s, step_done_s=done_s)
+    if plan.has_experts:
+        stack.last_generation["experts"] = plan.summary()
     return torch.cat([ids_cpu, torch.from_numpy(out.astype(np.int64))], dim=1)
 
 
@@ -474,10 +494,10 @@ def _initial_state(ids_cpu: torch.Tensor, mask: torch.Tensor, p_len: int, cache_
     return st, jax.device_put(ids, act)
 
 
-def _decode(gen: _Generator, select, st: dict, prompt: jax.Array, max_new_tokens: int) -> tuple:
+def _decode(gen: _Generator, select, st: dict, prompt: jax.Array, max_new_tokens: int, plan=None) -> tuple:
     """Prefill and decode steps until every row stopped or ``max_new_tokens``: ``(tokens int32 [B, n],
     n, first_token_s, step_done_s)`` (seconds from the start; each step's flag is read one step late,
-    so the device never waits for the host)."""
+    so the device never waits for the host). ``plan``: a :class:`xla_swap.moe_decode.FetchPlan` or ``None``."""
     t_start = time.perf_counter()
     x = (prompt, st["mask"], st["pos"], st["offset"])
     done_s: list[float] = []
@@ -485,7 +505,11 @@ def _decode(gen: _Generator, select, st: dict, prompt: jax.Array, max_new_tokens
     pending = None   # the previous step's any_running flag (read one step late: the device never waits)
     n_done = max_new_tokens
     for step in range(max_new_tokens):
+        if plan is not None and plan.routing is not None:
+            plan.before_step(gen.streamer, step)
         logits = gen.streamer.run(x)
+        if plan is not None and plan.routing is not None:
+            plan.after_step(gen.streamer)
         st = select(logits, st)
         x = (st["ids"], st["mask"], st["pos"], st["offset"])
         if step >= 1:   # step - 1 is done once its flag is read (after step is dispatched: no device idle)
