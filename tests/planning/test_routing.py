@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from xla_swap.planning.routing import ROUTED_MAX_FRACTION, expected_distinct_experts, routed_pays, routed_token_limit
+from xla_swap.planning.routing import (ROUTED_MAX_FRACTION, expected_distinct_experts, expert_bucket, routed_pays,
+                                      routed_token_limit)
 
 
 @pytest.mark.parametrize("e,k,tokens", [(8, 2, 1), (8, 2, 4), (128, 8, 16), (256, 8, 40)])
@@ -31,3 +32,11 @@ def test_bad_arguments_refused():
             expected_distinct_experts(*args)
     with pytest.raises(ValueError, match="max_fraction must be in"):
         routed_pays(8, 2, 1, 0.0)
+
+
+def test_expert_bucket():
+    assert [expert_bucket(m, 2, 8) for m in range(1, 9)] == [2, 2, 4, 4, 8, 8, 8, 8]
+    assert [expert_bucket(m, 8, 128) for m in (1, 8, 9, 33, 100, 128)] == [8, 8, 16, 64, 128, 128]
+    assert expert_bucket(5, 3, 10) == 6 and expert_bucket(7, 3, 10) == 10
+    with pytest.raises(ValueError, match=r"distinct must be an int in \[1, 8\]"):
+        expert_bucket(9, 2, 8)

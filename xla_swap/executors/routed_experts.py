@@ -11,10 +11,12 @@ split there (:func:`xla_swap.executors.jaxpr_split.split_at`):
    the stages ahead were dispatched before it), takes the distinct experts ``ids`` (ascending), and
    :class:`ExpertStore` copies those experts' slices of the stacked ``[E, ...]`` weights to the device;
 3. **after** computes the experts on the ``m`` fetched slices (``RoutedSpec.experts_fn``) and the rest
-   of the layer (the residual add, ...).
+   of the layer (the residual add, ...); it is compiled per bucket of ``m``
+   (:func:`xla_swap.planning.routing.expert_bucket`: ``k``, ``2k``, ``4k``, ... up to ``E``), the spare
+   slots repeating the last fetched expert (no copy) with no token routed to them.
 
 Expert weights stay whole in ``pinned_host``: layout ``"stacked"`` slices them inside one jitted program
-per layer and ``m`` (dynamic slices of the host arrays moved to the device: no extra host memory; on
+per weight shape and ``m`` (dynamic slices of the host arrays moved to the device: no extra host memory; on
 XLA:GPU a fusion reads the host slices on the compute stream), layout ``"split"`` keeps a second copy as
 one ``pinned_host`` array per expert (built on first use: the experts' bytes once more in host memory)
 and copies the chosen ones with one ``jax.device_put`` (the copy engines, as whole stages are moved).
@@ -34,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .decode import StatefulStreamer
+from xla_swap.planning.routing import expert_bucket
+
 from .jaxpr_split import JaxprSplit, split_at
 from ._stages import DEVICE_KIND, aval_key
 
@@ -63,8 +67,9 @@ class RoutedSpec:
         new_state)``, that while traced calls :func:`experts_call` once in place of its experts.
       expert_names: the keys of the stage's params dict holding the experts' weights, each stacked on
         axis 0 (``num_experts`` rows, one per expert).
-      experts_fn: ``(weights {name: [m, ...]}, ids int32 [m] ascending, hidden, index, routing) -> [N, D]``:
-        the experts computed on the ``m`` fetched ones (``index`` holds global ids, all in ``ids``).
+      experts_fn: ``(weights {name: list of M arrays}, ids int32 [M] ascending, hidden, index, routing) -> [N, D]``:
+        the experts computed on the fetched ones, slot ``j`` holding expert ``ids[j]``'s slice of each weight
+        (``index`` holds global ids, all in ``ids``; spare slots, at the end, hold ``num_experts``).
       num_experts: ``E``.
     """
     marked_fn: Callable
@@ -85,6 +90,7 @@ class _Program:
     before: Any
     after: Callable
     out_tree: Any
+    k: int          # experts per token (the routing's last axis)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -113,23 +119,23 @@ class ExpertStore:
         self._parts: dict[int, tuple[dict, dict]] = {}   # stage -> (its source params, per-expert arrays)
 
     def fetch(self, stage: int, params: dict, names, ids: np.ndarray, ids_dev) -> dict:
-        """``{name: device weights of experts ids}`` from ``params`` (stage ``stage``'s host weights):
-        ``[m, ...]`` arrays (``"stacked"``) or lists of ``m`` ``[...]`` arrays (``"split"``), asynchronous."""
+        """``{name: [m device arrays]}``: expert ``ids[j]``'s slice of each weight ``params[name]`` (stage
+        ``stage``'s ``pinned_host`` weights, stacked on axis 0), asynchronous. ``ids_dev``: ``ids`` on the device."""
         names = sorted(names)
+        m = len(ids)
         if self.layout == "split":
             parts = self._split(stage, params, names)
             got = jax.device_put([parts[n][int(e)] for n in names for e in ids], self._dev)
-            m = len(ids)
-            return {n: got[j * m:(j + 1) * m] for j, n in enumerate(names)}
+            return {n: list(got[j * m:(j + 1) * m]) for j, n in enumerate(names)}
         w = {n: params[n] for n in names}
-        key = (aval_key(w), len(ids), tuple(str(v.sharding) for v in w.values()))
+        key = (aval_key(w), m, tuple(str(v.sharding) for v in w.values()))
         slicer = self._slicers.get(key)
-        if slicer is None:
-            m, dev = len(ids), self._dev
+        if slicer is None:   # one program per count: dynamic slices of the host arrays, each moved to the device
+            dev = self._dev
 
             def take(w, ids):
-                return {n: jnp.stack([jax.device_put(jax.lax.dynamic_index_in_dim(v, ids[j], keepdims=False), dev)
-                                      for j in range(m)]) for n, v in w.items()}
+                return {n: [jax.device_put(jax.lax.dynamic_index_in_dim(v, ids[j], keepdims=False), dev)
+                            for j in range(m)] for n, v in w.items()}
             slicer = jax.jit(take, out_shardings=dev)
             self._slicers[key] = slicer
         return slicer(w, ids_dev)
@@ -245,6 +251,11 @@ class RoutedStreamer(StatefulStreamer):
         self.expert_fetches.append((i, tuple(int(e) for e in ids)))
         ids_dev = jax.device_put(ids, self._dev_state_sh)
         w = self._store.fetch(i, self.host_params[i], prog.spec.expert_names, ids, ids_dev)
+        slots = expert_bucket(len(ids), prog.k, prog.spec.num_experts)   # spare slots: the last expert again, no token
+        w = {n: v + [v[-1]] * (slots - len(ids)) for n, v in w.items()}
+        if slots > len(ids):
+            ids_dev = jax.device_put(np.concatenate([ids, np.full(slots - len(ids), prog.spec.num_experts, np.int32)]),
+                                     self._dev_state_sh)
         late = prog.after(w, ids_dev, tuple(marker_in), tuple(boundary))
         flat = sp.assemble(outs[sp.n_marker_in + sp.n_boundary:], late)
         out, s = jax.tree_util.tree_unflatten(prog.out_tree, flat)
@@ -279,4 +290,4 @@ class RoutedStreamer(StatefulStreamer):
         exe = jax.jit(before, out_shardings=self._dev_state_sh, donate_argnums=(1,)).lower(
             pspec, spec_of(sav, self._dev_state_sh), spec_of(in_aval, act)).compile()
         return _Program(split, spec, exe, jax.jit(after, out_shardings=self._dev_state_sh),
-                        jax.tree_util.tree_structure(out_shape))
+                        jax.tree_util.tree_structure(out_shape), int(split.before.out_avals[1].shape[-1]))

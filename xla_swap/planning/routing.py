@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["ROUTED_MAX_FRACTION", "expected_distinct_experts", "routed_pays", "routed_token_limit"]
+__all__ = ["ROUTED_MAX_FRACTION", "expected_distinct_experts", "routed_pays", "routed_token_limit", "expert_bucket"]
 
 #: routed fetching is chosen while the expected distinct experts are at most this fraction of ``E``: the
 #: saved bytes (at least a fifth of the experts') must outweigh a host round trip per layer.
@@ -66,3 +66,17 @@ def routed_token_limit(num_experts: int, k: int, max_fraction: float = ROUTED_MA
     while t > 0 and not routed_pays(num_experts, k, t, max_fraction):
         t -= 1
     return t
+
+
+def expert_bucket(distinct: int, k: int, num_experts: int) -> int:
+    """The slot count a step that fetched ``distinct`` experts computes with: the smallest ``k * 2 ** j`` at
+    least ``distinct``, at most ``num_experts`` (one executable per bucket, not per count; the spare slots
+    repeat a fetched expert and get no token). Raises ValueError as :func:`expected_distinct_experts`, or
+    for ``distinct`` outside ``[1, num_experts]``."""
+    _check(num_experts, k)
+    if isinstance(distinct, bool) or not isinstance(distinct, int) or not 1 <= distinct <= num_experts:
+        raise ValueError(f"distinct must be an int in [1, {num_experts}], got {distinct!r}")
+    slots = k
+    while slots < distinct:
+        slots *= 2
+    return min(slots, num_experts)
