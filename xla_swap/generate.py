@@ -463,7 +463,8 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         select = gen.select_exe(sampling, len(eos), max_new_tokens, pad)
         st, prompt = _initial_state(ids_cpu, mask, p_len, cache_len, max_new_tokens, eos, pad, seed,
                                     stack.runtime.activation_sharding)
-        out, n_done, first_s, done_s = _decode(gen, select, st, prompt, max_new_tokens, plan)
+        out, n_done, first_s, done_s = _decode(gen, select, st, prompt, max_new_tokens,
+                                               plan if isinstance(gen.streamer, RoutedStreamer) else None)
     stack.last_generation = dict(placement=gen.placement, explanation=gen.explanation, kv_cache_bytes=gen.kv_total,
                                  kv_cache_bytes_per_layer=gen.kv_nbytes, cache_len=cache_len, prompt_len=p_len,
                                  new_tokens=int(n_done), first_token_s=first_s, step_done_s=done_s)
@@ -505,10 +506,10 @@ def _decode(gen: _Generator, select, st: dict, prompt: jax.Array, max_new_tokens
     pending = None   # the previous step's any_running flag (read one step late: the device never waits)
     n_done = max_new_tokens
     for step in range(max_new_tokens):
-        if plan is not None and plan.routing is not None:
+        if plan is not None:
             plan.before_step(gen.streamer, step)
         logits = gen.streamer.run(x)
-        if plan is not None and plan.routing is not None:
+        if plan is not None:
             plan.after_step(gen.streamer)
         st = select(logits, st)
         x = (st["ids"], st["mask"], st["pos"], st["offset"])

@@ -209,8 +209,9 @@ class FetchPlan:
         self.info, self.measured = info, expert_fetch == "auto"
         #: whether the model has mixture-of-experts layers.
         self.has_experts: bool = bool(info.layers or info.whole)
-        #: ``info`` when a step may fetch routed experts (the generator needs a ``RoutedStreamer``), else ``None``.
-        self.routing: RoutingInfo | None = info if self.prefill or self.decode else None
+        #: ``info`` when the stack can fetch routed experts (its generator is then a ``RoutedStreamer``, which
+        #: runs whole steps too: one generator serves every choice), else ``None``.
+        self.routing: RoutingInfo | None = info if info.reason is None else None
         #: per step run, whether it fetched only the routed experts.
         self.routed_steps: list[bool] = []
         #: per step run, ``[(layer index, expert ids), ...]`` it copied (empty for a whole step).

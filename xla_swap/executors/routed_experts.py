@@ -48,7 +48,7 @@ LAYOUTS = ("stacked", "split")
 
 #: the marker that stands for a layer's experts while it is traced for routed fetching.
 EXPERTS_CALL = jcore.Primitive("xla_swap_experts_call")
-EXPERTS_CALL.def_abstract_eval(lambda hidden, index, weights: jax.core.ShapedArray(hidden.shape, hidden.dtype))
+EXPERTS_CALL.def_abstract_eval(lambda hidden, index, weights: hidden)   # [N, D] of hidden's dtype
 
 
 def experts_call(hidden, index, weights):
