@@ -56,7 +56,7 @@ from xla_swap.index_checks import check_index_range, token_id_bounds
 from xla_swap.hf_refusals import refuse_longrope_generation
 from xla_swap.kv_cache import OFFSET, DecodeFirst, LayerKV, kv_cache_bytes, layer_kwargs
 from xla_swap.mixed_precision import stage_functions_in
-from xla_swap.moe_decode import FetchPlan, check_fetch_args, routed_specs, routing_info
+from xla_swap.moe_decode import FetchPlan, check_fetch_args, routed_batch, routed_specs, routing_info
 from xla_swap.planning.units import check_budget_bytes
 from xla_swap.sampling import next_token_step
 from xla_swap.stages import TIED
@@ -264,7 +264,7 @@ def release_generation(stack) -> None:
 
 
 def choose_batch(stack, prompt_len: int, max_new_tokens: int, *, device_budget_bytes: int | None = None,
-                 max_batch: int = 1024, prompt_bucket: int = 16) -> tuple[int, str]:
+                 max_batch: int = 1024, prompt_bucket: int = 16, expert_fetch: str = "auto") -> tuple[int, str]:
     """The batch that maximises tokens/s for a device budget: the largest whose KV cache on the device and
     prefill temporaries fit beside the streaming window.
 
@@ -281,6 +281,8 @@ def choose_batch(stack, prompt_len: int, max_new_tokens: int, *, device_budget_b
         rounded up to ``prompt_bucket``, as :func:`generate` sizes it).
       device_budget_bytes: bytes for the stack on the device; default the free device memory.
       max_batch: upper bound of the answer (int >= 1).
+      expert_fetch: ``"auto"``: for a stack that can fetch routed experts, the better in tokens per streamed
+        byte of that batch and the largest routed one (:func:`xla_swap.moe_decode.routed_batch`); ``"all"``: not.
 
     Returns: ``(batch, explanation)`` (``batch >= 1``, the explanation giving the figures).
 
@@ -288,6 +290,8 @@ def choose_batch(stack, prompt_len: int, max_new_tokens: int, *, device_budget_b
       ValueError: a bad argument; no budget given on a platform without memory statistics (the CPU).
       TypeError: ``stack`` not built from ``causal_lm_stages``; ``device_budget_bytes`` a bool or not a number.
     """
+    if expert_fetch not in ("auto", "all"):
+        raise ValueError(f"expert_fetch must be 'auto' or 'all', got {expert_fetch!r}")
     for name, v in (("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens), ("max_batch", max_batch),
                     ("prompt_bucket", prompt_bucket)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -316,6 +320,10 @@ def choose_batch(stack, prompt_len: int, max_new_tokens: int, *, device_budget_b
     batch = int(max(1, min(max_batch, (budget - gen.window) // max(1, per_seq))))
     why = (f"batch {batch}: ({source} {budget} B - streaming window {gen.window} B) / (KV cache {gen.kv_total} B + "
            f"prefill temporaries {temp} B per sequence, cache_len {cache_len}), at most max_batch {max_batch}")
+    info = routing_info(stack)
+    if expert_fetch == "auto" and info.reason is None:
+        batch, routed_why = routed_batch(stack, info, budget, per_seq, batch, max_batch)
+        why = f"{routed_why}; {why}"
     return batch, why
 
 

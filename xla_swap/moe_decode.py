@@ -32,11 +32,11 @@ import torch
 
 from xla_swap.executors.routed_experts import LAYOUTS, RoutedSpec, experts_call
 from xla_swap.moe import experts_modules, form_function, traced_arrays, traced_form, traced_form_as
-from xla_swap.planning.routing import ROUTED_MAX_FRACTION, expected_distinct_experts, routed_pays
+from xla_swap.planning.routing import ROUTED_MAX_FRACTION, expected_distinct_experts, routed_pays, routed_token_limit
 from xla_swap.torch_bridge import module_fn
 
 __all__ = ["MARKER", "FETCHES", "RoutingInfo", "routing_info", "routed_specs", "choose_fetch", "still_routed",
-           "FetchPlan", "check_fetch_args"]
+           "routed_batch", "step_bytes", "FetchPlan", "check_fetch_args"]
 
 #: the name of the marker experts implementation in ``transformers``' ``ExpertsInterface``.
 MARKER = "xla_swap_experts_call"
@@ -234,3 +234,44 @@ class FetchPlan:
     def summary(self) -> dict:
         """``{"routed_steps", "fetched", "explanation"}`` for ``stack.last_generation["experts"]``."""
         return dict(routed_steps=list(self.routed_steps), fetched=list(self.fetched), explanation=self.explanation)
+
+
+def routed_batch(stack, info: RoutingInfo, budget: int, per_seq: int, batch_all: int, max_batch: int) -> tuple:
+    """``(batch, why)`` of ``choose_batch`` for a stack that can fetch routed experts: the better in tokens/s
+    (the batch over the bytes a decode step streams, :func:`step_bytes`) of ``batch_all`` with every expert
+    streamed and the largest batch ``"auto"`` routes (at most ``routed_token_limit``) whose KV cache and
+    temporaries (``per_seq`` bytes each) fit ``budget`` beside the routed window (``prefetch_depth + 1`` of
+    the largest stage less its experts, plus one layer's experts)."""
+    rt = stack.runtime
+    experts = _expert_nbytes(stack, info)
+    streamed = [b - experts.get(s - 1, 0) for s, (b, r) in enumerate(zip(rt.stage_nbytes, rt.resident)) if not r]
+    resident = sum(b for b, r in zip(rt.stage_nbytes, rt.resident) if r)
+    window = (rt.prefetch_depth + 1) * max(streamed) + max(experts.values()) + resident
+    limit = routed_token_limit(*info.shape)
+    b_r = int(min(limit, max_batch, (budget - window) // max(1, per_seq)))
+    full = step_bytes(stack, info, None)
+    if b_r < 1 or b_r * full <= batch_all * step_bytes(stack, info, b_r):
+        return batch_all, (f"every expert streamed ({full} B a step): batch {batch_all} gives more tokens per byte "
+                           f"than routed fetching at batch {max(b_r, 0)} (at most {limit} for auto to route)")
+    return b_r, (f"batch {b_r}, routed experts: {step_bytes(stack, info, b_r):.0f} B expected a step (uniform "
+                 f"routing) against {full} B at batch {batch_all} with every expert; routed window {window} B")
+
+
+def _expert_nbytes(stack, info: RoutingInfo) -> dict:
+    """``{layer: bytes of its experts' weights}`` of the routable layers."""
+    params = stack.runtime.host_params
+    return {i: sum(v.nbytes for n, v in params[1 + i].items() if n.startswith(name + "."))
+            for i, (name, _, _) in info.layers.items()}
+
+
+def step_bytes(stack, info: RoutingInfo, batch: int | None) -> float:
+    """Bytes a decode step of ``batch`` rows streams with routed experts, expected under uniform routing
+    (:func:`xla_swap.planning.routing.expected_distinct_experts` per layer); ``batch=None``: every expert."""
+    rt = stack.runtime
+    total = sum(b for b, r in zip(rt.stage_nbytes, rt.resident) if not r)
+    if batch is None:
+        return total
+    for i, nb in _expert_nbytes(stack, info).items():
+        _, e, k = info.layers[i]
+        total -= nb * (1.0 - expected_distinct_experts(e, k, batch) / e)
+    return total

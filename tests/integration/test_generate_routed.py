@@ -178,3 +178,24 @@ def test_routed_refused_before_running():
         with pytest.raises(ValueError, match=f"runs on {len(jax.devices())} devices"):
             wide.generate(ids, mask, max_new_tokens=2, expert_fetch="routed")
     assert not hasattr(stack, "last_generation")
+
+
+def test_choose_batch_counts_the_routed_bytes():
+    """``choose_batch``: with room for a large batch, every expert streamed (the same batch as ``expert_fetch="all"``);
+    with room for 2 sequences beside every expert, a routed batch (its window holds one layer's experts, not
+    ``prefetch_depth + 1`` whole layers) of at most 5 rows (Mixtral's 8 experts, top-2), which gives more tokens
+    per streamed byte; the explanation says which."""
+    import re
+
+    from xla_swap.generate import choose_batch
+    stack = one_device_stack(make("mixtral"))
+    big, why_all = choose_batch(stack, 16, 8, device_budget_bytes=1 << 32, max_batch=64, expert_fetch="all")
+    assert choose_batch(stack, 16, 8, device_budget_bytes=1 << 32, max_batch=64)[0] == big == 64
+    window = int(re.search(r"streaming window (\d+) B", why_all).group(1))
+    per_seq = sum(int(x) for x in re.search(r"KV cache (\d+) B \+ prefill temporaries (\d+) B", why_all).groups())
+    budget = window + 2 * per_seq + per_seq // 2
+    assert choose_batch(stack, 16, 8, device_budget_bytes=budget, expert_fetch="all")[0] == 2
+    batch, why = choose_batch(stack, 16, 8, device_budget_bytes=budget)
+    assert 2 < batch <= 5 and why.startswith(f"batch {batch}, routed experts")
+    with pytest.raises(ValueError, match="expert_fetch must be 'auto' or 'all'"):
+        choose_batch(stack, 16, 8, device_budget_bytes=budget, expert_fetch="routed")
