@@ -471,8 +471,7 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         select = gen.select_exe(sampling, len(eos), max_new_tokens, pad)
         st, prompt = _initial_state(ids_cpu, mask, p_len, cache_len, max_new_tokens, eos, pad, seed,
                                     stack.runtime.activation_sharding)
-        out, n_done, first_s, done_s = _decode(gen, select, st, prompt, max_new_tokens,
-                                               plan if isinstance(gen.streamer, RoutedStreamer) else None)
+        out, n_done, first_s, done_s = _decode(gen, select, st, prompt, max_new_tokens, plan)
     stack.last_generation = dict(placement=gen.placement, explanation=gen.explanation, kv_cache_bytes=gen.kv_total,
                                  kv_cache_bytes_per_layer=gen.kv_nbytes, cache_len=cache_len, prompt_len=p_len,
                                  new_tokens=int(n_done), first_token_s=first_s, step_done_s=done_s)
@@ -506,7 +505,9 @@ def _initial_state(ids_cpu: torch.Tensor, mask: torch.Tensor, p_len: int, cache_
 def _decode(gen: _Generator, select, st: dict, prompt: jax.Array, max_new_tokens: int, plan=None) -> tuple:
     """Prefill and decode steps until every row stopped or ``max_new_tokens``: ``(tokens int32 [B, n],
     n, first_token_s, step_done_s)`` (seconds from the start; each step's flag is read one step late,
-    so the device never waits for the host). ``plan``: a :class:`xla_swap.moe_decode.FetchPlan` or ``None``."""
+    so the device never waits for the host). ``plan``: a :class:`xla_swap.moe_decode.FetchPlan` (applied
+    to a ``RoutedStreamer``) or ``None``."""
+    plan = plan if isinstance(gen.streamer, RoutedStreamer) else None
     t_start = time.perf_counter()
     x = (prompt, st["mask"], st["pos"], st["offset"])
     done_s: list[float] = []
