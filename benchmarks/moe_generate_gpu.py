@@ -189,22 +189,34 @@ def run_shape(name: str, args, bw: dict, device: str) -> dict:
     h2d = bw["h2d_GBps"] * 1e9
     res.update(weight_bytes=w, expert_bytes=all_e, bytes_per_expert_layer=per, all_floor_s=w / h2d,
                routed_token_limit=routed_token_limit(shape["experts"], shape["k"]))
-    rows = res["rows"]
+    rows, errors = res["rows"], res.setdefault("errors", {})
+
+    def row(key, batch, new, fetch, layout="stacked"):   # one row; a failure is recorded, the others still run
+        try:
+            rows[key] = time_generate(stack, batch, args, new, fetch, layout)
+            add_floor(rows[key], w, per, all_e, h2d)
+        except Exception as e:  # noqa: BLE001
+            import traceback
+            errors[key] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"
     for key, fetch, layout in (("all_b1", "all", "stacked"), ("routed_b1", "routed", "stacked"),
                                ("routed_split_b1", "routed", "split"), ("auto_b1", "auto", "stacked")):
-        rows[key] = time_generate(stack, 1, args, args.new_tokens, fetch, layout)
-        add_floor(rows[key], w, per, all_e, h2d)
-    res["routed_speedup_b1"] = rows["routed_b1"]["tokens_per_s"] / rows["all_b1"]["tokens_per_s"]
-    res["routed_split_speedup_b1"] = rows["routed_split_b1"]["tokens_per_s"] / rows["all_b1"]["tokens_per_s"]
-    res["routed_tokens_equal_all_b1"] = rows["routed_b1"]["tokens"] == rows["all_b1"]["tokens"]
-    res["fetch"] = fetch_rates(stack, shape["k"], h2d)
+        row(key, 1, args.new_tokens, fetch, layout)
+    tps = {k: r["tokens_per_s"] for k, r in rows.items()}
+    if "all_b1" in tps:
+        res["routed_speedup_b1"] = tps.get("routed_b1", float("nan")) / tps["all_b1"]
+        res["routed_split_speedup_b1"] = tps.get("routed_split_b1", float("nan")) / tps["all_b1"]
+        res["routed_tokens_equal_all_b1"] = rows.get("routed_b1", {}).get("tokens") == rows["all_b1"]["tokens"]
+    try:
+        res["fetch"] = fetch_rates(stack, shape["k"], h2d)
+    except Exception as e:  # noqa: BLE001
+        errors["fetch"] = f"{type(e).__name__}: {e}"
     stop = None
+    layout = "split" if "routed_b1" not in rows else "stacked"
     for b in getattr(args, f"batches_{name}"):
         for fetch in ("routed", "all"):
-            r = time_generate(stack, b, args, args.sweep_new_tokens, fetch)
-            add_floor(r, w, per, all_e, h2d)
-            rows[f"{fetch}_b{b}_sweep"] = r
-        if stop is None and rows[f"routed_b{b}_sweep"]["decode_step_s"] >= rows[f"all_b{b}_sweep"]["decode_step_s"]:
+            row(f"{fetch}_b{b}_sweep", b, args.sweep_new_tokens, fetch, layout)
+        r, a = rows.get(f"routed_b{b}_sweep"), rows.get(f"all_b{b}_sweep")
+        if stop is None and r and a and r["decode_step_s"] >= a["decode_step_s"]:
             stop = b
     res["stops_paying_batch"] = stop
     if args.cpu_smoke:   # the tokens of the stack (routed and all) against transformers' generate
@@ -232,11 +244,12 @@ def render(data: dict) -> str:
             ex = "" if r["experts_per_layer_mean"] is None else f"{r['experts_per_layer_mean']:.1f}"
             lines.append(f"| {name} | {row} | {r['batch']} | {r['decode_step_s']:.4f} | {r['tokens_per_s']:.2f} | "
                          f"{ex} | {r['step_bytes'] / 1e9:.2f} | {r['floor_s']:.4f} | {r['ratio_to_floor']:.3f} |")
-        f = s["fetch"]
-        lines.append(f"{name}: routed / all tokens/s at batch 1: {s['routed_speedup_b1']:.2f} (split layout "
-                     f"{s['routed_split_speedup_b1']:.2f}); routed stops paying at batch {s['stops_paying_batch']} "
-                     f"(auto's limit {s['routed_token_limit']}); top-k fetch alone: stacked {f['stacked']['GBps']:.1f} "
-                     f"GB/s, split {f['split']['GBps']:.1f} GB/s")
+        f = s.get("fetch") or {k: {"GBps": float("nan")} for k in ("stacked", "split")}
+        lines.append(f"{name}: routed / all tokens/s at batch 1: {s.get('routed_speedup_b1', float('nan')):.2f} "
+                     f"(split layout {s.get('routed_split_speedup_b1', float('nan')):.2f}); routed stops paying at "
+                     f"batch {s['stops_paying_batch']} (auto's limit {s['routed_token_limit']}); top-k fetch alone: "
+                     f"stacked {f['stacked']['GBps']:.1f} GB/s, split {f['split']['GBps']:.1f} GB/s")
+        lines += [f"{name} {k}: {v.splitlines()[0]}" for k, v in s.get("errors", {}).items()]
     return "\n".join(lines)
 
 
@@ -295,7 +308,7 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(data, f, indent=1)
     print(render(data))
-    return 0 if all("skipped" not in s for s in data["shapes"].values()) else 1
+    return 0 if all("skipped" not in s and not s.get("errors") for s in data["shapes"].values()) else 1
 
 
 def _weight_bytes(shape: dict, layers: int) -> int:
