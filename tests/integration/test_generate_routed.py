@@ -4,7 +4,8 @@ tokens stay ``model.generate``'s.
 For small Mixtral, Qwen3-MoE, GPT-OSS and DeepSeek-V3 models (8 experts, top-2; DeepSeek-V3 with a dense
 first layer, a shared expert and group-limited routing) on a left-padded batch of 3, greedy:
 
-* the tokens equal ``model.generate``'s;
+* the tokens equal ``model.generate``'s (Mixtral also with the per-expert ``"split"`` layout and the KV
+  cache in ``pinned_host``);
 * the experts copied at each step, per layer (``stack.last_generation["experts"]["fetched"]``, what the
   streamer's expert store copied), equal the set of experts the torch model routed that step's tokens to
   (forward pre-hooks on its experts modules, which the model's router feeds): the decode steps against
@@ -98,9 +99,10 @@ def padded_prefill(ids, mask, p_len):
     return ids_p, mask_p, pos
 
 
-@pytest.mark.parametrize("family,layout", [("mixtral", "stacked"), ("qwen3_moe", "stacked"), ("gpt_oss", "stacked"),
-                                           ("deepseek_v3", "stacked"), ("mixtral", "split")])
-def test_routed_tokens_and_fetched_experts_equal_torch(family, layout):
+@pytest.mark.parametrize("family,layout,kv", [("mixtral", "stacked", "device"), ("qwen3_moe", "stacked", "device"),
+                                              ("gpt_oss", "stacked", "device"), ("deepseek_v3", "stacked", "device"),
+                                              ("mixtral", "split", "host")])
+def test_routed_tokens_and_fetched_experts_equal_torch(family, layout, kv):
     model = make(family)
     ids, mask = prompts()
     with RoutedSets(model) as hooks:   # (removed before the stack traces the layers)
@@ -109,7 +111,7 @@ def test_routed_tokens_and_fetched_experts_equal_torch(family, layout):
     decode_sets = hooks.calls[1:]
     stack = one_device_stack(model)
     got = stack.generate(ids, mask, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0, expert_fetch="routed",
-                         expert_layout=layout)
+                         expert_layout=layout, kv_cache=kv)
     assert torch.equal(got, ref), (got[:, 7:], ref[:, 7:])
     info = stack.last_generation["experts"]
     assert info["routed_steps"] == [True] * NEW
