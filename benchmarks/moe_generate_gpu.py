@@ -12,10 +12,12 @@ straight into ``pinned_host`` (layers on the meta device, ``SwappedStack(weights
   vocab 151936), ``--layers-qwen3`` (12) of its 48: 1.25 GB per layer, 1.21 GB experts.
 
 Per shape, prompt ``--prompt`` (32) tokens, greedy, ``--new-tokens`` (16) new tokens after a run that
-compiles (2 tokens, or for a routed row the same run: its buckets of fetched experts compile then): ``all_b1`` (``expert_fetch="all"``), ``routed_b1`` (``"routed"``, layout ``stacked``),
+compiles (2 tokens, or for a routed row the same run: its buckets of fetched experts compile then):
+``all_b1`` (``expert_fetch="all"``), ``routed_b1`` (``"routed"``, layout ``stacked``),
 ``routed_split_b1`` (layout ``split``), ``auto_b1`` (what ``"auto"`` chose); then each batch of
-``--batches-<shape>`` with ``"routed"`` and ``"all"`` (``--sweep-new-tokens``, 8): ``stops_paying_batch``
-is the first batch whose routed step is not faster than the whole one (against
+``--batches-<shape>`` routed (``--sweep-new-tokens``, 8; with ``--sweep-all`` every expert too, else
+batch 1's whole step is the reference: it streams the same bytes): ``stops_paying_batch`` is the first
+batch whose routed step is not faster than the whole one (against
 ``routed_token_limit``, the batch the ``"auto"`` choice stops at). Each step's routed bytes are counted
 from what it fetched (``last_generation["experts"]["fetched"]``): the streamed weights less the experts,
 plus the fetched experts' slices; floors: those bytes, or every weight, over ``h2d`` measured in this
@@ -198,8 +200,8 @@ def run_shape(name: str, args, bw: dict, device: str) -> dict:
         except Exception as e:  # noqa: BLE001
             import traceback
             errors[key] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"
-    for key, fetch, layout in (("all_b1", "all", "stacked"), ("routed_b1", "routed", "stacked"),
-                               ("routed_split_b1", "routed", "split"), ("auto_b1", "auto", "stacked")):
+    for key, fetch, layout in (("all_b1", "all", "stacked"), ("routed_b1", "routed", "stacked"),   # one generator
+                               ("auto_b1", "auto", "stacked"), ("routed_split_b1", "routed", "split")):
         row(key, 1, args.new_tokens, fetch, layout)
     tps = {k: r["tokens_per_s"] for k, r in rows.items()}
     if "all_b1" in tps:
@@ -212,10 +214,10 @@ def run_shape(name: str, args, bw: dict, device: str) -> dict:
         errors["fetch"] = f"{type(e).__name__}: {e}"
     stop = None
     layout = "split" if "routed_b1" not in rows else "stacked"
-    for b in getattr(args, f"batches_{name}"):
-        for fetch in ("routed", "all"):
+    for b in getattr(args, f"batches_{name}"):   # every expert's step barely grows with the batch: batch 1's stands
+        for fetch in ("routed", "all") if args.sweep_all else ("routed",):
             row(f"{fetch}_b{b}_sweep", b, args.sweep_new_tokens, fetch, layout)
-        r, a = rows.get(f"routed_b{b}_sweep"), rows.get(f"all_b{b}_sweep")
+        r, a = rows.get(f"routed_b{b}_sweep"), rows.get(f"all_b{b}_sweep", rows.get("all_b1"))
         if stop is None and r and a and r["decode_step_s"] >= a["decode_step_s"]:
             stop = b
     res["stops_paying_batch"] = stop
@@ -267,7 +269,9 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--sweep-new-tokens", type=int, default=8)
     ap.add_argument("--batches-mixtral", default="2,4,8")
-    ap.add_argument("--batches-qwen3", default="4,16,32")
+    ap.add_argument("--batches-qwen3", default="8,16,32")
+    ap.add_argument("--sweep-all", action="store_true",
+                    help="also stream every expert at each sweep batch (default: batch 1's step is the reference)")
     ap.add_argument("--bw-mib", type=int, default=2048)
     ap.add_argument("--in-process", action="store_true", help="every shape in this process (default: one each)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "moe_generate_gpu.json"))
@@ -279,7 +283,7 @@ def main(argv=None) -> int:
     if args.cpu_smoke:
         args.layers_mixtral = args.layers_qwen3 = 2
         args.prompt, args.new_tokens, args.sweep_new_tokens, args.bw_mib = 8, 4, 3, 16
-        args.batches_mixtral, args.batches_qwen3 = "6", "8"
+        args.batches_mixtral, args.batches_qwen3, args.sweep_all = "6", "8", True
     args.batches_mixtral, args.batches_qwen3 = _ints(args.batches_mixtral), _ints(args.batches_qwen3)
     import torch
     from xla_swap.executors.host_pool import ensure_host_memory_limit
@@ -294,9 +298,10 @@ def main(argv=None) -> int:
     for s in shapes:
         t = time.perf_counter()
         shape = (SMOKE if args.cpu_smoke else SHAPES)[s]
-        if 2.2 * _weight_bytes(shape, getattr(args, f"layers_{s}")) > _host_available():
-            data["shapes"][s] = {"skipped": f"needs {2.2 * _weight_bytes(shape, getattr(args, f'layers_{s}')) / 1e9:.0f}"
-                                            f" GB of host memory, {_host_available() / 1e9:.0f} GB available"}
+        host = 2.2 * _weight_bytes(shape, getattr(args, f"layers_{s}"))   # the stacked weights and the split copy
+        if host > _host_available():
+            data["shapes"][s] = {"skipped": f"needs {host / 1e9:.0f} GB of host memory, "
+                                            f"{_host_available() / 1e9:.0f} GB available"}
             continue
         try:
             data["shapes"][s] = run_shape(s, args, bw, "cuda" if cuda else "cpu")

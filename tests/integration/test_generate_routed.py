@@ -89,7 +89,8 @@ class RoutedSets:
 
 
 def padded_prefill(ids, mask, p_len):
-    """The prefill inputs ``generate`` builds: left-padded to ``p_len`` with id 0, positions ``cumsum - 1`` (0 at pads)."""
+    """The prefill inputs ``generate`` builds: left-padded to ``p_len`` with id 0, positions ``cumsum - 1``
+    (0 at pads)."""
     b, t = ids.shape
     ids_p = torch.zeros((b, p_len), dtype=torch.int64)
     ids_p[:, p_len - t:] = ids
