@@ -120,7 +120,8 @@ class ExpertStore:
 
     def fetch(self, stage: int, params: dict, names, ids: np.ndarray, ids_dev) -> dict:
         """``{name: [m device arrays]}``: expert ``ids[j]``'s slice of each weight ``params[name]`` (stage
-        ``stage``'s ``pinned_host`` weights, stacked on axis 0), asynchronous. ``ids_dev``: ``ids`` on the device."""
+        ``stage``'s ``pinned_host`` weights, stacked on axis 0), asynchronous. ``ids_dev``: ``ids`` on the device.
+        Raises RuntimeError (``"stacked"``) when the slicing program does not compile on the platform."""
         names = sorted(names)
         m = len(ids)
         if self.layout == "split":
@@ -136,7 +137,12 @@ class ExpertStore:
             def take(w, ids):
                 return {n: [jax.device_put(jax.lax.dynamic_index_in_dim(v, ids[j], keepdims=False), dev)
                             for j in range(m)] for n, v in w.items()}
-            slicer = jax.jit(take, out_shardings=dev)
+            try:
+                slicer = jax.jit(take, out_shardings=dev).lower(w, ids_dev).compile()
+            except Exception as e:  # noqa: BLE001 - re-raised naming the other layout
+                raise RuntimeError(f"slicing experts out of the stacked pinned_host weights does not compile here "
+                                   f"({type(e).__name__}: {e}); expert_layout='split' copies whole per-expert "
+                                   "arrays instead") from e
             self._slicers[key] = slicer
         return slicer(w, ids_dev)
 
