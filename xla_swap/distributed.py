@@ -34,7 +34,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-__all__ = ["initialize", "per_rank_batches", "rank", "world_size", "local_rank", "gather_ints",
+__all__ = ["initialize", "per_rank_batches", "rank", "world_size", "local_rank", "gather_ints", "gather_prompts",
            "check_ranks_agree", "COORDINATOR_PORT_ENV"]
 
 #: the environment variable that sets jax's coordinator port (default ``MASTER_PORT + 1``).
@@ -193,3 +193,31 @@ def check_ranks_agree(what: str, key) -> None:
     if other:
         raise ValueError(f"{what}: every rank must pass the same shapes and dtypes (per-rank batches of one "
                          f"size); rank {rank()} passes {key}, rank(s) {other} pass others")
+
+
+def gather_prompts(check, input_ids, attention_mask, max_new_tokens: int, do_sample: bool, seed) -> tuple:
+    """Per-rank batches: ``((this rank's ids, its rows), ids, mask, seed)``: every rank's prompts, checked by
+    ``check(ids, mask)`` here first, as one batch in rank order, left-padded to the longest prompt, and rank
+    0's seed (drawn there from torch's generator when ``None`` and sampling). A collective: every rank calls
+    it. Raises what ``check`` raises here, and ValueError when another rank refused its arguments or passes
+    another batch size or ``max_new_tokens``."""
+    try:
+        mask = check(input_ids, attention_mask)[0]
+    except (TypeError, ValueError, IndexError):
+        check_ranks_agree("generate's arguments", None)
+        raise
+    check_ranks_agree("input_ids", (input_ids.shape[0], max_new_tokens))   # the batch size and max_new_tokens
+    import torch
+    if do_sample and seed is None:
+        seed = int(torch.randint(0, 2 ** 31 - 1, ()).item())
+    from jax.experimental import multihost_utils
+    b, t = input_ids.shape
+    lengths = gather_ints([t, seed is not None, seed or 0])
+    width = int(lengths[:, 0].max())
+    ids, full = np.zeros((b, width), np.int32), np.zeros((b, width), np.int32)
+    ids[:, width - t:], full[:, width - t:] = input_ids.detach().cpu().numpy(), mask.numpy()
+    both = multihost_utils.process_allgather(np.stack([ids, full]), tiled=False)   # [ranks, 2, b, width]
+    r = jax.process_index()
+    own = (input_ids.detach().to("cpu", torch.int64), slice(r * b, (r + 1) * b))
+    ids, mask = (torch.from_numpy(both[:, k].reshape(-1, width).astype(np.int64)) for k in (0, 1))
+    return own, ids, mask, int(lengths[0, 2]) if lengths[0, 1] else None

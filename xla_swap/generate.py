@@ -49,15 +49,15 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jax.experimental import multihost_utils
-
-from xla_swap.distributed import check_ranks_agree, gather_ints, per_rank_batches
+from xla_swap.distributed import gather_ints, gather_prompts, per_rank_batches
 from xla_swap.executors.decode import StatefulStreamer, state_nbytes
+from xla_swap.executors.routed_experts import RoutedStreamer
 from xla_swap.hf import CausalLMFirst, CausalLMLast
 from xla_swap.index_checks import check_index_range, token_id_bounds
 from xla_swap.hf_refusals import refuse_longrope_generation
 from xla_swap.kv_cache import OFFSET, DecodeFirst, LayerKV, kv_cache_bytes, layer_kwargs
 from xla_swap.mixed_precision import stage_functions_in
+from xla_swap.moe_decode import FetchPlan, check_fetch_args, routed_batch, routed_specs, routing_info
 from xla_swap.planning.units import check_budget_bytes
 from xla_swap.sampling import next_token_step
 from xla_swap.stages import TIED
@@ -85,7 +85,8 @@ def _round_up(x: int, m: int) -> int:
 class _Generator:
     """The stage functions and the :class:`StatefulStreamer` of one (batch, cache length, placement)."""
 
-    def __init__(self, stack, batch: int, cache_len: int, kv_cache: str, budget: int | None):
+    def __init__(self, stack, batch: int, cache_len: int, kv_cache: str, budget: int | None, routing=None,
+                 expert_layout: str = "stacked"):
         rt = stack.runtime
         self.batch, self.cache_len = batch, cache_len
         self.runtime = rt   # (not the stack: no reference cycle through stack._generators)
@@ -99,11 +100,15 @@ class _Generator:
         self.window = (rt.prefetch_depth + 1) * max(rt.stage_nbytes) + sum(
             b for b, r in zip(rt.stage_nbytes, rt.resident) if r)
         self.placement, self.explanation = self._placement(kv_cache, budget, rt.activation_sharding)
-        self.streamer = StatefulStreamer(self._stage_fns, rt.host_params, rt.device_shardings, state_avals=avals,
-                                         activation_sharding=rt.activation_sharding,
-                                         state_on_host=self.placement == "host",
-                                         prefetch_depth=rt.prefetch_depth, resident=rt.resident,
-                                         gather_weights=rt.batch_axis is not None)
+        kw = dict(state_avals=avals, activation_sharding=rt.activation_sharding,
+                  state_on_host=self.placement == "host", prefetch_depth=rt.prefetch_depth, resident=rt.resident,
+                  gather_weights=rt.batch_axis is not None)
+        if routing is None:   # every expert streamed with its layer
+            self.streamer = StatefulStreamer(self._stage_fns, rt.host_params, rt.device_shardings, **kw)
+        else:                 # routed experts (xla_swap.moe_decode)
+            self.streamer = RoutedStreamer(self._stage_fns, rt.host_params, rt.device_shardings, **kw,
+                                           routed_specs=routed_specs(stack, routing, self._stage_fns),
+                                           expert_layout=expert_layout)
         self._select_exes: dict = {}
 
     def _cache_avals(self, stack) -> list:
@@ -241,14 +246,16 @@ def _memory_stats(sharding) -> dict | None:
         return None
 
 
-def _generator(stack, batch: int, cache_len: int, kv_cache: str, budget) -> _Generator:
+def _generator(stack, batch: int, cache_len: int, kv_cache: str, budget, routing=None,
+               expert_layout: str = "stacked") -> _Generator:
     """The stack's generator for these shapes (one at a time: a new one drops the previous KV cache)."""
-    key = (batch, cache_len, kv_cache, budget, stack.matmul_precision, id(stack.runtime))
+    key = (batch, cache_len, kv_cache, budget, stack.matmul_precision, id(stack.runtime), routing is not None,
+           expert_layout)
     gens = stack.__dict__.setdefault("_generators", {})
     gen = gens.get(key)
     if gen is None or gen.runtime is not stack.runtime:
         gens.clear()
-        gen = _Generator(stack, batch, cache_len, kv_cache, budget)
+        gen = _Generator(stack, batch, cache_len, kv_cache, budget, routing, expert_layout)
         gens[key] = gen
     return gen
 
@@ -260,7 +267,7 @@ def release_generation(stack) -> None:
 
 
 def choose_batch(stack, prompt_len: int, max_new_tokens: int, *, device_budget_bytes: int | None = None,
-                 max_batch: int = 1024, prompt_bucket: int = 16) -> tuple[int, str]:
+                 max_batch: int = 1024, prompt_bucket: int = 16, expert_fetch: str = "auto") -> tuple[int, str]:
     """The batch that maximises tokens/s for a device budget: the largest whose KV cache on the device and
     prefill temporaries fit beside the streaming window.
 
@@ -281,6 +288,8 @@ def choose_batch(stack, prompt_len: int, max_new_tokens: int, *, device_budget_b
         rounded up to ``prompt_bucket``, as :func:`generate` sizes it).
       device_budget_bytes: bytes for the stack on the device; default the free device memory.
       max_batch: upper bound of the answer (int >= 1).
+      expert_fetch: ``"auto"``: for a stack that can fetch routed experts, the better in tokens per streamed
+        byte of that batch and the largest routed one (:func:`xla_swap.moe_decode.routed_batch`); ``"all"``: not.
 
     Returns: ``(batch, explanation)`` (``batch >= 1``, the explanation giving the figures). With per-rank
     batches (:mod:`xla_swap.distributed`; every rank calls it) the batch of each rank.
@@ -289,6 +298,8 @@ def choose_batch(stack, prompt_len: int, max_new_tokens: int, *, device_budget_b
       ValueError: a bad argument; no budget given on a platform without memory statistics (the CPU).
       TypeError: ``stack`` not built from ``causal_lm_stages``; ``device_budget_bytes`` a bool or not a number.
     """
+    if expert_fetch not in ("auto", "all"):
+        raise ValueError(f"expert_fetch must be 'auto' or 'all', got {expert_fetch!r}")
     for name, v in (("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens), ("max_batch", max_batch),
                     ("prompt_bucket", prompt_bucket)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -320,6 +331,10 @@ def choose_batch(stack, prompt_len: int, max_new_tokens: int, *, device_budget_b
     why = (f"batch {batch}: {n} x ({source} {budget} B - streaming window {window} B - fixed temporaries {fixed} B) "
            f"/ (KV cache {gen.kv_total} B + prefill temporaries {marginal} B per sequence, cache_len {cache_len}), "
            f"at most max_batch {max_batch}" + (f", a multiple of the {n} data-parallel devices" if n > 1 else ""))
+    info = routing_info(stack)
+    if expert_fetch == "auto" and info.reason is None:
+        batch, routed_why = routed_batch(stack, info, budget, per_seq, batch, max_batch)
+        why = f"{routed_why}; {why}"
     if per_rank_batches():   # every rank's batch is a part of the global one
         batch = max(1, int(gather_ints([batch]).min()) // jax.process_count())
         why += f"; per rank {batch}: the least over the ranks / {jax.process_count()} ranks"
@@ -422,7 +437,7 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              eos_token_id: int | Sequence[int] | None = FROM_CONFIG, pad_token_id: int | None = FROM_CONFIG,
              seed: int | None = None,
              kv_cache: str = "auto", device_budget_bytes: int | None = None, max_cache_len: int | None = None,
-             prompt_bucket: int = 16) -> torch.Tensor:
+             prompt_bucket: int = 16, expert_fetch: str = "auto", expert_layout: str = "stacked") -> torch.Tensor:
     """Generate tokens with ``stack`` (built from :func:`xla_swap.causal_lm_stages`), as ``model.generate``.
 
     See the module docstring for the design and how ``kv_cache="auto"`` places the cache.
@@ -446,6 +461,10 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
       max_cache_len: the cache length (default the bucketed prompt plus ``max_new_tokens``, rounded
         up to ``prompt_bucket``); a fixed value keeps one set of decode executables for every call.
       prompt_bucket: prompts are left-padded to a multiple of it (one prefill executable per bucket).
+      expert_fetch, expert_layout: mixture-of-experts layers: ``"auto"``, ``"routed"`` (copy only the experts a
+        step's tokens were routed to) or ``"all"``; the routed slices cut from the stacked ``pinned_host`` weights
+        (``"stacked"``) or a per-expert copy (``"split"``); :mod:`xla_swap.moe_decode`,
+        ``docs/how-to/mixture-of-experts-serving.md``.
 
     Returns: int64 ``[batch, prompt + n]`` CPU tensor: ``input_ids`` and the ``n <= max_new_tokens``
       generated tokens (``n < max_new_tokens`` when every row stopped; stopped rows padded). With per-rank
@@ -453,7 +472,8 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
       ``stack.last_generation`` holds the placement, its explanation, the KV cache bytes,
       ``first_token_s`` (seconds from the start of the prefill to its token) and ``step_done_s``
       (per step, seconds from that start to the step's token, read one step late: differences
-      are decode step times).
+      are decode step times). For a mixture-of-experts model, ``"experts"``: per step whether it was routed
+      and the ``(layer, expert ids)`` it copied, and why (:class:`xla_swap.moe_decode.FetchPlan`).
 
     Raises (before anything runs):
       TypeError: ``stack`` not built from ``causal_lm_stages``; ``input_ids`` not an integer
@@ -467,59 +487,51 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         ``device_budget_bytes`` not None or an int > 0 (TypeError for a bool or a non-number);
         ``max_cache_len`` below the bucketed prompt plus
         ``max_new_tokens``; ``prompt_bucket < 1``; a decoder layer that does not keep a
-        ``transformers``-style KV cache (message names it).
+        ``transformers``-style KV cache (message names it); ``expert_fetch`` or ``expert_layout`` unknown;
+        ``expert_fetch="routed"`` for a stack that cannot (no experts, several devices, ``param_dtype``).
     """
+    check_fetch_args(expert_fetch, expert_layout)
     def check(ids, m, seed=seed):
         return _check_args(stack, ids, m, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
                            pad_token_id, seed, kv_cache, device_budget_bytes, max_cache_len, prompt_bucket)
     own = None   # with per-rank batches: (this rank's prompts, its rows of the global batch)
     if per_rank_batches():
-        own, input_ids, attention_mask, seed = _gathered_prompts(check, input_ids, attention_mask, max_new_tokens,
-                                                                 do_sample, seed)
+        own, input_ids, attention_mask, seed = gather_prompts(check, input_ids, attention_mask, max_new_tokens,
+                                                              do_sample, seed)
     mask, eos, pad, p_len, cache_len, device_budget_bytes = check(input_ids, attention_mask, seed)
+    plan = FetchPlan(routing_info(stack), expert_fetch, input_ids.shape[0], p_len)
     if do_sample and seed is None:
         seed = int(torch.randint(0, 2 ** 31 - 1, ()).item())
     ids_cpu = input_ids.detach().to("cpu", torch.int64)
-    with stack.torch_precision():
-        stack.runtime.release_prefetched()   # the streamer prefetches its own first stages
-        gen = _generator(stack, input_ids.shape[0], cache_len, kv_cache, device_budget_bytes)
-        sampling = (do_sample, float(temperature), top_k, None if top_p is None else float(top_p))
-        select = gen.select_exe(sampling, len(eos), max_new_tokens, pad)
-        st, prompt = _initial_state(ids_cpu, mask, p_len, cache_len, max_new_tokens, eos, pad, seed,
-                                    stack.runtime.activation_sharding)
-        out, n_done, first_s, done_s = _decode(gen, select, st, prompt, max_new_tokens)
-    stack.last_generation = dict(placement=gen.placement, explanation=gen.explanation, kv_cache_bytes=gen.kv_total,
-                                 kv_cache_bytes_per_layer=gen.kv_nbytes, cache_len=cache_len, prompt_len=p_len,
-                                 new_tokens=int(n_done), first_token_s=first_s, step_done_s=done_s)
+    sampling = (do_sample, float(temperature), top_k, None if top_p is None else float(top_p))
+    out = _run(stack, ids_cpu, mask, sampling, (eos, pad, seed), (p_len, cache_len, max_new_tokens),
+               (kv_cache, device_budget_bytes, expert_layout), plan)
     if own is not None:
         ids_cpu, out = own[0], out[own[1]]
+    if plan.has_experts:
+        stack.last_generation["experts"] = plan.summary()
     return torch.cat([ids_cpu, torch.from_numpy(out.astype(np.int64))], dim=1)
 
 
-def _gathered_prompts(check, input_ids, attention_mask, max_new_tokens: int, do_sample: bool, seed) -> tuple:
-    """Per-rank batches: ``((this rank's ids, its rows), ids, mask, seed)``: every rank's prompts, checked by
-    ``check(ids, mask)`` here first, as one batch in rank order, left-padded to the longest prompt, and rank
-    0's seed (drawn there from torch's generator when ``None`` and sampling). A collective: every rank calls
-    it. Raises what ``check`` raises here, and ValueError when another rank refused its arguments or passes
-    another batch size or ``max_new_tokens``."""
-    try:
-        mask = check(input_ids, attention_mask)[0]
-    except (TypeError, ValueError, IndexError):
-        check_ranks_agree("generate's arguments", None)
-        raise
-    check_ranks_agree("input_ids", (input_ids.shape[0], max_new_tokens))   # the batch size and max_new_tokens
-    if do_sample and seed is None:
-        seed = int(torch.randint(0, 2 ** 31 - 1, ()).item())
-    b, t = input_ids.shape
-    lengths = gather_ints([t, seed is not None, seed or 0])
-    width = int(lengths[:, 0].max())
-    ids, full = np.zeros((b, width), np.int32), np.zeros((b, width), np.int32)
-    ids[:, width - t:], full[:, width - t:] = input_ids.detach().cpu().numpy(), mask.numpy()
-    both = multihost_utils.process_allgather(np.stack([ids, full]), tiled=False)   # [ranks, 2, b, width]
-    r = jax.process_index()
-    own = (input_ids.detach().to("cpu", torch.int64), slice(r * b, (r + 1) * b))
-    ids, mask = (torch.from_numpy(both[:, k].reshape(-1, width).astype(np.int64)) for k in (0, 1))
-    return own, ids, mask, int(lengths[0, 2]) if lengths[0, 1] else None
+def _run(stack, ids_cpu: torch.Tensor, mask: torch.Tensor, sampling: tuple, stops: tuple, lengths: tuple,
+         placement: tuple, plan) -> np.ndarray:
+    """The prefill and decode steps of :func:`generate` on checked arguments: the generated tokens ``[B, n]``
+    (``stack.last_generation`` set). ``stops`` is ``(eos, pad, seed)``, ``lengths`` ``(p_len, cache_len,
+    max_new_tokens)``, ``placement`` ``(kv_cache, device_budget_bytes, expert_layout)``."""
+    (eos, pad, seed), (p_len, cache_len, max_new_tokens) = stops, lengths
+    kv_cache, device_budget_bytes, expert_layout = placement
+    with stack.torch_precision():
+        stack.runtime.release_prefetched()   # the streamer prefetches its own first stages
+        gen = _generator(stack, ids_cpu.shape[0], cache_len, kv_cache, device_budget_bytes, plan.routing,
+                         expert_layout)
+        select = gen.select_exe(sampling, len(eos), max_new_tokens, pad)
+        st, prompt = _initial_state(ids_cpu, mask, p_len, cache_len, max_new_tokens, eos, pad, seed,
+                                    stack.runtime.activation_sharding)
+        out, n_done, first_s, done_s = _decode(gen, select, st, prompt, max_new_tokens, plan)
+    stack.last_generation = dict(placement=gen.placement, explanation=gen.explanation, kv_cache_bytes=gen.kv_total,
+                                 kv_cache_bytes_per_layer=gen.kv_nbytes, cache_len=cache_len, prompt_len=p_len,
+                                 new_tokens=int(n_done), first_token_s=first_s, step_done_s=done_s)
+    return out
 
 
 def _initial_state(ids_cpu: torch.Tensor, mask: torch.Tensor, p_len: int, cache_len: int, max_new_tokens: int,
@@ -544,10 +556,12 @@ def _initial_state(ids_cpu: torch.Tensor, mask: torch.Tensor, p_len: int, cache_
     return st, jax.device_put(ids, act)
 
 
-def _decode(gen: _Generator, select, st: dict, prompt: jax.Array, max_new_tokens: int) -> tuple:
+def _decode(gen: _Generator, select, st: dict, prompt: jax.Array, max_new_tokens: int, plan=None) -> tuple:
     """Prefill and decode steps until every row stopped or ``max_new_tokens``: ``(tokens int32 [B, n],
     n, first_token_s, step_done_s)`` (seconds from the start; each step's flag is read one step late,
-    so the device never waits for the host)."""
+    so the device never waits for the host). ``plan``: a :class:`xla_swap.moe_decode.FetchPlan` (applied
+    to a ``RoutedStreamer``) or ``None``."""
+    plan = plan if isinstance(gen.streamer, RoutedStreamer) else None
     t_start = time.perf_counter()
     x = (prompt, st["mask"], st["pos"], st["offset"])
     done_s: list[float] = []
@@ -555,7 +569,11 @@ def _decode(gen: _Generator, select, st: dict, prompt: jax.Array, max_new_tokens
     pending = None   # the previous step's any_running flag (read one step late: the device never waits)
     n_done = max_new_tokens
     for step in range(max_new_tokens):
+        if plan is not None:
+            plan.before_step(gen.streamer, step)
         logits = gen.streamer.run(x)
+        if plan is not None:
+            plan.after_step(gen.streamer)
         st = select(logits, st)
         x = (st["ids"], st["mask"], st["pos"], st["offset"])
         if step >= 1:   # step - 1 is done once its flag is read (after step is dispatched: no device idle)

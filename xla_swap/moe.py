@@ -24,12 +24,14 @@ and ``jax`` where called.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
 
 __all__ = ["DENSE", "SORTED", "FORMS", "dense_experts_forward", "sorted_experts_forward", "experts_modules",
-           "experts_while_traced", "dense_experts_while_traced", "topk_like_torch"]
+           "experts_while_traced", "dense_experts_while_traced", "topk_like_torch", "traced_form", "traced_form_as",
+           "form_function", "traced_arrays"]
 
 #: the name :func:`dense_experts_forward` is registered under in ``transformers``' ``ExpertsInterface``.
 DENSE = "xla_swap_dense"
@@ -61,11 +63,11 @@ def dense_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, to
     ``hidden_states``' dtype: the sum over a token's ``k`` experts of the routing weight times the
     expert's output, as the eager implementation computes it (see the module docstring).
     """
-    num_experts = int(self.num_experts)
     if self.has_gate:
         w_in, b_in = self.gate_up_proj, (self.gate_up_proj_bias if self.has_bias else None)
     else:
         w_in, b_in = self.up_proj, (self.up_proj_bias if self.has_bias else None)
+    num_experts = int(w_in.shape[0])   # the module's experts, or those a routed fetch brought (their ids remapped)
     h = _project(hidden_states, w_in, b_in, self.is_transposed)            # [E, N, 2I] or [E, N, I]
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
     out = _project(h, self.down_proj, self.down_proj_bias if self.has_bias else None, self.is_transposed)
@@ -90,6 +92,15 @@ def _torchax_env(*tensors):
         return None
     env = getattr(t, "_env", None)   # the environment the tensor was made in (the stack's own)
     return env if env is not None else sys.modules["torchax"].default_env()
+
+
+def traced_arrays(*tensors) -> tuple:
+    """``(env, arrays)``: the torchax environment of ``tensors`` (torchax tensors, as a traced stage holds
+    them) and their jax arrays. Raises ValueError when none of them is a torchax tensor."""
+    env = _torchax_env(*tensors)
+    if env is None:
+        raise ValueError("traced_arrays needs torchax tensors (a stage being traced), got eager torch tensors")
+    return env, tuple(_to_jax(env, t) for t in tensors)
 
 
 def _to_jax(env, t: torch.Tensor):
@@ -195,15 +206,14 @@ def sorted_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, t
     ``transformers``' ``grouped_mm`` implementation computes it. Shapes are static (``N k`` rows);
     see the module docstring for the costs.
     """
-    num_experts = int(self.num_experts)
-    n, k = top_k_index.shape
-    perm, inverse, expert_ids, sizes = _sorted_order(top_k_index, num_experts)
-    x = hidden_states[perm // k]                                            # [N k, D], expert order
-    routing = top_k_weights.reshape(-1)[perm]                               # [N k]
     if self.has_gate:
         w_in, b_in = self.gate_up_proj, (self.gate_up_proj_bias if self.has_bias else None)
     else:
         w_in, b_in = self.up_proj, (self.up_proj_bias if self.has_bias else None)
+    n, k = top_k_index.shape
+    perm, inverse, expert_ids, sizes = _sorted_order(top_k_index, int(w_in.shape[0]))
+    x = hidden_states[perm // k]                                            # [N k, D], expert order
+    routing = top_k_weights.reshape(-1)[perm]                               # [N k]
     h = _ragged_linear(x, w_in, sizes, b_in, expert_ids, self.is_transposed)    # [N k, 2I] or [N k, I]
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
     out = _ragged_linear(h, self.down_proj, sizes, self.down_proj_bias if self.has_bias else None, expert_ids,
@@ -284,6 +294,36 @@ def experts_while_traced(model: torch.nn.Module, layers, experts: str = "dense")
         handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(layer.register_forward_hook(post, with_kwargs=True, always_call=True))
     return handles
+
+
+def traced_form(layer: torch.nn.Module) -> str | None:
+    """The name (in ``transformers``' ``ExpertsInterface``) of the form ``layer``'s experts run in while traced
+    (:func:`experts_while_traced`), or ``None`` for a layer without experts or hooks."""
+    return getattr(layer, "_xla_swap_experts", None)
+
+
+@contextlib.contextmanager
+def traced_form_as(layers, name: str):
+    """While the block runs, the experts of ``layers`` (those :func:`experts_while_traced` hooked) run the
+    implementation registered in ``transformers``' ``ExpertsInterface`` as ``name`` when traced; restored after."""
+    hooked = [layer for layer in layers if traced_form(layer) is not None]
+    saved = [traced_form(layer) for layer in hooked]
+    for layer in hooked:
+        layer._xla_swap_experts = name
+    try:
+        yield
+    finally:
+        for layer, old in zip(hooked, saved):
+            layer._xla_swap_experts = old
+
+
+def form_function(name: str):
+    """The experts implementation registered as ``name`` by this module (:data:`DENSE` or :data:`SORTED`).
+    Raises ValueError for another name."""
+    funcs = {DENSE: dense_experts_forward, SORTED: sorted_experts_forward}
+    if name not in funcs:
+        raise ValueError(f"no experts form of xla_swap.moe is registered as {name!r}")
+    return funcs[name]
 
 
 def dense_experts_while_traced(model: torch.nn.Module, layers) -> list:

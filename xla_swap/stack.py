@@ -537,8 +537,8 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
         ``input_ids`` int ``[batch, prompt]``, ``attention_mask`` ``None`` or left-padded 0/1 of its
         shape; keywords ``max_new_tokens`` (required), ``do_sample``, ``temperature``, ``top_k``,
         ``top_p``, ``eos_token_id``, ``pad_token_id``, ``seed``, ``kv_cache`` (``"auto"`` /
-        ``"device"`` / ``"host"``), ``device_budget_bytes``, ``max_cache_len``, ``prompt_bucket``.
-        Returns int64 ``[batch, prompt + n]`` on the CPU. Arguments, placement and errors:
+        ``"device"`` / ``"host"``), ``device_budget_bytes``, ``max_cache_len``, ``prompt_bucket``,
+        ``expert_fetch`` (``"auto"`` / ``"routed"`` / ``"all"``), ``expert_layout``. Returns int64 ``[batch, prompt + n]`` on the CPU. Arguments, placement and errors:
         :func:`xla_swap.generate.generate`.
         """
         from xla_swap.generate import generate

@@ -183,7 +183,7 @@ class StatefulStreamer:
         next-call prefetch, the weights the previous call left valid as ``carry`` (those whose
         ``host_params`` element was not replaced since), each host state fetched beside its
         stage's weights (``host_state``)."""
-        carry = tuple(j for j, (src, _) in sorted(self._carry.items()) if src is self.host_params[j])
+        carry = tuple(j for j, (src, _) in sorted(self._carry.items()) if src is self._stage_weights(j)[0])
         return PrefetchSchedule(self.num_stages, self.prefetch_depth, resident=self.resident, carry=carry,
                                 host_state=self.state_on_host)
 
@@ -211,23 +211,42 @@ class StatefulStreamer:
         self._execute(sched.prologues[0], weights, states, nxt)
         for step in sched.steps:
             i = step.stage
-            p = self.host_params[i] if self.resident[i] else weights[i]
-            if self.state_avals[i] is None:
-                y = exes[i](p, x)
-            else:
-                s = states.pop(i) if self.state_on_host[i] else self.states[i]
-                self.states[i] = None   # donated
-                y, s = exes[i](p, s, x)
-                self.states[i] = jax.device_put(s, self._host_state_sh) if self.state_on_host[i] else s
-                del s
+            p = self._stage_weights(i)[0] if self.resident[i] else weights[i]
+            y = self._call_stage(i, exes[i], p, x, states)
             jax.block_until_ready(x)   # stage i-1 done: its weights' (and state's) memory is free
             del p
             self._execute(step, weights, states, nxt)
-            x = y
+            x = self._stage_output(i, y)
         self._carry = nxt
         return x
 
     # ---------------------------------------------------------------- internals
+    def _stage_weights(self, i: int) -> tuple[Any, Any]:
+        """``(host weights, device shardings)`` stage ``i`` streams: ``host_params[i]`` and its shardings."""
+        return self.host_params[i], self._dev_sh[i]
+
+    def _call_stage(self, i: int, exe, p, x, states: dict):
+        """Dispatch stage ``i`` on weights ``p`` and input ``x`` (asynchronous); its state updated in place."""
+        if self.state_avals[i] is None:
+            return exe(p, x)
+        y, s = exe(p, self._take_state(i, states), x)
+        self._put_state(i, s)
+        return y
+
+    def _stage_output(self, i: int, y):
+        """Stage ``i``'s output as the next stage takes it, once the events after its dispatch ran: ``y``."""
+        return y
+
+    def _take_state(self, i: int, states: dict):
+        """Stage ``i``'s state on the device (fetched from ``pinned_host``, or in place), given up (donated)."""
+        s = states.pop(i) if self.state_on_host[i] else self.states[i]
+        self.states[i] = None   # donated
+        return s
+
+    def _put_state(self, i: int, s) -> None:
+        """Keep stage ``i``'s new state where it lives (back to ``pinned_host``, or in place)."""
+        self.states[i] = jax.device_put(s, self._host_state_sh) if self.state_on_host[i] else s
+
     def _execute(self, step: ScheduleStep, weights: dict, states: dict, nxt: dict) -> None:
         """Perform ``step``'s events in ``EVENT_KINDS`` order and record them in ``executed_events``."""
         for kind in EVENT_KINDS:
@@ -235,11 +254,11 @@ class StatefulStreamer:
                 if kind == "fetch_state":
                     states[j] = jax.device_put(self.states[j], self._dev_state_sh)
                 elif kind in ("fetch", "fetch_next"):
-                    weights[j] = jax.device_put(self.host_params[j], self._dev_sh[j])
+                    weights[j] = jax.device_put(*self._stage_weights(j))
                 elif kind == "take":
                     weights[j] = self._carry.pop(j)[1]
                 elif kind == "keep_next":
-                    nxt[j] = (self.host_params[j], weights[j])
+                    nxt[j] = (self._stage_weights(j)[0], weights[j])
                 elif kind == "release":
                     del weights[j]
                 else:
