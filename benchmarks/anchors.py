@@ -589,8 +589,9 @@ def deepspeed_anchor(workload, tokens, reps: int = 3, *, stage: int = 3, optimiz
             import torch.distributed as dist
             barrier = dist.barrier
         # engine.step() also zeroes the gradients
+        extra = {k: v for k, v in info.items() if k not in ("rank", "world_size", "seed")}   # passed by name
         return _per_tokens(workload, tokens, reps, device, engine, engine.step, rank=rank, world_size=world_size,
-                           seed=seed, barrier=barrier, backward=engine.backward, **info)
+                           seed=seed, barrier=barrier, backward=engine.backward, **extra)
     except Exception as e:  # noqa: BLE001 - report, never raise
         info["error"] = f"{type(e).__name__}: {e}"[-4000:]
         info["traceback"] = traceback.format_exc()[-8000:]
