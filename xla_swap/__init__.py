@@ -12,7 +12,7 @@ Layers (each importable on its own):
 * ``xla_swap.use_compilation_cache`` - jax's persistent compilation cache for the stage
   executables (``xla_swap.executors.compile_cache``, imported on first use).
 * ``xla_swap.distributed`` - ``initialize()``: one process per GPU as ``torchrun`` starts them, each
-  passing its own batch (imported on first use; ``docs/torchrun.md``).
+  passing its own batch (imported on first use; ``docs/how-to/torchrun.md``).
 
 This top-level module imports nothing heavy, so ``import xla_swap.planning`` and
 ``import xla_swap.executors`` work on machines without torch_xla.

@@ -21,7 +21,7 @@ From then on the process runs in **per-rank batch** mode (:func:`per_rank_batche
   ``sync_modules`` / ``state_dicts`` give every rank the whole weights.
 
 Without :func:`initialize` (one process, or processes started by ``jax.distributed.initialize``
-directly) every process passes the same global inputs, as before. Guide: ``docs/torchrun.md``.
+directly) every process passes the same global inputs, as before. Guide: ``docs/how-to/torchrun.md``.
 
 The module imports jax and numpy; torch only in :func:`initialize` (its process group).
 """
