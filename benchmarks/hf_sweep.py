@@ -237,7 +237,7 @@ def _shrink_family(cfg, d: dict, n: int | None) -> None:
 def _skip_reason(cls) -> str | None:
     name = cls.__name__
     if "ConditionalGeneration" in name or "Multimodal" in name:
-        return "a multimodal ForConditionalGeneration class (image/audio inputs); its text model has its own row"
+        return "a multimodal class (image or audio inputs and encoders), not a text causal LM"
     if any(w in name for w in ("Musicgen", "Moshi", "Whisper", "TrOCR", "Clvp", "Csm", "Git", "Fuyu", "Blt")):
         return "not a text-only causal LM (its inputs or decoder are audio, speech, image or byte-patch based)"
     if getattr(cls, "main_input_name", "input_ids") != "input_ids":

@@ -541,9 +541,10 @@ def _probe(model, base, layers_attr: str, first: CausalLMFirst, last: CausalLMLa
             if _ours(e):
                 raise
             if last.extra_fields_read or failure_module(e) == name:
+                read = sorted(set(last.extra_fields_read))
                 raise ValueError(f"{name}.forward fails after its base model in the last stage, which calls it "
-                                 "with no inputs and the base model's output replaced by the last hidden state "
-                                 f"(other fields read: {sorted(set(last.extra_fields_read))}): {describe_failure(e)}; "
+                                 "with no inputs and the base model's output replaced by the last hidden state"
+                                 f"{f' (other fields it read: {read})' if read else ''}: {describe_failure(e)}; "
                                  "not supported") from e
             raise ValueError(f"{name}: the stages' ends fail on a probe input (the base model's forward does "
                              f"something after its layers that the stages do not reproduce; final norm used: "
