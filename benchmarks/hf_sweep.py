@@ -494,7 +494,11 @@ def write_readme(path: str, results: list, meta: dict) -> None:
              "Per row: a small config (hidden 64, 4 layers or the family's layer pattern up to 8, 4 heads, vocab 512,",
              "intermediate 128, 4 experts top-2, sliding windows 4 < 12 tokens), a plain and a left-padded batch of 2:",
              "logits, `train_step` loss and the update of one `torch.optim.AdamW` step against torch eager",
-             f"(exact: logits and update within rel {REL:g}, loss within {LOSS_REL:g}). JSON: `hf_sweep.json`.", "",
+             f"(exact: logits and update within rel {REL:g}, loss within {LOSS_REL:g}; entries whose torch gradient is",
+             "below 1e-6 of the largest are left out of the update). Where a figure is off, torch in float64 arbitrates:",
+             "the row is exact when the stack is within tolerance of float64 and torch fp32 is not (noted beside it).",
+             "Refused: raised at construction by xla_swap's own code, naming the module and the feature. Variants",
+             "(`family+variant`) add a config feature to a family. JSON: `hf_sweep.json`.", "",
              "| outcome | count |", "|---|---|"] + [f"| {k} | {v} |" for k, v in counts.items()] + \
         [f"| total | {len(results)} |", ""]
     for kind in ("wrong", "failing", "refused", "skipped", "exact"):
