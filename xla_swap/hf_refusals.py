@@ -61,6 +61,14 @@ def _is_model_code(filename: str) -> bool:
     return not filename.startswith("<") and "site-packages" not in filename and not any(s in filename for s in libs)
 
 
+def _short_path(filename: str) -> str:
+    """``filename`` named from its package on: ``transformers/models/llama/modeling_llama.py`` wherever
+    transformers is installed (``site-packages`` or a ``pip install --target`` folder), else the part after
+    ``site-packages/``, else ``filename`` itself."""
+    i = filename.rfind(f"{os.sep}transformers{os.sep}")
+    return filename[i + 1:] if i >= 0 else filename.split("site-packages" + os.sep)[-1]
+
+
 def _model_frame(exc: BaseException):
     """``(module class name or None, function, file, line)`` of the innermost frame of ``exc`` in a model's
     code (``_is_model_code``), or ``None``."""
@@ -70,7 +78,7 @@ def _model_frame(exc: BaseException):
         if _is_model_code(code.co_filename):
             owner = tb.tb_frame.f_locals.get("self")
             cls = type(owner).__name__ if isinstance(owner, torch.nn.Module) else None
-            found = (cls, code.co_name, code.co_filename.split("site-packages" + os.sep)[-1], tb.tb_lineno)
+            found = (cls, code.co_name, _short_path(code.co_filename), tb.tb_lineno)
         tb = tb.tb_next
     return found
 
@@ -90,7 +98,8 @@ def is_tracer_error(exc: BaseException) -> bool:
 
 def describe_failure(exc: BaseException) -> str:
     """A sentence for an exception raised inside a model's code: what was raised, where (the module's
-    class and function, file and line, when the traceback reaches model code), and for jax's tracer
+    class and function, file and line, when the traceback reaches model code; a file of ``transformers``
+    named from its package on, ``transformers/models/...``, wherever it is installed), and for jax's tracer
     errors the feature of the model that caused it. Never raises."""
     root = _innermost(exc)
     kind = type(root).__name__
@@ -105,7 +114,7 @@ def describe_failure(exc: BaseException) -> str:
         return f"the model's code{where} uses {feature}"
     if site is None:
         last = traceback.extract_tb(root.__traceback__)[-1:] if root.__traceback__ else []
-        where = f" in {last[0].name} ({last[0].filename.split('site-packages' + os.sep)[-1]}:{last[0].lineno})" \
+        where = f" in {last[0].name} ({_short_path(last[0].filename)}:{last[0].lineno})" \
             if last else ""
     return f"{kind}: {text}, raised{where}"
 
