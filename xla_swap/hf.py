@@ -44,8 +44,8 @@ from xla_swap.hf_capture import (OUTPUT_FORMS, BaseOutput, IdentityLayer, LayerC
                                  final_norm, hidden_state_output, is_const, is_tensor_tree, leaves,
                                  one_sequence_per_row)
 from xla_swap.hf_refusals import (KeepTensorAttributes, describe_failure, failure_module, is_tracer_error,
-                                  refuse_extra_outputs, refuse_old_transformers, refuse_state_between_layers,
-                                  refuse_unsupported)
+                                  refuse_extra_outputs, refuse_old_transformers, refuse_output_from_earlier_layers,
+                                  refuse_state_between_layers, refuse_unsupported)
 from xla_swap.hf_locate import locate
 from xla_swap.moe import FORMS, experts_while_traced
 from xla_swap.peft_models import peft_causal_lm
@@ -551,6 +551,7 @@ def _probe(model, base, layers_attr: str, first: CausalLMFirst, last: CausalLMLa
                              f"{last.norm_attr!r}): {describe_failure(e)}; pass norm_attr= naming the base model's "
                              f"final norm (or norm_attr='' for none) if it is another") from e
     if got.shape != ref.shape or not torch.equal(got[mask.bool()], ref[mask.bool()]):
+        refuse_output_from_earlier_layers(model, first, ids, mask)
         raise ValueError(f"{name}: the stages' logits differ from the model's own forward on a probe input (the "
                          f"base model's forward does something after its layers that the stages do not reproduce; "
                          f"final norm used: {last.norm_attr!r}): pass norm_attr= naming the base model's final norm "

@@ -19,7 +19,8 @@ its input embedding (Llama-4, then refused by name for its complex rotary embedd
 found by what the base model does (LFM2's ``embedding_norm``), longrope's per-call factors (Phi-3),
 a tensor of the base model itself (RecurrentGemma's normalizer), partial interleaved rotary
 (CodeGen, GPT-J); refusals name the module and the feature (dynamic RoPE, JetMoE's data-dependent
-gating, Zaya's router state and Inkling-2's block states handed from layer to layer).
+gating, Zaya's router state and Inkling-2's block states handed from layer to layer or combined with the
+last layer's output after the layers).
 
 Weights: an entry whose torch gradient is zero by the maths (a key bias, which shifts every score
 of a query by the same amount) holds only AdamW's amplified rounding noise in both runs, so it is
@@ -131,6 +132,10 @@ REFUSED = {
     "inkling2_text": ({"num_hidden_layers": 3, "n_layers_per_attn_res_block": 1, "unpadded_vocab_size": V},
                       "Inkling2TextModel.forward passes decoder layer 2 block_states= computed from earlier decoder "
                       "layers' outputs (a state carried from layer to layer besides the hidden state)"),
+    # block states (the embedding: one block of 6 > 3 layers) combined with the last layer's output after the layers
+    "inkling2_text-final": ({"num_hidden_layers": 3, "unpadded_vocab_size": V},
+                            "Inkling2TextModel.forward computes its output after the decoder layers from decoder layer "
+                            "0's input (the embedding) besides the last layer's output"),
     # found through its input embedding (base_model_prefix names no attribute, get_decoder() is the model)
     "llama4_text": ({"num_local_experts": 4, "interleave_moe_layer_step": 2, "attention_chunk_size": 4},
                     "Llama4TextModel.forward passes decoder layer 0 position_embeddings= a complex tensor"),
