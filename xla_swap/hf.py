@@ -247,9 +247,10 @@ class CausalLMFirst(torch.nn.Module):
         carry: dict[str, Any] = {}
         names = list(record[0][1])
         for i, (_, kw) in enumerate(record):
-            if list(kw) != names:
+            if set(kw) != set(names):
                 raise ValueError(f"{type(self._base).__name__}.forward passes decoder layer {i} the keyword arguments "
-                                 f"{list(kw)}, layer 0 {names}")
+                                 f"{sorted(kw)}, layer 0 {sorted(names)}: the stages give every layer the same "
+                                 "keyword arguments; not supported")
         for name in names:
             values = [kw[name] for _, kw in record]
             if all(is_const(v) for v in values) and not all(v is None for v in values):

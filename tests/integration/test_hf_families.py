@@ -20,7 +20,8 @@ found by what the base model does (LFM2's ``embedding_norm``), longrope's per-ca
 a tensor of the base model itself (RecurrentGemma's normalizer), partial interleaved rotary
 (CodeGen, GPT-J); refusals name the module and the feature (dynamic RoPE, JetMoE's data-dependent
 gating, Zaya's router state and Inkling-2's block states handed from layer to layer or combined with the
-last layer's output after the layers).
+last layer's output after the layers, Zamba-2's transformer block shared by its hybrid layers, which get
+their keyword arguments in another order than the others).
 
 Weights: an entry whose torch gradient is zero by the maths (a key bias, which shifts every score
 of a query by the same amount) holds only AdamW's amplified rounding noise in both runs, so it is
@@ -136,6 +137,12 @@ REFUSED = {
     "inkling2_text-final": ({"num_hidden_layers": 3, "unpadded_vocab_size": V},
                             "Inkling2TextModel.forward computes its output after the decoder layers from decoder layer "
                             "0's input (the embedding) besides the last layer's output"),
+    # hybrid layers passed the keywords in another order (accepted), sharing one transformer block (refused)
+    "zamba2-shared": ({"layers_block_type": ["linear_attention", "hybrid", "hybrid"], "hybrid_layer_ids": [1, 2],
+                       "num_mem_blocks": 1, "n_mamba_heads": 8, "mamba_headdim": 8, "attention_hidden_size": 64,
+                       "mamba_d_state": 16, "num_hidden_layers": 3, "tie_word_embeddings": True},
+                      "parameter layers[2].shared_transformer.self_attn.q_proj.weight is also in layers[1]: weights "
+                      "shared between stages are supported between first and last only"),
     # found through its input embedding (base_model_prefix names no attribute, get_decoder() is the model)
     "llama4_text": ({"num_local_experts": 4, "interleave_moe_layer_step": 2, "attention_chunk_size": 4},
                     "Llama4TextModel.forward passes decoder layer 0 position_embeddings= a complex tensor"),
