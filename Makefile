@@ -1,7 +1,7 @@
 # The two commands of the README:
 #   make demo   - runs the main job (MiniLM embeddings, SPMD scan, checks)
 #   make test   - runs the test suite (4 virtual devices, then the SPMD tests on 1 and 8), then
-#                 make test-jax-only (make test-transformers-low is run by hand: CONTRIBUTING.md)
+#                 make test-jax-only and make test-transformers-low
 # Both create .venv when it is missing (or pyproject.toml changed) and reuse it otherwise.
 #   make test-jax-only - the executor and planner tests in .venv-jax: jax 0.11.2 (the top of the
 #                 tested range, the GPU machine's version) and no torch, torch_xla or torchax, which
@@ -74,6 +74,7 @@ test: venv
 	XLA_SWAP_NUM_DEVICES=1 $(PY) -m pytest -q -m spmd tests
 	XLA_SWAP_NUM_DEVICES=8 $(PY) -m pytest -q -m spmd tests
 	$(MAKE) --no-print-directory test-jax-only
+	$(MAKE) --no-print-directory test-transformers-low
 
 # tests/executors minus the modules that need torch (they importorskip it), and tests/planning.
 test-jax-only: venv-jax

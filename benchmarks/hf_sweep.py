@@ -38,7 +38,10 @@ import sys
 import time
 import traceback
 
+from hf_sweep_report import write_readme
+
 V, T, HIDDEN, HEADS, INTER, LAYERS = 512, 12, 64, 4, 128, 4
+COMMAND = "PYTHONPATH=. PJRT_DEVICE=CPU nice python benchmarks/hf_sweep.py --out-dir benchmarks/results/hf_sweep"
 REL, LOSS_REL = 1e-4, 1e-5
 
 #: extra rows: ``family+variant`` -> config overrides (on top of the shrunk default config).
@@ -61,21 +64,9 @@ VARIANTS = {
     "afmoe+random_router": {"_random_router": True},
     "axk2+all_keys": {"index_topk": 64},   # the sparse attention's index keeps every key
     "inkling2_text+blocks_of_2": {"n_layers_per_attn_res_block": 2},   # block states gathered from layer outputs
-}
-
-#: what was found for the rows that are not exact (diagnosed by hand; the README prints it beside the row).
-DIAGNOSIS = {
-    "afmoe": "its router is zero-initialised (AfmoePreTrainedModel._init_weights): every score ties at step 0 and "
-             "torch's top-k breaks ties unlike jax's (afmoe+random_router, the same model with a random router, "
-             "is exact)",
-    "axk2": "its sparse-attention index keeps the top 4 of 12 keys by a ReLU score, and scores of exactly 0 tie: "
-            "torch's top-k breaks the tie unlike jax's (axk2+all_keys, the index keeping every key, is exact)",
-    "beam": "a per-layer Python scalar (BeamDecoderLayer.attn_residual_add_idx = 2 (layer_idx + 1)) in layers "
-            "that share one stage function",
-    "diffllama": "a per-layer Python scalar (DiffLlamaAttention.lambda_init, from layer_idx) in layers that share "
-                 "one stage function",
-    "smollm3": "per-layer rotary on/off (config.no_rope_layers) in layers that share one stage function "
-               "(smollm3+all_rope is exact)",
+    # two hybrid layers sharing one transformer block (num_mem_blocks=1), as Zamba-2's checkpoints do
+    "zamba2+shared_block": {"num_hidden_layers": 6, "hybrid_layer_ids": [2, 5], "num_mem_blocks": 1,
+                            "layers_block_type": ["linear_attention", "linear_attention", "hybrid"] * 2},
 }
 
 #: config keys -> the small value (set where the config has the key and its value is not None).
@@ -237,7 +228,7 @@ def _shrink_family(cfg, d: dict, n: int | None) -> None:
 def _skip_reason(cls) -> str | None:
     name = cls.__name__
     if "ConditionalGeneration" in name or "Multimodal" in name:
-        return "a multimodal ForConditionalGeneration class (image/audio inputs); its text model has its own row"
+        return "a multimodal class (image or audio inputs and encoders), not a text causal LM"
     if any(w in name for w in ("Musicgen", "Moshi", "Whisper", "TrOCR", "Clvp", "Csm", "Git", "Fuyu", "Blt")):
         return "not a text-only causal LM (its inputs or decoder are audio, speech, image or byte-patch based)"
     if getattr(cls, "main_input_name", "input_ids") != "input_ids":
@@ -484,43 +475,6 @@ def _versions() -> dict:
             "torchax": getattr(torchax, "__version__", "?")}
 
 
-def write_readme(path: str, results: list, meta: dict) -> None:
-    """The committed summary: counts, versions, command, then every row but the exact ones in full."""
-    counts = {k: sum(r["outcome"] == k for r in results) for k in ("exact", "refused", "wrong", "failing", "skipped")}
-    lines = ["# Every transformers causal LM through `causal_lm_stages` (`benchmarks/hf_sweep.py`)", "",
-             f"{meta['date']}, CPU, fp32. Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
-             + ".", "", "Command (from the repository root, about " + f"{meta['minutes']:.0f} min on 2 shared cores):",
-             "", "```bash", meta["command"], "```", "",
-             "Per row: a small config (hidden 64, 4 layers or the family's layer pattern up to 8, 4 heads, vocab 512,",
-             "intermediate 128, 4 experts top-2, sliding windows 4 < 12 tokens), a plain and a left-padded batch of 2:",
-             "logits, `train_step` loss and the update of one `torch.optim.AdamW` step against torch eager",
-             f"(exact: logits and update within rel {REL:g}, loss within {LOSS_REL:g}). JSON: `hf_sweep.json`.", "",
-             "| outcome | count |", "|---|---|"] + [f"| {k} | {v} |" for k, v in counts.items()] + \
-        [f"| total | {len(results)} |", ""]
-    for kind in ("wrong", "failing", "refused", "skipped", "exact"):
-        sel = [r for r in results if r["outcome"] == kind]
-        if not sel:
-            continue
-        lines += [f"## {kind} ({len(sel)})", ""]
-        for r in sel:
-            if kind == "exact":
-                m = r["max_rel"]
-                note = f" ({r['note']})" if r.get("note") else ""
-                lines.append(f"- `{r['row']}` ({r['class']}): logits {m['logits']:.1e}, update {m['update']:.1e}{note}")
-            elif kind == "wrong":
-                m = r["max_rel"]
-                why = f" Cause: {DIAGNOSIS[r['row']]}." if r["row"] in DIAGNOSIS else ""
-                lines.append(f"- `{r['row']}` ({r['class']}): logits {m['logits']:.1e}, loss {m['loss']:.1e}, update "
-                             f"{m['update']:.1e} (worst parameter {m['worst_update'][0]}: {m['worst_update'][1]:.1e})."
-                             + why)
-            else:
-                why = (r.get("message") or r.get("reason") or "").replace("\n", " ")
-                lines.append(f"- `{r['row']}` ({r['class']}): {why[:600]}")
-        lines.append("")
-    with open(path, "w") as f:
-        f.write("\n".join(lines))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--one", help="run one row in this process and print its JSON")
@@ -530,7 +484,13 @@ def main() -> None:
     ap.add_argument("--out-dir", help="write hf_sweep.json and README.md there")
     ap.add_argument("--build-only", action="store_true", help="only build every row's model and run it in torch")
     ap.add_argument("--merge", action="store_true", help="with --only: replace those rows in --out-dir's result")
+    ap.add_argument("--readme-only", action="store_true", help="write --out-dir's README.md from its hf_sweep.json")
     args = ap.parse_args()
+    if args.readme_only:
+        with open(os.path.join(args.out_dir, "hf_sweep.json")) as f:
+            old = json.load(f)
+        write_readme(os.path.join(args.out_dir, "README.md"), old["results"], old["meta"], REL, LOSS_REL)
+        return
     if args.one:
         cls_name = args.cls or dict(rows())[args.one]
         print(json.dumps(run_one(args.one, cls_name)), flush=True)
@@ -545,12 +505,15 @@ def main() -> None:
         keep = set(args.only.split(","))
         todo = [r for r in todo if r[0] in keep]
     t0, results = time.time(), []
-    kept = []
+    kept, command, reruns = [], COMMAND, []
     if args.merge and args.out_dir and os.path.exists(os.path.join(args.out_dir, "hf_sweep.json")):
         with open(os.path.join(args.out_dir, "hf_sweep.json")) as f:
             old = json.load(f)
         kept = [r for r in old["results"] if r["row"] not in {row for row, _ in todo}]
         t0 -= old["meta"].get("minutes", 0) * 60
+        command = old["meta"].get("command", COMMAND)
+        reruns = old["meta"].get("reruns", []) + [{"date": time.strftime("%Y-%m-%d"),
+                                                   "rows": [row for row, _ in todo]}]
     for row, cls_name in todo:
         r = _run_row(row, cls_name, args.timeout)
         results.append(r)
@@ -559,12 +522,11 @@ def main() -> None:
         if args.out_dir:
             os.makedirs(args.out_dir, exist_ok=True)
             meta = {"date": time.strftime("%Y-%m-%d"), "versions": _versions(), "minutes": (time.time() - t0) / 60,
-                    "command": "PYTHONPATH=. PJRT_DEVICE=CPU nice python benchmarks/hf_sweep.py "
-                               "--out-dir benchmarks/results/hf_sweep"}
+                    "command": command, "reruns": reruns}
             merged = sorted(kept + results, key=lambda r: r["row"])
             with open(os.path.join(args.out_dir, "hf_sweep.json"), "w") as f:
                 json.dump({"meta": meta, "results": merged}, f, indent=1)
-            write_readme(os.path.join(args.out_dir, "README.md"), merged, meta)
+            write_readme(os.path.join(args.out_dir, "README.md"), merged, meta, REL, LOSS_REL)
 
 
 if __name__ == "__main__":

@@ -44,8 +44,8 @@ from xla_swap.hf_capture import (OUTPUT_FORMS, BaseOutput, IdentityLayer, LayerC
                                  final_norm, hidden_state_output, is_const, is_tensor_tree, leaves,
                                  one_sequence_per_row)
 from xla_swap.hf_refusals import (KeepTensorAttributes, describe_failure, failure_module, is_tracer_error,
-                                  refuse_extra_outputs, refuse_old_transformers, refuse_state_between_layers,
-                                  refuse_unsupported)
+                                  refuse_extra_outputs, refuse_old_transformers, refuse_output_from_earlier_layers,
+                                  refuse_state_between_layers, refuse_unsupported)
 from xla_swap.hf_locate import locate
 from xla_swap.moe import FORMS, experts_while_traced
 from xla_swap.peft_models import peft_causal_lm
@@ -247,9 +247,10 @@ class CausalLMFirst(torch.nn.Module):
         carry: dict[str, Any] = {}
         names = list(record[0][1])
         for i, (_, kw) in enumerate(record):
-            if list(kw) != names:
+            if set(kw) != set(names):
                 raise ValueError(f"{type(self._base).__name__}.forward passes decoder layer {i} the keyword arguments "
-                                 f"{list(kw)}, layer 0 {names}")
+                                 f"{sorted(kw)}, layer 0 {sorted(names)}: the stages give every layer the same "
+                                 "keyword arguments; not supported")
         for name in names:
             values = [kw[name] for _, kw in record]
             if all(is_const(v) for v in values) and not all(v is None for v in values):
@@ -541,15 +542,17 @@ def _probe(model, base, layers_attr: str, first: CausalLMFirst, last: CausalLMLa
             if _ours(e):
                 raise
             if last.extra_fields_read or failure_module(e) == name:
+                read = sorted(set(last.extra_fields_read))
                 raise ValueError(f"{name}.forward fails after its base model in the last stage, which calls it "
-                                 "with no inputs and the base model's output replaced by the last hidden state "
-                                 f"(other fields read: {sorted(set(last.extra_fields_read))}): {describe_failure(e)}; "
+                                 "with no inputs and the base model's output replaced by the last hidden state"
+                                 f"{f' (other fields it read: {read})' if read else ''}: {describe_failure(e)}; "
                                  "not supported") from e
             raise ValueError(f"{name}: the stages' ends fail on a probe input (the base model's forward does "
                              f"something after its layers that the stages do not reproduce; final norm used: "
                              f"{last.norm_attr!r}): {describe_failure(e)}; pass norm_attr= naming the base model's "
                              f"final norm (or norm_attr='' for none) if it is another") from e
     if got.shape != ref.shape or not torch.equal(got[mask.bool()], ref[mask.bool()]):
+        refuse_output_from_earlier_layers(model, first, ids, mask)
         raise ValueError(f"{name}: the stages' logits differ from the model's own forward on a probe input (the "
                          f"base model's forward does something after its layers that the stages do not reproduce; "
                          f"final norm used: {last.norm_attr!r}): pass norm_attr= naming the base model's final norm "

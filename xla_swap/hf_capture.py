@@ -48,9 +48,9 @@ def holds(v, marker) -> bool:
 
 
 class StandIn(torch.nn.Module):
-    """A module standing in for decoder layer ``real`` (not registered as a submodule): an attribute it
-    lacks is read from ``real`` when it is a constant (``layer.attention_type``); any other one raises
-    ``AttributeError`` naming the layer's class and the attribute (the stand-in has no submodules)."""
+    """A module standing in for ``real`` (a decoder layer or the base model; not registered as a submodule):
+    an attribute it lacks is read from ``real`` when it is a constant (``layer.attention_type``); any other
+    one raises ``AttributeError`` naming ``real``'s class and the attribute (the stand-in has no submodules)."""
 
     def __init__(self, real: torch.nn.Module | None):
         super().__init__()
@@ -66,9 +66,9 @@ class StandIn(torch.nn.Module):
         v = getattr(real, name)
         if is_const(v):
             return v
-        raise AttributeError(f"the model's forward reads .{name} (a {type(v).__name__}) of the decoder layer "
-                             f"{type(real).__name__} around its call; the stages replace the layers there and "
-                             "pass on their constant attributes only")
+        raise AttributeError(f"the model's forward reads .{name} (a {type(v).__name__}) of {type(real).__name__} "
+                             "around its call; the stages replace that module there and pass on its constant "
+                             "attributes only")
 
 
 class LayerCapture(StandIn):
@@ -230,11 +230,12 @@ def hidden_state_output(h, read: list | None = None):
 _HiddenStateOutput = None
 
 
-class BaseOutput(torch.nn.Module):
-    """Stands in for the base model inside the causal LM's forward: returns the given output."""
+class BaseOutput(StandIn):
+    """Stands in for the base model ``base`` inside the causal LM's forward: returns the given output; the
+    base's constant attributes read through it (Falcon-H1's ``lm_head_multiplier``), as :class:`StandIn`."""
 
     def __init__(self, base):
-        super().__init__()
+        super().__init__(base)
         object.__setattr__(self, "config", getattr(base, "config", None))
         self.output = None
         #: the fields of the base model's output outside its class that the causal LM's forward read.

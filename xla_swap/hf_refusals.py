@@ -7,7 +7,9 @@
   and the function it was raised in, and the feature where the exception says which (a Python
   branch on a tensor's value, a conversion to host memory, a tensor kept across calls).
 * :func:`refuse_extra_outputs` checks that a model reads nothing but the hidden state of its layers' outputs,
-  :func:`refuse_state_between_layers` that it hands a layer nothing computed from earlier layers' outputs.
+  :func:`refuse_state_between_layers` that it hands a layer nothing computed from earlier layers' outputs,
+  :func:`refuse_output_from_earlier_layers` (where the stages' logits differ) that its output after the
+  layers comes from the last layer's output alone.
 * :class:`KeepTensorAttributes` restores the tensor attributes a forward sets on its modules (a
   lazily built cache such as longrope's ``long_inv_freq``), so a traced value never stays on a module.
 
@@ -23,8 +25,8 @@ import torch
 from xla_swap.hf_capture import Unused, holds, is_tensor_tree, leaves
 
 __all__ = ["NEEDS_TRANSFORMERS", "refuse_old_transformers", "refuse_unsupported", "refuse_extra_outputs",
-           "refuse_state_between_layers", "describe_failure", "failure_module", "is_tracer_error", "refuse_longrope_generation",
-           "KeepTensorAttributes"]
+           "refuse_state_between_layers", "refuse_output_from_earlier_layers", "describe_failure", "failure_module",
+           "is_tracer_error", "refuse_longrope_generation", "KeepTensorAttributes"]
 
 #: jax's tracer errors (by class name: this module does not import jax) -> the feature they mean.
 _TRACER_FEATURES = {
@@ -61,6 +63,14 @@ def _is_model_code(filename: str) -> bool:
     return not filename.startswith("<") and "site-packages" not in filename and not any(s in filename for s in libs)
 
 
+def _short_path(filename: str) -> str:
+    """``filename`` named from its package on: ``transformers/models/llama/modeling_llama.py`` wherever
+    transformers is installed (``site-packages`` or a ``pip install --target`` folder), else the part after
+    ``site-packages/``, else ``filename`` itself."""
+    i = filename.rfind(f"{os.sep}transformers{os.sep}")
+    return filename[i + 1:] if i >= 0 else filename.split("site-packages" + os.sep)[-1]
+
+
 def _model_frame(exc: BaseException):
     """``(module class name or None, function, file, line)`` of the innermost frame of ``exc`` in a model's
     code (``_is_model_code``), or ``None``."""
@@ -70,7 +80,7 @@ def _model_frame(exc: BaseException):
         if _is_model_code(code.co_filename):
             owner = tb.tb_frame.f_locals.get("self")
             cls = type(owner).__name__ if isinstance(owner, torch.nn.Module) else None
-            found = (cls, code.co_name, code.co_filename.split("site-packages" + os.sep)[-1], tb.tb_lineno)
+            found = (cls, code.co_name, _short_path(code.co_filename), tb.tb_lineno)
         tb = tb.tb_next
     return found
 
@@ -90,7 +100,8 @@ def is_tracer_error(exc: BaseException) -> bool:
 
 def describe_failure(exc: BaseException) -> str:
     """A sentence for an exception raised inside a model's code: what was raised, where (the module's
-    class and function, file and line, when the traceback reaches model code), and for jax's tracer
+    class and function, file and line, when the traceback reaches model code; a file of ``transformers``
+    named from its package on, ``transformers/models/...``, wherever it is installed), and for jax's tracer
     errors the feature of the model that caused it. Never raises."""
     root = _innermost(exc)
     kind = type(root).__name__
@@ -105,7 +116,7 @@ def describe_failure(exc: BaseException) -> str:
         return f"the model's code{where} uses {feature}"
     if site is None:
         last = traceback.extract_tb(root.__traceback__)[-1:] if root.__traceback__ else []
-        where = f" in {last[0].name} ({last[0].filename.split('site-packages' + os.sep)[-1]}:{last[0].lineno})" \
+        where = f" in {last[0].name} ({_short_path(last[0].filename)}:{last[0].lineno})" \
             if last else ""
     return f"{kind}: {text}, raised{where}"
 
@@ -242,28 +253,74 @@ def refuse_extra_outputs(model, first, ids, mask) -> None:
                                  "state: not supported")
 
 
+def _tainted_run(model, first, ids, mask, embedding: bool = False):
+    """``first.run_layers`` on the probe input with stand-ins returning a leaf requiring grad (and, with
+    ``embedding``, the input embedding's output one too), the model's parameters held out of autograd
+    meanwhile: ``(record, out)``, or ``None`` where the forward raises (it runs untainted: no verdict)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    emb, hook = None, None
+    if embedding:
+        try:
+            emb = model.get_input_embeddings()
+        except Exception:   # noqa: BLE001 - no embedding to taint
+            emb = None
+    if isinstance(emb, torch.nn.Module):
+        hook = emb.register_forward_hook(lambda m, a, out: out.detach().requires_grad_()
+                                         if isinstance(out, torch.Tensor) and out.is_floating_point() else out)
+    try:
+        with torch.enable_grad():
+            return first.run_layers(ids, mask, None, stop=False, taint=True)
+    except Exception:   # noqa: BLE001 - see the docstring
+        return None
+    finally:
+        if hook is not None:
+            hook.remove()
+        for p in params:
+            p.requires_grad_(True)
+
+
 def refuse_state_between_layers(model, first, ids, mask) -> None:
     """Run ``first``'s base forward (an :class:`xla_swap.hf.CausalLMFirst`) on the probe input with stand-ins
     returning a leaf requiring grad (the model's parameters held out of autograd meanwhile), and raise
     ValueError naming the first keyword argument of a layer computed from an earlier layer's output
     (e.g. states gathered from layer to layer, ``block_states``): the stages compute every layer's keyword
     arguments in the first stage, from the embedding alone."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.requires_grad_(False)
-    try:
-        with torch.enable_grad():
-            record, _ = first.run_layers(ids, mask, None, stop=False, taint=True)
-    except Exception:   # noqa: BLE001 - the model runs untainted (checked before): no verdict here
+    found = _tainted_run(model, first, ids, mask)
+    if found is None:
         return
-    finally:
-        for p in params:
-            p.requires_grad_(True)
     base = type(first.base_module).__name__
-    for i, (_, kw) in enumerate(record):
+    for i, (_, kw) in enumerate(found[0]):
         for name, v in kw.items():
             if is_tensor_tree(v) and any(t.requires_grad for t in leaves(v)):
                 raise ValueError(f"{type(model).__name__}: {base}.forward passes decoder layer {i} {name}= computed "
                                  "from earlier decoder layers' outputs (a state carried from layer to layer besides "
                                  "the hidden state); the stages compute every layer's arguments from the embedding: "
                                  "not supported")
+
+
+def refuse_output_from_earlier_layers(model, first, ids, mask) -> None:
+    """For a model whose stages' logits differ from its own forward: run ``first``'s base forward on the probe
+    input with the input embedding's output and the stand-ins' outputs leaves requiring grad
+    (:func:`_tainted_run`), and raise ValueError naming the first decoder layer whose input (the embedding,
+    or an earlier layer's output) the base model's output depends on other than through the layers (states
+    gathered over the layers and combined after them, as Inkling-2's ``final_input``): the last stage gets
+    the last layer's output alone. Returns quietly where that is not the cause."""
+    found = _tainted_run(model, first, ids, mask, embedding=True)
+    if found is None:
+        return
+    record, out = found
+    h = getattr(out, "last_hidden_state", None)
+    h = out[0] if h is None and isinstance(out, (tuple, list)) and out else h
+    inputs = [(i, x) for i, (x, _) in enumerate(record) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not isinstance(h, torch.Tensor) or not h.requires_grad or not inputs:
+        return
+    grads = torch.autograd.grad(h.float().sum(), [x for _, x in inputs], allow_unused=True)
+    used = [i for (i, _), g in zip(inputs, grads) if g is not None and bool(g.ne(0).any())]
+    if used:
+        what = "the embedding" if used[0] == 0 else f"decoder layer {used[0] - 1}'s output"
+        raise ValueError(f"{type(model).__name__}: {type(first.base_module).__name__}.forward computes its output "
+                         f"after the decoder layers from decoder layer {used[0]}'s input ({what}) besides the last "
+                         "layer's output (states gathered over the layers and combined after them); the last stage "
+                         "gets the last layer's output alone: not supported")

@@ -19,11 +19,17 @@ its input embedding (Llama-4, then refused by name for its complex rotary embedd
 found by what the base model does (LFM2's ``embedding_norm``), longrope's per-call factors (Phi-3),
 a tensor of the base model itself (RecurrentGemma's normalizer), partial interleaved rotary
 (CodeGen, GPT-J); refusals name the module and the feature (dynamic RoPE, JetMoE's data-dependent
-gating, Zaya's router state and Inkling-2's block states handed from layer to layer).
+gating, Zaya's router state and Inkling-2's block states handed from layer to layer or combined with the
+last layer's output after the layers, Zamba-2's transformer block shared by its hybrid layers, which get
+their keyword arguments in another order than the others).
 
 Weights: an entry whose torch gradient is zero by the maths (a key bias, which shifts every score
 of a query by the same amount) holds only AdamW's amplified rounding noise in both runs, so it is
 compared within the whole model's rel 1e-4 instead of its parameter's.
+
+At the bottom of the declared transformers range (``make test-transformers-low``) a family the stages need a
+newer transformers for is expected refused with its message, and a model type not there yet is skipped
+(``transformers_ends.py``); from the version that has it on, the checks above run unchanged.
 
 One device (the family sweep checks the model's code, not the sharding: ``test_stack.py`` runs
 the stack on 1, 4 and 8 devices), except Llama, Gemma-2 and Mixtral, also trained on every device
@@ -39,6 +45,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from transformers_ends import LONGROPE_REFUSAL, LONGROPE_TRACED_FROM, needs_newer, older_than, \
+    skip_if_absent  # noqa: E402
+from xla_swap.hf_refusals import describe_failure  # noqa: E402
 from xla_swap.stack import SwappedStack, causal_lm_stages  # noqa: E402
 
 V, T = 96, 12
@@ -124,6 +133,16 @@ REFUSED = {
     "inkling2_text": ({"num_hidden_layers": 3, "n_layers_per_attn_res_block": 1, "unpadded_vocab_size": V},
                       "Inkling2TextModel.forward passes decoder layer 2 block_states= computed from earlier decoder "
                       "layers' outputs (a state carried from layer to layer besides the hidden state)"),
+    # block states (the embedding: one block of 6 > 3 layers) combined with the last layer's output after the layers
+    "inkling2_text-final": ({"num_hidden_layers": 3, "unpadded_vocab_size": V},
+                            "Inkling2TextModel.forward computes its output after the decoder layers from decoder layer "
+                            "0's input (the embedding) besides the last layer's output"),
+    # hybrid layers passed the keywords in another order (accepted), sharing one transformer block (refused)
+    "zamba2-shared": ({"layers_block_type": ["linear_attention", "hybrid", "hybrid"], "hybrid_layer_ids": [1, 2],
+                       "num_mem_blocks": 1, "n_mamba_heads": 8, "mamba_headdim": 8, "attention_hidden_size": 64,
+                       "mamba_d_state": 16, "num_hidden_layers": 3, "tie_word_embeddings": True},
+                      "parameter layers[2].shared_transformer.self_attn.q_proj.weight is also in layers[1]: weights "
+                      "shared between stages are supported between first and last only"),
     # found through its input embedding (base_model_prefix names no attribute, get_decoder() is the model)
     "llama4_text": ({"num_local_experts": 4, "interleave_moe_layer_step": 2, "attention_chunk_size": 4},
                     "Llama4TextModel.forward passes decoder layer 0 position_embeddings= a complex tensor"),
@@ -132,6 +151,7 @@ REFUSED = {
 
 def make(family, overrides):
     name = family.split("-")[0]
+    skip_if_absent(name)
     kind = type(transformers.AutoConfig.for_model(name))
     base = {k: v for k, v in BASE.items() if not isinstance(getattr(kind, k, None), property)}  # Falcon's head_dim
     cfg = transformers.AutoConfig.for_model(name, **{**base, **overrides})
@@ -165,9 +185,27 @@ def adamw(params):
 MOE_FAMILIES = ["deepseek_v3", "gpt_oss", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
 
 
+def refusal_below_top(family):
+    """The pieces of the refusal an EXACT ``family`` gets under the installed transformers, or ``None`` where
+    it is new enough for the family to be exact (``transformers_ends.py``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    old = needs_newer(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family.split("-")[0]])
+    if old is not None:
+        return (old,)
+    if family == "phi3-longrope" and older_than(LONGROPE_TRACED_FROM):
+        return LONGROPE_REFUSAL
+    return None
+
+
 @pytest.mark.parametrize("family", sorted(EXACT))
 def test_family_matches_torch(family):
-    check_family(family)
+    """Exact against torch (``check_family``), or, below the transformers version the family needs, refused
+    at construction with the message that says so."""
+    refusal = refusal_below_top(family)
+    if refusal is not None:
+        check_refused(family, EXACT[family][0], refusal)
+    else:
+        check_family(family)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -295,13 +333,29 @@ def test_bf16_router_softmax_traces():
 
 @pytest.mark.parametrize("family", sorted(REFUSED))
 def test_family_refused_at_construction(family):
-    overrides, message = REFUSED[family]
+    check_refused(family, *REFUSED[family])
+
+
+def check_refused(family, overrides, message):
+    """``causal_lm_stages`` or ``SwappedStack`` of ``family`` built with ``overrides`` raises ValueError or
+    TypeError whose message holds ``message`` (a string, or each of a tuple of pieces)."""
     model = make(family, overrides)
     with pytest.raises((ValueError, TypeError)) as info:
         first, layers, last = causal_lm_stages(model)
         SwappedStack(layers, first=first, last=last, devices=jax.devices()[:1])
     for piece in (message,) if isinstance(message, str) else message:
         assert piece in str(info.value)
+
+
+@pytest.mark.parametrize("root", ["/v/lib/python3.11/site-packages", "/repo/.venv-tf-low"])
+def test_failure_names_transformers_file_from_package(root):
+    """A failure in transformers' code is named with its file from the package on, whether transformers is
+    installed in ``site-packages`` or in a ``pip install --target`` folder (``.venv-tf-low``)."""
+    code = compile("def forward():\n    raise RuntimeError('boom')\nforward()",
+                   f"{root}/transformers/models/toy/modeling_toy.py", "exec")
+    with pytest.raises(RuntimeError) as info:
+        exec(code, {})
+    assert describe_failure(info.value) == "RuntimeError: boom, raised in forward (transformers/models/toy/modeling_toy.py:2)"
 
 
 def test_layers_get_their_own_mask():

@@ -6,7 +6,8 @@
   The stack imports torchax without that registration: checked in a fresh interpreter (this
   process may have imported torchax through torch_xla already), where torch's accelerator,
   its PrivateUse1 name and plain torch autograd are the same before and after a stack is built,
-  called and trained.
+  called and trained. A layer reading the device of a slice (a torchax view while traced, as xLSTM's
+  mLSTM does) traces there and gives torch's values.
   The device module ``torch.autocast`` needs for torchax tensors is registered as unavailable, so
   torch's device discovery (``torch._utils._get_available_device_type``) is unchanged too.
 * fp32 contractions follow ``torch.backends.cuda.matmul.fp32_precision`` / ``allow_tf32``:
@@ -52,8 +53,26 @@ stack = SwappedStack(layers, optimizer=torch.optim.AdamW([p for l in layers for 
 out = stack(torch.ones(2, 8))
 loss = stack.train_step(torch.ones(2, 8), torch.zeros(2, 8))
 after, g_after = state(), torch_grad()
+
+
+class SliceDevice(torch.nn.Module):   # reads the device of a slice (a torchax view while traced), as xLSTM does
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        head = x[:, :4]
+        return self.lin(x) + torch.ones(head.shape[0], 8, device=head.device)
+
+
+torch.manual_seed(1)
+sliced = [SliceDevice() for _ in range(2)]
+x = torch.randn(2, 8)
+want = sliced[1](sliced[0](x))
+view_rel = float((SwappedStack(sliced)(x) - want).norm() / want.norm())
 print(json.dumps({"torchax": "torchax" in sys.modules, "before": before, "after": after,
-                  "grads": [g_before, g_after], "finite": bool(torch.isfinite(out).all() and torch.isfinite(loss))}))
+                  "grads": [g_before, g_after], "finite": bool(torch.isfinite(out).all() and torch.isfinite(loss)),
+                  "view_rel": view_rel}))
 """
 
 
@@ -67,6 +86,7 @@ def test_stack_leaves_torch_accelerator_and_autograd_alone():
     assert r["torchax"] and r["finite"]          # the stack did run through torchax
     assert r["before"][0] == "privateuseone" and r["before"] == r["after"]
     assert r["grads"][0] == r["grads"][1]
+    assert r["view_rel"] <= 1e-6   # a layer reading a slice's device (torchax view) traced, torch's values
 
 
 def test_import_torchax_skips_the_registration_and_restores_torch():

@@ -18,7 +18,7 @@ environment treats ``privateuseone`` as its own device name beside ``jax``. :fun
 imports torchax with the rename skipped and a device module registered under the
 unrenamed name (``torch.privateuseone``: enough for ``torch.autocast``, which Hugging Face's rotary
 embeddings enter on torchax tensors; it reports itself unavailable, so it changes no accelerator
-and no device discovery), and its tensors then report their device as
+and no device discovery), and its tensors and views then report their device as
 ``privateuseone:0`` (the same device before the rename) instead of ``jax:0``; a dtype change torch's
 C++ code asks of them on ``meta`` stays on their device, as it does for ``jax:0``. Verified on torchax
 0.0.6 (torch 2.9) and 0.0.13 (torch 2.11).
@@ -97,7 +97,22 @@ def import_torchax():
             import torchax
             import torchax.tensor
         _report_privateuse1_device(torchax.tensor.Tensor)
+        _report_view_device()
         return torchax
+
+
+def _report_view_device() -> None:
+    """torchax's views (``torchax.view.View``: what an in-place op on a slice gives, and its reads) report
+    ``torch.device("jax:0")`` as its tensors do: the same unrenamed name, ``privateuseone:0``, as
+    :func:`_report_privateuse1_device` gives the tensors (a model reading ``x.device`` of a view, xLSTM's
+    ``query.device``, then gets a device torch can parse)."""
+    import torch
+    try:
+        from torchax.view import View
+    except ImportError:   # a torchax without views
+        return
+    if torch._C._get_privateuse1_backend_name() == "privateuseone":
+        View.device = property(lambda self: torch.device("privateuseone", 0))
 
 
 def _report_privateuse1_device(tensor_cls) -> None:
