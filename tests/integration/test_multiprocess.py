@@ -25,14 +25,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(nproc: int, ndev: int, out: Path) -> dict:
+def run_workers(worker: Path, argvs: list, out: Path) -> dict:
+    """Start ``worker`` once per argument list (one process each, CPU only), wait for all (300 s), assert that
+    every one exited 0 (its log in the message) and return the JSON the workers wrote to ``out``."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = str(ROOT)
     env["NPROC"] = "8"   # XLA:CPU's thread pool: with one thread per core a gloo collective can starve a device
-    port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(nproc), port, str(ndev), str(out)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(nproc)]
+    procs = [subprocess.Popen([sys.executable, str(worker), *argv], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for argv in argvs]
     logs = []
     for p in procs:
         try:
@@ -44,6 +44,11 @@ def _run(nproc: int, ndev: int, out: Path) -> dict:
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
     return json.loads(out.read_text())
+
+
+def _run(nproc: int, ndev: int, out: Path) -> dict:
+    port = str(_free_port())
+    return run_workers(WORKER, [[str(i), str(nproc), port, str(ndev), str(out)] for i in range(nproc)], out)
 
 
 def _close(a, b, path="result"):

@@ -8,42 +8,22 @@ form into a stack over other weights. The loaded weights, moments and step equal
 all-reduce sums in another order). Without ``torch.distributed``, a 2-process save is refused
 before anything is written.
 """
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from test_multiprocess import _close, _free_port
+from test_multiprocess import _close, _free_port, run_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "mp_ckpt_worker.py"
 
 
 def _run(nproc: int, ndev: int, out: Path, save="-", load="-") -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["PYTHONPATH"] = str(ROOT)
-    env["NPROC"] = "8"   # XLA:CPU's thread pool: with one thread per core a gloo collective can starve a device
     ports = [str(_free_port()), str(_free_port())]
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(nproc), *ports, str(ndev), str(out),
-                               str(save), str(load)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(nproc)]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=300)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
-    return json.loads(out.read_text())
+    return run_workers(WORKER, [[str(i), str(nproc), *ports, str(ndev), str(out), str(save), str(load)]
+                                for i in range(nproc)], out)
 
 
 @pytest.fixture(scope="module")
