@@ -209,7 +209,7 @@ def _render_shape(name: str, d: dict, n: int) -> list:
              f"{sh.get('layers')} layers, vocab {sh.get('vocab')}, {p / 1e9 if p else 0:.2f} B parameters, "
              f"W = {_gb(d.get('weight_bytes'))} ({d.get('device_kind')})", "", _links_line(d["links"]), "",
              "| form | scaling | tokens / GPU | global tokens | 1 GPU ms | n GPUs ms | speed-up | TFLOP/s per GPU "
-             "(1 / n) | n-GPU floor ms (bound) | step / floor | first loss 1 / n (same batch) | target |",
+             "(1 / n) | n-GPU floor ms (bound) | step / floor | first loss 1 / n | target |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in d["scaling"]:
         tgt = f"{s['target']}: {'met' if s['met'] else '**missed**'}" if "met" in s else "-"
@@ -217,7 +217,9 @@ def _render_shape(name: str, d: dict, n: int) -> list:
         lines.append(f"| {s['form']} | {s['kind']} | {s['tokens_per_gpu']} | {s['tokens']} | {_ms(s['step_1_s'])} | "
                      f"{_ms(s['step_n_s'])} | {s['speedup']:.2f}x | {_tf(s['tflops_1'])} / {_tf(s['tflops_n'])} | "
                      f"{_ms(s['floor_s'])} ({s['bound']}) | {_rx(s['ratio'], '.3f')} | {loss} | {tgt} |")
-    lines += ["", "| form | GPUs | tokens | b x s | step ms | first step s | first loss | TFLOP/s per GPU | host ms | "
+    lines += ["", "First losses: the same batch on the same weights only at the first token count; each later count "
+              "trains the model the earlier counts left, and n GPUs may have run more counts than 1.",
+              "", "| form | GPUs | tokens | b x s | step ms | first step s | first loss | TFLOP/s per GPU | host ms | "
               "NVLink ms | compute (lower bound) ms | floor ms (bound) | step / floor |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["rows"]:
