@@ -646,19 +646,23 @@ def deterministic_xla_flags(flags: str) -> str:
     return " ".join(kept + ["--xla_gpu_autotune_level=0"])
 
 
-def _per_shape(raw: list, shapes: list, out: str) -> int:
-    """Run each shape in its own process (argparse keeps the last of a repeated option) and merge the JSONs."""
+def per_shape(script: str, raw: list, shapes: list, out: str) -> tuple:
+    """Run ``script`` once per shape in its own process (``raw`` plus ``--shapes s --out OUT.s.json
+    --in-process``: argparse keeps the last of a repeated option; the host memory freed between shapes) and
+    merge the JSONs into ``out``, each shape with the bandwidth its process measured. Returns ``(merged
+    data, or None without shapes; the OR of the return codes)``; a shape whose process wrote nothing is
+    recorded as skipped."""
     import subprocess
     data, rc = None, 0
     for s in shapes:
         part = f"{out}.{s}.json"
-        rc |= subprocess.call([sys.executable, os.path.abspath(__file__), *raw, "--shapes", s, "--out", part,
+        rc |= subprocess.call([sys.executable, os.path.abspath(script), *raw, "--shapes", s, "--out", part,
                                "--in-process"])
         try:
             with open(part) as f:
                 got = json.load(f)
         except (OSError, ValueError) as e:
-            got = {"shapes": {s: {"skipped": f"the subprocess wrote no result: {e}"}}}
+            got = {"shapes": {s: {"skipped": f"the subprocess wrote no result: {e}"}}, "bandwidth": {}}
         for v in got["shapes"].values():
             v["bandwidth"] = got.get("bandwidth")
         if data is None:
@@ -667,9 +671,14 @@ def _per_shape(raw: list, shapes: list, out: str) -> int:
             data["shapes"].update(got["shapes"])
         with open(out, "w") as f:
             json.dump(data, f, indent=1)
+    return data, rc
+
+
+def _per_shape(raw: list, shapes: list, out: str) -> int:
+    """:func:`per_shape` of this script, the merged table printed."""
+    data, rc = per_shape(__file__, raw, shapes, out)
     print(render(data))
     return rc
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -33,12 +33,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from generate_gpu import RandomWeights, _host_available, _real_ends, measure_bandwidth, torch_h2d  # noqa: E402
+from generate_gpu import (RandomWeights, _host_available, _real_ends, measure_bandwidth,  # noqa: E402
+                          per_shape, torch_h2d)
 
 SHAPES = {"mixtral": dict(family="mixtral", d=4096, f=14336, heads=32, kv=8, head_dim=128, experts=8, k=2,
                           vocab=32000),
@@ -326,27 +326,11 @@ def _weight_bytes(shape: dict, layers: int) -> int:
 
 
 def _per_shape(raw: list, shapes: list, out: str) -> int:
-    """Each shape in its own process (the host memory freed between them); the JSONs merged into ``out``."""
-    data, rc = None, 0
-    for s in shapes:
-        part = f"{out}.{s}.json"
-        rc |= subprocess.call([sys.executable, os.path.abspath(__file__), *raw, "--shapes", s, "--out", part,
-                               "--in-process"])
-        try:
-            with open(part) as f:
-                got = json.load(f)
-        except (OSError, ValueError) as e:
-            got = {"shapes": {s: {"skipped": f"the subprocess wrote no result: {e}"}}, "bandwidth": {}}
-        if data is None:
-            data = got
-        else:
-            data["shapes"].update(got["shapes"])
-        with open(out, "w") as f:
-            json.dump(data, f, indent=1)
+    """Each shape in its own process (``generate_gpu.per_shape``), the merged table printed."""
+    data, rc = per_shape(__file__, raw, shapes, out)
     if data and data.get("bandwidth"):
         print(render(data))
     return rc
-
 
 if __name__ == "__main__":
     sys.exit(main())
