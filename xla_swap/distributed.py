@@ -23,7 +23,8 @@ From then on the process runs in **per-rank batch** mode (:func:`per_rank_batche
 Without :func:`initialize` (one process, or processes started by ``jax.distributed.initialize``
 directly) every process passes the same global inputs, as before. Guide: ``docs/how-to/torchrun.md``.
 
-The module imports jax and numpy; torch only in :func:`initialize` (its process group).
+The module imports jax and numpy; torch only where it uses its process group (:func:`initialize`, the
+host-side exchanges of :func:`gather_ints`).
 """
 from __future__ import annotations
 
@@ -164,14 +165,37 @@ def local_rank() -> int:
 def gather_ints(values: Sequence[int]) -> np.ndarray:
     """Every process's ``values`` (ints within +-2**61, the same count on every process): int64
     ``[processes, len(values)]``, row ``p`` from process ``p``. A collective: every process calls it, in
-    the same order. One process: ``values`` as one row."""
+    the same order. One process: ``values`` as one row. After :func:`initialize` it goes over the gloo
+    process group (host only: it never waits for work queued on the GPUs); otherwise through jax
+    (``multihost_utils.process_allgather``, a device collective that first drains the device's queue)."""
     v = [int(x) for x in values]
     if jax.process_count() == 1:
         return np.asarray([v], np.int64).reshape(1, len(v))
+    group = _host_group()
+    if group is not None:   # a host-side exchange: it does not wait for the devices' queued work
+        import torch
+        import torch.distributed as dist
+        rows = [torch.zeros(len(v), dtype=torch.int64) for _ in range(jax.process_count())]
+        dist.all_gather(rows, torch.tensor(v, dtype=torch.int64), group=group)
+        return torch.stack(rows).numpy().reshape(len(rows), len(v))
     from jax.experimental import multihost_utils
     halves = np.asarray([[x >> 31 for x in v], [x & 0x7FFFFFFF for x in v]], np.int32)   # int32 without x64
     rows = np.asarray(multihost_utils.process_allgather(halves, tiled=False), np.int64)
     return (rows[:, 0] << 31) + rows[:, 1]
+
+
+def _host_group():
+    """The ``torch.distributed`` group to exchange small host values over: the default group where it
+    exists, has a gloo backend (CPU tensors) and one rank per jax process in process order (as
+    :func:`initialize` makes it); else ``None`` (the exchange goes through jax)."""
+    if _state is None:
+        return None
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != jax.process_count():
+        return None
+    if dist.get_rank() != jax.process_index() or "gloo" not in str(dist.get_backend()):
+        return None
+    return dist.group.WORLD
 
 
 def check_ranks_agree(what: str, key) -> None:
