@@ -5,6 +5,7 @@ Shapes (:data:`SHAPES`, bf16, vocabulary 32000, untied head, SDPA attention):
 * ``8b``: an 8B-like layer (D=4096, F=14336, 32 / 8 heads), 4 layers by default;
 * ``34b``: a 34B-like layer (D=8192, F=22016, 64 / 8 heads: CodeLlama-34B's), 4 layers by default; with
   48 layers it is the 34B-shaped model of the largest-model row (about 67.5 GB of bf16 weights);
+* ``70b``: Llama-2-70B's shape (D=8192, F=28672, 64 / 8 heads, 80 layers: about 138 GB of bf16 weights);
 * ``tiny``: D=64, F=128, 4 / 2 heads, vocabulary 256, 2 layers (the CPU smoke runs).
 
 Two ways to build one:
@@ -31,6 +32,7 @@ import math
 SHAPES = {
     "8b": dict(d=4096, f=14336, heads=32, kv=8, layers=4, vocab=32000),
     "34b": dict(d=8192, f=22016, heads=64, kv=8, layers=4, vocab=32000),
+    "70b": dict(d=8192, f=28672, heads=64, kv=8, layers=80, vocab=32000),
     "tiny": dict(d=64, f=128, heads=4, kv=2, layers=2, vocab=256),
 }
 

@@ -339,7 +339,10 @@ def piece_largest(args) -> int:
         w.set(skipped=f"weights and moments need {state / 1e9:.1f} GB, {mem['MemAvailable'] / 1e9:.1f} GB available")
         return 0
     from xla_swap.executors.host_pool import ensure_host_memory_limit
-    w.set(host_pool_gib=ensure_host_memory_limit(state))
+    import torch
+    n_pool = args.gpus or (torch.cuda.device_count() if torch.cuda.is_available() else 1)
+    per_device = -(-state // max(1, n_pool))   # the pool is per device: each device pins its 1/n of the state
+    w.set(host_pool_gib=ensure_host_memory_limit(per_device))
     _compilation_cache(args.compilation_cache)
     devs, n = links(w, args.gpus)
     stack_rows(shape, devs[:n], list(args.tokens), args, w.row, form="largest")
