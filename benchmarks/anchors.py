@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import os
 import resource
@@ -390,6 +391,16 @@ def _per_tokens(workload, tokens: list[int], reps: int, device: torch.device, mo
     return out
 
 
+#: the names :func:`_per_tokens` takes: an anchor's ``info`` passes its other fields through ``**extra``.
+_PER_TOKENS_ARGS = frozenset(inspect.signature(_per_tokens).parameters) - {"extra"}
+
+
+def _passthrough(info: dict) -> dict:
+    """The fields of an anchor's ``info`` that :func:`_per_tokens` may take as ``**extra``: every one but
+    the names it takes itself (``model``, ``rank``, ``world_size``, ``seed``, ...), which the caller passes."""
+    return {k: v for k, v in info.items() if k not in _PER_TOKENS_ARGS}
+
+
 def fsdp2_anchor(workload, tokens, reps: int = 3, *, optimizer: bool = True, device=None, seed: int = 0,
                  lr: float = 1e-4, rank: int = 0, world_size: int = 1, meta_init: bool = False) -> dict:
     """FSDP2 (``fully_shard``) with ``CPUOffloadPolicy`` on ``world_size`` ranks: medians of ``reps``.
@@ -589,7 +600,7 @@ def deepspeed_anchor(workload, tokens, reps: int = 3, *, stage: int = 3, optimiz
             import torch.distributed as dist
             barrier = dist.barrier
         # engine.step() also zeroes the gradients
-        extra = {k: v for k, v in info.items() if k not in ("rank", "world_size", "seed")}   # passed by name
+        extra = _passthrough(info)
         return _per_tokens(workload, tokens, reps, device, engine, engine.step, rank=rank, world_size=world_size,
                            seed=seed, barrier=barrier, backward=engine.backward, **extra)
     except Exception as e:  # noqa: BLE001 - report, never raise

@@ -150,3 +150,16 @@ def test_llama_fsdp2_meta_init(restore_env):
     assert "error" not in res and res["meta_init"] is True and res["step_s"] > 0
     assert res["samples"]["step_s"][0] > 0 and res["param_device"] == "cpu"
 
+
+
+def test_an_anchors_fields_never_collide_with_the_names_per_tokens_takes():
+    """DeepSpeed's info holds ``model`` (the workload's name), ``rank``, ``world_size`` and ``seed``:
+    passed on by ``**extra`` they collided with ``_per_tokens``' own arguments (a TypeError on the GPU,
+    twice). The filter drops every name ``_per_tokens`` takes, and keeps the rest."""
+    import inspect
+    info = {"anchor": "deepspeed", "model": "llama", "rank": 0, "world_size": 2, "seed": 0, "stage": 3,
+            "tokens": [8], "reps": 1, "device": "cuda:0", "setup_s": 1.0}
+    kept = anchors._passthrough(info)
+    params = set(inspect.signature(anchors._per_tokens).parameters) - {"extra"}
+    assert not set(kept) & params
+    assert kept == {"anchor": "deepspeed", "stage": 3, "setup_s": 1.0}
