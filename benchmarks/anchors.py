@@ -379,7 +379,7 @@ def _per_tokens(workload, tokens: list[int], reps: int, device: torch.device, mo
 
         samples = _measure(device, reps, forward, forward_backward, opt_step, barrier)
         fields = {**workload.describe(), **extra, "T": T, "T_per_rank": t_local, "world_size": world_size,
-                  "reps": reps}
+                  "reps": reps, "cpu_threads": torch.get_num_threads()}
         res = _result(samples, device, **fields)
         if world_size > 1:
             _max_over_ranks(res)
@@ -691,7 +691,8 @@ def launch_ranks(argv: list[str], world_size: int, timeout_s: float | None = Non
     """Run this script as ``world_size`` rank processes with ``argv`` and return rank 0's JSON dict.
 
     Each rank gets ``RANK``, ``LOCAL_RANK`` (= rank), ``WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``,
-    ``MASTER_PORT`` (one free port) and the no-multicast variables. Their stdout and stderr go
+    ``MASTER_PORT`` (one free port), the no-multicast variables and, unless set, ``OMP_NUM_THREADS``
+    = its share of the cores (without it every rank's host optimizer takes all the cores at once). Their stdout and stderr go
     to temporary files; rank 0's stdout is echoed to this process' stdout minus its JSON line
     (the caller prints it), every rank's stderr tail to stderr. When a rank exits with an error
     the others get 10 s, then are killed; after ``timeout_s`` seconds (None: no limit) all are.
@@ -701,12 +702,14 @@ def launch_ranks(argv: list[str], world_size: int, timeout_s: float | None = Non
     import tempfile
 
     port = str(_free_port())
+    threads = max(1, (os.cpu_count() or 1) // world_size)   # each rank its share of the cores (host AdamW)
     procs, files = [], []
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="anchors_ranks_") as tmp:
         for r in range(world_size):
             env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **_NO_MULTICAST_ENV)
+            env.setdefault("OMP_NUM_THREADS", str(threads))
             out = open(os.path.join(tmp, f"rank{r}.out"), "w+")
             err = open(os.path.join(tmp, f"rank{r}.err"), "w+")
             files.append((out, err))
