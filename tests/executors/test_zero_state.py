@@ -1,5 +1,5 @@
-"""Fresh optimizer moments are made where they live: zeros in device memory are made on the device (no
-host-to-device copy), zeros in ``pinned_host`` copied from the host; the runtime's state is that."""
+"""Fresh optimizer moments are made where they live: zeros in device memory are made on the device, zeros in
+``pinned_host`` as the output of a program (neither copies a host array); the runtime's state is that."""
 import jax
 import numpy as np
 import pytest
@@ -14,16 +14,17 @@ def _shardings(kind):
     return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
 
 
-def test_device_zeros_move_nothing_from_the_host():
+@pytest.mark.parametrize("kind", ["device", "pinned_host"])
+def test_zeros_move_nothing_from_the_host(kind):
     zeros = [(np.zeros((4, 8), np.float32), np.zeros((4, 8), np.float32)), (np.zeros((3,), np.int8),) * 2]
-    sh = _shardings("device")
+    sh = _shardings(kind)
     with jax.transfer_guard_host_to_device("disallow_explicit"):   # a host copy would raise here
         out = zeros_where_they_live(zeros, [(sh, sh), (sh, sh)])
     for got, want in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(zeros)):
-        assert got.sharding.memory_kind == "device" and got.shape == want.shape and got.dtype == want.dtype
+        assert got.sharding.memory_kind == kind and got.shape == want.shape and got.dtype == want.dtype
         np.testing.assert_array_equal(np.asarray(got), want)
     with jax.transfer_guard_host_to_device("disallow_explicit"), pytest.raises(Exception, match="[Dd]isallowed"):
-        jax.device_put(zeros[0][0], sh)                   # the guard catches the copy the old path made
+        jax.device_put(zeros[0][0], sh)                   # the guard catches a copy from the host
 
 
 @pytest.mark.parametrize("on_host", [False, True])

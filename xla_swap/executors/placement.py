@@ -430,16 +430,17 @@ class RuntimePlacement:
 
 def zeros_where_they_live(zeros, shardings):
     """Zero arrays (a pytree of numpy zeros, e.g. a stage's fresh AdamW moments) put at ``shardings``
-    (a pytree of the same structure): those in device memory made there by a jitted ``zeros``, the
-    others copied from ``zeros``.
+    (a pytree of the same structure): those in device memory or ``pinned_host`` made by a jitted
+    ``zeros`` whose output lives there, the others (any other memory kind) copied from ``zeros``.
 
-    A host array's copy to the device goes through host memory that PJRT GPU stages it in and keeps
-    for its pinned pool; a zero made on the device moves no byte over the link and keeps none on the host.
+    A host array's copy goes through PJRT's host-side copies (single-threaded, and staged in the
+    pinned pool on GPU); a zero made on the device moves no byte from the host, and one made for
+    ``pinned_host`` reaches it as the program's output, by one device-to-host DMA per shard.
 
     Returns: the pytree of ``jax.Array`` (values all zero, shapes and dtypes of ``zeros``).
     """
     def one(z, sh):
-        if sh.memory_kind == DEVICE_KIND:
+        if sh.memory_kind in (DEVICE_KIND, HOST_KIND):
             return _zeros_program(tuple(z.shape), np.dtype(z.dtype), sh)()
         return jax.device_put(z, sh)
     return jax.tree_util.tree_map(one, zeros, shardings)
