@@ -94,6 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--largest-shape", default="34b")
     p.add_argument("--largest-layers", type=int, default=48)
     p.add_argument("--largest-tokens", type=int, nargs="+", default=[16384], help="global tokens")
+    p.add_argument("--largest-headroom", type=float, default=1.25, help="the pinned pool per device over its "
+                   "share of the state (1.1 ran out at the 70B shape's first step on 4 H200s)")
     p.add_argument("--largest-anchor-layers", type=int, default=0, help="after the largest row: FSDP2 "
                    "CPUOffloadPolicy (built on the meta device) on this many layers of --largest-shape (0: none)")
     p.add_argument("--budget-s", type=float, default=500, help="wall time for every piece together")
@@ -196,6 +198,7 @@ def plan(args, n: int, work: str) -> list[dict]:
         pieces.append(dict(name=f"largest:{args.largest_shape}", kind="largest", shape=args.largest_shape, out=out,
                            min_s=90, cmd=[py, me, "--piece", "largest", "--shape", args.largest_shape, "--layers",
                                           str(args.largest_layers), "--gpus", str(n), "--piece-out", out,
+                                          "--largest-headroom", str(args.largest_headroom),
                                           "--tokens", *map(str, args.largest_tokens), *common]))
         if args.largest_anchor_layers:
             pieces.append(dict(name=f"fsdp2-largest:{args.largest_shape}", kind="largest_anchor", min_s=90, cmd=[

@@ -342,7 +342,8 @@ def piece_largest(args) -> int:
     import torch
     n_pool = args.gpus or (torch.cuda.device_count() if torch.cuda.is_available() else 1)
     per_device = -(-state // max(1, n_pool))   # the pool is per device: each device pins its 1/n of the state
-    w.set(host_pool_gib=ensure_host_memory_limit(per_device))
+    w.set(host_pool_gib=ensure_host_memory_limit(per_device, headroom=args.largest_headroom),
+          host_pool_headroom=args.largest_headroom)
     _compilation_cache(args.compilation_cache)
     devs, n = links(w, args.gpus)
     stack_rows(shape, devs[:n], list(args.tokens), args, w.row, form="largest")
