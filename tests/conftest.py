@@ -1,7 +1,8 @@
 """Test set-up: virtual CPU devices for torch_xla and JAX, set before either is imported.
 
 The device count comes from ``XLA_SWAP_NUM_DEVICES`` (default 4); ``make test`` runs the
-whole suite with 4 devices and the tests marked ``spmd`` again with 1 and 8.
+whole suite with 4 devices and the tests marked ``spmd`` again with 1 and 8. jax's persistent
+compilation cache is on, in ``.cache/jax`` (a test that counts compilations turns it off).
 """
 import os
 
@@ -13,6 +14,13 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# jax's persistent compilation cache, shared by every test process of a run (subprocesses inherit it):
+# the many tests that build the same small models load their executables instead of compiling them
+# again. Keys hold the program, jax's version, the devices and the flags; `rm -rf .cache/jax` clears it.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "jax"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import pytest  # noqa: E402
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from llama_cases import V, batches, ce, make_model, rel
+from xla_swap.executors.compile_cache import use_compilation_cache
 from xla_swap.stack import SwappedStack, causal_lm_stages
 from xla_swap.training import loss_key
 
@@ -21,13 +22,18 @@ SCALE = 1.0   # a global a loss reads (rebound by a test)
 
 @pytest.fixture
 def compiles():
+    """Backend compiles by event name; jax's persistent cache off meanwhile (a hit compiles nothing)."""
     seen = collections.Counter()
 
     def listener(name, duration, **kw):
         seen[name] += 1
+    prev = use_compilation_cache(None)
     jax.monitoring.register_event_duration_secs_listener(listener)
-    yield seen
-    jax.monitoring.unregister_event_duration_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+        use_compilation_cache(prev, min_compile_time_s=jax.config.jax_persistent_cache_min_compile_time_secs)
 
 
 def scaled(scale):
