@@ -379,6 +379,12 @@ def time_accelerate(model, batch: int, prompt: int, new: int, vocab: int) -> dic
             "accelerate": accelerate.__version__, "tokens": out[:, prompt:].cpu().tolist()}
 
 
+def _progress(name: str, what: str, t0: float, **kw) -> None:
+    """One line on stderr as each phase of a shape ends (a run cut off by its time limit says how far it got)."""
+    print(json.dumps({"shape": name, "done": what, "elapsed_s": round(time.perf_counter() - t0, 1), **kw}),
+          file=sys.stderr, flush=True)
+
+
 def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
     import torch
     import xla_swap
@@ -414,6 +420,7 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
         first, lyr, last = xla_swap.causal_lm_stages(model)
         stack = xla_swap.SwappedStack(lyr, first=first, last=last, weights=RandomWeights(gdev), devices=_devices(args))
     res["build_s"] = time.perf_counter() - t0
+    _progress(name, "built", t0, build_s=round(res["build_s"], 1))
     rt = stack.runtime
     w = rt.weight_nbytes
     res["weight_bytes"] = w
@@ -427,9 +434,11 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
                                     max_batch=args.max_batch, prompt_bucket=64)
         release_generation(stack)
         res["planned_batch"], res["planned_why"] = planned, why
+        _progress(name, "batch chosen", t0, batch=planned)
         if planned not in batches:
             batches.append(planned)
     res["stream_only_s"] = stream_only(rt)
+    _progress(name, "streamed once", t0, stream_only_s=round(res["stream_only_s"], 3))
     compute: dict = {}
     if not args.no_resident and (name == "8b" or (name != "70b" and w < args.resident_max_gb * 1e9)):   # the decode compute: resident
         wkw = {} if name == "8b" else {"weights": RandomWeights(gdev)}
@@ -453,6 +462,7 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
         r["floor_s"] = max(res["link_floor_s"], c)
         r["ratio_to_floor"] = r["decode_step_s"] / r["floor_s"]
         res["rows"][f"stack_b{b}"] = r
+        _progress(name, f"row b{b}", t0, decode_step_s=round(r["decode_step_s"], 4), ttft_s=round(r["ttft_s"], 3))
     if args.kv_host and (name == "8b" or args.kv_host_70b):
         b = max(args.batches_70b if name == "70b" else args.batches)
         r = time_stack(stack, b, args.prompt, new, args.vocab, kv_cache="host")
