@@ -420,7 +420,7 @@ def reconfigure(runtime: StreamingRuntime, choice: ScheduleChoice, *, own_params
         grads_to_host=rt.grads_to_host, optimizer=rt.param_groups,
         trainable=lambda i, path: path_train[i][jax.tree_util.keystr(path)],
         group_of=lambda i, path: path_group[i][jax.tree_util.keystr(path)], max_signatures=rt.max_signatures,
-        prefetch_next_call=rt.prefetch_next_call,
+        prefetch_next_call=rt.prefetch_next_call, max_grad_norm=rt.max_grad_norm,
         optimizer_state=rt.optimizer_state if rt.optimizer is not None else None, own_params=own_params, **kw)
     new.step = rt.step
     return new

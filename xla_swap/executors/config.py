@@ -18,7 +18,7 @@ from xla_swap.planning.policy import OffloadPolicy
 from .trace import TraceRecorder
 
 __all__ = ["DEFAULT_MAX_SIGNATURES", "BackwardMode", "RuntimeConfig", "check_flag", "check_max_grad_norm",
-           "check_prefetch_depth", "check_trace", "check_train_args", "checked_resident", "remat_from_policy"]
+           "check_max_signatures", "check_prefetch_depth", "check_trace", "check_train_args", "checked_resident", "remat_from_policy"]
 
 #: Default bound of the per-input-signature executable cache (``max_signatures``).
 DEFAULT_MAX_SIGNATURES = 8
@@ -31,6 +31,14 @@ def check_prefetch_depth(prefetch_depth) -> int:
     if prefetch_depth < 1:
         raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
     return int(prefetch_depth)
+
+
+def check_max_signatures(max_signatures) -> int:
+    """``max_signatures`` as an int; ValueError unless it is an int (not a bool) >= 1."""
+    m = max_signatures
+    if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
+        raise ValueError(f"max_signatures must be an int >= 1, got {m!r}")
+    return int(m)
 
 
 def check_flag(name: str, flag) -> None:
@@ -131,9 +139,9 @@ class RuntimeConfig:
       max_signatures: int >= 1, input signatures whose executables stay cached.
       max_grad_norm: ``None`` or a finite float > 0: the default gradient clip of an update.
 
-    Raises (at construction): TypeError: ``prefetch_depth`` or ``max_signatures`` not an int, a flag not a
+    Raises (at construction): TypeError: ``prefetch_depth`` not an int, a flag not a
       bool, ``remat`` neither a bool nor a policy; ValueError: ``prefetch_depth < 1``, ``resident`` not
-      ``num_stages`` bools, ``max_signatures < 1``, ``max_grad_norm`` not a finite number > 0.
+      ``num_stages`` bools, ``max_signatures`` not an int >= 1, ``max_grad_norm`` not a finite number > 0.
     """
 
     num_stages: int
@@ -157,10 +165,7 @@ class RuntimeConfig:
             check_flag(name, getattr(self, name))
         _check_remat(self.remat)
         set_("resident", checked_resident(self.resident, self.num_stages))
-        m = self.max_signatures
-        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
-            raise ValueError(f"max_signatures must be an int >= 1, got {m!r}")
-        set_("max_signatures", int(m))
+        set_("max_signatures", check_max_signatures(self.max_signatures))
         set_("max_grad_norm", check_max_grad_norm(self.max_grad_norm))
 
     def replace(self, **changes) -> "RuntimeConfig":

@@ -28,6 +28,7 @@ from jax.sharding import Sharding
 
 from xla_swap.planning.prefetch import EVENT_KINDS, PrefetchSchedule, ScheduleStep
 
+from .config import check_max_signatures, check_prefetch_depth
 from ._stages import DEVICE_KIND, HOST_KIND, aval_key, tree_aval
 from .stage_programs import gathered
 
@@ -68,9 +69,10 @@ class StatefulStreamer:
         stack wants; ``executors.stage_programs.gathered``). Default ``False``: as XLA partitions it.
 
     Raises:
-      TypeError: a stage function is not callable; ``state_on_host`` not a bool or a sequence of bools.
+      TypeError: a stage function is not callable; ``state_on_host`` not a bool or a sequence of bools;
+        ``prefetch_depth`` not an int.
       ValueError: the per-stage sequences differ in length; ``prefetch_depth < 1``;
-        ``max_signatures < 1``.
+        ``max_signatures`` not an int >= 1.
     """
 
     def __init__(self, stage_fns: Sequence[Callable], host_params: list, param_shardings: Sequence[Any], *,
@@ -89,10 +91,7 @@ class StatefulStreamer:
         if isinstance(state_on_host, (str, bytes)) or not isinstance(state_on_host, Sequence) \
                 or len(state_on_host) != n or not all(isinstance(b, bool) for b in state_on_host):
             raise TypeError(f"state_on_host must be a bool or {n} bools, got {state_on_host!r}")
-        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, (int, np.integer)) or prefetch_depth < 1:
-            raise ValueError(f"prefetch_depth must be an int >= 1, got {prefetch_depth!r}")
-        if isinstance(max_signatures, bool) or not isinstance(max_signatures, (int, np.integer)) or max_signatures < 1:
-            raise ValueError(f"max_signatures must be an int >= 1, got {max_signatures!r}")
+        prefetch_depth, max_signatures = check_prefetch_depth(prefetch_depth), check_max_signatures(max_signatures)
         resident = [False] * n if resident is None else [bool(r) for r in resident]
         if len(resident) != n:
             raise ValueError(f"resident must have {n} entries, got {len(resident)}")

@@ -114,6 +114,9 @@ class StreamingRuntime:
         caller must not use those arrays afterwards. A caller that places each stage in
         ``pinned_host`` as it reads it (``SwappedStack``) thus holds the weights once, not twice.
         The same holds for the arrays of a given ``optimizer_state``. Default ``False``.
+      max_grad_norm: with ``optimizer``: every update clips the gradients to this global 2-norm (as
+        ``train_step(max_grad_norm=...)`` does for one step; a step's own value takes precedence).
+        Default ``None``: no clip unless a step asks for one.
       throttle: bound device memory for real, not only the runtime's references: after
         dispatching stage i's computation, the host waits until stage i-1's computation
         (forward) or the copy of stage i+1's gradients to host (backward) is complete
@@ -215,7 +218,8 @@ class StreamingRuntime:
         given without ``optimizer``, or not one list of ``(m, v)`` pairs per stage of the
         trainable leaves' shapes and the optimizer's state dtype (the message names the stage);
         ``group_of`` returns no valid group index (the message names the stage and leaf);
-        parameter groups with different ``state_dtype``.
+        parameter groups with different ``state_dtype``; ``max_grad_norm`` not a finite number > 0,
+        or given without ``optimizer``.
     """
 
     def __init__(
@@ -244,6 +248,7 @@ class StreamingRuntime:
         offload_activations: bool = False,
         prefetch_next_call: bool = True,
         own_params: bool = False,
+        max_grad_norm: float | None = None,
     ):
         # validation first: no state changes before all of it passed
         for name, flag in (("donate", donate), ("throttle", throttle), ("track_residency", track_residency),
@@ -261,7 +266,11 @@ class StreamingRuntime:
         self.config: RuntimeConfig = RuntimeConfig(
             n, prefetch_depth, resident, remat, offload_activations=offload_activations, grads_to_host=grads_to_host,
             optimizer_state_on_host=optimizer_state_on_host, donate=donate, throttle=throttle,
-            track_residency=track_residency, prefetch_next_call=prefetch_next_call, max_signatures=max_signatures)
+            track_residency=track_residency, prefetch_next_call=prefetch_next_call, max_signatures=max_signatures,
+            max_grad_norm=max_grad_norm)
+        if max_grad_norm is not None and groups is None:
+            raise ValueError("max_grad_norm needs an optimizer; without one the gradients are returned (clip them "
+                             "yourself)")
         fns, shared = stage_fns(stage_fn, n)
         flat = flatten_stage_params(stage_params, shared)
         check_placement_args(device, sharding, activation_sharding, batch_axis)
@@ -306,6 +315,7 @@ class StreamingRuntime:
     max_signatures = Forwarded("config")
     offload_activations = Forwarded("config")
     prefetch_next_call = Forwarded("config")
+    max_grad_norm = Forwarded("config")
     # where activations live (ActivationLayout)
     activation_sharding = Forwarded("layout")
     batch_axis = Forwarded("layout")
@@ -521,16 +531,15 @@ class StreamingRuntime:
             out, never the moments; the moments move once per update.
           max_grad_norm: with ``optimizer``, at an update: scale the (summed) gradients by
             ``min(1, max_grad_norm / (norm + 1e-6))``, ``norm`` their 2-norm over every trainable
-            leaf of every stage (``torch.nn.utils.clip_grad_norm_``).
+            leaf of every stage (``clip_grad_norm_``). Default: the runtime's ``max_grad_norm``.
           skip_nonfinite: with ``optimizer``, at an update: when that norm is not finite, skip the
             update (weights, moments and ``step`` unchanged; the accumulated gradients dropped), as
             torch's ``GradScaler`` skips ``optimizer.step()``; ``last_step_skipped`` says so.
             With either of the two the update needs every gradient first, so it is not fused
             into the backward: the backward sends each stage's gradients to ``grad_acc`` and a
             third pass (the ``"update"`` pass of ``schedule(True, update_pass=True)``) streams
-            weights, gradients and moments in and weights and moments out
-            (beyond the fused step: the gradients out and in, one more pass of the weights in, and
-            one host sync for the norm, ``last_grad_norm``).
+            weights, gradients and moments in and weights and moments out (beyond the fused step: the
+            gradients out and in, one more pass of the weights in, one host sync for ``last_grad_norm``).
 
         Returns:
           ``(loss_or_output, input_cotangent, grads)``: the scalar loss (``loss_fn`` given) or the
@@ -553,6 +562,7 @@ class StreamingRuntime:
             narrow (``float64`` with ``jax_enable_x64`` off).
         """
         check_train_args(loss_fn, cotangent, loss_args, trace, accumulate, skip_nonfinite, max_grad_norm)
+        max_grad_norm = self.config.max_grad_norm if max_grad_norm is None else max_grad_norm
         separate_update = accumulate or max_grad_norm is not None or skip_nonfinite
         hyper = self.steps.hyper(lr, separate_update)
         loss_exe = self._train_loss_exe(h, loss_fn, cotangent, loss_args)
