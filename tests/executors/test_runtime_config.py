@@ -105,3 +105,24 @@ def test_modes_and_cache_keys_are_typed():
     assert all(isinstance(s, StageKey) and isinstance(e, ExeKey) for s, e in keys)
     assert {e.label for _, e in keys} == {m["kind"] for m in rt.executable_memory()}
     assert {e.mode for _, e in keys if e.kind.startswith("backward")} == {BackwardMode.ACCUM}
+
+
+def test_the_decode_streamer_keeps_its_executables_as_the_runtime_does():
+    """``StatefulStreamer`` keeps its executables in a ``SignatureCache``, as the runtime's compiler does:
+    stages of one function share an executable, and a signature dropped beyond ``max_signatures`` takes its
+    executables with it (the cache stays bounded); a signature traced again compiles again, with the
+    same results."""
+    from xla_swap.executors.signatures import SignatureCache
+    rt = StreamingRuntime(layer, make_params(n=3), max_signatures=1)
+    st = StatefulStreamer([layer] * 3, rt.host_params, rt.device_shardings, state_avals=[None] * 3,
+                          activation_sharding=rt.activation_sharding, max_signatures=1)
+    assert isinstance(rt.compiler.cache, SignatureCache)
+    x1, x2 = make_input(t=4), make_input(t=6)
+    want1 = rt.forward(x1)
+    np.testing.assert_array_equal(np.asarray(st.run(x1)), np.asarray(want1))
+    assert st.num_executables == rt.num_executables == 1
+    first = st.executables(x1)[0]
+    np.testing.assert_array_equal(np.asarray(st.run(x2)), np.asarray(rt.forward(x2)))
+    assert st.num_executables == rt.num_executables == 1            # x1's signature and executable dropped
+    assert st.executables(x1)[0] is not first
+    np.testing.assert_array_equal(np.asarray(st.run(x1)), np.asarray(want1))

@@ -13,11 +13,8 @@ jax (no torch).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,8 +24,9 @@ from xla_swap.planning.cache import LRUCache
 from xla_swap.planning.optimizer import HYPER_WIDTH
 
 from .config import DEFAULT_MAX_SIGNATURES, BackwardMode
-from ._stages import (aval_key, check_carry_dtypes, check_input_dtypes, describe, index_by_identity, merge_diff,
-                      own_fns, split_diff, tree_aval)
+from .signatures import ExeKey, Signature, SignatureCache, StageKey, distinct_ids
+from ._stages import (aval_key, check_carry_dtypes, check_input_dtypes, describe, merge_diff, own_fns, split_diff,
+                      tree_aval)
 from .stage_programs import (forward_save_fn, gathered, recompute_vjp, saved_vjp, update_only, with_accum,
                              with_update, without_gathered)
 
@@ -36,51 +34,6 @@ __all__ = ["DEFAULT_MAX_SIGNATURES", "MAX_LOSS_FNS", "ExeKey", "Signature", "Sta
 
 #: Bound of the cache of jitted loss functions (one per distinct ``loss_fn`` object).
 MAX_LOSS_FNS = 8
-
-
-@dataclasses.dataclass
-class Signature:
-    """Everything compiled for one input signature (tree structure, shapes and dtypes of ``h``)."""
-
-    in_aval: Any
-    chain: list  # avals (pytrees) of the input of stage i, i = 0..n (chain[n] is the output)
-    stage_exe: dict = dataclasses.field(default_factory=dict)  # (ExeKey, stage) -> compiled
-    compiled: dict = dataclasses.field(default_factory=dict)   # (StageKey, ExeKey) -> compiled
-    saved_layout: dict = dataclasses.field(default_factory=dict)  # StageKey -> (vjp treedef, sources)
-    residual_nbytes: list | None = None
-    #: with ``batch_axis``: the batch does not split over the devices, so every activation is
-    #: replicated and each stage gathers its weights (``ActivationLayout.runs_replicated``).
-    replicated: bool = False
-    warned: bool = False   # the warning of a replicated signature was given
-
-
-@dataclasses.dataclass(frozen=True)
-class ExeKey:
-    """Which executable of a stage: its ``kind`` (one of :attr:`StageCompiler.STAGE_KINDS`), for a backward
-    what it does with the gradients (``mode``) and whether it takes the accumulated gradients
-    (``takes_acc``), and whether it donates its buffers."""
-
-    kind: str
-    mode: BackwardMode = BackwardMode.GRADS
-    takes_acc: bool = False
-    donate: bool = False
-
-    @property
-    def label(self) -> str:
-        """The key as text (``executable_memory``'s ``kind``): e.g. ``"backward-accum+acc-donate"``."""
-        return (self.kind + ("-accum" if self.mode is BackwardMode.ACCUM else "") + ("+acc" if self.takes_acc else "")
-                + ("-donate" if self.donate else ""))
-
-
-@dataclasses.dataclass(frozen=True)
-class StageKey:
-    """What stages must agree on to share an executable: the stage function (index among the distinct
-    ones), the parameter key (``StageLayout.param_key``) and the input and output avals."""
-
-    fn_id: int
-    params: tuple
-    h_in: tuple
-    h_out: tuple
 
 
 class StageCompiler:
@@ -103,17 +56,9 @@ class StageCompiler:
     def __init__(self, fns: list, store, layout, *, remat, max_signatures: int, num_groups: int):
         self.fns: list = fns  # the caller's stage functions
         self.traced_fns: list = own_fns(fns)  # what this runtime traces and compiles (see own_fns)
-        distinct: list = []
-        self.fn_ids: list[int] = []
-        for f in fns:
-            j = index_by_identity(distinct, f)
-            if j is None:
-                distinct.append(f)
-                j = len(distinct) - 1
-            self.fn_ids.append(j)
+        self.fn_ids: list[int] = distinct_ids(fns)
         self.store, self.layout, self.remat, self.num_groups = store, layout, remat, num_groups
-        self.sigs = LRUCache(max_signatures)  # input key -> Signature
-        self.last_sig: Signature | None = None
+        self.cache = SignatureCache(max_signatures)
         self.loss_jits = LRUCache(MAX_LOSS_FNS)  # loss_fn -> its jitted value and gradient
         self.loss_shapes: dict = {}
         # parameter key -> the update pass's executable (two per distinct stage at most: donating or not)
@@ -121,9 +66,19 @@ class StageCompiler:
         self._warned_loss = False
 
     @property
+    def sigs(self):
+        """The cached signatures: an ``LRUCache`` of input key -> :class:`Signature`."""
+        return self.cache.sigs
+
+    @property
+    def last_sig(self) -> Signature | None:
+        """The signature of the last call or lookup (``None`` before the first)."""
+        return self.cache.last_sig
+
+    @property
     def num_executables(self) -> int:
         """Number of distinct stage executables compiled and cached now (forward and backward, all signatures)."""
-        return sum(len(s.compiled) for s in self.sigs.values())
+        return self.cache.num_executables
 
     @property
     def num_signatures(self) -> int:
@@ -137,8 +92,7 @@ class StageCompiler:
         that the executables' cache keys do not hold. Weights, optimizer state and the
         weights prefetched for the next call are kept.
         """
-        self.sigs.clear()
-        self.last_sig = None
+        self.cache.clear()
         self.loss_jits.clear()
         self.loss_shapes.clear()
         self.update_cache.clear()
@@ -201,11 +155,12 @@ class StageCompiler:
         """
         a = tree_aval(h, what)
         check_input_dtypes(h, what)
-        key = aval_key(a)
-        sig = self.sigs.get(key)
-        if sig is not None:
-            self.last_sig = sig
-            return sig
+        return self.cache.signature(a, lambda a: self._trace_chain(a, what), self.layout.runs_replicated)
+
+    def _trace_chain(self, a, what: str) -> list:
+        """The avals of every stage's input for an input of avals ``a`` (``chain[n]`` the output), traced
+        stage by stage. Raises: ValueError naming the stage that fails to trace; TypeError for a stage
+        that returns no array, or changes the carry's dtypes where the next stage shares its function."""
         chain = [a]
         avals = [lay.param_aval for lay in self.store.layouts]
         for i, (f, pav) in enumerate(zip(self.traced_fns, avals)):
@@ -220,10 +175,7 @@ class StageCompiler:
                                 f"got {jax.tree_util.tree_structure(out)}")
             chain.append(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), out))
             check_carry_dtypes(self.fns, avals, i, chain[-2], chain[-1], what)
-        sig = Signature(a, chain, replicated=self.layout.runs_replicated(a))
-        self.sigs.put(key, sig)
-        self.last_sig = sig
-        return sig
+        return chain
 
     def warn_replicated(self, sig: Signature) -> None:
         """Warn once per signature, at its first run, that it runs replicated (``runs_replicated``)."""
@@ -246,25 +198,21 @@ class StageCompiler:
     def exe(self, sig: Signature, key: ExeKey, i: int):
         """Stage ``i``'s executable ``key`` for signature ``sig`` (cached per stage, and shared by the
         stages of equal :class:`StageKey`)."""
-        exe = sig.stage_exe.get((key, i))
-        if exe is not None:
-            return exe
         lay = self.store.layouts[i]
         base = StageKey(self.fn_ids[i], lay.param_key(), aval_key(sig.chain[i]), aval_key(sig.chain[i + 1]))
-        exe = sig.compiled.get((base, key))
-        if exe is None:
-            f = gathered(self.traced_fns[i], self.layout.gathered_sharding(sig.replicated))
-            act_of = functools.partial(self.layout.act, replicated=sig.replicated)
-            pspec, hspec = lay.param_spec(), self._spec(sig.chain[i], act_of(sig.chain[i]))
-            if key.kind == "forward":
-                exe = jax.jit(f, out_shardings=act_of(sig.chain[i + 1])).lower(pspec, hspec).compile()
-            elif key.kind == "forward-save":
-                exe = self._compile_forward_save(sig, i, f, base, pspec, hspec, act_of(sig.chain[i + 1]))
-            else:
-                exe = self._compile_backward(sig, i, f, base, key, pspec, hspec)
-            sig.compiled[(base, key)] = exe
-        sig.stage_exe[(key, i)] = exe
-        return exe
+        return self.cache.executable(sig, i, key, base, lambda: self._compile(sig, key, i, base))
+
+    def _compile(self, sig: Signature, key: ExeKey, i: int, base: StageKey):
+        """Compile stage ``i``'s executable ``key`` for ``sig``."""
+        lay = self.store.layouts[i]
+        f = gathered(self.traced_fns[i], self.layout.gathered_sharding(sig.replicated))
+        act_of = functools.partial(self.layout.act, replicated=sig.replicated)
+        pspec, hspec = lay.param_spec(), self._spec(sig.chain[i], act_of(sig.chain[i]))
+        if key.kind == "forward":
+            return jax.jit(f, out_shardings=act_of(sig.chain[i + 1])).lower(pspec, hspec).compile()
+        if key.kind == "forward-save":
+            return self._compile_forward_save(sig, i, f, base, pspec, hspec, act_of(sig.chain[i + 1]))
+        return self._compile_backward(sig, i, f, base, key, pspec, hspec)
 
     def _compile_backward(self, sig: Signature, i: int, f, base: StageKey, key: ExeKey, pspec, hspec):
         """Compile stage ``i``'s backward ``key``: its vjp (recomputing the forward, or from the residuals of

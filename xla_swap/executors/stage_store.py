@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from . import optim as _optim
-from ._stages import DEVICE_KIND, HOST_KIND, leaf_name, tree_nbytes
+from ._stages import DEVICE_KIND, HOST_KIND, leaf_name, param_key, tree_nbytes
 
 __all__ = ["StageLayout", "StageStore", "checked_state", "stage_layouts", "zeros_where_they_live"]
 
@@ -61,10 +61,7 @@ class StageLayout:
 
     def param_key(self) -> tuple:
         """A hashable key of the weights' structure, shapes, dtypes, device shardings, mask and groups."""
-        return (jax.tree_util.tree_structure(self.param_aval),
-                tuple((a.shape, str(a.dtype), s) for a, s in zip(jax.tree_util.tree_leaves(self.param_aval),
-                                                                 jax.tree_util.tree_leaves(self.device_sharding))),
-                self.train_mask, self.groups)
+        return param_key(self.param_aval, self.device_sharding) + (self.train_mask, self.groups)
 
     def param_spec(self):
         """The weights as streamed in: a pytree of ``jax.ShapeDtypeStruct`` with device shardings."""
