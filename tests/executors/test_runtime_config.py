@@ -126,3 +126,25 @@ def test_the_decode_streamer_keeps_its_executables_as_the_runtime_does():
     assert st.num_executables == rt.num_executables == 1            # x1's signature and executable dropped
     assert st.executables(x1)[0] is not first
     np.testing.assert_array_equal(np.asarray(st.run(x1)), np.asarray(want1))
+
+
+def test_the_runtime_surface_is_its_parts_and_keeps_their_docstrings():
+    """Every public method and property the runtime takes from a part reads that part's attribute and
+    carries its docstring; a read-only one refuses assignment, ``step`` and ``param_groups`` write through."""
+    from xla_swap.executors.forwarding import Forwarded
+    rt = StreamingRuntime(layer, make_params(n=2), optimizer=AdamW(lr=1e-2))
+    methods = ["schedule", "signature", "stage_executable", "clear_executables", "load_stage", "trainable_paths",
+               "memory_report", "executable_memory", "executable_hlo", "layer_cost", "stage_cost_bytes",
+               "stage_input_nbytes", "resident_stages", "reset_stats", "activation_sharding_of", "runs_replicated",
+               "input_sharding_of", "loss_args_sharding_of", "num_executables", "num_signatures", "stage_fns",
+               "stage_fn_ids"]
+    for name in methods:
+        fwd = vars(StreamingRuntime)[name]
+        assert isinstance(fwd, Forwarded) and len(fwd.__doc__ or "") > 40, name
+        assert getattr(rt, name) == getattr(getattr(rt, fwd.component), fwd.attr), name
+    rt.step = 7
+    groups = [AdamW(lr=3e-3)]
+    rt.param_groups = groups
+    assert rt.steps.step == 7 and rt.steps.param_groups is groups
+    with pytest.raises(AttributeError, match="host_params"):
+        rt.host_params = []

@@ -6,6 +6,8 @@ Pure Python.
 """
 from __future__ import annotations
 
+import types
+
 __all__ = ["Forwarded"]
 
 
@@ -14,16 +16,21 @@ class Forwarded:
     ``obj.component.attr`` (a method comes back bound to the component); with ``settable=True``,
     ``obj.name = v`` sets ``obj.component.attr``, otherwise it raises ``AttributeError``.
 
-    The docstring is the component attribute's (a property's or method's), or ``doc``.
+    The docstring is ``doc``, else that of the attribute of the component's class ``of`` (a property's
+    or method's), where given.
     """
 
-    def __init__(self, component: str, attr: str | None = None, *, settable: bool = False, doc: str | None = None):
-        self.component, self.attr, self.settable, self.__doc__ = component, attr, settable, doc
+    def __init__(self, component: str, attr: str | None = None, *, of: type | None = None, settable: bool = False,
+                 doc: str | None = None):
+        self.component, self.attr, self.of, self.settable, self.__doc__ = component, attr, of, settable, doc
 
     def __set_name__(self, owner, name: str) -> None:
         self.name = name
         if self.attr is None:
             self.attr = name
+        target = getattr(self.of, self.attr, None) if self.of is not None else None
+        if self.__doc__ is None and isinstance(target, (property, types.FunctionType)):
+            self.__doc__ = target.__doc__
 
     def __get__(self, obj, owner=None):
         if obj is None:

@@ -197,10 +197,18 @@ class StageStore:
         return [p for p, m in zip(paths, lay.train_mask) if m]
 
     def load_stage(self, stage: int, params=None, state: Sequence | None = None) -> None:
-        """Replace ``stage``'s weights and/or optimizer state by copies of the given arrays, placed where the
-        current ones are; the stage's copy kept for the next call is dropped.
+        """Replace ``stage``'s weights and/or optimizer state by copies of the given arrays, placed
+        where the current ones are (same shardings and memory kinds: ``pinned_host``, or device
+        memory for a resident stage). The stage's weights held in device memory for the next call
+        are dropped.
 
-        Args: as ``StreamingRuntime.load_stage``.
+        Args:
+          stage: the stage index.
+          params: ``None`` (weights unchanged) or a pytree of ``host_params[stage]``'s structure
+            whose leaves (numpy or jax arrays) have its shapes and dtypes.
+          state: ``None`` (moments unchanged) or, with an optimizer, a list of ``(m, v)`` pairs as
+            ``optimizer_state[stage]`` holds them (one per trainable leaf, ``trainable_paths``
+            order; the leaf's shape, the optimizer's state dtype).
 
         Raises (before anything changes): ValueError: a bad ``stage``; ``params`` of another structure,
           or a leaf of another shape or dtype (the message names the leaf); a bad ``state``, or one given
