@@ -148,3 +148,42 @@ def test_the_runtime_surface_is_its_parts_and_keeps_their_docstrings():
     assert rt.steps.step == 7 and rt.steps.param_groups is groups
     with pytest.raises(AttributeError, match="host_params"):
         rt.host_params = []
+
+
+def test_reconfigured_is_the_same_stages_under_another_config():
+    """``reconfigured(**settings)``: the config with those settings changed, the same weights, moments and
+    step count placed where the new config keeps them, and training goes on as on the runtime it came from."""
+    params, x = make_params(n=3), make_input()
+    rt = StreamingRuntime(layer, params, optimizer=AdamW(lr=1e-2), max_grad_norm=10.0)
+    rt.train_step(x, loss_fn)
+    new = rt.reconfigured(prefetch_depth=2, resident=[True, False, False], optimizer_state_on_host=False)
+    assert new.config == rt.config.replace(prefetch_depth=2, resident=(True, False, False),
+                                           optimizer_state_on_host=False)
+    assert new.step == rt.step == 1 and new.max_grad_norm == 10.0 and new.stage_fns == rt.stage_fns
+    assert new.host_params[0]["a"].sharding.memory_kind == "device"
+    assert new.host_params[1]["a"].sharding.memory_kind == "pinned_host"
+    assert {m.sharding.memory_kind for pair in new.optimizer_state[1] for m in pair} == {"device"}
+    for a, b in zip(jax.tree_util.tree_leaves(rt.host_params + rt.optimizer_state),
+                    jax.tree_util.tree_leaves(new.host_params + new.optimizer_state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for r in (rt, new):
+        r.train_step(x, loss_fn)
+    assert new.step == rt.step == 2 and new.last_grad_norm == rt.last_grad_norm
+    for a, b in zip(jax.tree_util.tree_leaves(rt.host_params + rt.optimizer_state),
+                    jax.tree_util.tree_leaves(new.host_params + new.optimizer_state)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_reconfigured_refuses_before_building():
+    rt = StreamingRuntime(layer, make_params(n=2), optimizer=AdamW(lr=1e-2))
+    with pytest.raises(TypeError, match="num_stages"):
+        rt.reconfigured(num_stages=3)
+    with pytest.raises(TypeError, match="sideways"):
+        rt.reconfigured(sideways=True)
+    with pytest.raises(ValueError, match="prefetch_depth"):
+        rt.reconfigured(prefetch_depth=0)
+    with pytest.raises(TypeError, match="own_params"):
+        rt.reconfigured(own_params=1)
+    rt.train_step(make_input(), loss_fn, accumulate=True)
+    with pytest.raises(ValueError, match="accumulated micro-batches"):
+        rt.reconfigured(prefetch_depth=2)

@@ -9,11 +9,8 @@ prefetch depth.
 
 Why this shape: docs/explanation/design.md, "One ``pinned_host`` buffer per layer" and "Streaming: one
 executable per stage, prefetch depth k" (figures in docs/explanation/measured-facts.md, sections 4-6). The runtime
-holds its parts, each owning its own state: a frozen ``RuntimeConfig`` (config.py), a ``StageStore`` of
-per-stage ``StageLayout`` s (stage_store.py), an ``ActivationLayout`` (placement.py), a ``StageCompiler``
-(compilation.py), ``OptimizerSteps`` (update_pass.py), a ``StreamExecutor`` (loop.py) and a
-``ResidencyTracker`` and ``RuntimeInspector`` (instrumentation.py); this module holds its constructor and
-entry points.
+holds its parts (``RuntimeParts``, parts.py), each owning its own state; this module holds its constructor
+and entry points.
 
 What outlives a runtime: nothing of its own. Its executables (per input signature, at most
 ``max_signatures``), its jitted loss functions (at most :data:`MAX_LOSS_FNS`), its weights,
@@ -51,9 +48,10 @@ from .config import (DEFAULT_MAX_SIGNATURES, BackwardMode, RuntimeConfig, check_
 from .forwarding import Forwarded
 from .instrumentation import ResidencyTracker, RuntimeInspector
 from .loop import StreamExecutor
+from .parts import RuntimeParts
 from .placement import (ActivationLayout, activation_shardings, check_placement_args, flatten_stage_params,
                         leaf_sharding_rule, leaf_shardings, num_stages_of)
-from .stage_store import StageStore, stage_layouts
+from .stage_store import StageStore
 from .trace import StageEvent, TraceRecorder
 from .update_pass import OptimizerSteps
 from ._stages import stage_fns, tree_nbytes
@@ -278,29 +276,49 @@ class StreamingRuntime:
         act, batch_sh = activation_shardings(base, sharding, activation_sharding, batch_axis)
         host_sh, dev_sh, train_mask, group_idx = leaf_shardings(flat, leaf_sharding, self.config.resident, trainable,
                                                                 groups, group_of)
-        self._build(fns, stage_params, flat, (host_sh, dev_sh, train_mask, group_idx), ActivationLayout(act, batch_axis,
-                    batch_sh), groups, optimizer_state, own_params=own_params)
+        avals = [jax.tree_util.tree_unflatten(td, [jax.ShapeDtypeStruct(x.shape, x.dtype) for _, x in leaves])
+                 for leaves, td in flat]
+        self._adopt(RuntimeParts.build(self.config, fns, stage_params, avals, (host_sh, dev_sh, train_mask, group_idx),
+                                       ActivationLayout(act, batch_axis, batch_sh), groups, optimizer_state,
+                                       own_params=own_params))
         #: the ``TraceRecorder`` every call records into (``None``: no tracing).
         self.trace = trace
 
-    def _build(self, fns, stage_params, flat, leaf_layout, layout, groups, optimizer_state, *, own_params) -> None:
-        """Make the components, each with its own state (nothing is checked here that can fail for bad input
-        but the optimizer state, which :meth:`StageStore.place_optimizer_state` checks before placing it)."""
-        c = self.config
-        avals = [jax.tree_util.tree_unflatten(td, [jax.ShapeDtypeStruct(x.shape, x.dtype) for _, x in leaves])
-                 for leaves, td in flat]
-        layouts = stage_layouts(avals, *leaf_layout, resident=c.resident, grads_to_host=c.grads_to_host,
-                                optimizer_state_on_host=c.optimizer_state_on_host, has_optimizer=groups is not None)
-        self.steps = OptimizerSteps(groups)
-        self.layout: ActivationLayout = layout
-        self.store = StageStore(stage_params, layouts, c.resident, self.steps.optimizer, own_params=own_params,
-                                copy=groups is not None)
-        self.store.place_optimizer_state(optimizer_state, own_state=own_params)
-        self.compiler = StageCompiler(fns, self.store, layout, remat=c.remat, max_signatures=c.max_signatures,
-                                      num_groups=self.steps.num_groups)
-        self.residency = ResidencyTracker(c.track_residency, c.resident)
-        self.executor = StreamExecutor(c, self.store, self.compiler, layout, self.residency, self.steps)
-        self.inspector = RuntimeInspector(c, self.store, self.compiler, layout, self.residency, self.executor)
+    def _adopt(self, parts: RuntimeParts) -> None:
+        """Hold ``parts``: each part is the attribute of its name (``config``, ``store``, ``executor``, ...)."""
+        #: the runtime's parts, made together (``RuntimeParts``).
+        self.parts: RuntimeParts = parts
+        self.config, self.layout, self.steps, self.store = parts.config, parts.layout, parts.steps, parts.store
+        self.compiler, self.residency, self.executor = parts.compiler, parts.residency, parts.executor
+        self.inspector = parts.inspector
+
+    def reconfigured(self, *, own_params: bool = False, **settings) -> "StreamingRuntime":
+        """A new runtime over this one's stages under another configuration: the same stage functions,
+        current weights and optimizer state (its step count too), shardings, trainable leaves, parameter
+        groups and ``trace``; its ``config`` is this one's with ``settings`` changed (``RuntimeConfig``
+        fields: ``prefetch_depth``, ``resident``, ``remat``, ``offload_activations``, ...).
+
+        ``own_params=False``: this runtime is left as it was (the new one holds copies where the
+        optimizer updates them); ``True``: the new runtime takes the arrays where they already sit, and this
+        one must not be called afterwards.
+
+        Raises: TypeError: an unknown setting, ``own_params`` not a bool; the ``RuntimeConfig`` errors for
+          a bad value; ValueError: accumulated gradients are pending (``grad_acc``: update first).
+        """
+        check_flag("own_params", own_params)
+        if "num_stages" in settings:
+            raise TypeError("num_stages: a reconfigured runtime runs the same stages")
+        parts = self.parts.reconfigured(self.config.replace(**settings), own_params=own_params)
+        return type(self).adopting(parts, trace=self.trace)
+
+    @classmethod
+    def adopting(cls, parts: RuntimeParts, *, trace: TraceRecorder | None = None) -> "StreamingRuntime":
+        """A runtime holding ``parts`` (made by ``RuntimeParts.build`` or ``reconfigured``), recording into ``trace``."""
+        check_trace(trace)
+        rt = cls.__new__(cls)
+        cls._adopt(rt, parts)
+        rt.trace = trace
+        return rt
 
     # the settings (RuntimeConfig)
     num_stages = Forwarded("config")
