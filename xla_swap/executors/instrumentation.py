@@ -51,6 +51,10 @@ class ResidencyTracker:
         #: ``[(pass_name, stage, resident_stages), ...]`` of the last call.
         self.residency_trace: list[tuple[str, int, int]] = []
 
+    def start_call(self) -> None:
+        """A call starts: ``residency_trace`` empty (``max_resident_stages`` runs on)."""
+        self.residency_trace = []
+
     def reset_stats(self) -> None:
         """Reset ``max_resident_stages`` and ``residency_trace``."""
         self.max_resident_stages = 0

@@ -130,7 +130,7 @@ class StreamExecutor:
         hyper_arr = None
         if hyper is not None:
             hyper_arr = jax.device_put(np.asarray(hyper, np.float32), self.layout.activation_sharding)
-        self.residency.residency_trace = []
+        self.residency.start_call()
         self.executed_events = []
         self.last_schedule = sched
         if recorder is not None:
@@ -174,11 +174,11 @@ class StreamExecutor:
             self._did(step, "fetch", j)
         for j in step.take:
             if j not in call.weights:
-                carried = self.store.carry.pop(j, None)
+                carried = self.store.take_carried(j)
                 if carried is None:
                     raise RuntimeError(f"the schedule takes stage {j}'s weights at {step.pass_name} step "
                                        f"{step.stage}, but they are not on the device")
-                call.weights[j] = carried[1]  # left in device memory by the previous call
+                call.weights[j] = carried  # left in device memory by the previous call
             self._did(step, "take", j)
         for j in step.fetch_activations:
             if call.offloaded[j]:
@@ -199,7 +199,7 @@ class StreamExecutor:
             return
         coef = self.steps.clip_coefficient(max_grad_norm, skip_nonfinite)
         if coef is None:  # the call ran its schedule without the update pass
-            self.store.grad_acc, self.store.micro_batches = None, 0
+            self.store.drop_accumulated()
             self.last_schedule = dataclasses.replace(self.last_schedule, update_pass=False)
             return
         self.update_pass(hyper, coef, None)  # not traced: a recorder covers one pass pair
@@ -240,9 +240,9 @@ class StreamExecutor:
             self._release(call, step)
             del new_p, new_s
             prev = moved
-        store.carry = {}  # the schedule's carried_out: the backward's keeps are taken (donated)
-        store.grad_acc, store.micro_batches = None, 0
-        self.steps.step += 1
+        store.set_carry({})  # the schedule's carried_out: the backward's keeps are taken (donated)
+        store.drop_accumulated()
+        self.steps.update_done()
 
     def _weights(self, call: "_Call", i: int):
         """Stage ``i``'s weights on the device: its resident weights, or those the schedule brought."""
@@ -253,21 +253,21 @@ class StreamExecutor:
         cotangent) and the backward in reverse; returns ``(output,)`` or ``(loss or output, input
         cotangent, gradients or None)``."""
         n, store = self.config.num_stages, self.store
-        store.carry = {j: store.carry[j] for j in call.schedule.carried_in}  # a stale copy is dropped
+        store.keep_carried(call.schedule.carried_in)  # a stale copy is dropped
         if call.offload and call.save:
             call.residual_dev_sh = [list(e.output_shardings[1]) for e in fwd]
         call.offloaded = [False] * n
         call.saved = [None] * n
         self.offloaded_activation_nbytes = 0
         x = self._stream_forward(call, h, fwd, train)
-        store.carry = {}  # whatever the forward did not take is stale
+        store.set_carry({})  # whatever the forward did not take is stale
         if not train:
-            store.carry = call.next_call
+            store.set_carry(call.next_call)
             return (x,)
         del x
         first = self._first_cotangent(call, loss_exe, cotangent, loss_args)
         host_grads = self._stream_backward(call, bwd, hyper, mode)
-        store.carry = call.next_call
+        store.set_carry(call.next_call)
         input_cotangent = merge_diff(call.grad, None, split_diff(call.sig.in_aval)[2])
         return first, input_cotangent, host_grads
 
@@ -369,10 +369,10 @@ class StreamExecutor:
             self._backward_stage(call, bwd[step.stage], step, hyper, mode)
         if mode is _UPDATE:
             self.steps.fused_update_done()
-            store.grad_acc, store.micro_batches = None, 0
+            store.drop_accumulated()
         elif mode is _ACCUM:
-            store.grad_acc, store.micro_batches = call.new_acc, store.micro_batches + 1
-            self.steps.sumsq = call.sumsq
+            store.accumulate(call.new_acc)
+            self.steps.accumulated(call.sumsq)
         return call.host_grads
 
     def _backward_stage(self, call: "_Call", exe, step: ScheduleStep, hyper, mode) -> None:

@@ -239,6 +239,27 @@ class StageStore:
         if state is not None:
             self.optimizer_state[stage] = jax.device_put(state, list(lay.state_host), may_alias=False)
 
+    def keep_carried(self, stages) -> None:
+        """Keep only the copies for the next call of ``stages`` (the others are stale or taken: dropped)."""
+        self.carry = {j: self.carry[j] for j in stages}
+
+    def take_carried(self, stage: int):
+        """``stage``'s weights kept on the device by the previous call (removed from the carry), or ``None``."""
+        carried = self.carry.pop(stage, None)
+        return None if carried is None else carried[1]
+
+    def set_carry(self, next_call: dict) -> None:
+        """The copies the call leaves for the next one: ``stage -> (host_params[stage], device copy)``."""
+        self.carry = next_call
+
+    def accumulate(self, new_acc: list) -> None:
+        """One more micro-batch summed: ``new_acc`` (per stage, the sums where they live) is ``grad_acc``."""
+        self.grad_acc, self.micro_batches = new_acc, self.micro_batches + 1
+
+    def drop_accumulated(self) -> None:
+        """The accumulated gradients are spent (an update) or dropped (a skipped one)."""
+        self.grad_acc, self.micro_batches = None, 0
+
     def weights_in(self, stage: int):
         """Start copying ``stage``'s weights to the device (asynchronous); returns the device copy."""
         return jax.device_put(self.host_params[stage], self.layouts[stage].device_sharding)

@@ -472,7 +472,7 @@ class StreamingRuntime:
     def release_prefetched(self) -> None:
         """Drop the weights held in device memory for the next call (frees up to k stages' weights;
         the next call then streams its first stages again)."""
-        self.store.carry = {}
+        self.store.set_carry({})
 
     def output_aval(self, h):
         """Shape and dtype of ``forward(h)`` without running anything (traces on first use of a signature).

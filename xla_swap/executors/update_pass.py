@@ -70,6 +70,14 @@ class OptimizerSteps:
         self.step += 1
         self.last_grad_norm, self.last_step_skipped = None, False
 
+    def update_done(self) -> None:
+        """After the separate update pass: one more step (its norm is ``last_grad_norm`` already)."""
+        self.step += 1
+
+    def accumulated(self, sumsq: list) -> None:
+        """After an accumulating backward: its per-stage sums of squares, for the next update's norm."""
+        self.sumsq = sumsq
+
     def clip_coefficient(self, max_grad_norm: float | None, skip_nonfinite: bool):
         """After the last micro-batch's backward: the global gradient norm (one host sync) into
         ``last_grad_norm``; returns the float32 coefficient the gradients are scaled by
