@@ -41,11 +41,12 @@ class RuntimeParts:
 
     @classmethod
     def build(cls, config: RuntimeConfig, fns: list, stage_params, avals: list, leaf_layout: tuple,
-              layout: ActivationLayout, groups: list | None, optimizer_state, *, own_params: bool) -> "RuntimeParts":
+              layout: ActivationLayout, groups: list | None, optimizer_state, *, own_params: bool,
+              step: int = 0) -> "RuntimeParts":
         """The parts over checked inputs: ``fns`` one stage function per stage, ``stage_params`` the weights,
         ``avals`` their ``jax.ShapeDtypeStruct`` pytrees, ``leaf_layout`` ``placement.leaf_shardings``'
         ``(host_sh, dev_sh, train_mask, group_idx)``, ``groups`` the optimizer's parameter groups or
-        ``None``, ``optimizer_state`` the initial moments or ``None`` (zeros).
+        ``None``, ``optimizer_state`` the initial moments or ``None`` (zeros), ``step`` the steps done.
 
         Raises: ValueError: ``optimizer_state`` as ``StageStore.place_optimizer_state`` refuses it (the
           only input not checked before; nothing is kept then).
@@ -53,7 +54,7 @@ class RuntimeParts:
         c = config
         layouts = stage_layouts(avals, *leaf_layout, resident=c.resident, grads_to_host=c.grads_to_host,
                                 optimizer_state_on_host=c.optimizer_state_on_host, has_optimizer=groups is not None)
-        steps = OptimizerSteps(groups)
+        steps = OptimizerSteps(groups, step)
         store = StageStore(stage_params, layouts, c.resident, steps.optimizer, own_params=own_params,
                            copy=groups is not None)
         store.place_optimizer_state(optimizer_state, own_state=own_params)
@@ -85,8 +86,7 @@ class RuntimeParts:
                                           lay.device_sharding) for lay, r in zip(lays, config.resident)]
         leaf_layout = (host_sh, [lay.device_sharding for lay in lays], [lay.train_mask for lay in lays],
                        [lay.groups for lay in lays])
-        new = RuntimeParts.build(config, list(self.compiler.fns), list(store.host_params),
-                                 [lay.param_aval for lay in lays], leaf_layout, self.layout, groups,
-                                 store.optimizer_state if groups is not None else None, own_params=own_params)
-        new.steps.step = self.steps.step
-        return new
+        return RuntimeParts.build(config, list(self.compiler.fns), list(store.host_params),
+                                  [lay.param_aval for lay in lays], leaf_layout, self.layout, groups,
+                                  store.optimizer_state if groups is not None else None, own_params=own_params,
+                                  step=self.steps.step)

@@ -22,9 +22,10 @@ class OptimizerSteps:
 
     Args:
       groups: one ``AdamW`` per parameter group (``optim.check_optimizer``'s result), or ``None``.
+      step: the optimizer steps applied so far (another runtime's, carried over).
     """
 
-    def __init__(self, groups: list | None):
+    def __init__(self, groups: list | None, step: int = 0):
         #: the configuration of parameter group 0 (its ``state_dtype`` is every group's), or ``None``.
         self.optimizer: AdamW | None = groups[0] if groups else None
         #: one ``AdamW`` per parameter group, read at every ``train_step`` (assign new ones between
@@ -33,7 +34,7 @@ class OptimizerSteps:
         #: the number of parameter groups the executables are built for (0 without an optimizer).
         self.num_groups: int = len(groups) if groups else 0
         #: number of optimizer steps applied so far.
-        self.step: int = 0
+        self.step: int = step
         #: the global gradient norm of the last update that computed one, else ``None``.
         self.last_grad_norm: float | None = None
         #: whether the last update was skipped for a non-finite gradient (``skip_nonfinite``).
