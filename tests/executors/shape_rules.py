@@ -6,7 +6,9 @@ on the source by ``test_package_shape``:
   :data:`MAX_MODULE_DOCSTRING_LINES` lines (descriptions and run history live in ``docs/``);
 * no module imports a private (``_``-prefixed) name of another ``xla_swap`` module, nor reads a private
   attribute of an object other than ``self`` / ``cls`` (``private_attribute_reads``);
-* no run of six code lines stands to the letter in two places (``repeated_blocks``).
+* no run of six code lines stands to the letter in two places (``repeated_blocks``);
+* no class has more than one base other than exceptions and protocols (``multiple_bases``: one class
+  holds its parts, it is not assembled from mixins; checked on ``xla_swap/executors/`` for now).
 """
 from __future__ import annotations
 
@@ -85,6 +87,27 @@ def private_attribute_reads(path: pathlib.Path, root: pathlib.Path = ROOT) -> li
             found.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}")
     return found
 
+
+def _is_exception_or_protocol(base: ast.expr) -> bool:
+    """A base named ``...Error`` / ``...Exception`` / ``...Warning`` / ``BaseException``, or ``Protocol``
+    (``typing.Protocol``, ``Protocol[T]``)."""
+    if isinstance(base, ast.Subscript):
+        base = base.value
+    name = base.attr if isinstance(base, ast.Attribute) else base.id if isinstance(base, ast.Name) else ""
+    return name == "Protocol" or name.endswith(("Error", "Exception", "Warning"))
+
+
+def multiple_bases(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
+    """``"file:line Name(A, B)"`` for every class in ``path`` with more than one base other than exceptions
+    and protocols (:func:`_is_exception_or_protocol`; ``metaclass=`` and other keywords are not bases)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ClassDef):
+            counted = [b for b in node.bases if not _is_exception_or_protocol(b)]
+            if len(counted) > 1:
+                found.append(f"{path.relative_to(root)}:{node.lineno} {node.name}"
+                             f"({', '.join(ast.unparse(b) for b in node.bases)})")
+    return found
 
 
 def _code_lines(path: pathlib.Path) -> list[tuple[int, str]]:

@@ -105,17 +105,24 @@ def forbid_clock(monkeypatch) -> None:
 
 
 def count_runtime_builds(monkeypatch) -> list:
-    """Wrap ``StreamingRuntime.__init__`` for the rest of the test: every runtime construction
-    from now on (direct, by ``from_policy``, ``reconfigure`` or a ``SwappedStack``) appends the
-    runtime to the returned list as it starts (a constructor that raises counts too)."""
+    """Wrap ``StreamingRuntime.__init__`` and ``_adopt`` (where a runtime takes its parts) for the rest of
+    the test: every runtime construction from now on (direct, by ``from_policy``, ``reconfigure`` /
+    ``reconfigured`` or a ``SwappedStack``) appends the runtime to the returned list once, as it starts
+    (a constructor that raises counts too)."""
     from xla_swap.executors import StreamingRuntime
 
     built = []
-    init = StreamingRuntime.__init__
+    init, adopt = StreamingRuntime.__init__, StreamingRuntime._adopt
 
     def counting_init(self, *args, **kwargs):
         built.append(self)
         init(self, *args, **kwargs)
 
+    def counting_adopt(self, parts):
+        if not any(b is self for b in built):
+            built.append(self)
+        adopt(self, parts)
+
     monkeypatch.setattr(StreamingRuntime, "__init__", counting_init)
+    monkeypatch.setattr(StreamingRuntime, "_adopt", counting_adopt)
     return built

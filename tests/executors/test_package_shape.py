@@ -1,9 +1,9 @@
 """Every module of ``xla_swap/`` holds the shape rules of ``shape_rules`` (no module over 600 lines, no
 function over 80, no module docstring over 40, no private name of another module imported, no run of six
-code lines written twice)."""
+code lines written twice; in ``xla_swap/executors/``, no class of several bases but exceptions and protocols)."""
 from __future__ import annotations
 
-from shape_rules import (MAX_FUNCTION_LINES, MAX_MODULE_DOCSTRING_LINES, MAX_MODULE_LINES, PACKAGE,
+from shape_rules import (MAX_FUNCTION_LINES, MAX_MODULE_DOCSTRING_LINES, MAX_MODULE_LINES, PACKAGE, multiple_bases,
                          private_attribute_reads, private_imports, repeated_blocks, shape_violations)
 
 # The private reads of another object's attributes that remain: each is to
@@ -41,6 +41,31 @@ def test_no_private_attribute_of_another_object_is_read():
 def test_no_block_of_six_lines_is_written_twice():
     bad = repeated_blocks(_modules())
     assert not bad, "one piece of code where the logic is the same:\n" + "\n".join(bad)
+
+
+def test_no_class_has_several_bases():
+    """A class of ``xla_swap/executors/`` holds its parts (composition); it has at most one base besides
+    exceptions and protocols."""
+    files = [p for p in _modules() if p.parent.name == "executors"]
+    assert len(files) > 10, files
+    bad = [v for p in files for v in multiple_bases(p)]
+    assert not bad, "hold the parts as attributes, not as base classes (mixins):\n" + "\n".join(bad)
+
+
+def test_multiple_bases_flags_a_two_base_class(tmp_path):
+    """Two plain bases are flagged, also for a class nested in a function; one base, an exception or a
+    protocol beside one, and a metaclass keyword are not."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import typing\n"
+                     "class A: pass\n"
+                     "class B(A): pass\n"
+                     "class C(A, B): pass\n"
+                     "class D(A, ValueError): pass\n"
+                     "class E(A, typing.Protocol): pass\n"
+                     "class F(A, metaclass=type): pass\n"
+                     "def f():\n"
+                     "    class G(A, mod.B): pass\n")
+    assert multiple_bases(probe, root=tmp_path) == ["probe.py:4 C(A, B)", "probe.py:9 G(A, mod.B)"]
 
 
 def test_repeated_blocks_flags_a_copied_run(tmp_path):

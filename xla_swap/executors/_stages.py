@@ -195,6 +195,14 @@ def check_memory_kinds(dev, who: str) -> None:
                          f"{DEVICE_KIND!r}")
 
 
+def param_key(params, shardings) -> tuple:
+    """A hashable key of a stage's weights as placed: their tree structure, and per leaf its shape, dtype
+    and sharding (``params`` and ``shardings`` pytrees of one structure; arrays or avals)."""
+    return (jax.tree_util.tree_structure(params),
+            tuple((tuple(a.shape), str(a.dtype), s) for a, s in zip(jax.tree_util.tree_leaves(params),
+                                                                    jax.tree_util.tree_leaves(shardings))))
+
+
 def index_by_identity(items, x):
     """The index of the first element of ``items`` that *is* ``x`` (not ``==``), or ``None``."""
     for j, item in enumerate(items):

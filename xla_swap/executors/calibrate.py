@@ -37,7 +37,7 @@ from xla_swap.planning.chooser import CHOICES, ChoiceCache, ScheduleChoice, choo
 from xla_swap.planning.planner import GB, LayerCost, Link
 from xla_swap.planning.units import check_budget_bytes
 
-from ._stages import DEVICE_KIND, HOST_KIND, aval_key, probe, split_diff
+from ._stages import HOST_KIND, aval_key, probe, split_diff
 from . import optim as _optim
 from .streaming import StreamingRuntime
 
@@ -380,10 +380,10 @@ def reconfigure(runtime: StreamingRuntime, choice: ScheduleChoice, *, own_params
     ``own_params=False``: ``runtime`` is left as it was (its buffers stay until it is dropped):
     while both exist, host memory holds the weights (and optimizer state) twice. ``own_params=True``:
     the new runtime takes ``runtime``'s weights and optimizer state where they already sit
-    (``StreamingRuntime(own_params=True)``), with no copy; ``runtime`` must not be called afterwards
-    (the new runtime's updates may donate what they share). The optimizer state is placed straight
-    into its new place (``StreamingRuntime(optimizer_state=...)``): no zero state is allocated
-    first, so a choice with the moments in device memory holds them there once.
+    with no copy; ``runtime`` must not be called afterwards (the new runtime's updates may donate what
+    they share). The optimizer state is placed straight into its new place: no zero state is allocated
+    first, so a choice with the moments in device memory holds them there once. This is
+    ``runtime.reconfigured(**choice.runtime_kwargs())``: the same stages, another ``RuntimeConfig``.
 
     Raises: TypeError: ``runtime`` not a ``StreamingRuntime``, ``choice`` not a
       ``ScheduleChoice`` or ``own_params`` not a bool; ValueError: ``choice.resident`` has another
@@ -397,33 +397,11 @@ def reconfigure(runtime: StreamingRuntime, choice: ScheduleChoice, *, own_params
     rt = runtime
     if len(choice.resident) != rt.num_stages:
         raise ValueError(f"choice.resident has {len(choice.resident)} stages, the runtime {rt.num_stages}")
-    if rt.grad_acc is not None:
-        raise ValueError(f"the runtime holds the gradients of {rt.micro_batches} accumulated micro-batches; "
-                         "reconfigure after the update (train_step with accumulate=False)")
-    path_sh = [{jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_flatten_with_path(d)[0]}
-               for d in rt.device_shardings]
-    path_train = [{jax.tree_util.keystr(p): m for (p, _), m in
-                   zip(jax.tree_util.tree_flatten_with_path(a)[0], mask)}
-                  for a, mask in zip(rt.param_avals, rt.trainable_mask)]
-    path_group = [dict(zip([jax.tree_util.keystr(p) for (p, _), m in zip(jax.tree_util.tree_flatten_with_path(a)[0], mask)
-                            if m], groups))
-                  for a, mask, groups in zip(rt.param_avals, rt.trainable_mask, rt.group_idx)]
     kw = choice.runtime_kwargs()
     remat = kw.pop("remat", rt.remat)
     if remat is False and not isinstance(rt.remat, bool):
         remat = rt.remat
-    new = StreamingRuntime(
-        list(rt.stage_fns), list(rt.host_params),
-        sharding=lambda i, path, leaf: path_sh[i][jax.tree_util.keystr(path)].with_memory_kind(DEVICE_KIND),
-        activation_sharding=rt.activation_sharding, batch_axis=rt.batch_axis, donate=rt.donate,
-        throttle=rt.throttle, track_residency=rt.track_residency, trace=rt.trace, remat=remat,
-        grads_to_host=rt.grads_to_host, optimizer=rt.param_groups,
-        trainable=lambda i, path: path_train[i][jax.tree_util.keystr(path)],
-        group_of=lambda i, path: path_group[i][jax.tree_util.keystr(path)], max_signatures=rt.max_signatures,
-        prefetch_next_call=rt.prefetch_next_call,
-        optimizer_state=rt.optimizer_state if rt.optimizer is not None else None, own_params=own_params, **kw)
-    new.step = rt.step
-    return new
+    return rt.reconfigured(own_params=own_params, remat=remat, **kw)
 
 
 def autotune(runtime: StreamingRuntime, h, budget_bytes: int, *, training: bool = True, reps: int = 3,

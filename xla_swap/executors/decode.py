@@ -19,7 +19,6 @@ The module imports only numpy and jax (no torch).
 """
 from __future__ import annotations
 
-import collections
 from typing import Any, Callable, Sequence
 
 import jax
@@ -28,7 +27,9 @@ from jax.sharding import Sharding
 
 from xla_swap.planning.prefetch import EVENT_KINDS, PrefetchSchedule, ScheduleStep
 
-from ._stages import DEVICE_KIND, HOST_KIND, aval_key, tree_aval
+from .config import check_max_signatures, check_prefetch_depth
+from .signatures import ExeKey, Signature, SignatureCache, StageKey, distinct_ids
+from ._stages import DEVICE_KIND, HOST_KIND, aval_key, param_key, tree_aval
 from .stage_programs import gathered
 
 __all__ = ["StatefulStreamer", "state_nbytes"]
@@ -68,9 +69,10 @@ class StatefulStreamer:
         stack wants; ``executors.stage_programs.gathered``). Default ``False``: as XLA partitions it.
 
     Raises:
-      TypeError: a stage function is not callable; ``state_on_host`` not a bool or a sequence of bools.
+      TypeError: a stage function is not callable; ``state_on_host`` not a bool or a sequence of bools;
+        ``prefetch_depth`` not an int.
       ValueError: the per-stage sequences differ in length; ``prefetch_depth < 1``;
-        ``max_signatures < 1``.
+        ``max_signatures`` not an int >= 1.
     """
 
     def __init__(self, stage_fns: Sequence[Callable], host_params: list, param_shardings: Sequence[Any], *,
@@ -89,10 +91,7 @@ class StatefulStreamer:
         if isinstance(state_on_host, (str, bytes)) or not isinstance(state_on_host, Sequence) \
                 or len(state_on_host) != n or not all(isinstance(b, bool) for b in state_on_host):
             raise TypeError(f"state_on_host must be a bool or {n} bools, got {state_on_host!r}")
-        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, (int, np.integer)) or prefetch_depth < 1:
-            raise ValueError(f"prefetch_depth must be an int >= 1, got {prefetch_depth!r}")
-        if isinstance(max_signatures, bool) or not isinstance(max_signatures, (int, np.integer)) or max_signatures < 1:
-            raise ValueError(f"max_signatures must be an int >= 1, got {max_signatures!r}")
+        prefetch_depth, max_signatures = check_prefetch_depth(prefetch_depth), check_max_signatures(max_signatures)
         resident = [False] * n if resident is None else [bool(r) for r in resident]
         if len(resident) != n:
             raise ValueError(f"resident must have {n} entries, got {len(resident)}")
@@ -108,21 +107,14 @@ class StatefulStreamer:
         self.max_signatures = int(max_signatures)
         self._gather = activation_sharding.with_memory_kind(DEVICE_KIND) if gather_weights else None
         self._fns = list(stage_fns)
-        self._fn_ids = []
-        uniq: list = []
-        for f in stage_fns:
-            j = next((j for j, u in enumerate(uniq) if u is f), None)
-            if j is None:
-                uniq.append(f)
-                j = len(uniq) - 1
-            self._fn_ids.append(j)
+        self._fn_ids = distinct_ids(stage_fns)
         self._dev_sh = list(param_shardings)
         self._dev_state_sh = activation_sharding.with_memory_kind(DEVICE_KIND)
         self._host_state_sh = activation_sharding.with_memory_kind(HOST_KIND)
         #: per stage, the state (``None`` for stateless stages, or before the first call).
         self.states: list = [None] * n
-        self._sigs: collections.OrderedDict = collections.OrderedDict()
-        self._compiled: dict = {}
+        # per input signature (LRU), the stages' input avals and the executables compiled for them
+        self._cache = SignatureCache(self.max_signatures)
         self._carry: dict[int, tuple[Any, Any]] = {}   # stage -> (its host weights, device copy) for the next call
         #: the :class:`PrefetchSchedule` the last :meth:`run` executed (``None`` before the first).
         self.last_schedule: PrefetchSchedule | None = None
@@ -135,8 +127,9 @@ class StatefulStreamer:
     # ---------------------------------------------------------------- public
     @property
     def num_executables(self) -> int:
-        """Distinct stage executables compiled so far (all input signatures)."""
-        return len(self._compiled)
+        """Distinct stage executables cached now (all input signatures; a signature dropped from the
+        cache, beyond ``max_signatures``, takes its executables with it)."""
+        return self._cache.num_executables
 
     def executables(self, x) -> list:
         """The compiled executables a :meth:`run` on ``x``'s signature runs, one per stage, in order.
@@ -157,8 +150,8 @@ class StatefulStreamer:
         Raises: TypeError: ``x`` has no array leaves. ValueError naming the stage when one fails
           to trace or returns a state unlike ``state_avals`` (as :meth:`run`).
         """
-        chain = self._signature(x)
-        return [self._exe(i, chain[i]) for i in range(self.num_stages)]
+        sig = self._signature(x)
+        return [self._exe(sig, i) for i in range(self.num_stages)]
 
     def reset_states(self) -> None:
         """(Re)allocate every state as zeros where it lives (``pinned_host`` or device memory)."""
@@ -176,7 +169,7 @@ class StatefulStreamer:
 
     def output_aval(self, x):
         """Shape and dtype of :meth:`run`'s output for ``x`` (traces on first use of a signature)."""
-        return self._signature(x)[-1]
+        return self._signature(x).chain[-1]
 
     def schedule(self) -> PrefetchSchedule:
         """The schedule of the next :meth:`run` (read-only): a forward over the stages with the cyclic
@@ -198,8 +191,8 @@ class StatefulStreamer:
         Raises: ValueError naming the stage when one fails to trace, or returns a state of another
           structure, shape or dtype than ``state_avals`` says (before anything runs).
         """
-        chain = self._signature(x)
-        exes = [self._exe(i, chain[i]) for i in range(self.num_stages)]   # every compile before the first transfer
+        sig = self._signature(x)
+        exes = [self._exe(sig, i) for i in range(self.num_stages)]   # every compile before the first transfer
         if any(s is None and a is not None for s, a in zip(self.states, self.state_avals)):
             self.reset_states()
         x = jax.device_put(x, self.activation_sharding)
@@ -265,13 +258,13 @@ class StatefulStreamer:
                     raise AssertionError(f"a forward step has no {kind} event")
                 self.executed_events.append((step.pass_name, step.stage, kind, j))
 
-    def _signature(self, x) -> list:
-        a = tree_aval(x, "x")
-        key = aval_key(a)
-        chain = self._sigs.get(key)
-        if chain is not None:
-            self._sigs.move_to_end(key)
-            return chain
+    def _signature(self, x) -> Signature:
+        """The cached :class:`Signature` of ``x`` (its stages' input avals, ``chain``), or a new one traced."""
+        return self._cache.signature(tree_aval(x, "x"), self._trace_chain)
+
+    def _trace_chain(self, a) -> list:
+        """The avals of every stage's input for an input of avals ``a`` (``chain[n]`` the output).
+        Raises: ValueError naming a stage that fails to trace or returns a state unlike ``state_avals``."""
         chain = [a]
         for i, f in enumerate(self._fns):
             pav = jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), self.host_params[i])
@@ -285,21 +278,20 @@ class StatefulStreamer:
                 if aval_key(new_s) != aval_key(sav):
                     raise ValueError(f"stage {i} returns a state of {new_s}, not of its state_avals {sav}")
             chain.append(jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), out))
-        self._sigs[key] = chain
-        while len(self._sigs) > self.max_signatures:
-            self._sigs.popitem(last=False)
         return chain
 
-    def _exe(self, i: int, in_aval):
-        pav = self.host_params[i]
-        pkey = (jax.tree_util.tree_structure(pav),
-                tuple((tuple(v.shape), str(v.dtype), s) for v, s in zip(jax.tree_util.tree_leaves(pav),
-                                                                         jax.tree_util.tree_leaves(self._dev_sh[i]))))
+    def _exe(self, sig: Signature, i: int):
+        """Stage ``i``'s executable for ``sig`` (shared by the stages of equal function, weights, state and
+        input avals): ``(p, x) -> y``, or ``(p, s, x) -> (y, s)`` with the state donated."""
         sav = self.state_avals[i]
-        key = (self._fn_ids[i], pkey, None if sav is None else aval_key(sav), aval_key(in_aval))
-        exe = self._compiled.get(key)
-        if exe is not None:
-            return exe
+        base = StageKey(self._fn_ids[i], param_key(self.host_params[i], self._dev_sh[i]), aval_key(sig.chain[i]),
+                        state=() if sav is None else aval_key(sav))
+        return self._cache.executable(sig, i, ExeKey("forward", donate=sav is not None), base,
+                                      lambda: self._compile(i, sig.chain[i]))
+
+    def _compile(self, i: int, in_aval):
+        pav = self.host_params[i]
+        sav = self.state_avals[i]
         spec = lambda av, sh: jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), av)
         pspec = jax.tree_util.tree_map(lambda v, sh: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh),
                                        pav, self._dev_sh[i])
@@ -307,10 +299,6 @@ class StatefulStreamer:
         xspec = spec(in_aval, act)
         f = gathered(self._fns[i], self._gather)
         if sav is None:
-            exe = jax.jit(lambda p, x: f(p, x), out_shardings=act).lower(pspec, xspec).compile()
-        else:
-            exe = jax.jit(lambda p, s, x: f(p, s, x), out_shardings=(act, self._dev_state_sh),
-                          donate_argnums=(1,)).lower(pspec, spec(sav, self._dev_state_sh), xspec).compile()
-        self._compiled[key] = exe
-        return exe
-
+            return jax.jit(lambda p, x: f(p, x), out_shardings=act).lower(pspec, xspec).compile()
+        return jax.jit(lambda p, s, x: f(p, s, x), out_shardings=(act, self._dev_state_sh),
+                       donate_argnums=(1,)).lower(pspec, spec(sav, self._dev_state_sh), xspec).compile()

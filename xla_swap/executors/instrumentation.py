@@ -1,5 +1,6 @@
-"""Instrumentation of a streaming runtime: the stages with live device buffers, the memory
-report, the compiled executables' memory and HLO, and a stage's planner ``LayerCost``.
+"""Instrumentation of a streaming runtime: the stages with live device buffers (:class:`ResidencyTracker`),
+and its read-only views (:class:`RuntimeInspector`): the memory report, the compiled executables'
+memory and HLO, and a stage's planner ``LayerCost``.
 
 Imports only jax (no torch).
 """
@@ -15,7 +16,7 @@ from .report import MemoryReport, compiled_report, stats_dict
 from .stage_programs import forward_save_fn
 from ._stages import DEVICE_KIND, probe, tree_nbytes
 
-__all__ = ["RuntimeInstrumentation", "device_nbytes", "memory_analysis"]
+__all__ = ["ResidencyTracker", "RuntimeInspector", "device_nbytes", "memory_analysis"]
 
 
 def device_nbytes(tree) -> int:
@@ -33,31 +34,26 @@ def memory_analysis(exe):
 
 
 
-class RuntimeInstrumentation:
-    """The instrumentation part of :class:`xla_swap.executors.StreamingRuntime` (a base class of
-    it, not used alone): residency tracking, memory reports and layer costs."""
+class ResidencyTracker:
+    """Which stages have runtime-created device buffers alive: counted after each stage of a call
+    (with ``track_residency``) into ``residency_trace`` and ``max_resident_stages``.
 
-    def _init_instrumentation(self) -> None:
-        """The byte counts of the weights and optimizer state, and empty residency statistics."""
-        n = self.num_stages
-        #: bytes of each stage's weights (logical sizes), and their sum.
-        self.stage_nbytes: list[int] = [tree_nbytes(p) for p in self.host_params]
-        self.weight_nbytes: int = sum(self.stage_nbytes)
-        #: bytes of each stage's optimizer state (logical sizes).
-        self.optimizer_state_nbytes: list[int] = [tree_nbytes(s) for s in self.optimizer_state] or [0] * n
-        #: bytes of the residuals each stage keeps from its forward for its backward in
-        #: ``train_step`` beyond its input (0 with ``remat=True``); set by each training call.
-        self.residual_nbytes: list[int] = [0] * n
+    Args: ``enabled``: the runtime's ``track_residency``; ``resident``: per stage, whether it is
+      resident (its buffers are not counted).
+    """
+
+    def __init__(self, enabled: bool, resident: tuple):
+        self.enabled, self.resident = enabled, resident
         self._tracked: dict[int, tuple[weakref.ref, int]] = {}
         #: highest number of stages with live device buffers seen at any step since the
         #: last ``reset_stats()`` (only with ``track_residency``).
         self.max_resident_stages: int = 0
         #: ``[(pass_name, stage, resident_stages), ...]`` of the last call.
         self.residency_trace: list[tuple[str, int, int]] = []
-        #: the schedule the last call executed (an ``xla_swap.planning.PrefetchSchedule``), and its
-        #: events as executed: ``(pass_name, step's stage or None, kind, stage)``, = ``events()``.
-        self.last_schedule = None
-        self.executed_events: list[tuple[str, int | None, str, int]] = []
+
+    def start_call(self) -> None:
+        """A call starts: ``residency_trace`` empty (``max_resident_stages`` runs on)."""
+        self.residency_trace = []
 
     def reset_stats(self) -> None:
         """Reset ``max_resident_stages`` and ``residency_trace``."""
@@ -86,6 +82,35 @@ class RuntimeInstrumentation:
             del tracked[key]
         return len(stages)
 
+    def track(self, tree, stage: int) -> None:
+        """Count ``tree``'s device buffers as ``stage``'s in :meth:`resident_stages` (not for a resident stage)."""
+        if not self.enabled or self.resident[stage]:
+            return
+        for leaf in jax.tree_util.tree_leaves(tree):
+            self._tracked[id(leaf)] = (weakref.ref(leaf), stage)
+
+    def record(self, pass_name: str, stage: int) -> None:
+        """After ``stage`` of ``pass_name``: append the live-stage count to ``residency_trace``."""
+        if not self.enabled:
+            return
+        r = self.resident_stages()
+        self.residency_trace.append((pass_name, stage, r))
+        if r > self.max_resident_stages:
+            self.max_resident_stages = r
+
+
+class RuntimeInspector:
+    """The read-only views of a streaming runtime: memory reports, the compiled executables' memory and
+    HLO, and a stage's planner ``LayerCost``.
+
+    Args: the runtime's ``config``, ``store``, ``compiler``, ``layout``, ``residency`` and ``executor``
+      (for its ``schedule``).
+    """
+
+    def __init__(self, config, store, compiler, layout, residency, executor):
+        self.config, self.store, self.compiler = config, store, compiler
+        self.layout, self.residency, self.executor = layout, residency, executor
+
     def memory_report(self, training: bool = False) -> MemoryReport:
         """Device and host memory of this runtime, per device: compiled, predicted by the schedule, measured.
 
@@ -102,19 +127,21 @@ class RuntimeInstrumentation:
 
         Raises: TypeError: ``training`` is not a bool.
         """
-        sched = self.schedule(training)
-        n = self.num_stages
-        weights = [device_nbytes(p) for p in self.host_params]
-        state = [device_nbytes(s) for s in self.optimizer_state] or [0] * n
-        resident = sum(weights[i] + state[i] for i in range(n) if self.resident[i])
-        host = sum(weights[i] + (state[i] if self.optimizer_state_on_host else 0)
-                   for i in range(n) if not self.resident[i])
+        sched = self.executor.schedule(training)
+        c, store = self.config, self.store
+        n = c.num_stages
+        weights = [device_nbytes(p) for p in store.host_params]
+        state = [device_nbytes(s) for s in store.optimizer_state] or [0] * n
+        resident = sum(weights[i] + state[i] for i in range(n) if c.resident[i])
+        host = sum(weights[i] + (state[i] if c.optimizer_state_on_host else 0)
+                   for i in range(n) if not c.resident[i])
         extra = dict(predicted_live_stages=sched.max_live_stages,
                      predicted_live_weight_bytes=sched.peak_live_bytes(weights),
                      resident_weight_bytes=resident, host_weight_bytes=host,
-                     measured_live_stages=self.max_resident_stages if self.track_residency else None)
-        stats = [stats_dict(memory_analysis(exe)) for sig in self._sigs.values() for exe in sig.compiled.values()]
-        num_devices = len(self.activation_sharding.device_set)
+                     measured_live_stages=self.residency.max_resident_stages if c.track_residency else None)
+        stats = [stats_dict(memory_analysis(exe)) for sig in self.compiler.sigs.values()
+                 for exe in sig.compiled.values()]
+        num_devices = len(self.layout.activation_sharding.device_set)
         if not stats:
             return MemoryReport("streaming", num_devices, split_source="none", **extra)
         largest = {key: max(s.get(key, 0) for s in stats) for key in set().union(*stats)}
@@ -129,12 +156,12 @@ class RuntimeInstrumentation:
           the executable; ``None`` where the backend reports nothing).
         """
         out = []
-        for sig in self._sigs.values():
-            for key, exe in sig.compiled.items():
-                stages = [i for (k, i), e in sig.stage_exe.items() if e is exe and k == key[1]]
+        for sig in self.compiler.sigs.values():
+            for (_, key), exe in sig.compiled.items():
+                stages = [i for (k, i), e in sig.stage_exe.items() if e is exe and k == key]
                 m = memory_analysis(exe)
                 get = (lambda a: getattr(m, a, None)) if m is not None else (lambda a: None)
-                out.append({"kind": key[1], "stages": stages,
+                out.append({"kind": key.label, "stages": stages,
                             "argument_bytes": get("argument_size_in_bytes"),
                             "output_bytes": get("output_size_in_bytes"),
                             "alias_bytes": get("alias_size_in_bytes"),
@@ -147,7 +174,8 @@ class RuntimeInstrumentation:
         The optimized HLO module (``Compiled.as_text()``), for checks of what was compiled:
         the precision of the contractions, the memory kinds, the collectives.
         """
-        return [(key[1], exe.as_text()) for sig in self._sigs.values() for key, exe in sig.compiled.items()]
+        return [(key.label, exe.as_text()) for sig in self.compiler.sigs.values()
+                for (_, key), exe in sig.compiled.items()]
 
     def stage_input_nbytes(self) -> list[int]:
         """Bytes of each stage's input activation (the carry), for the last call's input signature.
@@ -158,9 +186,10 @@ class RuntimeInstrumentation:
         Returns: list of ``num_stages`` ints (bytes). Raises: ``RuntimeError`` before the
         first ``forward``/``train_step``/``output_aval`` (the shapes are not known yet).
         """
-        if self._last_sig is None:
+        last = self.compiler.last_sig
+        if last is None:
             raise RuntimeError("stage_input_nbytes: call forward, train_step or output_aval first")
-        return [tree_nbytes(a) for a in self._last_sig.chain[:-1]]
+        return [tree_nbytes(a) for a in last.chain[:-1]]
 
     def layer_cost(self, h, stage: int, *, measure_reps: int = 0, flops_per_s: float | None = None):
         """A planner ``LayerCost`` for one stage, derived from its compiled executables (and, optionally, timed).
@@ -185,19 +214,18 @@ class RuntimeInstrumentation:
           ``flops_per_s``; the backend reports no FLOPs; the checks of ``forward``.
         """
         from xla_swap.planning import LayerCost
-        if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)) or not 0 <= stage < self.num_stages:
-            raise ValueError(f"stage must be an int in [0, {self.num_stages}), got {stage!r}")
+        self.store.check_stage(stage)
         if isinstance(measure_reps, bool) or not isinstance(measure_reps, int) or measure_reps < 0:
             raise ValueError(f"measure_reps must be an int >= 0, got {measure_reps!r}")
         if (measure_reps > 0) == (flops_per_s is not None):
             raise ValueError("layer_cost needs exactly one of measure_reps > 0 (time the stage) and flops_per_s")
-        sig = self._signature(h)
+        sig = self.compiler.signature(h)
         hin = sig.chain[stage]
-        fwd = self._exe(sig, "forward", stage, False)
+        fwd = self.compiler.exe(sig, self.compiler.exe_key("forward"), stage)
         kw = self.stage_cost_bytes(sig, stage)
         if measure_reps:
-            p = jax.device_put(self.host_params[stage], self._dev_sh[stage])
-            x = jax.device_put(jax.tree_util.tree_map(probe, hin), self._act(hin, sig.replicated))
+            p = self.store.weights_in(stage)
+            x = jax.device_put(jax.tree_util.tree_map(probe, hin), self.layout.act(hin, sig.replicated))
             jax.block_until_ready(fwd(p, x))
             ts = []
             for _ in range(measure_reps):
@@ -224,31 +252,17 @@ class RuntimeInstrumentation:
 
         Raises: ValueError: ``stage`` not an int in ``[0, num_stages)``.
         """
-        self._check_stage(stage)
-        f, pav, hin = self._traced_fns[stage], self._param_avals[stage], sig.chain[stage]
-        mask = self._train_mask[stage]
+        self.store.check_stage(stage)
+        lay = self.store.layouts[stage]
+        f, pav, hin = self.compiler.traced_fns[stage], lay.param_aval, sig.chain[stage]
+        mask = list(lay.train_mask)
         saved = jax.eval_shape(forward_save_fn(f, False, {}, mask), pav, hin)[1]
-        bwd = self._exe(sig, "backward", stage, False) if self.optimizer is None else None
+        bwd = self.compiler.exe(sig, self.compiler.exe_key("backward"), stage) if not self.compiler.num_groups else None
         try:
             working = int(bwd.memory_analysis().temp_size_in_bytes) if bwd is not None else None
         except Exception:  # noqa: BLE001 - not every backend reports it
             working = None
         trained = [a for a, m in zip(jax.tree_util.tree_leaves(pav), mask) if m]
-        return dict(param_bytes=self.stage_nbytes[stage], grad_bytes=tree_nbytes(trained),
-                    optimizer_bytes=self.optimizer_state_nbytes[stage], carry_bytes=tree_nbytes(hin),
+        return dict(param_bytes=self.store.stage_nbytes[stage], grad_bytes=tree_nbytes(trained),
+                    optimizer_bytes=self.store.optimizer_state_nbytes[stage], carry_bytes=tree_nbytes(hin),
                     intermediate_bytes=tree_nbytes(saved), working_bytes=working)
-
-    def _track(self, tree, stage: int) -> None:
-        """Count ``tree``'s device buffers as ``stage``'s in ``resident_stages()`` (not for a ``resident`` stage)."""
-        if not self.track_residency or self.resident[stage]:
-            return
-        for leaf in jax.tree_util.tree_leaves(tree):
-            self._tracked[id(leaf)] = (weakref.ref(leaf), stage)
-
-    def _record(self, pass_name: str, stage: int) -> None:
-        if not self.track_residency:
-            return
-        r = self.resident_stages()
-        self.residency_trace.append((pass_name, stage, r))
-        if r > self.max_resident_stages:
-            self.max_resident_stages = r

@@ -1,10 +1,12 @@
-"""The loop of a streaming runtime: a ``forward`` or ``train_step`` call executed stage by stage,
-weights (and optimizer state, accumulated gradients, offloaded activations) fetched
-``prefetch_depth`` stages ahead, results sent back to host memory.
+"""The executor of a streaming runtime: a ``forward`` or ``train_step`` call (and its separate update
+pass) executed stage by stage, weights (and optimizer state, accumulated gradients, offloaded
+activations) fetched ``prefetch_depth`` stages ahead, results sent back to host memory.
 
-The loop decides nothing about what moves when: it executes the call's
+The :class:`StreamExecutor` decides nothing about what moves when: it executes the call's
 ``xla_swap.planning.PrefetchSchedule`` (``schedule()``) event by event and records each in
-``executed_events``. Imports only jax (no torch).
+``executed_events``. It holds the runtime's components (configuration, stage store, compiler,
+activation layout, residency tracker, optimizer progress) and owns the last call's record.
+Imports only jax (no torch).
 """
 from __future__ import annotations
 
@@ -16,15 +18,36 @@ import numpy as np
 
 from xla_swap.planning.prefetch import PrefetchSchedule, ScheduleStep
 
+from .config import BackwardMode, RuntimeConfig
 from .trace import StageEvent
 from ._stages import HOST_KIND, aval_key, merge_diff, split_diff, tree_aval, tree_nbytes
 
-__all__ = ["RuntimeLoop"]
+__all__ = ["StreamExecutor"]
+
+_GRADS, _UPDATE, _ACCUM = BackwardMode.GRADS, BackwardMode.UPDATE, BackwardMode.ACCUM
 
 
-class RuntimeLoop:
-    """The loop part of :class:`xla_swap.executors.StreamingRuntime` (a base class of it, not used
-    alone): ``_run`` compiles a call's executables, then streams it."""
+class StreamExecutor:
+    """Runs a streaming runtime's calls: ``run`` compiles a call's executables, then streams it.
+
+    Args: the runtime's components: ``config`` (a ``RuntimeConfig``), ``store`` (``StageStore``),
+      ``compiler`` (``StageCompiler``), ``layout`` (``ActivationLayout``), ``residency``
+      (``ResidencyTracker``), ``steps`` (``OptimizerSteps``).
+    """
+
+    def __init__(self, config: RuntimeConfig, store, compiler, layout, residency, steps):
+        self.config, self.store, self.compiler = config, store, compiler
+        self.layout, self.residency, self.steps = layout, residency, steps
+        n = config.num_stages
+        #: the schedule the last call executed (an ``xla_swap.planning.PrefetchSchedule``), and its
+        #: events as executed: ``(pass_name, step's stage or None, kind, stage)``, = ``events()``.
+        self.last_schedule: PrefetchSchedule | None = None
+        self.executed_events: list[tuple[str, int | None, str, int]] = []
+        #: bytes of stage inputs and saved residuals the last ``train_step`` sent to ``pinned_host``.
+        self.offloaded_activation_nbytes: int = 0
+        #: bytes of the residuals each stage keeps from its forward for its backward in
+        #: ``train_step`` beyond its input (0 with ``remat=True``); set by each training call.
+        self.residual_nbytes: list[int] = [0] * n
 
     def schedule(self, training: bool = False, *, steady_state: bool = True, optimizer: bool | None = None,
                  carry: Sequence[int] | None = None, update_pass: bool = False) -> PrefetchSchedule:
@@ -56,63 +79,66 @@ class RuntimeLoop:
         Raises: TypeError: a flag is not a bool. ValueError: ``optimizer`` or ``update_pass``
           without ``training``; ``carry`` not distinct streamed stages.
         """
+        c = self.config
         if optimizer is None:
-            optimizer = training is True and self.optimizer is not None
-        return PrefetchSchedule(self.num_stages, self.prefetch_depth, training=training, resident=self.resident,
-                                prefetch_next_call=self.prefetch_next_call, steady_state=steady_state,
-                                offload_activations=self.offload_activations, optimizer=optimizer, carry=carry,
+            optimizer = training is True and self.steps.optimizer is not None
+        return PrefetchSchedule(c.num_stages, c.prefetch_depth, training=training, resident=c.resident,
+                                prefetch_next_call=c.prefetch_next_call, steady_state=steady_state,
+                                offload_activations=c.offload_activations, optimizer=optimizer, carry=carry,
                                 update_pass=update_pass)
 
-    def _call_schedule(self, train: bool, mode, update_pass: bool) -> PrefetchSchedule:
+    def _call_schedule(self, train: bool, mode: BackwardMode, update_pass: bool) -> PrefetchSchedule:
         """The schedule of this call: cold, steady, or from the stages actually carried in (a carried
         copy of weights replaced since is stale: not carried in)."""
-        carried = tuple(sorted(j for j, c in self._carry.items() if c[0] is self.host_params[j]))
-        optimizer = train and (mode == "update" or (mode is not None and self.grad_acc is not None))
+        carried = self.store.carried()
+        optimizer = train and (mode is _UPDATE or (mode is _ACCUM and self.store.grad_acc is not None))
         sched = self.schedule(train, steady_state=bool(carried), optimizer=optimizer, update_pass=update_pass)
         if sched.carried_in != carried:
             sched = self.schedule(train, steady_state=True, optimizer=optimizer, carry=carried,
                                   update_pass=update_pass)
         return sched
 
-    def _run(self, h, *, train: bool, loss_exe=None, cotangent=None, loss_args=(), hyper=None, trace=None,
-             mode=None, update_pass: bool = False):
-        sig = self._signature(h)
-        n = self.num_stages
-        recorder = trace if trace is not None else self.trace
-        donate = self.donate and recorder is None
+    def run(self, h, *, train: bool, recorder=None, loss_exe=None, cotangent=None, loss_args=(), hyper=None,
+            mode: BackwardMode = _GRADS, update_pass: bool = False):
+        """One call: ``(output,)`` for ``train=False``, else ``(loss or output, input cotangent, gradients
+        or None)``; ``mode`` says what the backward does with the gradients, ``hyper`` the fused update's
+        rows, ``update_pass`` whether the schedule ends with the separate update pass. Every executable is
+        compiled before the first transfer (errors surface before state changes)."""
+        c, store = self.config, self.store
+        sig = self.compiler.signature(h)
+        n = c.num_stages
+        donate = c.donate and recorder is None
         sched = self._call_schedule(train, mode, update_pass)
-        # compile everything before the first transfer (errors surface before state changes)
-        save = train and self.remat is not True
-        fwd = [self._exe(sig, "forward-save" if save else "forward", i, False) for i in range(n)]
+        save = train and c.remat is not True
+        fwd = [self.compiler.exe(sig, self.compiler.exe_key("forward-save" if save else "forward"), i)
+               for i in range(n)]
         bwd = None
         if train:
             # a resident stage's weights are not donated unless the optimizer replaces them; without
             # an optimizer, neither are those the backward keeps for the next call
             kept = {j for s in sched.steps if s.pass_name == "backward" for j in s.keep_next}
-            has_acc = mode is not None and self.grad_acc is not None
-            bwd = [self._exe(sig, "backward-saved" if save else "backward", i,
-                             donate and (mode == "update" or not (self.resident[i] or i in kept)), mode=mode,
-                             acc=has_acc)
+            has_acc = mode is not _GRADS and store.grad_acc is not None
+            bwd = [self.compiler.exe(sig, self.compiler.exe_key(
+                "backward-saved" if save else "backward",
+                donate and (mode is _UPDATE or not (c.resident[i] or i in kept)), mode, has_acc), i)
                    for i in range(n)]
         if save:
             self.residual_nbytes = [tree_nbytes(e.out_info[1]) for e in fwd]
         elif train:
             self.residual_nbytes = [0] * n
-        self._warn_replicated(sig)
+        self.compiler.warn_replicated(sig)
         hyper_arr = None
         if hyper is not None:
-            hyper_arr = jax.device_put(np.asarray(hyper, np.float32), self.activation_sharding)
-
-        self.residency_trace = []
+            hyper_arr = jax.device_put(np.asarray(hyper, np.float32), self.layout.activation_sharding)
+        self.residency.start_call()
         self.executed_events = []
         self.last_schedule = sched
         if recorder is not None:
             recorder.start()
         try:
-            call = _Call(sig=sig, recorder=recorder, save=save, offload=train and self.offload_activations,
+            call = _Call(sig=sig, recorder=recorder, save=save, offload=train and c.offload_activations,
                          schedule=sched)
-            return self._stream(call, h, fwd, bwd, train, loss_exe, cotangent, loss_args, hyper_arr,
-                                mode if train else None)
+            return self._stream(call, h, fwd, bwd, train, loss_exe, cotangent, loss_args, hyper_arr, mode)
         finally:
             if recorder is not None:
                 recorder.stop()
@@ -120,8 +146,8 @@ class RuntimeLoop:
     def _copy_weights(self, j: int, pass_name: str, recorder):
         """Start copying stage j's weights host -> device; returns the device copy (tracked)."""
         ev = StageEvent(pass_name, j, "h2d", recorder.now()) if recorder is not None else None
-        fetched = jax.device_put(self.host_params[j], self._dev_sh[j])
-        self._track(fetched, j)
+        fetched = self.store.weights_in(j)
+        self.residency.track(fetched, j)
         if recorder is not None:
             recorder.add(ev, fetched)
         return fetched
@@ -129,10 +155,10 @@ class RuntimeLoop:
     def _fetch_state(self, j: int, states: dict | None, accs: dict | None) -> None:
         """Start moving stage j's optimizer state into ``states`` and its accumulated gradients into
         ``accs`` (each where given and not there yet)."""
-        if states is not None and self.optimizer is not None and j not in states:
-            states[j] = jax.device_put(self.optimizer_state[j], self._state_dev_sh[j])
+        if states is not None and self.steps.optimizer is not None and j not in states:
+            states[j] = self.store.state_in(j)
         if accs is not None and j not in accs:
-            accs[j] = jax.device_put(self.grad_acc[j], self._acc_dev_sh[j])
+            accs[j] = self.store.acc_in(j)
 
     def _did(self, step: ScheduleStep, kind: str, j: int) -> None:
         self.executed_events.append((step.pass_name, step.stage, kind, j))
@@ -148,59 +174,107 @@ class RuntimeLoop:
             self._did(step, "fetch", j)
         for j in step.take:
             if j not in call.weights:
-                carried = self._carry.pop(j, None)
+                carried = self.store.take_carried(j)
                 if carried is None:
                     raise RuntimeError(f"the schedule takes stage {j}'s weights at {step.pass_name} step "
                                        f"{step.stage}, but they are not on the device")
-                call.weights[j] = carried[1]  # left in device memory by the previous call
+                call.weights[j] = carried  # left in device memory by the previous call
             self._did(step, "take", j)
         for j in step.fetch_activations:
             if call.offloaded[j]:
                 self._fetch_activations(call, j)
                 self._did(step, "fetch_activations", j)
 
-    def _update_call(self, recorder) -> "_Call":
-        """The state of the last call's update pass (``last_schedule``'s ``"update"`` steps): weights,
-        optimizer states and accumulated gradients brought by stage."""
-        return _Call(sig=None, recorder=recorder, save=False, offload=False, schedule=self.last_schedule,
-                     states={}, accs={})
-
     def _release(self, call: "_Call", step: ScheduleStep) -> None:
         for j in step.release:
             del call.weights[j]
             self._did(step, "release", j)
 
+    def finish_step(self, mode: BackwardMode, accumulate: bool, hyper, max_grad_norm, skip_nonfinite: bool) -> None:
+        """After a training call's backward: the last micro-batch of an ``ACCUM`` step computes the
+        gradient norm and runs the separate update pass (clipped to ``max_grad_norm``), or skips it for a
+        non-finite norm (``last_schedule`` is then the call's schedule without the update pass: the
+        backward's keeps stay for the next call)."""
+        if mode is not _ACCUM or accumulate:
+            return
+        coef = self.steps.clip_coefficient(max_grad_norm, skip_nonfinite)
+        if coef is None:  # the call ran its schedule without the update pass
+            self.store.drop_accumulated()
+            self.last_schedule = dataclasses.replace(self.last_schedule, update_pass=False)
+            return
+        self.update_pass(hyper, coef, None)  # not traced: a recorder covers one pass pair
+
+    def update_pass(self, hyper, coef, recorder) -> None:
+        """Apply the optimizer to every stage from ``grad_acc`` (scaled by ``coef``): execute the
+        ``"update"`` pass of the call's schedule (``last_schedule``, built with ``update_pass``) event by
+        event, as the forward and backward are (recorded in ``executed_events``): weights taken where the
+        backward kept them or copied, moments and accumulated gradients copied beside them,
+        ``prefetch_depth`` stages ahead; weights and moments out to host memory.
+
+        Raises: RuntimeError: the call's schedule has no update pass.
+        """
+        sched, store = self.last_schedule, self.store
+        if sched is None or not sched.update_pass:
+            raise RuntimeError(f"the update pass runs the call's schedule's update pass; {sched!r} has none")
+        exes = self.compiler.update_exes(self.config.donate)
+        act = self.layout.activation_sharding
+        hyper_arr = jax.device_put(np.asarray(hyper, np.float32), act)
+        coef_arr = jax.device_put(np.asarray(coef, np.float32), act)
+        call = _Call(sig=None, recorder=recorder, save=False, offload=False, schedule=sched, states={}, accs={})
+        self._bring(call, sched.prologue_of("update"))
+        prev = None
+        for step in sched.pass_steps("update"):
+            i = step.stage
+            ev = StageEvent("update", i, "compute", recorder.now()) if recorder is not None else None
+            p, acc, state = self._weights(call, i), call.accs.pop(i), call.states.pop(i)
+            new_p, new_s = exes[i](p, acc, state, hyper_arr, coef_arr)
+            del p, acc, state
+            if recorder is not None:
+                recorder.add(ev, new_p)
+            self.residency.track((new_p, new_s), i)
+            moved = store.store_update(i, new_p, new_s)
+            if self.config.throttle and prev is not None:
+                jax.block_until_ready(prev)  # stage i-1's results are on the host
+            self._bring(call, step)
+            self.residency.record("update", i)   # stage i counted by its new weights, as in the backward
+            self._release(call, step)
+            del new_p, new_s
+            prev = moved
+        store.set_carry({})  # the schedule's carried_out: the backward's keeps are taken (donated)
+        store.drop_accumulated()
+        self.steps.update_done()
+
     def _weights(self, call: "_Call", i: int):
         """Stage ``i``'s weights on the device: its resident weights, or those the schedule brought."""
-        return self.host_params[i] if self.resident[i] else call.weights[i]
+        return self.store.host_params[i] if self.config.resident[i] else call.weights[i]
 
     def _stream(self, call: "_Call", h, fwd, bwd, train, loss_exe, cotangent, loss_args, hyper, mode):
         """Execute one call: the forward over every stage, then for ``train`` the loss (or the given
         cotangent) and the backward in reverse; returns ``(output,)`` or ``(loss or output, input
         cotangent, gradients or None)``."""
-        n = self.num_stages
-        self._carry = {j: self._carry[j] for j in call.schedule.carried_in}  # a stale copy is dropped
+        n, store = self.config.num_stages, self.store
+        store.keep_carried(call.schedule.carried_in)  # a stale copy is dropped
         if call.offload and call.save:
             call.residual_dev_sh = [list(e.output_shardings[1]) for e in fwd]
         call.offloaded = [False] * n
         call.saved = [None] * n
         self.offloaded_activation_nbytes = 0
         x = self._stream_forward(call, h, fwd, train)
-        self._carry = {}  # whatever the forward did not take is stale
+        store.set_carry({})  # whatever the forward did not take is stale
         if not train:
-            self._carry = call.next_call
+            store.set_carry(call.next_call)
             return (x,)
         del x
         first = self._first_cotangent(call, loss_exe, cotangent, loss_args)
         host_grads = self._stream_backward(call, bwd, hyper, mode)
-        self._carry = call.next_call
+        store.set_carry(call.next_call)
         input_cotangent = merge_diff(call.grad, None, split_diff(call.sig.in_aval)[2])
         return first, input_cotangent, host_grads
 
     def _stream_forward(self, call: "_Call", h, fwd: list, train: bool):
         """The forward: the schedule's prologue, then its forward steps; in training the stage inputs
         are kept in ``call.acts`` (``acts[n]`` the output). Returns the output."""
-        x = jax.device_put(h, self._act(call.sig.chain[0], call.sig.replicated))
+        x = jax.device_put(h, self.layout.act(call.sig.chain[0], call.sig.replicated))
         self._bring(call, call.schedule.prologue_of("forward"))
         call.acts = [x] if train else None
         for step in call.schedule.pass_steps("forward"):
@@ -223,20 +297,20 @@ class RuntimeLoop:
             y = exe(p, x)
         if recorder is not None:
             recorder.add(ev, y)
-        if self.throttle:
+        if self.config.throttle:
             jax.block_until_ready(x)  # stage i-1 done: its weights' memory is free
         for c in step.fetch_next:
-            call.next_call[c] = (self.host_params[c], self._copy_weights(c, "next", recorder))
+            call.next_call[c] = (self.store.host_params[c], self._copy_weights(c, "next", recorder))
             self._did(step, "fetch_next", c)
         for c in step.keep_next:
             if c not in call.next_call:
-                call.next_call[c] = (self.host_params[c], call.weights[c])  # a live copy
+                call.next_call[c] = (self.store.host_params[c], call.weights[c])  # a live copy
             self._did(step, "keep_next", c)
         self._bring(call, step)
         for j in step.offload:
             self._offload_activations(call, j)
             self._did(step, "offload", j)
-        self._record("forward", i)
+        self.residency.record("forward", i)
         self._release(call, step)
         del p
         return y
@@ -245,7 +319,7 @@ class RuntimeLoop:
         """Stage ``i`` is dispatched: send its kept input (and saved residuals) to ``pinned_host``."""
         self.offloaded_activation_nbytes += tree_nbytes(call.acts[i]) + (
             tree_nbytes(call.saved[i]) if call.save else 0)
-        call.acts[i] = jax.device_put(call.acts[i], self._act_host(call.sig.chain[i], call.sig.replicated))
+        call.acts[i] = jax.device_put(call.acts[i], self.layout.act_host(call.sig.chain[i], call.sig.replicated))
         if call.save:
             call.saved[i] = jax.device_put(call.saved[i],
                                            [sh.with_memory_kind(HOST_KIND) for sh in call.residual_dev_sh[i]])
@@ -254,7 +328,7 @@ class RuntimeLoop:
     def _fetch_activations(self, call: "_Call", j: int) -> None:
         """Backward: bring stage ``j``'s offloaded input (and saved residuals) back to the device."""
         if call.offloaded[j]:
-            call.acts[j] = jax.device_put(call.acts[j], self._act(call.sig.chain[j], call.sig.replicated))
+            call.acts[j] = jax.device_put(call.acts[j], self.layout.act(call.sig.chain[j], call.sig.replicated))
             if call.save:
                 call.saved[j] = jax.device_put(call.saved[j], call.residual_dev_sh[j])
             call.offloaded[j] = False
@@ -264,12 +338,13 @@ class RuntimeLoop:
         its cotangent (the loss's gradient, or the given one placed); returns the loss (or the output)."""
         sig = call.sig
         out = call.acts.pop()
-        grad_sh = self._act(split_diff(sig.chain[-1])[0], sig.replicated)
+        grad_sh = self.layout.act(split_diff(sig.chain[-1])[0], sig.replicated)
         if cotangent is None:   # the targets laid out like the output they meet (a no-op where they are)
             if loss_args:
-                loss_args = jax.device_put(loss_args, self._act(tree_aval(loss_args, "loss_args"), sig.replicated))
+                loss_args = jax.device_put(loss_args, self.layout.act(tree_aval(loss_args, "loss_args"),
+                                                                      sig.replicated))
             loss, grad = loss_exe(out, *loss_args)
-            if self._batch_sh is not None:
+            if self.layout.batch_sharding is not None:
                 grad = jax.device_put(grad, grad_sh)
             first = loss
         else:
@@ -283,21 +358,21 @@ class RuntimeLoop:
     def _stream_backward(self, call: "_Call", bwd: list, hyper, mode):
         """The backward: the schedule's backward prologue, then its backward steps (weights, optimizer
         state, accumulated gradients, offloaded activations fetched ``prefetch_depth`` stages ahead);
-        records the step's results. Returns the parameter gradients per stage (``mode=None``), else ``None``."""
-        n = self.num_stages
-        call.host_grads = [None] * n if mode is None else None
-        call.states = {} if mode == "update" else None
-        call.accs = {} if mode is not None and self.grad_acc is not None else None
+        records the step's results. Returns the parameter gradients per stage (``GRADS``), else ``None``."""
+        n, store = self.config.num_stages, self.store
+        call.host_grads = [None] * n if mode is _GRADS else None
+        call.states = {} if mode is _UPDATE else None
+        call.accs = {} if mode is not _GRADS and store.grad_acc is not None else None
         call.new_acc, call.sumsq = [None] * n, [None] * n
         self._bring(call, call.schedule.prologue_of("backward"))
         for step in call.schedule.pass_steps("backward"):
             self._backward_stage(call, bwd[step.stage], step, hyper, mode)
-        if mode == "update":
-            self.step += 1
-            self.grad_acc, self.micro_batches = None, 0
-        elif mode == "accum":
-            self.grad_acc, self.micro_batches = call.new_acc, self.micro_batches + 1
-            self._sumsq = call.sumsq
+        if mode is _UPDATE:
+            self.steps.fused_update_done()
+            store.drop_accumulated()
+        elif mode is _ACCUM:
+            store.accumulate(call.new_acc)
+            self.steps.accumulated(call.sumsq)
         return call.host_grads
 
     def _backward_stage(self, call: "_Call", exe, step: ScheduleStep, hyper, mode) -> None:
@@ -315,7 +390,7 @@ class RuntimeLoop:
         args += (call.grad,)
         if call.accs is not None:
             args += (call.accs.pop(i),)
-        if mode == "update":
+        if mode is _UPDATE:
             args += (call.states.pop(i), hyper)
         res = exe(*args)
         del args, stage_input
@@ -328,49 +403,46 @@ class RuntimeLoop:
         del results
         if recorder is not None:
             recorder.add(ev, moved)
-        if self.throttle and call.prev_host is not None:
+        if self.config.throttle and call.prev_host is not None:
             jax.block_until_ready(call.prev_host)  # stage i+1's results are on the host
         self._bring(call, step)
-        self._record("backward", i)
+        self.residency.record("backward", i)
         self._release(call, step)
         del p, on_device
         call.prev_host = moved
 
     def _store_stage_results(self, call: "_Call", step: ScheduleStep, p, results: tuple, mode):
-        """Send the step's stage's backward results where they live: gradients (``mode=None``),
-        accumulated gradients (``"accum"``) or updated weights and moments (``"update"``); hold the
+        """Send the step's stage's backward results where they live: gradients (``GRADS``),
+        accumulated gradients (``ACCUM``) or updated weights and moments (``UPDATE``); hold the
         step's ``keep_next`` for the next call. Returns ``(device-side results, what moves to the host)``."""
         i = step.stage
         keeps_next = i in step.keep_next
-        if mode == "update":
+        if mode is _UPDATE:
             new_p, new_s = results
-            self._track(results, i)
-            self.host_params[i] = self._updated_host_params(i, new_p)
-            self.optimizer_state[i] = jax.device_put(new_s, self._state_host_sh[i])
+            self.residency.track(results, i)
             kept = new_p  # the updated weights, already on the device
-            out = results, (self.host_params[i], self.optimizer_state[i])
+            out = results, self.store.store_update(i, new_p, new_s)
         else:
             kept = p      # not donated (see _run): the next call's forward starts with it
             out = self._store_grads(call, i, results, mode)
         if keeps_next:
-            call.next_call[i] = (self.host_params[i], kept)
+            call.next_call[i] = (self.store.host_params[i], kept)
             self._did(step, "keep_next", i)
         return out
 
     def _store_grads(self, call: "_Call", i: int, results: tuple, mode):
-        """Stage ``i``'s gradients to the host (``mode=None``) or its accumulated gradients (``"accum"``)."""
-        if mode is None:
+        """Stage ``i``'s gradients to the host (``GRADS``) or its accumulated gradients (``ACCUM``)."""
+        lay = self.store.layouts[i]
+        if mode is _GRADS:
             (grads,) = results
-            self._track(grads, i)
-            host = jax.device_put(grads, self._grad_out_sh[i])
-            leaves, treedef = jax.tree_util.tree_flatten(self._param_avals[i])
-            it = iter(host)   # None at the leaves that get no gradient (integers, frozen weights)
-            call.host_grads[i] = jax.tree_util.tree_unflatten(treedef, [next(it) if m else None
-                                                                        for m in self._train_mask[i]])
+            self.residency.track(grads, i)
+            host = jax.device_put(grads, list(lay.grad_out))
+            # None at the leaves that get no gradient (integers, frozen weights)
+            call.host_grads[i] = self.store.grads_tree(i, host)
             return grads, host
         acc, call.sumsq[i] = results
-        self._track(acc, i)
-        call.new_acc[i] = moved = jax.device_put(acc, self._acc_host_sh[i])
+        self.residency.track(acc, i)
+        call.new_acc[i] = moved = jax.device_put(acc, list(lay.acc_host))
         return acc, moved
 
 

@@ -229,9 +229,10 @@ class RoutedStreamer(StatefulStreamer):
             self._views[i] = view
         return view[1], view[2]
 
-    def _exe(self, i: int, in_aval):
+    def _exe(self, sig, i: int):
         if not (self.routed and i in self._specs):
-            return super()._exe(i, in_aval)
+            return super()._exe(sig, i)
+        in_aval = sig.chain[i]
         spec = self._specs[i]
         pav = jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), self.host_params[i])
         key = (id(spec), aval_key(pav), aval_key(self.state_avals[i]), aval_key(in_aval))

@@ -8,9 +8,9 @@ which the host dispatches copies and executables is what makes them overlap). ``
 prefetch depth.
 
 Why this shape: docs/explanation/design.md, "One ``pinned_host`` buffer per layer" and "Streaming: one
-executable per stage, prefetch depth k" (figures in docs/explanation/measured-facts.md, sections 4-6). The runtime's
-parts live in placement.py, compilation.py, stage_programs.py, loop.py, update_pass.py and
-instrumentation.py of this package; this module holds its constructor and entry points.
+executable per stage, prefetch depth k" (figures in docs/explanation/measured-facts.md, sections 4-6). The runtime
+holds its parts (``RuntimeParts``, parts.py), each owning its own state; this module holds its constructor
+and entry points.
 
 What outlives a runtime: nothing of its own. Its executables (per input signature, at most
 ``max_signatures``), its jitted loss functions (at most :data:`MAX_LOSS_FNS`), its weights,
@@ -33,93 +33,34 @@ The module imports only numpy and jax (no torch, no torch_xla).
 """
 from __future__ import annotations
 
-import types
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
 from jax.sharding import Sharding
 
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.planning.policy import OffloadPolicy
 
 from . import optim as _optim
-from .compilation import DEFAULT_MAX_SIGNATURES, MAX_LOSS_FNS, RuntimeCompilation, Signature
-from .instrumentation import RuntimeInstrumentation
-from .loop import RuntimeLoop
-from .update_pass import RuntimeUpdatePass
-from .placement import (RuntimePlacement, activation_shardings, check_placement_args, checked_resident,
-                        flatten_stage_params, leaf_sharding_rule, leaf_shardings, num_stages_of)
+from .compilation import MAX_LOSS_FNS, Signature, StageCompiler
+from .config import (DEFAULT_MAX_SIGNATURES, BackwardMode, RuntimeConfig, check_flag, check_trace, check_train_args,
+                     remat_from_policy)
+from .forwarding import Forwarded
+from .instrumentation import ResidencyTracker, RuntimeInspector
+from .loop import StreamExecutor
+from .parts import RuntimeParts
+from .placement import (ActivationLayout, activation_shardings, check_placement_args, flatten_stage_params,
+                        leaf_sharding_rule, leaf_shardings, num_stages_of)
+from .stage_store import StageStore
 from .trace import StageEvent, TraceRecorder
-from ._stages import own_fns, stage_fns, tree_nbytes
+from .update_pass import OptimizerSteps
+from ._stages import stage_fns, tree_nbytes
 
 __all__ = ["StreamingRuntime", "StageEvent", "TraceRecorder", "tree_nbytes", "DEFAULT_MAX_SIGNATURES",
            "MAX_LOSS_FNS", "Signature", "remat_from_policy"]
 
 
-def _check_trace(trace) -> None:
-    """Raise ``TypeError`` unless ``trace`` is a ``TraceRecorder`` or ``None``."""
-    if trace is not None and not isinstance(trace, TraceRecorder):
-        hint = " (pass trace=TraceRecorder() to record a trace)" if isinstance(trace, bool) else ""
-        raise TypeError(f"trace must be an xla_swap.executors.TraceRecorder or None, got {type(trace).__name__}{hint}")
-
-
-def _check_options(prefetch_depth, remat, trace, **flags) -> None:
-    """Raise unless ``prefetch_depth`` is an int >= 1, every one of ``flags`` a bool, ``remat`` a bool
-    or a checkpoint policy and ``trace`` a ``TraceRecorder`` or ``None`` (errors name the argument)."""
-    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, (int, np.integer)):
-        raise TypeError(f"prefetch_depth must be an int >= 1, got {type(prefetch_depth).__name__}")
-    if prefetch_depth < 1:
-        raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
-    for flag_name, flag in flags.items():
-        if not isinstance(flag, bool):
-            raise TypeError(f"{flag_name} must be a bool, got {type(flag).__name__}")
-    if not (isinstance(remat, bool) or callable(remat)) or isinstance(remat, (type, types.BuiltinFunctionType)):
-        raise TypeError(f"remat must be a bool or a jax.checkpoint_policies policy (a function), "
-                        f"got {remat!r}")
-    _check_trace(trace)
-
-
-def _check_train_args(loss_fn, cotangent, loss_args, trace, accumulate, skip_nonfinite, max_grad_norm) -> None:
-    """Raise for ``train_step`` arguments of the wrong type or value (errors name the argument)."""
-    if (loss_fn is None) == (cotangent is None):
-        raise ValueError("train_step needs exactly one of loss_fn and cotangent")
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    if not isinstance(loss_args, tuple):
-        raise TypeError(f"loss_args must be a tuple, got {type(loss_args).__name__}")
-    _check_trace(trace)
-    for flag_name, flag in (("accumulate", accumulate), ("skip_nonfinite", skip_nonfinite)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{flag_name} must be a bool, got {type(flag).__name__}")
-    if max_grad_norm is not None:
-        if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float, np.floating, np.integer)) \
-                or not np.isfinite(max_grad_norm) or max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm must be a finite number > 0 or None, got {max_grad_norm!r}")
-
-
-def remat_from_policy(policy: OffloadPolicy):
-    """The runtime's ``remat`` argument for a policy's ``remat`` and ``activations``: ``False``,
-    ``True``, or ``jax.checkpoint_policies.save_only_these_names`` of the activations named
-    ``"device"``.
-
-    Raises: ValueError: ``policy.activations`` offloads names to the host (not supported here).
-    """
-    host = policy.offloaded_activations
-    if host:
-        raise ValueError(f"policy.activations offloads {list(host)} to the host by name; the streaming runtime "
-                         "offloads whole stage inputs and residuals instead (offload_activations=True); named "
-                         "activation offload runs in the torch_xla scan helpers. Use 'device' or 'remat' here")
-    keep = tuple(n for n, w in policy.activations.items() if w == "device")
-    if not policy.remat:
-        return False
-    if keep:
-        return jax.checkpoint_policies.save_only_these_names(*keep)
-    return True
-
-
-class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, RuntimeUpdatePass,
-                       RuntimeInstrumentation):
+class StreamingRuntime:
     """Run a stack of stages with host-resident weights streamed to the device k stages ahead.
 
     Args:
@@ -171,6 +112,9 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
         caller must not use those arrays afterwards. A caller that places each stage in
         ``pinned_host`` as it reads it (``SwappedStack``) thus holds the weights once, not twice.
         The same holds for the arrays of a given ``optimizer_state``. Default ``False``.
+      max_grad_norm: with ``optimizer``: every update clips the gradients to this global 2-norm (as
+        ``train_step(max_grad_norm=...)`` does for one step; a step's own value takes precedence).
+        Default ``None``: no clip unless a step asks for one.
       throttle: bound device memory for real, not only the runtime's references: after
         dispatching stage i's computation, the host waits until stage i-1's computation
         (forward) or the copy of stage i+1's gradients to host (backward) is complete
@@ -272,7 +216,8 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
         given without ``optimizer``, or not one list of ``(m, v)`` pairs per stage of the
         trainable leaves' shapes and the optimizer's state dtype (the message names the stage);
         ``group_of`` returns no valid group index (the message names the stage and leaf);
-        parameter groups with different ``state_dtype``.
+        parameter groups with different ``state_dtype``; ``max_grad_norm`` not a finite number > 0,
+        or given without ``optimizer``.
     """
 
     def __init__(
@@ -301,110 +246,179 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
         offload_activations: bool = False,
         prefetch_next_call: bool = True,
         own_params: bool = False,
+        max_grad_norm: float | None = None,
     ):
         # validation first: no state changes before all of it passed
-        _check_options(prefetch_depth, remat, trace, donate=donate, throttle=throttle, track_residency=track_residency,
-                       grads_to_host=grads_to_host, optimizer_state_on_host=optimizer_state_on_host,
-                       offload_activations=offload_activations, prefetch_next_call=prefetch_next_call,
-                       own_params=own_params)
+        for name, flag in (("donate", donate), ("throttle", throttle), ("track_residency", track_residency),
+                           ("own_params", own_params)):
+            check_flag(name, flag)
+        check_trace(trace)
         groups = _optim.check_optimizer(optimizer)
-        optimizer = groups[0] if groups else None
         if group_of is not None and not callable(group_of):
             raise TypeError(f"group_of must be a callable (stage_index, leaf_path) -> int, got {type(group_of).__name__}")
         if trainable is not None and not callable(trainable):
             raise TypeError(f"trainable must be a callable (stage_index, leaf_path) -> bool, "
                             f"got {type(trainable).__name__}")
-        if isinstance(max_signatures, bool) or not isinstance(max_signatures, (int, np.integer)) or max_signatures < 1:
-            raise ValueError(f"max_signatures must be an int >= 1, got {max_signatures!r}")
         n = num_stages_of(stage_params)
+        #: the settings fixed at construction (a frozen ``RuntimeConfig``).
+        self.config: RuntimeConfig = RuntimeConfig(
+            n, prefetch_depth, resident, remat, offload_activations=offload_activations, grads_to_host=grads_to_host,
+            optimizer_state_on_host=optimizer_state_on_host, donate=donate, throttle=throttle,
+            track_residency=track_residency, prefetch_next_call=prefetch_next_call, max_signatures=max_signatures,
+            max_grad_norm=max_grad_norm)
+        if max_grad_norm is not None and groups is None:
+            raise ValueError("max_grad_norm needs an optimizer; without one the gradients are returned (clip them "
+                             "yourself)")
         fns, shared = stage_fns(stage_fn, n)
-        resident = checked_resident(resident, n)
         flat = flatten_stage_params(stage_params, shared)
         check_placement_args(device, sharding, activation_sharding, batch_axis)
         base, leaf_sharding = leaf_sharding_rule(device, sharding)
         act, batch_sh = activation_shardings(base, sharding, activation_sharding, batch_axis)
-        host_sh, dev_sh, train_mask, group_idx = leaf_shardings(flat, leaf_sharding, resident, trainable,
+        host_sh, dev_sh, train_mask, group_idx = leaf_shardings(flat, leaf_sharding, self.config.resident, trainable,
                                                                 groups, group_of)
-
-        # state
-        self._set_options(n, prefetch_depth, donate=donate, throttle=throttle, track_residency=track_residency,
-                          trace=trace, remat=remat, resident=resident, grads_to_host=grads_to_host,
-                          optimizer_state_on_host=optimizer_state_on_host, max_signatures=max_signatures,
-                          offload_activations=offload_activations, prefetch_next_call=prefetch_next_call)
-        #: the configuration of parameter group 0 (its ``state_dtype`` is every group's), or ``None``.
-        self.optimizer: AdamW | None = optimizer
-        #: one ``AdamW`` per parameter group, read at every ``train_step`` (assign new ones between
-        #: steps: a schedule); ``None`` without an optimizer.
-        self.param_groups: list[AdamW] | None = groups
-        #: per stage, the parameter group of each trainable leaf (in leaf order).
-        self.group_idx: list[tuple[int, ...]] = group_idx
-        self.activation_sharding: Sharding = act
-        #: the mesh axis activations are split over (data parallelism), or ``None``.
-        self.batch_axis: str | None = batch_axis
-        self._batch_sh = batch_sh
-        self._set_stage_fns(fns)
-        self._place_weights(stage_params, host_sh, dev_sh, train_mask, own_params=own_params,
-                            copy=optimizer is not None)
-        self._place_optimizer_state(optimizer, optimizer_state, own_state=own_params)
-        self._init_step_state(groups)
-        self._init_caches()
-        self._init_instrumentation()
-
-    def _set_options(self, n: int, prefetch_depth: int, *, donate, throttle, track_residency, trace, remat,
-                     resident, grads_to_host, optimizer_state_on_host, max_signatures, offload_activations,
-                     prefetch_next_call) -> None:
-        """Store the constructor's checked options."""
-        self.num_stages: int = n
-        self.prefetch_depth: int = int(prefetch_depth)
-        self.donate = donate
-        self.throttle = throttle
-        self.track_residency = track_residency
+        avals = [jax.tree_util.tree_unflatten(td, [jax.ShapeDtypeStruct(x.shape, x.dtype) for _, x in leaves])
+                 for leaves, td in flat]
+        self._adopt(RuntimeParts.build(self.config, fns, stage_params, avals, (host_sh, dev_sh, train_mask, group_idx),
+                                       ActivationLayout(act, batch_axis, batch_sh), groups, optimizer_state,
+                                       own_params=own_params))
+        #: the ``TraceRecorder`` every call records into (``None``: no tracing).
         self.trace = trace
-        self.remat = remat
-        self.resident: tuple[bool, ...] = tuple(resident)
-        self.grads_to_host = grads_to_host
-        self.optimizer_state_on_host = optimizer_state_on_host
-        self.max_signatures = int(max_signatures)
-        self.offload_activations = offload_activations
-        self.prefetch_next_call = prefetch_next_call
-        # stage -> (host_params[stage] it was copied from, device copy): the next call's first stages
-        self._carry: dict[int, tuple[Any, Any]] = {}
-        #: bytes of stage inputs and saved residuals the last ``train_step`` sent to ``pinned_host``.
-        self.offloaded_activation_nbytes: int = 0
 
-    def _set_stage_fns(self, fns: list) -> None:
-        """Keep the caller's stage functions, this runtime's own wrappers of them, and per stage the
-        index of its function among the distinct ones (by identity)."""
-        self._fns = fns  # the caller's stage functions
-        self._traced_fns = own_fns(fns)  # what this runtime traces and compiles (see own_fns)
-        self._fn_ids: list[int] = []
-        distinct: list[Callable] = []
-        for f in fns:
-            for j, known in enumerate(distinct):
-                if known is f:
-                    self._fn_ids.append(j)
-                    break
-            else:
-                distinct.append(f)
-                self._fn_ids.append(len(distinct) - 1)
+    def _adopt(self, parts: RuntimeParts) -> None:
+        """Hold ``parts``: each part is the attribute of its name (``config``, ``store``, ``executor``, ...)."""
+        #: the runtime's parts, made together (``RuntimeParts``).
+        self.parts: RuntimeParts = parts
+        self.config, self.layout, self.steps, self.store = parts.config, parts.layout, parts.steps, parts.store
+        self.compiler, self.residency, self.executor = parts.compiler, parts.residency, parts.executor
+        self.inspector = parts.inspector
 
-    def _init_step_state(self, groups) -> None:
-        """The optimizer's step count, gradient accumulation and last update's figures, all empty."""
-        #: number of optimizer steps applied so far.
-        self.step: int = 0
-        self._groups0 = list(groups) if groups else []
-        #: with ``optimizer``: the gradients summed over the micro-batches since the last update
-        #: (``train_step(accumulate=True)``): per stage a list, one array per trainable leaf, in
-        #: ``pinned_host`` (``grads_to_host``, streamed stages) or device memory; ``None`` when empty.
-        self.grad_acc: list | None = None
-        #: micro-batches summed in ``grad_acc``.
-        self.micro_batches: int = 0
-        #: the global gradient norm of the last update that computed one (``max_grad_norm`` or
-        #: ``skip_nonfinite``; a float, possibly inf/nan), else ``None``.
-        self.last_grad_norm: float | None = None
-        #: whether the last update was skipped for a non-finite gradient (``skip_nonfinite``).
-        self.last_step_skipped: bool = False
-        self._sumsq: list | None = None  # per stage, the last accumulating backward's sum of squares
+    def reconfigured(self, *, own_params: bool = False, **settings) -> "StreamingRuntime":
+        """A new runtime over this one's stages under another configuration: the same stage functions,
+        current weights and optimizer state (its step count too), shardings, trainable leaves, parameter
+        groups and ``trace``; its ``config`` is this one's with ``settings`` changed (``RuntimeConfig``
+        fields: ``prefetch_depth``, ``resident``, ``remat``, ``offload_activations``, ...).
+
+        ``own_params=False``: this runtime is left as it was (the new one holds copies where the
+        optimizer updates them); ``True``: the new runtime takes the arrays where they already sit, and this
+        one must not be called afterwards.
+
+        Raises: TypeError: an unknown setting, ``own_params`` not a bool; the ``RuntimeConfig`` errors for
+          a bad value; ValueError: accumulated gradients are pending (``grad_acc``: update first).
+        """
+        check_flag("own_params", own_params)
+        if "num_stages" in settings:
+            raise TypeError("num_stages: a reconfigured runtime runs the same stages")
+        parts = self.parts.reconfigured(self.config.replace(**settings), own_params=own_params)
+        return type(self).adopting(parts, trace=self.trace)
+
+    @classmethod
+    def adopting(cls, parts: RuntimeParts, *, trace: TraceRecorder | None = None) -> "StreamingRuntime":
+        """A runtime holding ``parts`` (made by ``RuntimeParts.build`` or ``reconfigured``), recording into ``trace``."""
+        check_trace(trace)
+        rt = cls.__new__(cls)
+        cls._adopt(rt, parts)
+        rt.trace = trace
+        return rt
+
+    # the settings (RuntimeConfig)
+    num_stages = Forwarded("config")
+    prefetch_depth = Forwarded("config")
+    resident = Forwarded("config")
+    remat = Forwarded("config")
+    donate = Forwarded("config")
+    throttle = Forwarded("config")
+    track_residency = Forwarded("config")
+    grads_to_host = Forwarded("config")
+    optimizer_state_on_host = Forwarded("config")
+    max_signatures = Forwarded("config")
+    offload_activations = Forwarded("config")
+    prefetch_next_call = Forwarded("config")
+    max_grad_norm = Forwarded("config")
+    # where activations live (ActivationLayout)
+    activation_sharding = Forwarded("layout", of=ActivationLayout)
+    batch_axis = Forwarded("layout", of=ActivationLayout)
+    activation_sharding_of = Forwarded("layout", of=ActivationLayout)
+    runs_replicated = Forwarded("layout", of=ActivationLayout)
+    input_sharding_of = Forwarded("layout", of=ActivationLayout)
+    loss_args_sharding_of = Forwarded("layout", of=ActivationLayout)
+    _act = Forwarded("layout", "act", of=ActivationLayout)
+    # the stages' arrays (StageStore)
+    host_params = Forwarded("store", of=StageStore)
+    optimizer_state = Forwarded("store", of=StageStore)
+    grad_acc = Forwarded("store", of=StageStore)
+    micro_batches = Forwarded("store", of=StageStore)
+    stage_nbytes = Forwarded("store", of=StageStore)
+    weight_nbytes = Forwarded("store", of=StageStore)
+    optimizer_state_nbytes = Forwarded("store", of=StageStore)
+    trainable_paths = Forwarded("store", of=StageStore)
+    load_stage = Forwarded("store", of=StageStore)
+    _carry = Forwarded("store", "carry", of=StageStore)
+    # the optimizer (OptimizerSteps)
+    optimizer = Forwarded("steps", of=OptimizerSteps)
+    param_groups = Forwarded("steps", settable=True, of=OptimizerSteps)
+    step = Forwarded("steps", settable=True, of=OptimizerSteps)
+    last_grad_norm = Forwarded("steps", of=OptimizerSteps)
+    last_step_skipped = Forwarded("steps", of=OptimizerSteps)
+    # the executables (StageCompiler)
+    STAGE_KINDS = StageCompiler.STAGE_KINDS
+    num_executables = Forwarded("compiler", of=StageCompiler)
+    num_signatures = Forwarded("compiler", of=StageCompiler)
+    clear_executables = Forwarded("compiler", of=StageCompiler)
+    stage_fns = Forwarded("compiler", of=StageCompiler)
+    stage_fn_ids = Forwarded("compiler", of=StageCompiler)
+    signature = Forwarded("compiler", of=StageCompiler)
+    stage_executable = Forwarded("compiler", of=StageCompiler)
+    _signature = Forwarded("compiler", "signature", of=StageCompiler)
+    _fns = Forwarded("compiler", "fns", of=StageCompiler)
+    _traced_fns = Forwarded("compiler", "traced_fns", of=StageCompiler)
+    _sigs = Forwarded("compiler", "sigs", of=StageCompiler)
+    _loss_jits = Forwarded("compiler", "loss_jits", of=StageCompiler)
+    _loss_shapes = Forwarded("compiler", "loss_shapes", of=StageCompiler)
+    # the calls (StreamExecutor) and what they leave to read
+    schedule = Forwarded("executor", of=StreamExecutor)
+    last_schedule = Forwarded("executor", of=StreamExecutor)
+    executed_events = Forwarded("executor", of=StreamExecutor)
+    offloaded_activation_nbytes = Forwarded("executor", of=StreamExecutor)
+    residual_nbytes = Forwarded("executor", of=StreamExecutor)
+    max_resident_stages = Forwarded("residency", of=ResidencyTracker)
+    residency_trace = Forwarded("residency", of=ResidencyTracker)
+    resident_stages = Forwarded("residency", of=ResidencyTracker)
+    reset_stats = Forwarded("residency", of=ResidencyTracker)
+    memory_report = Forwarded("inspector", of=RuntimeInspector)
+    executable_memory = Forwarded("inspector", of=RuntimeInspector)
+    executable_hlo = Forwarded("inspector", of=RuntimeInspector)
+    stage_input_nbytes = Forwarded("inspector", of=RuntimeInspector)
+    layer_cost = Forwarded("inspector", of=RuntimeInspector)
+    stage_cost_bytes = Forwarded("inspector", of=RuntimeInspector)
+
+    @property
+    def param_avals(self) -> tuple:
+        """Per stage, the weights' shapes and dtypes: a pytree of ``jax.ShapeDtypeStruct`` like
+        ``host_params[i]`` (read-only)."""
+        return tuple(lay.param_aval for lay in self.store.layouts)
+
+    @property
+    def device_shardings(self) -> tuple:
+        """Per stage, the shardings (memory kind ``device``) its weights get when streamed in: a
+        pytree of ``jax.sharding.Sharding`` like ``host_params[i]`` (read-only)."""
+        return tuple(lay.device_sharding for lay in self.store.layouts)
+
+    @property
+    def optimizer_state_device_shardings(self) -> tuple:
+        """Per stage, the device shardings of its optimizer state: a list of ``(m, v)`` sharding
+        pairs like ``optimizer_state[i]`` (a copy; empty lists without an optimizer)."""
+        return tuple(list(lay.state_device) for lay in self.store.layouts)
+
+    @property
+    def trainable_mask(self) -> tuple:
+        """Per stage, a tuple of bools, one per leaf of ``host_params[i]`` in leaf order: whether
+        the optimizer updates it (the floating leaves ``trainable`` selects)."""
+        return tuple(lay.train_mask for lay in self.store.layouts)
+
+    @property
+    def group_idx(self) -> list[tuple[int, ...]]:
+        """Per stage, the parameter group of each trainable leaf (in leaf order)."""
+        return [lay.groups for lay in self.store.layouts]
 
     @classmethod
     def from_policy(cls, stage_fn, stage_params, policy: OffloadPolicy, *, optimizer: AdamW | None = None,
@@ -453,12 +467,12 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
     @property
     def prefetched_stages(self) -> list[int]:
         """Stages whose weights are held in device memory for the next call (``prefetch_next_call``), sorted."""
-        return sorted(self._carry)
+        return sorted(self.store.carry)
 
     def release_prefetched(self) -> None:
         """Drop the weights held in device memory for the next call (frees up to k stages' weights;
         the next call then streams its first stages again)."""
-        self._carry = {}
+        self.store.set_carry({})
 
     def output_aval(self, h):
         """Shape and dtype of ``forward(h)`` without running anything (traces on first use of a signature).
@@ -467,7 +481,7 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
 
         Raises: as ``forward``.
         """
-        return self._signature(h).chain[-1]
+        return self.compiler.signature(h).chain[-1]
 
     def forward(self, h, *, trace: TraceRecorder | None = None):
         """Run every stage in order, streaming weights ``prefetch_depth`` stages ahead.
@@ -493,8 +507,8 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
           ValueError: a leaf of ``h`` is a deleted jax array; a stage function fails to
             trace (message names the stage).
         """
-        _check_trace(trace)
-        return self._run(h, train=False, trace=trace)[0]
+        check_trace(trace)
+        return self.executor.run(h, train=False, recorder=trace if trace is not None else self.trace)[0]
 
     __call__ = forward
 
@@ -535,16 +549,15 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
             out, never the moments; the moments move once per update.
           max_grad_norm: with ``optimizer``, at an update: scale the (summed) gradients by
             ``min(1, max_grad_norm / (norm + 1e-6))``, ``norm`` their 2-norm over every trainable
-            leaf of every stage (``torch.nn.utils.clip_grad_norm_``).
+            leaf of every stage (``clip_grad_norm_``). Default: the runtime's ``max_grad_norm``.
           skip_nonfinite: with ``optimizer``, at an update: when that norm is not finite, skip the
             update (weights, moments and ``step`` unchanged; the accumulated gradients dropped), as
             torch's ``GradScaler`` skips ``optimizer.step()``; ``last_step_skipped`` says so.
             With either of the two the update needs every gradient first, so it is not fused
             into the backward: the backward sends each stage's gradients to ``grad_acc`` and a
             third pass (the ``"update"`` pass of ``schedule(True, update_pass=True)``) streams
-            weights, gradients and moments in and weights and moments out
-            (beyond the fused step: the gradients out and in, one more pass of the weights in, and
-            one host sync for the norm, ``last_grad_norm``).
+            weights, gradients and moments in and weights and moments out (beyond the fused step: the
+            gradients out and in, one more pass of the weights in, one host sync for ``last_grad_norm``).
 
         Returns:
           ``(loss_or_output, input_cotangent, grads)``: the scalar loss (``loss_fn`` given) or the
@@ -566,15 +579,21 @@ class StreamingRuntime(RuntimePlacement, RuntimeCompilation, RuntimeLoop, Runtim
             refused as in ``forward``, or a ``cotangent`` / ``loss_args`` leaf that jax would
             narrow (``float64`` with ``jax_enable_x64`` off).
         """
-        _check_train_args(loss_fn, cotangent, loss_args, trace, accumulate, skip_nonfinite, max_grad_norm)
+        check_train_args(loss_fn, cotangent, loss_args, trace, accumulate, skip_nonfinite, max_grad_norm)
+        max_grad_norm = self.config.max_grad_norm if max_grad_norm is None else max_grad_norm
         separate_update = accumulate or max_grad_norm is not None or skip_nonfinite
-        hyper = self._step_hyper(lr, separate_update)
+        hyper = self.steps.hyper(lr, separate_update)
         loss_exe = self._train_loss_exe(h, loss_fn, cotangent, loss_args)
-        mode = None if self.optimizer is None else ("accum" if separate_update else "update")
-        if mode == "accum" and not accumulate:  # compile the update pass before anything moves
-            self._update_exe_list()
-        out = self._run(h, train=True, loss_exe=loss_exe, cotangent=cotangent, loss_args=loss_args,
-                        hyper=hyper if mode == "update" else None, trace=trace, mode=mode,
-                        update_pass=mode == "accum" and not accumulate)
-        self._finish_step(mode, accumulate, hyper, max_grad_norm, skip_nonfinite)
+        mode = BackwardMode.GRADS if hyper is None else (BackwardMode.ACCUM if separate_update else BackwardMode.UPDATE)
+        if mode is BackwardMode.ACCUM and not accumulate:  # compile the update pass before anything moves
+            self.compiler.update_exes(self.config.donate)
+        out = self.executor.run(h, train=True, recorder=trace if trace is not None else self.trace, loss_exe=loss_exe,
+                                cotangent=cotangent, loss_args=loss_args, mode=mode, update_pass=mode is
+                                BackwardMode.ACCUM and not accumulate, hyper=hyper if mode is BackwardMode.UPDATE else None)
+        self.executor.finish_step(mode, accumulate, hyper, max_grad_norm, skip_nonfinite)
         return out
+
+    def _train_loss_exe(self, h, loss_fn, cotangent, loss_args):
+        """``train_step``'s input, cotangent and loss arguments checked against ``h``'s signature; the jitted
+        loss (``None`` with a ``cotangent``): ``StageCompiler.train_loss_exe``."""
+        return self.compiler.train_loss_exe(h, loss_fn, cotangent, loss_args)
