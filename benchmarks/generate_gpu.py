@@ -326,7 +326,7 @@ def decode_hlo(stack, batch: int, cache_len: int) -> list[str]:
     ``cache_len`` slots), one per distinct stage executable in stage order."""
     import jax
     import jax.numpy as jnp
-    gen = next(iter(stack._generators.values()))
+    gen = stack.generators.current
     i32 = jnp.int32
     x = (jax.ShapeDtypeStruct((batch, 1), i32), jax.ShapeDtypeStruct((batch, cache_len), i32),
          jax.ShapeDtypeStruct((batch, 1), i32), jax.ShapeDtypeStruct((), i32))

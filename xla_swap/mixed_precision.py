@@ -4,6 +4,16 @@ master weights in host memory, each stage computing in bfloat16 inside its execu
 :func:`check_mixed_precision` reads and checks the arguments; :func:`compute_in` wraps one stage
 function; :func:`stage_functions_in` wraps every stage function of a stack (shared ones stay shared).
 
+What it does: the parameters stay in ``pinned_host`` in the model's float32 (the master weights; AdamW
+moments float32 too, unless the optimizer's ``state_dtype`` says otherwise); each stage casts its floating
+parameters (not its buffers) and its floating inputs to bf16 on the device, inside its executable, so
+forward and backward compute in bf16, the gradient w.r.t. the master is the bf16 gradient cast to float32
+by the cast's transpose, and AdamW updates the float32 master. Outputs, the carry and ``.grad`` (without
+an optimizer: float32) are as computed. Cost: the weights cross the link as float32, twice the bytes of
+bf16 weights (``runtime.stage_nbytes`` counts them so, and the planner and ``autotune`` with it); the bf16
+copy is a temporary of the stage's executable. ``float16`` is refused (it needs loss scaling, which the
+stack does not implement).
+
 The module imports torch and jax.
 """
 from __future__ import annotations
