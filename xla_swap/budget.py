@@ -1,8 +1,8 @@
 """The device-memory budget of the torch entry point (``SwappedStack(budget_bytes=...)``).
 
-Two rules: with ``autotune=False`` the budget bounds weights and optimizer state, and
+Two rules: with ``AutotuneConfig(enabled=False)`` the budget bounds weights and optimizer state, and
 :func:`resident_for_budget` keeps stages resident from the last backwards beside the streaming
-window; with ``autotune=True`` the first call measures and chooses a whole schedule
+window; with it enabled (the default) the first call measures and chooses a whole schedule
 (:class:`Autotuner`, ``xla_swap.executors.calibrate.autotune``), which the stack holds and calls.
 
 The module imports torch (for the inputs' shapes in messages).
@@ -27,8 +27,8 @@ def check_calibration_arg(calibration) -> None:
 
 def resident_for_budget(stage_params: list[dict], trainable: list, optimizer, budget: int, k: int) -> list[bool]:
     """Per stage, whether it is kept in device memory for ``budget`` bytes of weights and optimizer state
-    (``SwappedStack(budget_bytes=..., autotune=False)``): from the last stage backwards while they fit
-    beside the streaming window of the ``k + 1`` largest stages.
+    (``SwappedStack(budget_bytes=..., autotune=AutotuneConfig(enabled=False))``): from the last stage backwards
+    while they fit beside the streaming window of the ``k + 1`` largest stages.
 
     Args:
       stage_params: per stage, ``{name: array}`` of its host weights (``nbytes``, ``itemsize``).
@@ -84,7 +84,7 @@ class Autotuner:
 
     Args:
       first_call_budget: the constructor's ``budget_bytes`` when it chooses at the first call
-        (``autotune=True``), else ``None``.
+        (``AutotuneConfig.enabled``), else ``None``.
       calibration: what it chooses from when a call gives none (``None``: it measures); checked by the caller.
 
     Attributes: ``schedule``: the last choice (a ``ScheduleChoice``: ``.explain()``), or ``None``.
@@ -154,5 +154,5 @@ class Autotuner:
             f"({', '.join(str(tuple(t.shape)) for t in inputs if isinstance(t, torch.Tensor))}): the smallest "
             f"predicted needs {error.min_budget_bytes} bytes of device memory (weights, optimizer state, activations "
             f"and temporaries). Give a larger budget_bytes or smaller inputs, call stack.autotune(inputs, "
-            f"budget_bytes=...) with a larger one, or build with autotune=False (the budget then bounds weights "
-            f"and optimizer state only)")
+            f"budget_bytes=...) with a larger one, or build with autotune=AutotuneConfig(enabled=False) (the budget "
+            f"then bounds weights and optimizer state only)")

@@ -63,15 +63,17 @@ from xla_swap.mixed_precision import cast_floats, check_mixed_precision, stage_f
 from xla_swap.planning import InfeasibleBudgetError
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.planning.policy import OffloadPolicy
-from xla_swap.sharding import StageSharding, check_shard
+from xla_swap.sharding import StageSharding
 from xla_swap.stack_checks import (check_options, check_weights_source, checked_devices, checked_layers,
-                                   optimizer_config, stages_in_order, with_prefetch_depth)
+                                   optimizer_config, stages_in_order)
+from xla_swap.stack_config import AutotuneConfig, CompileConfig, ParallelConfig, TrainingConfig
 from xla_swap.stages import StageLayout, host_stages, linear_weights, stage_functions, tied_parameters
 from xla_swap.torch_attention import torchax_env, warn_eager_attention
 from xla_swap.torch_bridge import inputs_to_jax, output_to_torch, rank_rows_to_torch, to_torch, torch_matmul_precision
 from xla_swap.training import Trainer, torch_param_groups
 
-__all__ = ["SwappedStack", "causal_lm_stages", "DEFAULT_POLICY", "torch_matmul_precision"]
+__all__ = ["SwappedStack", "causal_lm_stages", "DEFAULT_POLICY", "torch_matmul_precision", "AutotuneConfig",
+           "CompileConfig", "ParallelConfig", "TrainingConfig"]
 
 log = logging.getLogger(__name__)
 
@@ -90,33 +92,6 @@ class SwappedStack:
         ``first(*inputs) -> h`` or ``(h, layer_kwargs)`` (see the module docstring). Without
         it, the first input is ``h``.
       last: optional module run after the layers, e.g. final norm and LM head: ``last(h) -> out``.
-      policy: an :class:`xla_swap.planning.OffloadPolicy` (default ``DEFAULT_POLICY``):
-        ``params`` host/device, ``grads``, ``optimizer_state``, ``remat``, ``prefetch_depth``.
-        Not together with ``budget_bytes``.
-      budget_bytes: instead of ``policy``: device memory (bytes) for the stack. With
-        ``autotune=True`` (the default) it bounds everything the stack holds on the device
-        (weights, optimizer state, activations, temporaries): the first ``forward`` or
-        ``train_step`` measures the link and each layer on the device (a few calls: seconds)
-        and switches to the schedule predicted fastest for the budget and that call's input
-        shape (:meth:`autotune`; ``schedule`` then holds the choice), for a training step when
-        there is an ``optimizer``, else for that call's mode. Until then every stage streams.
-        With several devices the bytes are counted unsharded (the planner's logical bytes). With ``autotune=False`` it bounds weights and optimizer state only: stages
-        are kept resident from the last one backwards while they fit beside the streaming
-        window of ``prefetch_depth + 1`` stages (the last stages are the first the backward
-        needs), at construction, and the rest are streamed.
-      autotune: with ``budget_bytes``, choose the schedule from a measurement at the first
-        call (default ``True``; see ``budget_bytes``). Without ``budget_bytes`` it does
-        nothing (call :meth:`autotune` to choose for a budget).
-      calibration: what :meth:`autotune` (the first call's choice included) chooses from instead of
-        measuring: a callable ``(runtime, h) -> xla_swap.executors.calibrate.Calibration`` called
-        with the stack's runtime and the call's input as the runtime sees it, e.g.
-        ``functools.partial(xla_swap.executors.calibrate.calibration_from_figures, link=...,
-        forward_s=..., backward_s=...)`` (figures measured elsewhere, or a test's: no clock read),
-        or a ``Calibration`` of this stack's stages and input signature. Default ``None``: measure.
-      fused_attention: on a GPU, run ``torch.nn.functional.scaled_dot_product_attention`` (what
-        Hugging Face's ``sdpa`` attention calls) as cuDNN's fused attention
-        (``xla_swap.torch_attention``; default ``True``). ``False``: XLA's unfused form, which
-        materialises the ``[B, N, T, S]`` scores. Other platforms always run XLA's form.
       optimizer: ``None`` (``train_step`` fills ``.grad``), an ``xla_swap.planning.AdamW``, or
         a ``torch.optim.AdamW`` (or ``Adam``) over the stages' parameters: the lr, weight decay,
         betas and eps of each of its ``param_groups`` are read at every ``train_step`` and applied
@@ -132,41 +107,23 @@ class SwappedStack:
         Parameters with ``requires_grad=False`` are not updated, as in torch.
       loss_fn: default ``loss_fn(output, *targets) -> scalar`` torch function for
         ``train_step`` (e.g. ``torch.nn.functional.cross_entropy``).
-      devices: the ``jax`` devices to run on (default: ``jax.devices()``, all local devices).
-      shard: with several devices: ``"fsdp"`` (default; each weight with >= 2 dimensions is
-        split over all devices on its largest evenly divisible dimension, others replicated;
-        each device keeps its shard in its own host memory), ``"replicate"``, or a callable
-        ``(name, shape) -> tuple`` giving a ``PartitionSpec`` over the mesh axis ``"d"``.
-      data_parallel: with several devices, split the activations' leading (batch or token)
-        dimension over them (each device computes its part of the batch; XLA all-gathers
-        each layer's weight shards on the device): FSDP / ZeRO-3 as torch users know it.
-        Inputs whose leading dimension does not split evenly stay replicated. Default
-        ``None``: on for ``shard="fsdp"``, off otherwise (tensor parallelism with a
-        ``shard`` callable wants replicated activations).
-      transpose_linear: hold every ``nn.Linear`` weight in host (and device) memory as
-        ``[in, out]``, the transpose of torch's ``[out, in]`` (default ``True``). The stage hands
-        the module the transpose, which XLA folds into the matmul: it then contracts like
-        ``h @ w`` ("NN") instead of ``F.linear``'s "NT", which costs more compute per stage
-        (docs/explanation/design.md, "``nn.Linear`` weights held ``[in, out]``"). Everything
-        the user sees stays in torch's layout: ``shard`` callables get torch's shape and return
-        torch's spec, ``state_dicts()``, ``sync_modules()`` and ``.grad`` are ``[out, in]``;
-        only ``runtime.host_params`` and ``last_grads`` hold the names in ``transposed`` as
-        ``[in, out]``.
-      prefetch_depth: overrides ``policy.prefetch_depth`` when given.
-      max_signatures: input shapes whose executables stay cached (serving several batch
-        sizes and sequence lengths).
-      offload_activations: in training, each layer's kept input goes to ``pinned_host`` during the
-        forward and comes back ``prefetch_depth`` layers ahead in the backward (activation offload).
-      accumulate_grads: without an optimizer, add each step's gradients to the modules'
-        ``.grad`` (default; a host copy of every gradient per step). ``False`` leaves them in
-        ``pinned_host`` as ``last_grads`` (one pytree of jax arrays per stage) instead.
-      max_grad_norm: with an optimizer: clip the gradients at every update to this global 2-norm
-        (over every trainable parameter of every stage, ``torch.nn.utils.clip_grad_norm_``'s
-        semantics: scale by ``min(1, max_grad_norm / (norm + 1e-6))``). Default ``None``.
-      skip_nonfinite: with an optimizer: skip an update whose gradient norm is inf or nan
-        (weights, moments and step unchanged, the gradients dropped), as torch's ``GradScaler``
-        skips ``optimizer.step()``. Default ``False``.
-        With either, the update is no longer fused into the backward (:class:`xla_swap.training.Trainer`).
+      policy: the schedule, an :class:`xla_swap.planning.OffloadPolicy` (default ``DEFAULT_POLICY``):
+        ``params`` host/device, ``grads``, ``optimizer_state``, ``remat``, ``prefetch_depth``. With
+        ``budget_bytes`` it must stream (``params="host"``): the budget chooses the stages kept resident.
+      budget_bytes: device memory (bytes) for the stack. With ``autotune`` enabled (the default) it bounds
+        everything the stack holds on the device (weights, optimizer state, activations, temporaries): the
+        first ``forward`` or ``train_step`` measures the link and each layer on the device (a few calls:
+        seconds) and switches to the schedule predicted fastest for the budget and that call's input shape
+        (:meth:`autotune`; ``schedule`` then holds the choice), for a training step when there is an
+        ``optimizer``, else for that call's mode. Until then every stage streams. With several devices the
+        bytes are counted unsharded (the planner's logical bytes). With ``autotune`` disabled it bounds
+        weights and optimizer state only: stages are kept resident from the last one backwards while they
+        fit beside the streaming window of ``prefetch_depth + 1`` stages (the last stages are the first the
+        backward needs), at construction, and the rest are streamed.
+      autotune: an :class:`xla_swap.stack_config.AutotuneConfig`: whether ``budget_bytes`` is chosen for at
+        the first call, and what from (``calibration``).
+      parallel: a :class:`xla_swap.stack_config.ParallelConfig`: the devices (default every local one), the
+        ``shard`` rule of the weights over them (default ``"fsdp"``) and ``data_parallel``.
       weights: where the stages' values come from: ``None`` (default) the modules' own parameters
         and buffers, or a callable ``weights(module, names) -> {name: torch.Tensor}`` called once
         per stage, in order, with the stage's module and the names of its buffers and parameters
@@ -176,84 +133,76 @@ class SwappedStack:
         only their structure is used. :class:`xla_swap.loading.SafetensorsWeights` reads a
         Hugging Face safetensors checkpoint this way; :func:`xla_swap.load_stack` builds a stack
         from a causal LM and its checkpoint.
-      param_dtype: ``torch.bfloat16`` for mixed precision as FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``
-        gives it on one device (default ``None``: compute in the dtypes held): float32 master weights and
+      mp_policy: mixed precision, a ``torch.distributed.fsdp.MixedPrecisionPolicy`` (default ``None``:
+        compute in the dtypes held): ``param_dtype=torch.bfloat16`` keeps float32 master weights and
         moments in ``pinned_host``, each stage computing in bf16 inside its executable
-        (:mod:`xla_swap.mixed_precision` says how, and what it costs). ``float16`` is refused.
-      mp_policy: instead of ``param_dtype``: a ``torch.distributed.fsdp.MixedPrecisionPolicy``. Its
-        ``param_dtype`` and ``cast_forward_inputs`` are honoured; ``output_dtype`` must be ``None``;
-        ``reduce_dtype`` ``None`` or ``param_dtype``, or ``torch.float32`` on one device (no reduction
-        there: the cast of the bf16 gradient to the float32 master is exact).
+        (:mod:`xla_swap.mixed_precision` says how, what it costs and which fields are honoured).
+      training: a :class:`xla_swap.stack_config.TrainingConfig`: ``max_grad_norm``, ``skip_nonfinite``,
+        ``accumulate_grads`` (without an optimizer), ``offload_activations``.
+      compilation: a :class:`xla_swap.stack_config.CompileConfig`: ``transpose_linear``, ``fused_attention``,
+        ``max_signatures``.
 
     Host memory at construction: one stage's transient copies beyond the stack's own buffers; with an
     optimizer the modules' storage may be released once it is built (``docs/explanation/design.md``).
 
     Raises:
       TypeError: a layer / ``first`` / ``last`` is not an ``nn.Module``; ``policy``,
-        ``optimizer``, ``loss_fn``, ``devices``, ``shard`` or ``calibration`` has the wrong type; a
+        ``optimizer``, ``loss_fn``, ``mp_policy`` or a config has the wrong type; a
         parameter or buffer is ``float64`` with ``jax_enable_x64`` off (it would run as ``float32``;
         the message names the stage and the tensor).
-      ValueError: ``layers`` is empty; both ``policy`` and ``budget_bytes``; a ``budget_bytes`` that is
-        not an int > 0 (a bool or a non-number: TypeError; the words of
+      ValueError: ``layers`` is empty; ``budget_bytes`` with a policy that keeps every stage resident; a
+        ``budget_bytes`` that is not an int > 0 (a bool or a non-number: TypeError; the words of
         ``xla_swap.planning.units.check_budget_bytes``) or is below the streaming window of weights
-        and optimizer state (``autotune=False`` and ``True`` alike);
+        and optimizer state (with ``autotune`` enabled or not);
         a parameter shared by two stages other than ``first`` and ``last`` (tied embeddings: held once
         by ``first``, carried to ``last``; ``tied``); a stage that fails to trace on
         ``first.example_inputs()`` (when ``first`` has it: the message names the stage's module); a torch
         optimizer with options AdamW here does not implement (``amsgrad``, ``maximize``,
         ``Adam``'s L2 ``weight_decay``; the message names the group), a stage parameter with
         ``requires_grad`` in none of its groups, or a group's parameter in no stage (the
-        message names it); ``shard`` is unknown; ``max_grad_norm`` not a finite number > 0;
-        ``max_grad_norm`` or ``skip_nonfinite`` without an optimizer. TypeError: a torch optimizer other than
-        ``AdamW`` / ``Adam`` (e.g. SGD).
-      ValueError: a parameter or buffer on the meta device without ``weights``; what ``weights`` gives lacks a name, has an
-        unexpected one or a tensor of another shape (the message names the stage and tensor).
+        message names it); ``max_grad_norm`` or ``skip_nonfinite`` without an optimizer. TypeError: a torch
+        optimizer other than ``AdamW`` / ``Adam`` (e.g. SGD).
+      ValueError: a parameter or buffer on the meta device without ``weights``; what ``weights`` gives lacks a
+        name, has an unexpected one or a tensor of another shape (the message names the stage and tensor).
         TypeError: ``weights`` not callable, or it returns something other than a dict of tensors.
-      ValueError: ``param_dtype`` not ``torch.bfloat16`` (TypeError: not a ``torch.dtype``; ``mp_policy`` not a
-        ``MixedPrecisionPolicy``), both ``param_dtype`` and ``mp_policy``, an ``mp_policy`` field not honoured
-        (named), a floating parameter (or what ``weights`` gives for one) not float32 with ``param_dtype``.
-      ValueError: with per-rank batches (:mod:`xla_swap.distributed`), ``devices`` not spanning every process,
-        or ``budget_bytes`` with ``autotune`` (each process would choose its own schedule).
+      ValueError / TypeError: an ``mp_policy`` field not honoured (named); a floating parameter (or what
+        ``weights`` gives for one) that is not float32 with ``mp_policy.param_dtype``.
+      ValueError: with per-rank batches (:mod:`xla_swap.distributed`), ``parallel.devices`` not spanning every
+        process, or ``budget_bytes`` with ``autotune`` enabled (each process would choose its own schedule).
       ImportError: torchax is not installed.
+    The configs check their own fields when built (:mod:`xla_swap.stack_config`).
     """
 
     def __init__(self, layers: Sequence[torch.nn.Module], *, first: torch.nn.Module | None = None,
-                 last: torch.nn.Module | None = None, policy: OffloadPolicy | None = None,
-                 budget_bytes: int | None = None, optimizer=None, loss_fn: Callable | None = None,
-                 devices: Sequence[jax.Device] | None = None, shard: str | Callable = "fsdp",
-                 prefetch_depth: int | None = None, max_signatures: int = 8, accumulate_grads: bool = True,
-                 offload_activations: bool = False, data_parallel: bool | None = None,
-                 transpose_linear: bool = True, autotune: bool = True, calibration=None,
-                 fused_attention: bool = True, max_grad_norm: float | None = None,
-                 skip_nonfinite: bool = False, weights: Callable | None = None,
-                 param_dtype: torch.dtype | None = None, mp_policy=None):
+                 last: torch.nn.Module | None = None, optimizer=None, loss_fn: Callable | None = None,
+                 policy: OffloadPolicy | None = None, budget_bytes: int | None = None,
+                 autotune: AutotuneConfig = AutotuneConfig(), parallel: ParallelConfig = ParallelConfig(),
+                 weights: Callable | None = None, mp_policy=None, training: TrainingConfig = TrainingConfig(),
+                 compilation: CompileConfig = CompileConfig()):
         # ---- validation (no state changes) ----
         layers = checked_layers(layers, first, last)
-        budget_bytes = check_options(policy=policy, budget_bytes=budget_bytes, data_parallel=data_parallel,
-                                     accumulate_grads=accumulate_grads, transpose_linear=transpose_linear,
-                                     autotune=autotune, fused_attention=fused_attention, calibration=calibration,
-                                     loss_fn=loss_fn, skip_nonfinite=skip_nonfinite, max_grad_norm=max_grad_norm,
-                                     optimizer=optimizer)
+        budget_bytes = check_options(policy=policy, budget_bytes=budget_bytes, loss_fn=loss_fn, optimizer=optimizer,
+                                     autotune=autotune, parallel=parallel, training=training, compilation=compilation)
         torch_optimizer, optimizer = optimizer_config(optimizer)
-        check_shard(shard)
-        devices = checked_devices(devices)
-        compute_dtype, cast_inputs = check_mixed_precision(param_dtype, mp_policy, len(devices))
-        policy = with_prefetch_depth(policy or DEFAULT_POLICY, prefetch_depth)
+        devices = checked_devices(parallel.devices)
+        compute_dtype, cast_inputs = check_mixed_precision(mp_policy, len(devices))
+        policy = policy or DEFAULT_POLICY
         modules, names = stages_in_order(first, layers, last)
         owner, tied = tied_parameters(names, modules)
         check_weights_source(weights, modules, names, compute_dtype)
         group_of = torch_param_groups(torch_optimizer, names, modules, owner) if torch_optimizer is not None else {}
-        env = torchax_env(platform := devices[0].platform if fused_attention else "xla")  # "gpu": SDPA on cuDNN
+        platform = devices[0].platform if compilation.fused_attention else "xla"   # "gpu": SDPA on cuDNN
+        env = torchax_env(platform)
         warn_eager_attention(modules, names, platform)
 
         # ---- stage functions: one per group of layers that compute the same thing ----
-        transposed = [linear_weights(m) if transpose_linear else frozenset() for m in modules]
+        transposed = [linear_weights(m) if compilation.transpose_linear else frozenset() for m in modules]
         if tied:
             transposed[-1] = transposed[-1] - set(tied)
         fns, layer_groups = stage_functions(first, layers, last, env, transposed, tied)
 
         # ---- weights: torch (or `weights`) -> pinned_host, one stage at a time (never through the device) ----
-        placement = StageSharding(devices, shard, transposed)
+        placement = StageSharding(devices, parallel.shard, transposed)
         stage_params, trainable, updated, groups = host_stages(names, modules, transposed, tied, weights,
                                                                placement.host, compute_dtype, group_of)
         if compute_dtype is not None:   # one wrapper per distinct stage function (shared layers stay shared)
@@ -264,26 +213,24 @@ class SwappedStack:
         #: the device mesh of the stages' weights (``None`` on one device).
         self.mesh = placement.mesh
         #: whether activations are split over the devices on their leading dimension.
-        self.data_parallel: bool = bool((shard == "fsdp" if data_parallel is None else data_parallel)
-                                        and placement.mesh is not None)
+        self.data_parallel: bool = parallel.splits_batch() and placement.mesh is not None
 
         # ---- the runtime and the parts that use it ----
         common = dict(optimizer=optimizer, trainable=lambda i, path: path[0].key in updated[i], own_params=True,
                       group_of=lambda i, path: groups[i][path[0].key],
-                      track_residency=False, max_signatures=max_signatures,
-                      offload_activations=offload_activations, **placement.runtime_kwargs(self.data_parallel))
+                      track_residency=False, max_signatures=compilation.max_signatures,
+                      offload_activations=training.offload_activations, **placement.runtime_kwargs(self.data_parallel))
         #: the :class:`~xla_swap.executors.StreamingRuntime` that runs the stages.
-        self.runtime: StreamingRuntime = build_runtime(fns, stage_params, updated, policy, budget_bytes, autotune,
-                                                       common)
+        self.runtime: StreamingRuntime = build_runtime(fns, stage_params, updated, policy, budget_bytes,
+                                                       autotune.enabled, common)
         #: the policy in force (``budget_bytes`` given: ``params`` reads "host", see ``runtime.resident``;
         #: ``remat`` and ``prefetch_depth`` follow ``autotune``'s choice).
         self.policy: OffloadPolicy = policy
         #: the optimizer's configuration (group 0's with a torch optimizer), or ``None``.
         self.optimizer: AdamW | None = self.runtime.optimizer
-        #: the parts the stack calls (module docstring): ``train_step``'s, the schedule's, the checkpoints', generation's.
-        self.trainer = Trainer(self.layout, env, self.optimizer, torch_optimizer, loss_fn, accumulate_grads,
-                               max_grad_norm, skip_nonfinite)
-        self.autotuner = Autotuner(budget_bytes if autotune else None, calibration)
+        #: the parts the stack calls (module docstring): training, the schedule, checkpoints, generation.
+        self.trainer = Trainer(self.layout, env, self.optimizer, torch_optimizer, loss_fn, training)
+        self.autotuner = Autotuner(budget_bytes if autotune.enabled else None, autotune.calibration)
         self.checkpointer = Checkpointer(self.layout, self.optimizer, torch_optimizer)
         self.generators = Generators()
         example = getattr(first, "example_inputs", None)
@@ -464,8 +411,9 @@ class SwappedStack:
 
     @property
     def last_grads(self) -> list | None:
-        """Without an optimizer and with ``accumulate_grads=False``: the last step's gradients (per stage,
-        ``{name: jax.Array}`` in ``pinned_host``; the names in ``transposed`` as ``[in, out]``), else ``None``."""
+        """Without an optimizer and with ``TrainingConfig(accumulate_grads=False)``: the last step's gradients
+        (per stage, ``{name: jax.Array}`` in ``pinned_host``; the names in ``transposed`` as ``[in, out]``), else
+        ``None``."""
         return self.trainer.last_grads
 
     @property
@@ -487,7 +435,7 @@ class SwappedStack:
         training, ``remat`` for ``budget_bytes`` of device memory (for *everything* the stack holds there) from a
         short measurement on the device (or ``calibration``), and run the stack with that choice from now on:
         ``self.runtime`` is replaced (weights, optimizer state and step carried over) and the choice kept as
-        ``self.schedule``. A stack built with ``budget_bytes`` (and ``autotune=True``) calls it at its first
+        ``self.schedule``. A stack built with ``budget_bytes`` (and ``autotune`` enabled) calls it at its first
         ``forward`` / ``train_step``.
 
         ``inputs`` as for ``train_step`` (their shapes matter); ``training``: for ``train_step`` (default) or
@@ -513,7 +461,7 @@ class SwappedStack:
         return self.autotuner.schedule
 
     def _maybe_autotune(self, inputs: tuple, training: bool) -> None:
-        """At the first call of a stack built with ``budget_bytes`` and ``autotune=True``: :meth:`autotune`,
+        """At the first call of a stack built with ``budget_bytes`` and ``autotune`` enabled: :meth:`autotune`,
         for training whenever the stack has an optimizer (its device memory then holds the resident
         stages' optimizer state, which a forward's choice does not count), else for that call's mode."""
         if not self.autotuner.due:
@@ -540,7 +488,8 @@ class SwappedStack:
     def save_checkpoint(self, path, *, extra: dict | None = None) -> None:
         """Write :meth:`state_dict` as a ``torch.distributed.checkpoint`` checkpoint into the folder ``path``,
         streaming one shard at a time; ``extra``: ``None`` or ``{str: picklable}`` saved beside it (with several
-        jax processes every process calls it). Keys, memory and errors: :meth:`xla_swap.checkpoint.Checkpointer.save`."""
+        jax processes every process calls it). Keys, memory and errors:
+        :meth:`xla_swap.checkpoint.Checkpointer.save`."""
         self.checkpointer.save(self.runtime, path, extra=extra)
 
     def load_checkpoint(self, path) -> dict:

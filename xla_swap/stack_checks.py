@@ -8,18 +8,17 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
-import numpy as np
 import torch
 
-from xla_swap.budget import check_calibration_arg
 from xla_swap.distributed import per_rank_batches
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.planning.policy import OffloadPolicy
 from xla_swap.planning.units import check_budget_bytes
+from xla_swap.stack_config import AutotuneConfig, CompileConfig, ParallelConfig, TrainingConfig
 from xla_swap.stages import meta_tensor
 
-__all__ = ["checked_layers", "check_options", "optimizer_config", "checked_devices", "with_prefetch_depth",
-           "stages_in_order", "check_weights_source"]
+__all__ = ["checked_layers", "check_options", "optimizer_config", "checked_devices", "stages_in_order",
+           "check_weights_source"]
 
 
 def checked_layers(layers, first, last) -> list[torch.nn.Module]:
@@ -38,35 +37,27 @@ def checked_layers(layers, first, last) -> list[torch.nn.Module]:
     return layers
 
 
-def check_options(*, policy, budget_bytes, data_parallel, accumulate_grads, transpose_linear, autotune,
-                   fused_attention, calibration, loss_fn, skip_nonfinite, max_grad_norm, optimizer) -> int | None:
-    """The scalar options of ``SwappedStack`` checked; returns ``budget_bytes`` as an int (or ``None``).
-    Raises TypeError / ValueError naming the argument."""
-    if policy is not None and budget_bytes is not None:
-        raise ValueError("give either policy or budget_bytes, not both")
+def check_options(*, policy, budget_bytes, loss_fn, optimizer, autotune, parallel, training,
+                  compilation) -> int | None:
+    """The options of ``SwappedStack`` beyond the stages checked, each group's own fields already checked by the
+    group (:mod:`xla_swap.stack_config`); what joins two settings is checked here. Returns ``budget_bytes`` as an
+    int (or ``None``). Raises TypeError / ValueError naming the argument."""
     if policy is not None and not isinstance(policy, OffloadPolicy):
         raise TypeError(f"policy must be an xla_swap.planning.OffloadPolicy, got {type(policy).__name__}")
+    for name, value, kind in (("autotune", autotune, AutotuneConfig), ("parallel", parallel, ParallelConfig),
+                              ("training", training, TrainingConfig), ("compilation", compilation, CompileConfig)):
+        if not isinstance(value, kind):
+            raise TypeError(f"{name} must be an xla_swap.{kind.__name__}, got {type(value).__name__}")
     budget_bytes = check_budget_bytes(budget_bytes, optional=True)
-    if data_parallel is not None and not isinstance(data_parallel, bool):
-        raise TypeError(f"data_parallel must be a bool or None, got {type(data_parallel).__name__}")
-    for name, value in (("accumulate_grads", accumulate_grads), ("transpose_linear", transpose_linear),
-                        ("autotune", autotune)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    if not isinstance(fused_attention, bool):
-        raise TypeError(f"fused_attention must be a bool, got {fused_attention!r}")
-    check_calibration_arg(calibration)
-    if budget_bytes is not None and autotune and per_rank_batches():
+    if policy is not None and budget_bytes is not None and policy.params != "host":
+        raise ValueError(f"give either policy or budget_bytes, not both, unless the policy streams (params='host'; "
+                         f"got params={policy.params!r}): budget_bytes chooses the stages kept resident")
+    if budget_bytes is not None and autotune.enabled and per_rank_batches():
         raise ValueError("autotune with per-rank batches: each process would measure and choose its own schedule; "
-                         "give policy= or budget_bytes= with autotune=False")
+                         "give policy= or budget_bytes= with autotune=AutotuneConfig(enabled=False)")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    if not isinstance(skip_nonfinite, bool):
-        raise TypeError(f"skip_nonfinite must be a bool, got {type(skip_nonfinite).__name__}")
-    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
-                                      or not np.isfinite(max_grad_norm) or max_grad_norm <= 0):
-        raise ValueError(f"max_grad_norm must be a finite number > 0 or None, got {max_grad_norm!r}")
-    if optimizer is None and (max_grad_norm is not None or skip_nonfinite):
+    if optimizer is None and training.needs_norm:
         raise ValueError("max_grad_norm and skip_nonfinite need an optimizer; without one train_step fills .grad "
                          "(clip it with torch.nn.utils.clip_grad_norm_)")
     return budget_bytes
@@ -84,24 +75,14 @@ def optimizer_config(optimizer) -> tuple:
 
 
 def checked_devices(devices) -> list:
-    """``devices`` (default ``jax.devices()``) checked; raises TypeError naming the argument."""
-    devices = list(jax.devices()) if devices is None else devices
-    if isinstance(devices, jax.Device) or not isinstance(devices, Sequence) or not devices or \
-            not all(isinstance(d, jax.Device) for d in devices):
-        raise TypeError(f"devices must be a non-empty sequence of jax.Device, got {devices!r}")
+    """``ParallelConfig.devices`` (its type checked there) as a list, ``None`` read as ``jax.devices()``; raises
+    ValueError naming it with per-rank batches when the devices do not span every process."""
+    devices = list(jax.devices()) if devices is None else list(devices)
     processes = {d.process_index for d in devices}
     if per_rank_batches() and processes != set(range(jax.process_count())):
         raise ValueError("with per-rank batches (xla_swap.distributed.initialize) devices must span every process "
                          f"(default jax.devices()), got devices of processes {sorted(processes)}")
     return devices
-
-
-def with_prefetch_depth(policy: OffloadPolicy, prefetch_depth: int | None) -> OffloadPolicy:
-    """``policy`` with ``prefetch_depth`` when given (``None``: ``policy`` itself)."""
-    if prefetch_depth is None:
-        return policy
-    return OffloadPolicy(params=policy.params, grads=policy.grads, activations=policy.activations,
-                         remat=policy.remat, prefetch_depth=prefetch_depth, optimizer_state=policy.optimizer_state)
 
 
 def stages_in_order(first, layers: list, last) -> tuple[list, list[str]]:
@@ -113,7 +94,7 @@ def stages_in_order(first, layers: list, last) -> tuple[list, list[str]]:
 
 def check_weights_source(weights, modules: list, names: list[str], compute_dtype) -> None:
     """``weights`` (``None`` or a callable) against the modules: a meta tensor needs ``weights``;
-    ``param_dtype`` needs float32 parameters. Raises TypeError / ValueError naming the tensor."""
+    ``mp_policy.param_dtype`` needs float32 parameters. Raises TypeError / ValueError naming the tensor."""
     if weights is not None and not callable(weights):
         raise TypeError(f"weights must be None or a callable (module, names) -> {{name: torch.Tensor}}, "
                         f"got {type(weights).__name__}")
@@ -125,5 +106,5 @@ def check_weights_source(weights, modules: list, names: list[str], compute_dtype
         for name, m in zip(names, modules):
             for pn, p in m.named_parameters():
                 if p.is_floating_point() and p.dtype != torch.float32:
-                    raise ValueError(f"param_dtype keeps float32 master weights: {name}.{pn} is {p.dtype}; "
+                    raise ValueError(f"mp_policy.param_dtype keeps float32 master weights: {name}.{pn} is {p.dtype}; "
                                      "build the model in float32 (model.float())")

@@ -360,8 +360,8 @@ def host_stages(names: list[str], modules: list[torch.nn.Module], transposed: li
         if compute_dtype is not None:
             for n in pnames:
                 if is_float(arrays[n].dtype) and arrays[n].dtype != np.float32:
-                    raise ValueError(f"param_dtype keeps float32 master weights: weights gives {name}.{n} as "
-                                     f"{arrays[n].dtype}; give float32 tensors")
+                    raise ValueError(f"mp_policy.param_dtype keeps float32 master weights: weights gives "
+                                     f"{name}.{n} as {arrays[n].dtype}; give float32 tensors")
         # each stage is placed in pinned_host as soon as it is read and handed to the runtime as its own
         placed = {}
         for n in list(arrays):

@@ -21,6 +21,7 @@ from xla_swap.distributed import per_rank_batches, world_size
 from xla_swap.executors._stages import check_input_dtypes, tree_aval
 from xla_swap.index_checks import class_target_bounds
 from xla_swap.planning.optimizer import AdamW
+from xla_swap.stack_config import TrainingConfig
 from xla_swap.stages import StageLayout, meta_tensor
 from xla_swap.torch_bridge import inputs_to_jax, to_torch, torch_fn
 
@@ -167,7 +168,7 @@ class Trainer:
       optimizer: the update's ``AdamW`` (group 0's with a torch optimizer) or ``None``.
       torch_optimizer: the torch optimizer whose ``param_groups`` are read at every step, or ``None``.
       loss_fn: the default loss, or ``None``.
-      accumulate_grads, max_grad_norm, skip_nonfinite: as ``SwappedStack``'s (checked there).
+      config: the :class:`xla_swap.stack_config.TrainingConfig` (clipping, skipping, where gradients go).
         With ``max_grad_norm`` or ``skip_nonfinite`` the update needs every stage's gradients first,
         so it is no longer fused into the backward: the backward sends each layer's gradients to
         ``pinned_host`` and an update pass streams weights, gradients and moments in and the new
@@ -181,13 +182,12 @@ class Trainer:
     """
 
     def __init__(self, layout: StageLayout, torch_env, optimizer: AdamW | None, torch_optimizer, loss_fn,
-                 accumulate_grads: bool, max_grad_norm: float | None, skip_nonfinite: bool):
+                 config: TrainingConfig):
         self.layout, self.torch_env = layout, torch_env
         self.optimizer, self.torch_optimizer, self.loss_fn = optimizer, torch_optimizer, loss_fn
         self.group_ids = [tuple(id(p) for p in g["params"]) for g in torch_optimizer.param_groups] \
             if torch_optimizer is not None else None
-        self.accumulate_grads, self.skip_nonfinite = accumulate_grads, skip_nonfinite
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.config = config
         self.last_grads: list | None = None
         self.loss_functions: dict = {}
 
@@ -200,12 +200,12 @@ class Trainer:
             raise TypeError("train_step needs a loss_fn (here or in the constructor): (output, *targets) -> scalar")
         if not isinstance(accumulate, bool):
             raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
-        if self.optimizer is None and self.accumulate_grads:
+        if self.optimizer is None and self.config.accumulate_grads:
             on_meta = meta_tensor(self.layout.modules, self.layout.names)
             if on_meta is not None:
                 raise ValueError(f"{on_meta} is on the meta device: without an optimizer train_step adds the gradients "
-                                 "to the modules' .grad; build the stack with an optimizer or accumulate_grads=False "
-                                 "(last_grads)")
+                                 "to the modules' .grad; build the stack with an optimizer or "
+                                 "TrainingConfig(accumulate_grads=False) (last_grads)")
         if accumulate and self.optimizer is None:
             raise ValueError("accumulate=True needs an optimizer; without one train_step adds the gradients to "
                              ".grad already (accumulate_grads)")
@@ -250,7 +250,8 @@ class Trainer:
         update the torch optimizer's ``step()`` runs (a no-op on its parameters: its hooks and a scheduler see a
         step); without an optimizer the gradients go to ``.grad`` or ``last_grads`` (``accumulate_grads``)."""
         step = runtime.step
-        clip = dict(accumulate=accumulate, max_grad_norm=self.max_grad_norm, skip_nonfinite=self.skip_nonfinite) \
+        cfg = self.config
+        clip = dict(accumulate=accumulate, max_grad_norm=cfg.max_grad_norm, skip_nonfinite=cfg.skip_nonfinite) \
             if self.optimizer is not None else {}
         loss, _, grads = runtime.train_step(x, self.jax_loss(loss_fn), loss_args=tuple(jax_targets), lr=lr, **clip)
         if self.torch_optimizer is not None and runtime.step > step:
@@ -258,7 +259,7 @@ class Trainer:
             if all(p.grad is None for g in opt.param_groups for p in g["params"]):
                 opt.step()
         if grads is not None:
-            if self.accumulate_grads:
+            if cfg.accumulate_grads:
                 self._accumulate_grads(grads)
             else:
                 self.last_grads = grads

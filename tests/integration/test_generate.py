@@ -6,6 +6,7 @@ range (``transformers_ends.py``)."""
 import pytest
 import torch
 import transformers
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import xla_swap
 from transformers_ends import LONGROPE_REFUSAL, LONGROPE_TRACED_FROM, older_than
@@ -181,7 +182,8 @@ def test_choose_batch_over_devices_is_a_multiple_that_fits(num_devices):
     from xla_swap.generate import choose_batch, prefill_temps
     from xla_swap.generators import Generator
     first, layers, last = xla_swap.causal_lm_stages(_model("llama"))
-    stack = xla_swap.SwappedStack(layers, first=first, last=last, devices=jax.devices())
+    stack = xla_swap.SwappedStack(layers, first=first, last=last,
+                                  parallel=xla_swap.ParallelConfig(devices=jax.devices()))
     n = num_devices
     assert stack.runtime.batch_axis is not None
     budget = 16 << 20
@@ -263,7 +265,8 @@ def test_bf16_param_dtype_generates_the_bf16_models_tokens(family):
     ids, mask = _prompts()
     kw = dict(max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
     first, layers, last = xla_swap.causal_lm_stages(model)
-    mixed = xla_swap.SwappedStack(layers, first=first, last=last, param_dtype=torch.bfloat16)
+    mixed = xla_swap.SwappedStack(layers, first=first, last=last,
+                                  mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     got = mixed.generate(ids, mask, **kw)
     assert torch.equal(mixed.generate(ids, mask, kv_cache="host", **kw), got)
     assert torch.equal(_stack(bf).generate(ids, mask, **kw), got)
