@@ -6,7 +6,9 @@ on the source by ``test_package_shape``:
   :data:`MAX_MODULE_DOCSTRING_LINES` lines (descriptions and run history live in ``docs/``);
 * no module imports a private (``_``-prefixed) name of another ``xla_swap`` module, nor reads a private
   attribute of an object other than ``self`` / ``cls`` (``private_attribute_reads``);
-* no run of six code lines stands to the letter in two places (``repeated_blocks``).
+* no run of six code lines stands to the letter in two places (``repeated_blocks``);
+* no class of the top-level modules is built from mixins: at most one base besides exceptions and
+  protocols (``mixin_classes``).
 """
 from __future__ import annotations
 
@@ -127,4 +129,31 @@ def repeated_blocks(paths, root: pathlib.Path = ROOT, min_lines: int = 6) -> lis
                 continue
             last[pair] = i
             found.append(f"{first[0]}:{first[1]}-{first[2]} ~ {rel}:{here[1]}-{here[2]}")
+    return found
+
+
+#: bases that do not make a class a mixin: exception and warning classes, protocols and ``Generic``.
+_EXEMPT_BASES = ("Protocol", "Generic", "Exception", "BaseException", "Warning")
+
+
+def _is_exempt_class_base(node: ast.expr) -> bool:
+    """An exception / warning class (by its name: ``ValueError``, ``RuntimeWarning``), ``Protocol`` or ``Generic``
+    (also subscripted or qualified: ``typing.Protocol``, ``Generic[T]``)."""
+    if isinstance(node, ast.Subscript):
+        node = node.value
+    name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+    return name in _EXEMPT_BASES or name.endswith(("Error", "Exception", "Warning"))
+
+
+def mixin_classes(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
+    """``"file:line Class(A, B)"`` for every class in ``path`` with more than one base other than exceptions,
+    warnings and protocols (``_is_exempt_class_base``): a class assembled from mixins, whose parts read each
+    other's attributes through ``self``, instead of one that holds its parts and calls them."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ClassDef):
+            bases = [b for b in node.bases if not _is_exempt_class_base(b)]
+            if len(bases) > 1:
+                found.append(f"{path.relative_to(root)}:{node.lineno} {node.name}"
+                             f"({', '.join(ast.unparse(b) for b in node.bases)})")
     return found

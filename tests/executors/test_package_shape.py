@@ -1,9 +1,9 @@
 """Every module of ``xla_swap/`` holds the shape rules of ``shape_rules`` (no module over 600 lines, no
 function over 80, no module docstring over 40, no private name of another module imported, no run of six
-code lines written twice)."""
+code lines written twice; no class of a top-level module built from mixins)."""
 from __future__ import annotations
 
-from shape_rules import (MAX_FUNCTION_LINES, MAX_MODULE_DOCSTRING_LINES, MAX_MODULE_LINES, PACKAGE,
+from shape_rules import (MAX_FUNCTION_LINES, MAX_MODULE_DOCSTRING_LINES, MAX_MODULE_LINES, PACKAGE, mixin_classes,
                          private_attribute_reads, private_imports, repeated_blocks, shape_violations)
 
 # The private reads of another object's attributes that remain: each is to
@@ -68,3 +68,25 @@ def test_the_rules_flag_what_they_look_for(tmp_path):
     assert [f.split(" ")[0] for f in found] == ["probe.py:", "probe.py:", f"probe.py:{MAX_MODULE_DOCSTRING_LINES + 5}"]
     assert private_imports(probe, root=tmp_path) == [f"probe.py:{MAX_MODULE_DOCSTRING_LINES + 2} xla_swap.hf._hidden"]
     assert private_attribute_reads(probe, root=tmp_path) == [f"probe.py:{MAX_MODULE_DOCSTRING_LINES + 4} other._hidden"]
+
+
+def test_no_top_level_class_is_built_from_mixins():
+    """The classes of ``xla_swap/*.py`` (the torch entry point) hold their parts and call them."""
+    top = sorted(PACKAGE.glob("*.py"))
+    assert len(top) > 10, top
+    bad = [v for p in top for v in mixin_classes(p)]
+    assert not bad, "hold the parts and call them, not mixins:\n" + "\n".join(bad)
+
+
+def test_mixin_rule_flags_a_class_of_two_bases(tmp_path):
+    """Two bases are a mixin class; one base, or extra bases that are exceptions, warnings or protocols, are not."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import typing\n"
+                     "class Ok(Base): pass\n"
+                     "class Err(ValueError, KeyError): pass\n"
+                     "class Proto(Base, typing.Protocol, Generic[T]): pass\n"
+                     "class Warn(Base, UserWarning): pass\n"
+                     "class Mixed(TrainingMixin, AutotuneMixin, CheckpointMixin): pass\n"
+                     "class Pair(mod.A, B[int], metaclass=M): pass\n")
+    assert mixin_classes(probe, root=tmp_path) == ["probe.py:6 Mixed(TrainingMixin, AutotuneMixin, CheckpointMixin)",
+                                                   "probe.py:7 Pair(mod.A, B[int])"]
