@@ -335,7 +335,8 @@ def stack_row(args, b, s, model_cpu, link, fused, with_opt, kw) -> dict:
     m = copy.deepcopy(model_cpu)
     first, layers, last = xla_swap.causal_lm_stages(m)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-5) if with_opt else None
-    stack = xla_swap.SwappedStack(layers, first=first, last=last, loss_fn=_ce, fused_attention=fused,
+    stack = xla_swap.SwappedStack(layers, first=first, last=last, loss_fn=_ce,
+                                  compilation=xla_swap.CompileConfig(fused_attention=fused),
                                   optimizer=opt, **kw)
     first_loss = float(stack.train_step(x, y))
     first_s = time.perf_counter() - t0

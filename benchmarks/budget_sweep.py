@@ -228,6 +228,7 @@ def measure_shape(D, F, L, T, reps=3, window=2, sweep=True) -> dict:
 
     from xla_swap.planning import AdamW
     from xla_swap.stack import SwappedStack
+    from xla_swap.stack_config import ParallelConfig, TrainingConfig
     from xla_swap.torch_bridge import to_torch as _to_torch
 
     t_start = time.perf_counter()
@@ -239,14 +240,15 @@ def measure_shape(D, F, L, T, reps=3, window=2, sweep=True) -> dict:
     res = {"shape": [D, F, L, T], "k": K, "reps": reps, "window": window, "device": str(dev.device_kind),
            "bytes_limit": (dev.memory_stats() or {}).get("bytes_limit"), "rows": {}, "auto": {}, "aliases": {}}
     # serving: a stack without an optimizer (as a user serves), its own calibration
-    stack = SwappedStack(layers, devices=[dev])
+    stack = SwappedStack(layers, parallel=ParallelConfig(devices=[dev]))
     _run_mode(stack, x, False, sweep, reps, window, res, t_start)
     stack = None
     gc.collect()
 
     def tloss(o):
         return (o.float() ** 2).mean()
-    stack = SwappedStack(layers, optimizer=AdamW(lr=1e-5), loss_fn=tloss, devices=[dev], accumulate_grads=False)
+    stack = SwappedStack(layers, optimizer=AdamW(lr=1e-5), loss_fn=tloss, parallel=ParallelConfig(devices=[dev]),
+                         training=TrainingConfig(accumulate_grads=False))
     _run_mode(stack, x, True, sweep, reps, window, res, t_start)
     if sweep:   # the user's one call: SwappedStack(budget_bytes=) chooses at its first train_step
         stack = None
@@ -266,8 +268,9 @@ def _default_call(layers, x, tloss, budget: int, reps: int, window: int) -> dict
     from xla_swap.planning import AdamW
     from xla_swap.stack import SwappedStack
     t0 = time.perf_counter()
-    st = SwappedStack(layers, optimizer=AdamW(lr=1e-5), loss_fn=tloss, devices=[jax.devices()[0]],
-                      accumulate_grads=False, budget_bytes=budget)
+    st = SwappedStack(layers, optimizer=AdamW(lr=1e-5), loss_fn=tloss,
+                      parallel=ParallelConfig(devices=[jax.devices()[0]]),
+                      training=TrainingConfig(accumulate_grads=False), budget_bytes=budget)
     t1 = time.perf_counter()
     st.train_step(x)
     jax.block_until_ready((st.runtime.host_params, st.runtime.optimizer_state))

@@ -326,7 +326,7 @@ def decode_hlo(stack, batch: int, cache_len: int) -> list[str]:
     ``cache_len`` slots), one per distinct stage executable in stage order."""
     import jax
     import jax.numpy as jnp
-    gen = next(iter(stack._generators.values()))
+    gen = stack.generators.current
     i32 = jnp.int32
     x = (jax.ShapeDtypeStruct((batch, 1), i32), jax.ShapeDtypeStruct((batch, cache_len), i32),
          jax.ShapeDtypeStruct((batch, 1), i32), jax.ShapeDtypeStruct((), i32))
@@ -406,7 +406,8 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
         _fill_random(model, gdev)
         model.eval()
         first, lyr, last = xla_swap.causal_lm_stages(model)
-        stack = xla_swap.SwappedStack(lyr, first=first, last=last, devices=_devices(args))
+        stack = xla_swap.SwappedStack(lyr, first=first, last=last,
+                                      parallel=xla_swap.ParallelConfig(devices=_devices(args)))
     else:              # layers only ever on the meta device; weights straight into pinned_host per stage
         with torch.device("meta"):
             model = LlamaForCausalLM(cfg)
@@ -418,7 +419,8 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
             model.model.norm.weight.fill_(1.0)
         model.eval()
         first, lyr, last = xla_swap.causal_lm_stages(model)
-        stack = xla_swap.SwappedStack(lyr, first=first, last=last, weights=RandomWeights(gdev), devices=_devices(args))
+        stack = xla_swap.SwappedStack(lyr, first=first, last=last, weights=RandomWeights(gdev),
+                                      parallel=xla_swap.ParallelConfig(devices=_devices(args)))
     res["build_s"] = time.perf_counter() - t0
     _progress(name, "built", t0, build_s=round(res["build_s"], 1))
     rt = stack.runtime
@@ -443,7 +445,7 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
     if not args.no_resident and (name == "8b" or (name != "70b" and w < args.resident_max_gb * 1e9)):   # the decode compute: resident
         wkw = {} if name == "8b" else {"weights": RandomWeights(gdev)}
         res_stack = xla_swap.SwappedStack(lyr, first=first, last=last, policy=OffloadPolicy(params="device"),
-                                          devices=_devices(args), **wkw)
+                                          parallel=xla_swap.ParallelConfig(devices=_devices(args)), **wkw)
         for b in batches:
             r = time_stack(res_stack, b, args.prompt, min(new, args.resident_new_tokens), args.vocab)
             compute[b] = r["decode_step_s"]

@@ -374,12 +374,13 @@ def check(model, side, state: dict) -> dict:
     import torch
 
     from xla_swap.stack import SwappedStack, causal_lm_stages
+    from xla_swap.stack_config import ParallelConfig
 
     ref, mine, ref64 = model, copy.deepcopy(model), copy.deepcopy(model).double()
     before = [p.detach().clone() for p in mine.parameters()]
     first, layers, last = causal_lm_stages(mine)
     stack = SwappedStack(layers, first=first, last=last, loss_fn=_ce, optimizer=_adamw(mine.parameters()),
-                         devices=jax.devices()[:1])
+                         parallel=ParallelConfig(devices=jax.devices()[:1]))
     state["stage"] = "run"
     x, mask, y = _data(side)
     inputs = (x,) if mask is None else (x, mask)

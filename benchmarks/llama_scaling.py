@@ -135,7 +135,8 @@ def build_stack(shape: dict, devices, fill_device, seed: int = 0):
     model = lm.meta_model(shape, fill_device=fill_device, seed=seed)
     first, layers, last = xla_swap.causal_lm_stages(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    stack = xla_swap.SwappedStack(layers, first=first, last=last, optimizer=opt, loss_fn=lm.ce, devices=devices,
+    stack = xla_swap.SwappedStack(layers, first=first, last=last, optimizer=opt, loss_fn=lm.ce,
+                                  parallel=xla_swap.ParallelConfig(devices=devices),
                                   weights=RandomWeights(fill_device, seed=seed))
     if torch.cuda.is_available():
         torch.cuda.empty_cache()   # the stage values drawn on the GPU

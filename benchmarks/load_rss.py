@@ -113,8 +113,9 @@ def _build(path, checkpoint, tdtype, optimizer, mixed, autotune):
 
     import xla_swap
     from xla_swap.stack import SwappedStack, causal_lm_stages
-    kw = dict(param_dtype=torch.bfloat16) if mixed else {}
-    kw["autotune"] = autotune
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)) if mixed else {}
+    kw["autotune"] = xla_swap.AutotuneConfig(enabled=autotune)
     if path == "meta":
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint))

@@ -72,7 +72,8 @@ def build(shape: dict, layers: int, args, device: str):
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
         first, lyr, last = xla_swap.causal_lm_stages(model)
-        return model, xla_swap.SwappedStack(lyr, first=first, last=last, devices=_one_device())
+        return model, xla_swap.SwappedStack(lyr, first=first, last=last,
+                                            parallel=xla_swap.ParallelConfig(devices=_one_device()))
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     model.to(torch.bfloat16)
@@ -84,7 +85,7 @@ def build(shape: dict, layers: int, args, device: str):
     model.eval()
     first, lyr, last = xla_swap.causal_lm_stages(model)
     return model, xla_swap.SwappedStack(lyr, first=first, last=last, weights=RandomWeights(device),
-                                        devices=_one_device())
+                                        parallel=xla_swap.ParallelConfig(devices=_one_device()))
 
 
 def _one_device():

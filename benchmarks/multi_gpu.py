@@ -156,6 +156,7 @@ def measure(n: int, D: int, F: int, L: int, tokens, shardings=SHARDINGS, reps: i
     from xla_swap.executors import StreamingRuntime
     from xla_swap.planning import OffloadPolicy
     from xla_swap.stack import SwappedStack
+    from xla_swap.stack_config import ParallelConfig, TrainingConfig
     from xla_swap.torch_bridge import to_torch as _to_torch
 
     devs = jax.devices()
@@ -249,14 +250,16 @@ def measure(n: int, D: int, F: int, L: int, tokens, shardings=SHARDINGS, reps: i
     ondev = OffloadPolicy(params="device", grads="device", optimizer_state="device", remat=True, prefetch_depth=k)
 
     # ---- one device: the scaling reference, its bandwidths and floors' compute ----
-    st = SwappedStack(layers, policy=pol, devices=devs[:1], accumulate_grads=False)
+    st = SwappedStack(layers, policy=pol, parallel=ParallelConfig(devices=devs[:1]),
+                      training=TrainingConfig(accumulate_grads=False))
     res["bw"]["1"] = measure_bandwidth(st.runtime.host_params)
     print(json.dumps({"bandwidth": "1", **res["bw"]["1"]}), flush=True)
     run_stack(st, "1gpu", suffix="_1gpu")
     st = None  # free its buffers before the next stack
     gc.collect()
     if ondev_1gpu:
-        st = SwappedStack(layers, policy=ondev, devices=devs[:1], accumulate_grads=False)
+        st = SwappedStack(layers, policy=ondev, parallel=ParallelConfig(devices=devs[:1]),
+                          training=TrainingConfig(accumulate_grads=False))
         assert all(st.runtime.resident)
         run_stack(st, "1gpu", prefix="ondev_", suffix="_1gpu")
         st = None
@@ -286,8 +289,9 @@ def measure(n: int, D: int, F: int, L: int, tokens, shardings=SHARDINGS, reps: i
 
     # ---- n devices, per sharding: streamed, then on-device ----
     for s in shardings:
-        kw = dict(shard="fsdp", data_parallel=True) if s == "fsdp" else dict(shard=tp_spec, data_parallel=False)
-        st = SwappedStack(layers, policy=pol, devices=devs[:n], accumulate_grads=False, **kw)
+        split = dict(shard="fsdp", data_parallel=True) if s == "fsdp" else dict(shard=tp_spec, data_parallel=False)
+        st = SwappedStack(layers, policy=pol, parallel=ParallelConfig(devices=devs[:n], **split),
+                          training=TrainingConfig(accumulate_grads=False))
         hp = st.runtime.host_params[0]
         res.setdefault("layout", {})[s] = {
             "data_parallel": st.data_parallel,
@@ -301,7 +305,8 @@ def measure(n: int, D: int, F: int, L: int, tokens, shardings=SHARDINGS, reps: i
         run_stack(st, s)
         st = None
         gc.collect()
-        st = SwappedStack(layers, policy=ondev, devices=devs[:n], accumulate_grads=False, **kw)
+        st = SwappedStack(layers, policy=ondev, parallel=ParallelConfig(devices=devs[:n], **split),
+                          training=TrainingConfig(accumulate_grads=False))
         assert all(st.runtime.resident)
         run_stack(st, s, prefix="ondev_")
         st = None

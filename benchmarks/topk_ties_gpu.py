@@ -69,7 +69,8 @@ def tied_mixtral(dev, experts_n: int, form: str) -> dict:
     ref = copy.deepcopy(model).to(dev)
     ce = lambda logits, y: torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
     first, layers, last = xla_swap.causal_lm_stages(model, experts=form)
-    stack = xla_swap.SwappedStack(layers, first=first, last=last, loss_fn=ce, devices=jax.devices()[:1],
+    stack = xla_swap.SwappedStack(layers, first=first, last=last, loss_fn=ce,
+                                  parallel=xla_swap.ParallelConfig(devices=jax.devices()[:1]),
                                   optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
     ids = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(1))
     x, y = ids[:, :-1], ids[:, 1:]

@@ -62,6 +62,7 @@ given) and prints the table. ``analyze`` is a pure function of the raw JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -183,7 +184,8 @@ def measure_shape(D, F, L, T, reps, k=2, window=1):
 
     from xla_swap.executors import StreamingRuntime
     from xla_swap.planning import AdamW, OffloadPolicy
-    from xla_swap.stack import SwappedStack
+    from xla_swap.stack import DEFAULT_POLICY, SwappedStack
+    from xla_swap.stack_config import AutotuneConfig, CompileConfig, ParallelConfig, TrainingConfig
     from xla_swap.torch_bridge import to_torch as _to_torch
 
     bf16 = jnp.bfloat16
@@ -260,7 +262,8 @@ def measure_shape(D, F, L, T, reps, k=2, window=1):
     x_dev = jax.device_put(x_np, dev)
     # ---- the JAX-written and the torch-written stack, timed window by window in turn ----
     pol = OffloadPolicy(params="host", grads="host", optimizer_state="host", remat=True, prefetch_depth=k)
-    st = SwappedStack(layers, policy=pol, devices=jax.devices()[:1], accumulate_grads=False)
+    st = SwappedStack(layers, policy=pol, parallel=ParallelConfig(devices=jax.devices()[:1]),
+                      training=TrainingConfig(accumulate_grads=False))
     res["bw_torch_stack"] = _link(measure_bandwidth(st.runtime.host_params))  # its own pinned buffers
     cuda = torch.cuda.is_available()
     x_c = x_t.cuda() if cuda else x_t
@@ -316,15 +319,19 @@ def measure_shape(D, F, L, T, reps, k=2, window=1):
     gc.collect()
     # ---- more torch-written rows through the entry point ----
     # the torch stages' own compute: every stage resident in device memory (budget above the model)
-    st = SwappedStack(layers, budget_bytes=10 ** 15, autotune=False, prefetch_depth=k, devices=jax.devices()[:1],
-                      accumulate_grads=False)
+    st = SwappedStack(layers, budget_bytes=10 ** 15, autotune=AutotuneConfig(enabled=False),
+                      policy=dataclasses.replace(DEFAULT_POLICY,
+                                                 prefetch_depth=k), parallel=ParallelConfig(devices=jax.devices()[:1]),
+                      training=TrainingConfig(accumulate_grads=False))
     assert all(st.runtime.resident)
     rows["torch_ondev_fwd"] = timed(torch_fwd, tsync)
     note("torch_ondev_fwd")
     st = None
     gc.collect()
     # torch's own weight layout [out, in] kept on the host and the device (what transpose_linear saves)
-    st = SwappedStack(layers, policy=pol, devices=jax.devices()[:1], accumulate_grads=False, transpose_linear=False)
+    st = SwappedStack(layers, policy=pol, parallel=ParallelConfig(devices=jax.devices()[:1]),
+                      training=TrainingConfig(accumulate_grads=False),
+                      compilation=CompileConfig(transpose_linear=False))
     rows["torch_fwd_nt"] = timed(torch_fwd, tsync)
     rows["torch_train_nt"] = timed(torch_train)
     note("torch_train_nt")
@@ -332,20 +339,22 @@ def measure_shape(D, F, L, T, reps, k=2, window=1):
     gc.collect()
     # one more stage of device memory: k+1 stages carried across each turn
     pol3 = OffloadPolicy(params="host", grads="host", optimizer_state="host", remat=True, prefetch_depth=k + 1)
-    st = SwappedStack(layers, policy=pol3, devices=jax.devices()[:1], accumulate_grads=False)
+    st = SwappedStack(layers, policy=pol3, parallel=ParallelConfig(devices=jax.devices()[:1]),
+                      training=TrainingConfig(accumulate_grads=False))
     rows["torch_fwd_k3"] = timed(torch_fwd, tsync)
     rows["torch_train_k3"] = timed(torch_train)
     note("torch_train_k3")
     st = None
     gc.collect()
-    st = SwappedStack(layers, policy=pol, devices=jax.devices()[:1], accumulate_grads=False,
-                      offload_activations=True)
+    st = SwappedStack(layers, policy=pol, parallel=ParallelConfig(devices=jax.devices()[:1]),
+                      training=TrainingConfig(accumulate_grads=False, offload_activations=True))
     rows["torch_train_actoff"] = timed(torch_train)
     res["actoff_bytes"] = st.runtime.offloaded_activation_nbytes
     note("torch_train_actoff")
     st = None  # free its buffers before the next row
     gc.collect()
-    st = SwappedStack(layers, policy=pol, devices=jax.devices()[:1], optimizer=AdamW(lr=1e-5), loss_fn=tloss)
+    st = SwappedStack(layers, policy=pol, parallel=ParallelConfig(devices=jax.devices()[:1]),
+                      optimizer=AdamW(lr=1e-5), loss_fn=tloss)
 
     def torch_adamw():
         st.train_step(x_c)
@@ -356,7 +365,8 @@ def measure_shape(D, F, L, T, reps, k=2, window=1):
     st = None  # free its buffers before the next row
     gc.collect()
     dpol = OffloadPolicy(params="host", grads="host", optimizer_state="device", remat=True, prefetch_depth=k)
-    st = SwappedStack(layers, policy=dpol, devices=jax.devices()[:1], optimizer=AdamW(lr=1e-5), loss_fn=tloss)
+    st = SwappedStack(layers, policy=dpol, parallel=ParallelConfig(devices=jax.devices()[:1]),
+                      optimizer=AdamW(lr=1e-5), loss_fn=tloss)
     rows["torch_adamw_devstate"] = timed(torch_adamw)
     note("torch_adamw_devstate")
     st = None  # free its buffers before the next row

@@ -64,7 +64,10 @@ def main(argv=None):
 
     from xla_swap.executors import StreamingRuntime, TraceRecorder
     from xla_swap.planning import OffloadPolicy
-    from xla_swap.stack import SwappedStack
+    import dataclasses
+
+    from xla_swap.stack import DEFAULT_POLICY, SwappedStack
+    from xla_swap.stack_config import AutotuneConfig, ParallelConfig
     from xla_swap.torch_bridge import to_torch as _to_torch
 
     D, F, L, T = args.shape
@@ -110,8 +113,9 @@ def main(argv=None):
             return StreamingRuntime(stage_jax, wj, prefetch_depth=k, track_residency=False,
                                     resident=[resident] * L), x_dev
         mods = [(Linear if name == "torch" else Transposed)(w) for w in wt]
-        kw = dict(budget_bytes=10 ** 15, autotune=False, prefetch_depth=k) if resident else dict(policy=pol)
-        st = SwappedStack(mods, devices=jax.devices()[:1], **kw)
+        kw = dict(budget_bytes=10 ** 15, autotune=AutotuneConfig(enabled=False),
+                  policy=dataclasses.replace(DEFAULT_POLICY, prefetch_depth=k)) if resident else dict(policy=pol)
+        st = SwappedStack(mods, parallel=ParallelConfig(devices=jax.devices()[:1]), **kw)
         return st.runtime, (x_dev, {})
 
     for name in ("jax", "torch", "torch_t"):

@@ -89,7 +89,7 @@ def run_streaming(ids, mask, steps):
 
     model = minilm.load_bert()
     steps.set_postfix_str("streaming: BertModel layers to pinned_host")
-    stack = SwappedStack(model.encoder.layer, first=minilm.EmbedWithMask(model.embeddings), prefetch_depth=2)
+    stack = SwappedStack(model.encoder.layer, first=minilm.EmbedWithMask(model.embeddings))   # 2 layers prefetched
     steps.update()
     steps.set_postfix_str(f"streaming: {stack.runtime.num_stages} stages on {len(jax.devices())} device(s)")
     with torch.no_grad():

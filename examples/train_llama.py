@@ -69,6 +69,8 @@ def main(argv=None) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM, get_cosine_schedule_with_warmup
 
     from xla_swap.stack import SwappedStack, causal_lm_stages
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from xla_swap.stack_config import TrainingConfig
 
     cfg = LlamaConfig(vocab_size=30522, hidden_size=args.dim, intermediate_size=4 * args.dim,
                       num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
@@ -91,8 +93,8 @@ def main(argv=None) -> int:
     first, layers, last = causal_lm_stages(model)
     budget = None if args.budget_mib is None else args.budget_mib << 20
     stack = SwappedStack(layers, first=first, last=last, loss_fn=lambda lo, y: loss_fn(lo, y) / n,
-                         budget_bytes=budget, optimizer=opt, max_grad_norm=args.clip,
-                         param_dtype=torch.bfloat16 if args.bf16 else None)
+                         budget_bytes=budget, optimizer=opt, training=TrainingConfig(max_grad_norm=args.clip),
+                         mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16) if args.bf16 else None)
     losses = []
     if args.resume:   # weights, AdamW moments and step; the losses and the schedule ride along as `extra`
         extra = stack.load_checkpoint(args.resume)

@@ -6,7 +6,8 @@ Layers (each importable on its own):
 * ``xla_swap.planning``  - framework-neutral: placement policy, planner, HLO inspection.
 * ``xla_swap.executors`` - PJRT executor and streaming runtime (jax only, no torch).
 * ``xla_swap.stack``     - the torch entry point ``SwappedStack`` (torch + torchax + jax, no torch_xla),
-  also reachable as ``xla_swap.SwappedStack`` (imported on first use).
+  also reachable as ``xla_swap.SwappedStack`` (imported on first use), with its setting groups
+  ``xla_swap.ParallelConfig``, ``TrainingConfig``, ``AutotuneConfig``, ``CompileConfig`` (``xla_swap.stack_config``).
 * ``xla_swap.loading``   - ``load_stack``: a ``SwappedStack`` from a meta-device model and a safetensors
   checkpoint (``xla_swap.load_stack``, imported on first use).
 * ``xla_swap.use_compilation_cache`` - jax's persistent compilation cache for the stage
@@ -26,6 +27,9 @@ def __getattr__(name):
     if name in ("SwappedStack", "causal_lm_stages"):
         from xla_swap import stack
         return getattr(stack, name)
+    if name in ("ParallelConfig", "TrainingConfig", "AutotuneConfig", "CompileConfig"):
+        from xla_swap import stack_config
+        return getattr(stack_config, name)
     if name == "load_stack":
         from xla_swap import loading
         return loading.load_stack

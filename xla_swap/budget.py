@@ -1,19 +1,20 @@
 """The device-memory budget of the torch entry point (``SwappedStack(budget_bytes=...)``).
 
-Two rules: with ``autotune=False`` the budget bounds weights and optimizer state, and
+Two rules: with ``AutotuneConfig(enabled=False)`` the budget bounds weights and optimizer state, and
 :func:`resident_for_budget` keeps stages resident from the last backwards beside the streaming
-window; with ``autotune=True`` the first call measures and chooses a whole schedule
-(:class:`AutotuneMixin`, ``xla_swap.executors.calibrate.autotune``).
+window; with it enabled (the default) the first call measures and chooses a whole schedule
+(:class:`Autotuner`, ``xla_swap.executors.calibrate.autotune``), which the stack holds and calls.
 
 The module imports torch (for the inputs' shapes in messages).
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-__all__ = ["check_calibration_arg", "resident_for_budget", "AutotuneMixin"]
+from xla_swap.executors.streaming import StreamingRuntime, remat_from_policy
+from xla_swap.planning.policy import OffloadPolicy
+
+__all__ = ["check_calibration_arg", "resident_for_budget", "build_runtime", "Autotuner"]
 
 
 def check_calibration_arg(calibration) -> None:
@@ -26,8 +27,8 @@ def check_calibration_arg(calibration) -> None:
 
 def resident_for_budget(stage_params: list[dict], trainable: list, optimizer, budget: int, k: int) -> list[bool]:
     """Per stage, whether it is kept in device memory for ``budget`` bytes of weights and optimizer state
-    (``SwappedStack(budget_bytes=..., autotune=False)``): from the last stage backwards while they fit
-    beside the streaming window of the ``k + 1`` largest stages.
+    (``SwappedStack(budget_bytes=..., autotune=AutotuneConfig(enabled=False))``): from the last stage backwards
+    while they fit beside the streaming window of the ``k + 1`` largest stages.
 
     Args:
       stage_params: per stage, ``{name: array}`` of its host weights (``nbytes``, ``itemsize``).
@@ -58,36 +59,73 @@ def resident_for_budget(stage_params: list[dict], trainable: list, optimizer, bu
     return resident
 
 
-class AutotuneMixin:
-    """The schedule choice of :class:`xla_swap.stack.SwappedStack` for a budget (it inherits it).
+def build_runtime(fns: list, stage_params: list, updated: list, policy: OffloadPolicy, budget_bytes: int | None,
+                  autotune: bool, common: dict) -> StreamingRuntime:
+    """The ``StreamingRuntime`` of the stages: ``policy``'s, or with ``budget_bytes`` the residency
+    :func:`xla_swap.budget.resident_for_budget` gives (every stage streamed until the first call
+    chooses, with ``autotune``). Raises ValueError for a budget below the streaming window."""
+    if budget_bytes is None:
+        return StreamingRuntime.from_policy(fns, stage_params, policy, **common)
+    optimizer = common["optimizer"]
+    k = policy.prefetch_depth
+    resident = resident_for_budget(stage_params, updated, optimizer[0] if isinstance(optimizer, list) else optimizer,
+                                   budget_bytes, k)   # raises below the streaming window, before anything is built
+    if autotune:   # stream everything until the first call chooses (the least device memory)
+        resident = [False] * len(stage_params)
+    return StreamingRuntime(fns, stage_params, prefetch_depth=k, resident=resident,
+                            grads_to_host=policy.grads == "host",
+                            optimizer_state_on_host=policy.optimizer_state == "host",
+                            remat=remat_from_policy(policy), **common)
 
-    It reads and replaces the stack's ``runtime`` and sets ``schedule``.
+
+class Autotuner:
+    """The schedule choice of a ``SwappedStack`` for a device-memory budget: it measures (or reads
+    ``calibration``), chooses and builds the runtime that runs the choice.
+
+    Args:
+      first_call_budget: the constructor's ``budget_bytes`` when it chooses at the first call
+        (``AutotuneConfig.enabled``), else ``None``.
+      calibration: what it chooses from when a call gives none (``None``: it measures); checked by the caller.
+
+    Attributes: ``schedule``: the last choice (a ``ScheduleChoice``: ``.explain()``), or ``None``.
     """
 
-    def autotune(self, inputs, *, budget_bytes: int, training: bool = True, reps: int = 3, calibration=None,
-                 **choose_kwargs):
-        """Choose prefetch depth, resident stages, activation offload, where the optimizer state
-        lives and, for training, ``remat`` (recompute, or keep the residuals) from a short
-        measurement on the device, and run the stack with that choice from now on.
+    def __init__(self, first_call_budget: int | None, calibration):
+        self.first_call_budget, self.calibration = first_call_budget, calibration
+        self.schedule = None
 
-        A stack built with ``budget_bytes`` (and ``autotune=True``, the default) calls it at its
-        first ``forward`` / ``train_step`` with that call's inputs; call it again for another
-        input shape or budget. The choice is also kept as ``self.schedule``.
+    @property
+    def due(self) -> bool:
+        """Whether the first call is still to choose (a first-call budget and no choice yet)."""
+        return self.first_call_budget is not None and self.schedule is None
+
+    @staticmethod
+    def check_call(calibration) -> None:
+        """The checks of ``SwappedStack.autotune`` before anything runs: ``calibration``'s type (TypeError), and
+        ValueError with per-rank batches (:mod:`xla_swap.distributed`: each process would choose its own)."""
+        from xla_swap.distributed import per_rank_batches
+        check_calibration_arg(calibration)
+        if per_rank_batches():
+            raise ValueError("autotune with per-rank batches (xla_swap.distributed): each process would measure and "
+                             "choose its own schedule; build the stack with a policy")
+
+    def choose(self, runtime, x, budget_bytes: int, *, training: bool, reps: int, calibration=None, **choose_kwargs):
+        """The runtime running the schedule chosen for ``runtime``'s stages on input ``x`` (as the runtime takes
+        it) within ``budget_bytes`` (weights, optimizer state and step carried over, no copy); the choice is
+        kept as ``schedule`` (``SwappedStack.autotune`` calls it).
 
         ``xla_swap.executors.calibrate.autotune`` measures the link and each distinct stage's
         forward and backward (a few calls), ``xla_swap.planning.chooser.choose_schedule`` picks
         the fastest predicted configuration whose predicted peak fits, cached per stage
-        signatures, input shapes, budget and mode; ``self.runtime`` is replaced by one running it
-        (weights, optimizer state and step carried over). The runtime stays ``StreamingRuntime``
+        signatures, input shapes, budget and mode. The runtime stays ``StreamingRuntime``
         (``InGraphRuntime`` has no training step).
 
         Args:
-          inputs: a torch tensor or a tuple of them, as for ``train_step`` / ``forward`` (their
-            shapes fix the stages' shapes; the values are not used).
+          runtime, x: the stack's runtime and an input as it takes it (the shapes matter, not the values).
           budget_bytes: device memory in bytes (int > 0) for *everything* the stack holds on the
             device (weights, optimizer state, activations, temporaries), unlike the constructor's
             ``budget_bytes`` (weights and optimizer state).
-          training: choose for ``train_step`` (default) or ``forward``.
+          training: choose for ``train_step`` or ``forward``.
           reps: timed calls per measured figure.
           calibration: a ``Calibration`` or a callable ``(runtime, h) -> Calibration`` to choose
             from instead of measuring (see the constructor's ``calibration``; default: the
@@ -96,46 +134,25 @@ class AutotuneMixin:
           **choose_kwargs: ``max_prefetch_depth``, ``allow_offload``, ``allow_device_optimizer_state``,
             ``allow_no_remat`` (default ``True``; ``False`` keeps ``remat=True``).
 
-        Returns: the ``xla_swap.planning.chooser.ScheduleChoice`` (``.explain()``; ``.observe(step_s,
-        peak_bytes)`` records measured figures beside the prediction).
-
         Raises: ``xla_swap.planning.InfeasibleBudgetError`` (a ``ValueError``) when nothing fits,
           ``ValueError`` / ``TypeError`` for bad arguments (a bad ``budget_bytes`` as
-          ``xla_swap.planning.units.check_budget_bytes`` words it), ``ValueError`` with per-rank batches
-          (:mod:`xla_swap.distributed`); the stack is unchanged then.
+          ``xla_swap.planning.units.check_budget_bytes`` words it); with :meth:`check_call`'s errors
+          first, nothing changes on an error.
         """
-        from xla_swap.distributed import per_rank_batches
         from xla_swap.executors.calibrate import autotune
-        check_calibration_arg(calibration)
-        if per_rank_batches():
-            raise ValueError("autotune with per-rank batches (xla_swap.distributed): each process would measure and "
-                             "choose its own schedule; build the stack with a policy")
-        x = self._carry_in(inputs if isinstance(inputs, (tuple, list)) else (inputs,))
         cal = self.calibration if calibration is None else calibration
-        with self.torch_precision():
-            # the stack drops its old runtime: the new one takes its weights and moments, no copy
-            self.runtime, choice = autotune(self.runtime, x, budget_bytes, training=training, reps=reps,
-                                            calibration=cal, own_params=True, **choose_kwargs)
+        new, choice = autotune(runtime, x, budget_bytes, training=training, reps=reps, calibration=cal,
+                               own_params=True, **choose_kwargs)
         self.schedule = choice
-        if isinstance(self.runtime.remat, bool):   # the policy in force follows the choice
-            self.policy = dataclasses.replace(self.policy, remat=self.runtime.remat,
-                                              prefetch_depth=self.runtime.prefetch_depth)
-        return choice
+        return new
 
-    def _maybe_autotune(self, inputs: tuple, training: bool) -> None:
-        """At the first call of a stack built with ``budget_bytes`` and ``autotune=True``: :meth:`autotune`,
-        for training whenever the stack has an optimizer (its device memory then holds the resident
-        stages' optimizer state, which a forward's choice does not count), else for that call's mode."""
-        if self._autotune_budget is None or self.schedule is not None:
-            return
-        from xla_swap.planning import InfeasibleBudgetError
-        try:
-            self.autotune(inputs, budget_bytes=self._autotune_budget, training=training or self.optimizer is not None)
-        except InfeasibleBudgetError as e:
-            raise ValueError(
-                f"budget_bytes={self._autotune_budget} holds no schedule for inputs of these shapes "
-                f"({', '.join(str(tuple(t.shape)) for t in inputs if isinstance(t, torch.Tensor))}): the smallest "
-                f"predicted needs {e.min_budget_bytes} bytes of device memory (weights, optimizer state, activations "
-                f"and temporaries). Give a larger budget_bytes or smaller inputs, call stack.autotune(inputs, "
-                f"budget_bytes=...) with a larger one, or build with autotune=False (the budget then bounds weights "
-                f"and optimizer state only)") from e
+    def infeasible(self, error, inputs: tuple) -> ValueError:
+        """The first call's error when no schedule fits ``first_call_budget`` (``error``: the
+        ``InfeasibleBudgetError``), naming the inputs' shapes and the ways out."""
+        return ValueError(
+            f"budget_bytes={self.first_call_budget} holds no schedule for inputs of these shapes "
+            f"({', '.join(str(tuple(t.shape)) for t in inputs if isinstance(t, torch.Tensor))}): the smallest "
+            f"predicted needs {error.min_budget_bytes} bytes of device memory (weights, optimizer state, activations "
+            f"and temporaries). Give a larger budget_bytes or smaller inputs, call stack.autotune(inputs, "
+            f"budget_bytes=...) with a larger one, or build with autotune=AutotuneConfig(enabled=False) (the budget "
+            f"then bounds weights and optimizer state only)")

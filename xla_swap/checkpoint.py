@@ -1,6 +1,6 @@
 """Checkpoints of the torch entry point: ``SwappedStack.state_dict`` / ``load_state_dict`` (torch's
 ``get_state_dict`` form) and ``save_checkpoint`` / ``load_checkpoint`` (``torch.distributed.checkpoint``,
-DCP), as the mixin :class:`CheckpointMixin`.
+DCP), by the :class:`Checkpointer` a ``SwappedStack`` holds and calls.
 
 Saving streams: a DCP save planner (:func:`xla_swap.checkpoint_dcp.streaming_save_planner`) copies
 each shard out of its ``pinned_host`` buffer only when the writer asks for it; with several jax
@@ -21,9 +21,10 @@ import torch
 from xla_swap.checkpoint_dcp import (assembled, quiet_dcp, region_load_planner, shard_chunks, shard_regions,
                                      streaming_save_planner)
 from xla_swap.planning.optimizer import AdamW
+from xla_swap.stages import StageLayout
 from xla_swap.torch_bridge import to_torch, torch_dtype
 
-__all__ = ["CheckpointMixin", "model_parameter_names"]
+__all__ = ["Checkpointer", "model_parameter_names"]
 
 
 def model_parameter_names(modules: list, first) -> dict:
@@ -54,14 +55,22 @@ def _check_process_group(what: str) -> None:
                            "processes; initialize torch.distributed over the same processes")
 
 
-class CheckpointMixin:
-    """The checkpoint methods of :class:`xla_swap.stack.SwappedStack` (it inherits them).
+class Checkpointer:
+    """The checkpoints of a ``SwappedStack``: its training state read from and written into a runtime
+    (host weights, optimizer state, step) in torch's names and layout.
 
-    They read the stack's ``runtime`` (host weights, optimizer state, step), ``stage_names``,
-    ``modules``, ``transposed``, ``optimizer`` / ``torch_optimizer`` and its trainable names.
+    Args:
+      layout: the stack's :class:`xla_swap.stages.StageLayout` (names, layouts, trainable names).
+      optimizer: the update's ``AdamW`` (group 0's with a torch optimizer) or ``None``.
+      torch_optimizer: the torch optimizer whose ``param_groups`` are saved and restored, or ``None``.
+
+    Each method takes the ``runtime`` (a ``StreamingRuntime`` of the stack's stages) it reads or restores.
     """
 
-    def state_dict(self) -> dict:
+    def __init__(self, layout: StageLayout, optimizer: AdamW | None, torch_optimizer):
+        self.layout, self.optimizer, self.torch_optimizer = layout, optimizer, torch_optimizer
+
+    def state_dict(self, rt) -> dict:
         """The whole training state as CPU torch tensors (copies), in torch's layout and names.
 
         ``{"model": {fqn: weight}, "optim": {"state": {fqn: {"step", "exp_avg", "exp_avg_sq"}},
@@ -81,20 +90,20 @@ class CheckpointMixin:
           since the last update: their gradients are not part of the state; update first); the
           stack spans several processes.
         """
-        self._check_checkpointable("state_dict")
+        self._check_checkpointable(rt, "state_dict")
         sd: dict = {"model": {}}
         if self.optimizer is not None:
-            sd["optim"] = {"state": {}, "param_groups": self._param_groups_state()}
-        for i, stage_layout in enumerate(self._ckpt_layout()):
+            sd["optim"] = {"state": {}, "param_groups": self._param_groups_state(rt)}
+        for i, stage_layout in enumerate(self._ckpt_layout(rt)):
             for key, (fqn, name, kind, j, _, _) in stage_layout.items():
-                t = self._ckpt_tensor(i, name, kind, j)
+                t = self._ckpt_tensor(rt, i, name, kind, j)
                 if kind == "w":
                     sd["model"][fqn] = t
                 else:
                     sd["optim"]["state"].setdefault(fqn, {})[_MOMENT_KEYS[kind]] = t
         return sd
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_state_dict(self, rt, state_dict: dict) -> None:
         """Restore the training state from a :meth:`state_dict` (of this stack or another built the
         same way): weights and moments are copied into the stack's host buffers, stage by stage,
         with their shardings and memory kinds; the step count and the param groups' options (into
@@ -106,7 +115,7 @@ class CheckpointMixin:
           parameters, param groups of other parameters or options AdamW refuses; accumulated
           micro-batches are pending; the stack spans several processes.
         """
-        self._check_checkpointable("load_state_dict")
+        self._check_checkpointable(rt, "load_state_dict")
         if not isinstance(state_dict, dict) or not isinstance(state_dict.get("model"), dict) or \
                 ("optim" in state_dict and not isinstance(state_dict["optim"], dict)):
             raise TypeError("state_dict must be a dict {'model': {fqn: tensor}, 'optim': {...}} as "
@@ -126,9 +135,9 @@ class CheckpointMixin:
             for k, pieces in regions.items():
                 for off, t in pieces.items():
                     t.copy_(flat[k][tuple(slice(o, o + s) for o, s in zip(off, t.shape))])
-        self._restore(meta, read, optim.get("param_groups"), "state_dict")
+        self._restore(rt, meta, read, optim.get("param_groups"), "state_dict")
 
-    def save_checkpoint(self, path, *, extra: dict | None = None) -> None:
+    def save(self, rt, path, *, extra: dict | None = None) -> None:
         """Write :meth:`state_dict` as a ``torch.distributed.checkpoint`` (DCP) checkpoint into the
         folder ``path`` (created; files of an earlier checkpoint there are overwritten).
 
@@ -167,23 +176,23 @@ class CheckpointMixin:
             raise TypeError(f"path must be a str or os.PathLike folder, got {type(path).__name__}")
         if extra is not None and (not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra)):
             raise TypeError(f"extra must be None or a dict with str keys, got {type(extra).__name__}")
-        self._check_checkpointable("save_checkpoint", several_processes=True)
+        self._check_checkpointable(rt, "save_checkpoint", several_processes=True)
         several = jax.process_count() > 1
         if several:
             _check_process_group("save_checkpoint")
         lead = jax.process_index() == 0
         tensors = {}
-        for i, stage_layout in enumerate(self._ckpt_layout()):
+        for i, stage_layout in enumerate(self._ckpt_layout(rt)):
             for key, (fqn, name, kind, j, shape, dtype) in stage_layout.items():
                 if kind == "step":
-                    step = [((), (), lambda: torch.tensor(float(self.runtime.step)))]
+                    step = [((), (), lambda: torch.tensor(float(rt.step)))]
                     tensors[key] = (shape, dtype, step if lead else [], 1)
                 else:
-                    tensors[key] = (shape, dtype, *shard_chunks(self._ckpt_source(i, name, kind, j),
-                                                                name in self.transposed[i]))
+                    tensors[key] = (shape, dtype, *shard_chunks(self._ckpt_source(rt, i, name, kind, j),
+                                                                name in self.layout.transposed[i]))
         objects = {f"extra.{k}": v for k, v in (extra or {}).items()}
         if self.optimizer is not None:
-            objects["optim.param_groups"] = self._param_groups_state()
+            objects["optim.param_groups"] = self._param_groups_state(rt)
         os.makedirs(path, exist_ok=True)
         # per_thread_copy_ahead=0: the writer resolves (copies) one shard, writes it, then the next
         writer = dcp.FileSystemWriter(path, per_thread_copy_ahead=0)
@@ -191,7 +200,7 @@ class CheckpointMixin:
             dcp.save({}, storage_writer=writer, planner=streaming_save_planner(tensors, objects if lead else {}),
                      no_dist=not several)
 
-    def load_checkpoint(self, path) -> dict:
+    def load(self, rt, path) -> dict:
         """Restore the training state from a :meth:`save_checkpoint` folder, as :meth:`load_state_dict`
         does, one stage at a time.
 
@@ -217,7 +226,7 @@ class CheckpointMixin:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a str or os.PathLike folder, got {type(path).__name__}")
-        self._check_checkpointable("load_checkpoint", several_processes=True)
+        self._check_checkpointable(rt, "load_checkpoint", several_processes=True)
         if not os.path.isfile(os.path.join(path, ".metadata")):
             raise FileNotFoundError(f"path={os.fspath(path)!r} holds no torch.distributed.checkpoint checkpoint "
                                     "(no .metadata file)")
@@ -235,41 +244,35 @@ class CheckpointMixin:
             with quiet_dcp():
                 dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=region_load_planner(regions),
                          no_dist=True)
-        self._restore(meta, read, objects.get("optim.param_groups"), f"checkpoint {os.fspath(path)!r}")
+        self._restore(rt, meta, read, objects.get("optim.param_groups"), f"checkpoint {os.fspath(path)!r}")
         return {k[len("extra."):]: v for k, v in objects.items() if k.startswith("extra.")}
 
-    def _check_checkpointable(self, what: str, several_processes: bool = False) -> None:
-        if self.runtime.grad_acc is not None:
-            raise ValueError(f"{what}: {self.runtime.micro_batches} accumulated micro-batches are pending (train_step("
+    def _check_checkpointable(self, rt, what: str, several_processes: bool = False) -> None:
+        if rt.grad_acc is not None:
+            raise ValueError(f"{what}: {rt.micro_batches} accumulated micro-batches are pending (train_step("
                              "accumulate=True) since the last update); their gradients are not part of the state: "
                              "finish the accumulation with train_step(accumulate=False) first")
         if jax.process_count() > 1 and not several_processes:
             raise ValueError(f"{what} is not implemented for a stack spanning {jax.process_count()} processes; "
                              "save_checkpoint / load_checkpoint are")
 
-    def _fqn(self, stage: int, name: str) -> str:
-        """torch-style name of parameter ``name`` of ``stage``: its name in the model the stages were cut
-        from where ``checkpoint_names`` has it (a PEFT model's), else ``layers.3.mlp.up_proj.weight``."""
-        own = self.checkpoint_names.get((stage, name))
-        return own if own is not None else f"{self.stage_names[stage].replace('[', '.').replace(']', '')}.{name}"
-
-    def _ckpt_layout(self) -> list[dict]:
+    def _ckpt_layout(self, rt) -> list[dict]:
         """Per stage ``{flat key: (fqn, name, kind, j, torch shape, torch dtype)}``; ``kind`` is ``"w"``
         (weight), ``"m"`` / ``"v"`` (moments of trainable leaf ``j``) or ``"step"``."""
-        rt, out = self.runtime, []
-        for i, names in enumerate(self.trainable_names):
+        out = []
+        for i, names in enumerate(self.layout.trainable):
             host, layout = rt.host_params[i], {}
 
             def torch_shape(a, n, i=i):
-                return tuple(a.shape)[::-1] if n in self.transposed[i] else tuple(a.shape)
+                return tuple(a.shape)[::-1] if n in self.layout.transposed[i] else tuple(a.shape)
             for n in names:
-                fqn = self._fqn(i, n)
+                fqn = self.layout.fqn(i, n)
                 layout[f"model.{fqn}"] = (fqn, n, "w", None, torch_shape(host[n], n), torch_dtype(host[n].dtype))
             if self.optimizer is not None:
                 name_of = {jax.tree_util.keystr((jax.tree_util.DictKey(n),)): n for n in names}
                 for j, path in enumerate(rt.trainable_paths(i)):
                     n = name_of[path]
-                    fqn, moment = self._fqn(i, n), rt.optimizer_state[i][j][0]
+                    fqn, moment = self.layout.fqn(i, n), rt.optimizer_state[i][j][0]
                     for kind in ("m", "v"):
                         layout[f"optim.state.{fqn}.{_MOMENT_KEYS[kind]}"] = (fqn, n, kind, j, torch_shape(moment, n),
                                                                             torch_dtype(moment.dtype))
@@ -277,40 +280,39 @@ class CheckpointMixin:
             out.append(layout)
         return out
 
-    def _ckpt_source(self, stage: int, name: str, kind: str, j):
-        rt = self.runtime
+    @staticmethod
+    def _ckpt_source(rt, stage: int, name: str, kind: str, j):
         return rt.host_params[stage][name] if kind == "w" else rt.optimizer_state[stage][j][0 if kind == "m" else 1]
 
-    def _ckpt_tensor(self, stage: int, name: str, kind: str, j) -> torch.Tensor:
+    def _ckpt_tensor(self, rt, stage: int, name: str, kind: str, j) -> torch.Tensor:
         if kind == "step":
-            return torch.tensor(float(self.runtime.step))
-        return self._torch_layout(stage, name, to_torch(self._ckpt_source(stage, name, kind, j)))
+            return torch.tensor(float(rt.step))
+        return self.layout.torch_layout(stage, name, to_torch(self._ckpt_source(rt, stage, name, kind, j)))
 
-    def _param_groups_state(self) -> list[dict]:
+    def _param_groups_state(self, rt) -> list[dict]:
         """The param groups' options and their parameters' fqns (``"params"``), as torch's
         ``get_optimizer_state_dict`` gives them: the torch optimizer's groups, else the runtime's."""
         import copy
-        fqn_of = {id(p): self._fqn(i, n) for i, m in enumerate(self.modules) for n, p in m.named_parameters()}
+        fqn_of = {id(p): self.layout.fqn(i, n) for i, m in enumerate(self.layout.modules) for n, p in m.named_parameters()}
         if self.torch_optimizer is not None:
             return [{**copy.deepcopy({k: v for k, v in g.items() if k != "params"}),
                      "params": [fqn_of[id(p)] for p in g["params"]]} for g in self.torch_optimizer.param_groups]
-        rt = self.runtime
         members: list[list[str]] = [[] for _ in rt.param_groups]
-        for i, names in enumerate(self.trainable_names):
+        for i, names in enumerate(self.layout.trainable):
             key_of = {jax.tree_util.keystr((jax.tree_util.DictKey(n),)): n for n in names}
             for path, g in zip(rt.trainable_paths(i), rt.group_idx[i]):
-                members[g].append(self._fqn(i, key_of[path]))
+                members[g].append(self.layout.fqn(i, key_of[path]))
         return [{"lr": g.lr, "betas": g.betas, "eps": g.eps, "weight_decay": g.weight_decay, "params": ps}
                 for g, ps in zip(rt.param_groups, members)]
 
-    def _restore(self, meta: dict, read: Callable, groups, where: str) -> None:
+    def _restore(self, rt, meta: dict, read: Callable, groups, where: str) -> None:
         """Check ``meta`` (``{flat key: (shape, torch dtype)}``) and ``groups`` against the stack, then
         load each stage and set the step and the groups. ``read(regions)`` fills ``regions``
         (``{flat key: {offsets: CPU tensor}}``) with those regions of the saved tensors.
 
         Raises ValueError naming the key before anything changes (see :meth:`load_state_dict`).
         """
-        layout = self._ckpt_layout()
+        layout = self._ckpt_layout(rt)
         want = {k: v for stage_layout in layout for k, v in stage_layout.items()}
         missing, unexpected = sorted(set(want) - set(meta)), sorted(set(meta) - set(want))
         if missing or unexpected:
@@ -329,48 +331,48 @@ class CheckpointMixin:
             vals = {float(r[()]) for r in steps.values()}
             if len(vals) > 1 or (vals and (not float(next(iter(vals))).is_integer() or next(iter(vals)) < 0)):
                 raise ValueError(f"{where}: the parameters' steps differ or are not counts: {sorted(vals)[:4]}")
-            step = int(next(iter(vals))) if vals else self.runtime.step
-            new_groups = self._checked_groups_state(groups, where)
+            step = int(next(iter(vals))) if vals else rt.step
+            new_groups = self._checked_groups_state(rt, groups, where)
         for i, stage_layout in enumerate(layout):
             try:
-                self._restore_stage(i, stage_layout, read)
+                self._restore_stage(rt, i, stage_layout, read)
             except Exception as e:
                 if i == 0:
                     raise
-                raise RuntimeError(f"{where}: reading stage {self.stage_names[i]} failed after stages "
-                                   f"{self.stage_names[0]}..{self.stage_names[i - 1]} were restored; load again") from e
+                raise RuntimeError(f"{where}: reading stage {self.layout.names[i]} failed after stages "
+                                   f"{self.layout.names[0]}..{self.layout.names[i - 1]} were restored; load again") from e
         if self.optimizer is not None:
-            self.runtime.step = step
+            rt.step = step
             if self.torch_optimizer is not None:
                 for g, saved in zip(self.torch_optimizer.param_groups, groups):
                     g.update({k: v for k, v in saved.items() if k != "params"})
-            self.runtime.param_groups = new_groups
+            rt.param_groups = new_groups
 
-    def _restore_stage(self, i: int, stage_layout: dict, read: Callable) -> None:
+    def _restore_stage(self, rt, i: int, stage_layout: dict, read: Callable) -> None:
         """Read the regions of stage ``i``'s weights and moments this process's devices hold
         (``read`` as :meth:`_restore`'s) and put them into the runtime's host buffers."""
         sources, regions = {}, {}
         for k, (_, n, kind, j, _, dtype) in stage_layout.items():
             if kind != "step":
-                sources[k] = self._ckpt_source(i, n, kind, j)
+                sources[k] = self._ckpt_source(rt, i, n, kind, j)
                 regions[k] = {off: torch.empty(sizes, dtype=dtype)
-                              for off, sizes in shard_regions(sources[k], n in self.transposed[i]).values()}
+                              for off, sizes in shard_regions(sources[k], n in self.layout.transposed[i]).values()}
         read(regions)
-        params, state = dict(self.runtime.host_params[i]), {}
+        params, state = dict(rt.host_params[i]), {}
         for k, src in sources.items():
             _, n, kind, j, _, _ = stage_layout[k]
-            a = assembled(src, n in self.transposed[i], regions.pop(k))
+            a = assembled(src, n in self.layout.transposed[i], regions.pop(k))
             if kind == "w":
                 params[n] = a
             else:
                 state.setdefault(j, [None, None])[0 if kind == "m" else 1] = a
-        self.runtime.load_stage(i, params, [tuple(state[j]) for j in sorted(state)]
+        rt.load_stage(i, params, [tuple(state[j]) for j in sorted(state)]
                                 if self.optimizer is not None else None)
 
-    def _checked_groups_state(self, groups, where: str) -> list[AdamW]:
+    def _checked_groups_state(self, rt, groups, where: str) -> list[AdamW]:
         """The runtime's groups for saved ``groups`` (``_param_groups_state`` form); ValueError if they
         hold other parameters than the stack's groups or options AdamW refuses."""
-        mine = self._param_groups_state()
+        mine = self._param_groups_state(rt)
         if not isinstance(groups, list) or len(groups) != len(mine) or not all(isinstance(g, dict) for g in groups):
             raise ValueError(f"{where}: optim.param_groups must be {len(mine)} dicts (the stack's groups), "
                              f"got {type(groups).__name__} of {len(groups) if isinstance(groups, list) else '?'}")

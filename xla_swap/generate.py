@@ -35,14 +35,15 @@ a budget, the device's free memory (``memory_stats()``: ``bytes_limit - bytes_in
 platform without memory statistics, the CPU, counts as fitting); else ``"host"``.
 ``stack.last_generation`` holds the choice and its figures.
 
-The cache objects live in :mod:`xla_swap.kv_cache`, the token choice in :mod:`xla_swap.sampling`.
-The module imports torch, torchax (through :mod:`xla_swap.stack`) and jax.
+The cache objects live in :mod:`xla_swap.kv_cache`, the token choice in :mod:`xla_swap.sampling`, what a
+stack keeps between calls in :mod:`xla_swap.generators`. The module imports torch, torchax (through the
+stack's modules) and jax; not :mod:`xla_swap.stack` (the stack calls it).
 """
 from __future__ import annotations
 
 import math
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -50,20 +51,16 @@ import numpy as np
 import torch
 
 from xla_swap.distributed import gather_ints, gather_prompts, per_rank_batches
-from xla_swap.executors.decode import StatefulStreamer, state_nbytes
 from xla_swap.executors.routed_experts import RoutedStreamer
 from xla_swap.hf import CausalLMFirst, CausalLMLast
 from xla_swap.index_checks import check_index_range, token_id_bounds
 from xla_swap.hf_refusals import refuse_longrope_generation
-from xla_swap.kv_cache import OFFSET, DecodeFirst, LayerKV, kv_cache_bytes, layer_kwargs
-from xla_swap.mixed_precision import stage_functions_in
-from xla_swap.moe_decode import FetchPlan, check_fetch_args, routed_batch, routed_specs, routing_info
+from xla_swap.generators import Generator, Generators, memory_stats
+from xla_swap.kv_cache import kv_cache_bytes
+from xla_swap.moe_decode import FetchPlan, check_fetch_args, routed_batch, routing_info
 from xla_swap.planning.units import check_budget_bytes
-from xla_swap.sampling import next_token_step
-from xla_swap.stages import TIED
-from xla_swap.torch_bridge import module_fn
 
-__all__ = ["generate", "choose_batch", "release_generation", "kv_cache_bytes", "FROM_CONFIG"]
+__all__ = ["generate", "choose_batch", "release_generation", "prefill_temps", "kv_cache_bytes", "FROM_CONFIG"]
 
 _PLACEMENTS = ("auto", "device", "host")
 
@@ -82,188 +79,10 @@ def _round_up(x: int, m: int) -> int:
     return -(-int(x) // int(m)) * int(m)
 
 
-class _Generator:
-    """The stage functions and the :class:`StatefulStreamer` of one (batch, cache length, placement)."""
-
-    def __init__(self, stack, batch: int, cache_len: int, kv_cache: str, budget: int | None, routing=None,
-                 expert_layout: str = "stacked"):
-        rt = stack.runtime
-        self.batch, self.cache_len = batch, cache_len
-        self.runtime = rt   # (not the stack: no reference cycle through stack._generators)
-        self.matmul_precision = stack.matmul_precision
-        self.cache_kw = "cache" if "cache" in set(stack.modules[0].base_keywords) else "past_key_values"
-        self._stage_fns = _decode_stage_fns(stack, cache_len, self.cache_kw)
-        avals = self._cache_avals(stack)
-        #: per layer, bytes of its KV cache.
-        self.kv_nbytes = [state_nbytes(a) for a in avals[1:-1]]
-        self.kv_total = sum(self.kv_nbytes)
-        self.window = (rt.prefetch_depth + 1) * max(rt.stage_nbytes) + sum(
-            b for b, r in zip(rt.stage_nbytes, rt.resident) if r)
-        self.placement, self.explanation = self._placement(kv_cache, budget, rt.activation_sharding)
-        kw = dict(state_avals=avals, activation_sharding=rt.activation_sharding,
-                  state_on_host=self.placement == "host", prefetch_depth=rt.prefetch_depth, resident=rt.resident,
-                  gather_weights=rt.batch_axis is not None)
-        if routing is None:   # every expert streamed with its layer
-            self.streamer = StatefulStreamer(self._stage_fns, rt.host_params, rt.device_shardings, **kw)
-        else:                 # routed experts (xla_swap.moe_decode)
-            self.streamer = RoutedStreamer(self._stage_fns, rt.host_params, rt.device_shardings, **kw,
-                                           routed_specs=routed_specs(stack, routing, self._stage_fns),
-                                           expert_layout=expert_layout)
-        self._select_exes: dict = {}
-
-    def _cache_avals(self, stack) -> list:
-        """Per stage, the shape and dtype of its KV cache (``None`` for the first and last): a trace of
-        each distinct layer function from a zero cache. Raises ValueError naming the stage that fails."""
-        stage_fns, rt = self._stage_fns, self.runtime
-        pav = [jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), p) for p in rt.host_params]
-        with jax.default_matmul_precision(stack.matmul_precision):
-            try:
-                carry = jax.eval_shape(stage_fns[0], pav[0], self._inputs_aval(1))
-            except ValueError:   # ours (names the base model and the keyword)
-                raise
-            except Exception as e:  # noqa: BLE001 - re-raised naming the stage
-                raise ValueError(f"first ({type(stack.modules[0].base_module).__name__}.forward with a KV cache) does not "
-                                 f"trace: {type(e).__name__}: {e}") from e
-            avals: list = [None]
-            seen: dict[int, Any] = {}
-            for i in range(1, len(stage_fns) - 1):
-                f = stage_fns[i]
-                if id(f) not in seen:
-                    try:
-                        seen[id(f)] = jax.eval_shape(f, pav[i], None, carry)[1]
-                    except ValueError:   # ours (names the layer class) or the model's own check
-                        raise
-                    except Exception as e:  # noqa: BLE001 - re-raised naming the layer
-                        raise ValueError(f"layers[{i - 1}] ({type(stack.modules[i]).__name__}) does not trace with a "
-                                         f"KV cache: {type(e).__name__}: {e}") from e
-                avals.append(seen[id(f)])
-            avals.append(None)
-        return avals
-
-    def _placement(self, kv_cache: str, budget: int | None, act) -> tuple[str, str]:
-        """``(placement, explanation)`` of the KV cache: ``kv_cache`` itself unless ``"auto"`` (module docstring)."""
-        if kv_cache != "auto":
-            return kv_cache, f"kv_cache={kv_cache!r} given"
-        free, source = budget, "device_budget_bytes"
-        if free is None:
-            stats = _memory_stats(act)
-            free = None if stats is None else stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-            if free is not None and jax.process_count() > 1:   # one choice for every process: the least free
-                free = int(gather_ints([free]).min())
-            source = "free device memory" if free is not None else "no memory statistics (CPU): fits"
-        fits = free is None or self.kv_total + self.window <= free
-        why = (f"KV cache {self.kv_total} B ({len(self.kv_nbytes)} layers x 2 x batch {self.batch} x cache_len "
-               f"{self.cache_len} x kv_heads x head_dim x itemsize) + streaming window {self.window} B "
-               f"{'<=' if fits else '>'} {source}" + (f" {free} B" if free is not None else ""))
-        return ("device" if fits else "host"), why
-
-    def _inputs_aval(self, t: int):
-        b, L = self.batch, self.cache_len
-        i32 = jnp.int32
-        return (jax.ShapeDtypeStruct((b, t), i32), jax.ShapeDtypeStruct((b, L), i32),
-                jax.ShapeDtypeStruct((b, t), i32), jax.ShapeDtypeStruct((), i32))
-
-    def select_exe(self, sampling: tuple, n_eos: int, max_new: int, pad: int):
-        """``(logits, state) -> state``: the next token, the rows still running and the next step's inputs
-        (:func:`xla_swap.sampling.next_token_step`, compiled once per argument set)."""
-        key = (sampling, n_eos, max_new, pad)
-        exe = self._select_exes.get(key)
-        if exe is None:
-            exe = jax.jit(next_token_step(sampling, n_eos, pad))
-            self._select_exes[key] = exe
-        return exe
-
-
-def _decode_stage_fns(stack, cache_len: int, cache_kw: str) -> list:
-    """The stage functions of a decode step, in the streamer's form: ``first(w, inputs) -> (h, carry)``,
-    each layer ``(w, kv, (h, carry)) -> ((h, carry), kv)``, ``last(w, (h, carry)) -> logits`` float32
-    ``[B, V]`` of the last position. Layers of one group (``stack.layer_groups``) share one function."""
-    first, last, env = stack.modules[0], stack.modules[-1], stack.torch_env
-    n_layers = len(stack.modules) - 2
-    layer_keys = list(first.layer_keys)
-    tied, first_transposed = dict(stack.tied), stack.transposed[0]
-    consts: dict[int, dict] = {}   # per group: the constant keyword values the model passes (found while tracing)
-    seen_kw: dict[str, str] = {}    # "cache": the keyword the model hands its layers the cache in (found while tracing)
-    first_fn = module_fn(DecodeFirst(first, env, cache_kw, cache_len, n_layers, layer_keys, consts, seen_kw), env,
-                         first_transposed)
-
-    def first_stage(w, inputs):
-        h, kw = first_fn(w, tuple(inputs))
-        kw = dict(kw)
-        for name_last, name_first in tied.items():
-            kw[TIED + name_last] = jnp.swapaxes(w[name_first], 0, 1) if name_first in first_transposed \
-                else w[name_first]
-        return h, kw
-
-    fns = [first_stage]
-    shared: dict = {}
-    for i, m in enumerate(stack.modules[1:-1]):
-        key = stack.layer_groups[i]   # groups of layers that compute the same thing (xla_swap.stages.layer_groups)
-        if key not in shared:
-            layer_fn = module_fn(m, env, stack.transposed[1 + i])
-
-            def layer_stage(w, x, layer_fn=layer_fn, g=layer_keys[i], cls=type(m).__name__):
-                kv, (h, kw) = x
-                cache = LayerKV(env, kv, kw[OFFSET], cache_len, n_layers)
-                kwargs = layer_kwargs(kw, g)
-                kwargs.update(consts.get(g, {}))
-                kwargs[seen_kw.get("cache", cache_kw)] = cache
-                out = layer_fn(w, (h,), kwargs)
-                if isinstance(out, (tuple, list)):
-                    out = out[0]
-                if not cache.updated:
-                    name = seen_kw.get("cache", cache_kw)
-                    raise ValueError(f"{cls} did not call {name}.update(keys, values, ...): "
-                                     "generation needs decoder layers that keep a transformers-style KV cache")
-                return (out, kw), cache.kv
-            shared[key] = layer_stage
-        fns.append(shared[key])
-    last_fn = module_fn(last, env, stack.transposed[-1])
-
-    def last_stage(w, carry):
-        h, kw = carry
-        if tied:
-            w = {**w, **{n: kw[TIED + n] for n in tied}}
-        logits = last_fn(w, (h[:, -1:],))
-        return logits[:, 0].astype(jnp.float32)
-    fns.append(last_stage)
-    if stack.param_dtype is not None:
-        fns = stage_functions_in(fns, stack.trainable_names, jnp.bfloat16, stack.cast_inputs)
-    # the streamer's form: layers take (params, state, x)
-    adapted: dict[int, Any] = {}
-    for i, f in enumerate(fns[1:-1], start=1):
-        if id(f) not in adapted:
-            adapted[id(f)] = (lambda p, s, x, f=f: f(p, (s, x)))
-        fns[i] = adapted[id(f)]
-    return fns
-
-
-def _memory_stats(sharding) -> dict | None:
-    try:
-        d = next(d for d in sharding.device_set if d.process_index == jax.process_index())   # one of this process
-        return d.memory_stats()
-    except Exception:  # noqa: BLE001 - a platform without statistics
-        return None
-
-
-def _generator(stack, batch: int, cache_len: int, kv_cache: str, budget, routing=None,
-               expert_layout: str = "stacked") -> _Generator:
-    """The stack's generator for these shapes (one at a time: a new one drops the previous KV cache)."""
-    key = (batch, cache_len, kv_cache, budget, stack.matmul_precision, id(stack.runtime), routing is not None,
-           expert_layout)
-    gens = stack.__dict__.setdefault("_generators", {})
-    gen = gens.get(key)
-    if gen is None or gen.runtime is not stack.runtime:
-        gens.clear()
-        gen = _Generator(stack, batch, cache_len, kv_cache, budget, routing, expert_layout)
-        gens[key] = gen
-    return gen
-
-
 def release_generation(stack) -> None:
     """Free what :func:`generate` keeps in ``stack`` between calls: the KV cache (device or ``pinned_host``), the
     weights prefetched for the next step and the decode executables. The next ``generate`` builds them again."""
-    stack.__dict__.pop("_generators", None)
+    stack.generators.release()
 
 
 def choose_batch(stack, prompt_len: int, max_new_tokens: int, *, device_budget_bytes: int | None = None,
@@ -310,8 +129,8 @@ def choose_batch(stack, prompt_len: int, max_new_tokens: int, *, device_budget_b
         None, prompt_bucket)
     n = _data_parallel_width(stack)
     with stack.torch_precision():
-        gen = _Generator(stack, 1, cache_len, "device", device_budget_bytes)
-        temps = [_prefill_temps(_Generator(stack, b * n, cache_len, "device", device_budget_bytes) if b * n > 1
+        gen = Generator(stack, 1, cache_len, "device", device_budget_bytes)
+        temps = [prefill_temps(Generator(stack, b * n, cache_len, "device", device_budget_bytes) if b * n > 1
                                 else gen, b * n, p_len, cache_len) for b in ((1, 2) if n > 1 else (1,))]
     if n > 1:   # per device: a fixed part (the gathered weights) and a part per sequence (each device holds B / n)
         marginal = max(t2 - t1 for t1, t2 in zip(*temps))
@@ -320,7 +139,7 @@ def choose_batch(stack, prompt_len: int, max_new_tokens: int, *, device_budget_b
         marginal, fixed = max(temps[0]), 0
     budget, source = device_budget_bytes, "device_budget_bytes"
     if budget is None:
-        stats = _memory_stats(stack.runtime.activation_sharding)
+        stats = memory_stats(stack.runtime.activation_sharding)
         if stats is None:
             raise ValueError("device_budget_bytes is needed on a platform without memory statistics (the CPU)")
         budget, source = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0), "free device memory"
@@ -348,7 +167,7 @@ def _data_parallel_width(stack) -> int:
     return len(rt.activation_sharding.device_set) if rt.batch_axis is not None else 1
 
 
-def _prefill_temps(gen: _Generator, batch: int, p_len: int, cache_len: int) -> list[int]:
+def prefill_temps(gen: Generator, batch: int, p_len: int, cache_len: int) -> list[int]:
     """Per stage executable of a ``batch``-row prefill: its temporaries plus outputs, bytes per device (XLA's
     ``memory_analysis``; compiled here, nothing runs)."""
     z = np.zeros
@@ -364,8 +183,7 @@ def _prefill_temps(gen: _Generator, batch: int, p_len: int, cache_len: int) -> l
 def _check_args(stack, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p,
                 eos_token_id, pad_token_id, seed, kv_cache, device_budget_bytes, max_cache_len, prompt_bucket):
     """Every argument of :func:`generate` checked (nothing runs); returns the normalised values."""
-    from xla_swap.stack import SwappedStack
-    if not isinstance(stack, SwappedStack):
+    if not isinstance(getattr(stack, "generators", None), Generators):   # what a SwappedStack holds for generation
         raise TypeError(f"stack must be a SwappedStack, got {type(stack).__name__}")
     if not (stack.has_first and stack.has_last and isinstance(stack.modules[0], CausalLMFirst)
             and isinstance(stack.modules[-1], CausalLMLast)):
@@ -509,7 +327,7 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     if own is not None:
         ids_cpu, out = own[0], out[own[1]]
     if plan.has_experts:
-        stack.last_generation["experts"] = plan.summary()
+        stack.generators.last["experts"] = plan.summary()
     return torch.cat([ids_cpu, torch.from_numpy(out.astype(np.int64))], dim=1)
 
 
@@ -522,13 +340,13 @@ def _run(stack, ids_cpu: torch.Tensor, mask: torch.Tensor, sampling: tuple, stop
     kv_cache, device_budget_bytes, expert_layout = placement
     with stack.torch_precision():
         stack.runtime.release_prefetched()   # the streamer prefetches its own first stages
-        gen = _generator(stack, ids_cpu.shape[0], cache_len, kv_cache, device_budget_bytes, plan.routing,
-                         expert_layout)
+        gen = stack.generators.get(stack, ids_cpu.shape[0], cache_len, kv_cache, device_budget_bytes, plan.routing,
+                                   expert_layout)
         select = gen.select_exe(sampling, len(eos), max_new_tokens, pad)
         st, prompt = _initial_state(ids_cpu, mask, p_len, cache_len, max_new_tokens, eos, pad, seed,
                                     stack.runtime.activation_sharding)
         out, n_done, first_s, done_s = _decode(gen, select, st, prompt, max_new_tokens, plan)
-    stack.last_generation = dict(placement=gen.placement, explanation=gen.explanation, kv_cache_bytes=gen.kv_total,
+    stack.generators.last = dict(placement=gen.placement, explanation=gen.explanation, kv_cache_bytes=gen.kv_total,
                                  kv_cache_bytes_per_layer=gen.kv_nbytes, cache_len=cache_len, prompt_len=p_len,
                                  new_tokens=int(n_done), first_token_s=first_s, step_done_s=done_s)
     return out
@@ -556,7 +374,7 @@ def _initial_state(ids_cpu: torch.Tensor, mask: torch.Tensor, p_len: int, cache_
     return st, jax.device_put(ids, act)
 
 
-def _decode(gen: _Generator, select, st: dict, prompt: jax.Array, max_new_tokens: int, plan=None) -> tuple:
+def _decode(gen: Generator, select, st: dict, prompt: jax.Array, max_new_tokens: int, plan=None) -> tuple:
     """Prefill and decode steps until every row stopped or ``max_new_tokens``: ``(tokens int32 [B, n],
     n, first_token_s, step_done_s)`` (seconds from the start; each step's flag is read one step late,
     so the device never waits for the host). ``plan``: a :class:`xla_swap.moe_decode.FetchPlan` (applied

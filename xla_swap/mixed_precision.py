@@ -1,8 +1,21 @@
-"""Mixed precision of the torch entry point (``SwappedStack(param_dtype=...)`` / ``mp_policy=``): float32
-master weights in host memory, each stage computing in bfloat16 inside its executable.
+"""Mixed precision of the torch entry point (``SwappedStack(mp_policy=MixedPrecisionPolicy(param_dtype=
+torch.bfloat16))``, FSDP2's policy): float32 master weights in host memory, each stage computing in bfloat16
+inside its executable. Of the policy, ``param_dtype`` and ``cast_forward_inputs`` are honoured;
+``output_dtype`` must be ``None``; ``reduce_dtype`` ``None`` or ``param_dtype``, or ``torch.float32`` on one
+device (no reduction there: the cast of the bf16 gradient to the float32 master is exact).
 
 :func:`check_mixed_precision` reads and checks the arguments; :func:`compute_in` wraps one stage
 function; :func:`stage_functions_in` wraps every stage function of a stack (shared ones stay shared).
+
+What it does: the parameters stay in ``pinned_host`` in the model's float32 (the master weights; AdamW
+moments float32 too, unless the optimizer's ``state_dtype`` says otherwise); each stage casts its floating
+parameters (not its buffers) and its floating inputs to bf16 on the device, inside its executable, so
+forward and backward compute in bf16, the gradient w.r.t. the master is the bf16 gradient cast to float32
+by the cast's transpose, and AdamW updates the float32 master. Outputs, the carry and ``.grad`` (without
+an optimizer: float32) are as computed. Cost: the weights cross the link as float32, twice the bytes of
+bf16 weights (``runtime.stage_nbytes`` counts them so, and the planner and ``autotune`` with it); the bf16
+copy is a temporary of the stage's executable. ``float16`` is refused (it needs loss scaling, which the
+stack does not implement).
 
 The module imports torch and jax.
 """
@@ -17,42 +30,37 @@ import torch
 __all__ = ["check_mixed_precision", "is_float", "cast_floats", "compute_in", "stage_functions_in"]
 
 
-def check_mixed_precision(param_dtype, mp_policy, n_devices: int) -> tuple[torch.dtype | None, bool]:
-    """``(compute dtype or None, cast floating inputs)`` of ``SwappedStack``'s ``param_dtype`` /
-    ``mp_policy`` arguments, checked (no state changes).
+def check_mixed_precision(mp_policy, n_devices: int) -> tuple[torch.dtype | None, bool]:
+    """``(compute dtype or None, cast floating inputs)`` of ``SwappedStack``'s ``mp_policy`` argument (a
+    ``torch.distributed.fsdp.MixedPrecisionPolicy`` or ``None``), checked (no state changes).
 
-    Raises: TypeError / ValueError naming the argument or the ``mp_policy`` field not honoured.
+    Raises: TypeError / ValueError naming the ``mp_policy`` field not honoured.
     """
     if mp_policy is None:
-        dtype, cast_inputs = param_dtype, True
-        what = "param_dtype"
-    else:
-        if param_dtype is not None:
-            raise ValueError("give either param_dtype or mp_policy, not both")
-        try:
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-        except ImportError:  # torch built without distributed
-            MixedPrecisionPolicy = None
-        if MixedPrecisionPolicy is None or not isinstance(mp_policy, MixedPrecisionPolicy):
-            raise TypeError("mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or None, "
-                            f"got {type(mp_policy).__name__}")
-        dtype, cast_inputs = mp_policy.param_dtype, bool(mp_policy.cast_forward_inputs)
-        what = "mp_policy.param_dtype"
-        if mp_policy.output_dtype is not None:
-            raise ValueError(f"mp_policy.output_dtype={mp_policy.output_dtype} is not implemented: the stack "
-                             "returns the last stage's output as it computes it (leave output_dtype=None)")
-        red = mp_policy.reduce_dtype
-        if red is not None and red != dtype and not (red == torch.float32 and n_devices == 1):
-            raise ValueError(f"mp_policy.reduce_dtype={red} is not implemented: gradients are reduced in "
-                             f"param_dtype ({dtype}); reduce_dtype=torch.float32 is honoured on one device only "
-                             "(no reduction: the bf16 gradient's cast to the fp32 master is exact)")
+        return None, True
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+    except ImportError:  # torch built without distributed
+        MixedPrecisionPolicy = None
+    if MixedPrecisionPolicy is None or not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError("mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or None, "
+                        f"got {type(mp_policy).__name__}")
+    dtype, cast_inputs = mp_policy.param_dtype, bool(mp_policy.cast_forward_inputs)
+    if mp_policy.output_dtype is not None:
+        raise ValueError(f"mp_policy.output_dtype={mp_policy.output_dtype} is not implemented: the stack "
+                         "returns the last stage's output as it computes it (leave output_dtype=None)")
+    red = mp_policy.reduce_dtype
+    if red is not None and red != dtype and not (red == torch.float32 and n_devices == 1):
+        raise ValueError(f"mp_policy.reduce_dtype={red} is not implemented: gradients are reduced in "
+                         f"param_dtype ({dtype}); reduce_dtype=torch.float32 is honoured on one device only "
+                         "(no reduction: the bf16 gradient's cast to the fp32 master is exact)")
     if dtype is None:
         return None, cast_inputs
     if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"{what} must be a torch.dtype or None, got {type(dtype).__name__}")
+        raise TypeError(f"mp_policy.param_dtype must be a torch.dtype or None, got {type(dtype).__name__}")
     if dtype != torch.bfloat16:
-        raise ValueError(f"{what} must be torch.bfloat16 or None, got {dtype}: float16 compute needs loss "
-                         "scaling, which the stack does not implement")
+        raise ValueError(f"mp_policy.param_dtype must be torch.bfloat16 or None, got {dtype}: float16 compute needs "
+                         "loss scaling, which the stack does not implement")
     return dtype, cast_inputs
 
 

@@ -31,43 +31,49 @@ Design (``docs/explanation/design.md``):
   by ``first.layer_keys`` (one hashable key per layer) and ``first.select_layer_kwargs(key,
   layer_kwargs) -> kwargs``: layer ``i`` is then called with ``select_layer_kwargs(layer_keys[i],
   layer_kwargs)``; only layers of one key share a function (``xla_swap.hf.CausalLMFirst``).
-* **Release.** A stack holds its stage functions, its ``StreamingRuntime`` (executables,
-  weights, optimizer state) and at most 8 converted loss functions; dropping it frees them (by
-  reference counting). The modules are the caller's. What outlives it is listed in
-  :mod:`xla_swap.executors.streaming` (jax's own bounded caches; ``benchmarks/leak_cycles.py``).
+* **Parts.** The stack holds its ``StreamingRuntime`` and calls its parts, each with the runtime it works
+  on: ``trainer`` (:class:`xla_swap.training.Trainer`), ``autotuner`` (:class:`xla_swap.budget.Autotuner`),
+  ``checkpointer`` (:class:`xla_swap.checkpoint.Checkpointer`), ``generators``
+  (:class:`xla_swap.generators.Generators`). Dropping the stack frees them (by reference counting); the
+  modules are the caller's; what outlives it: :mod:`xla_swap.executors.streaming`.
 
-Beside it: :mod:`xla_swap.sharding`, :mod:`xla_swap.mixed_precision`, :mod:`xla_swap.budget`,
-:mod:`xla_swap.checkpoint` (docs/explanation/design.md lists them). Imports torch, torchax, jax; not torch_xla.
+Imports torch, torchax, jax; not torch_xla (``docs/explanation/design.md`` lists the modules beside it).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import torch
 
-from xla_swap.budget import AutotuneMixin, check_calibration_arg, resident_for_budget
+from xla_swap.budget import Autotuner, build_runtime
+from xla_swap.checkpoint import Checkpointer, model_parameter_names
 from xla_swap.distributed import per_rank_batches
-from xla_swap.checkpoint import CheckpointMixin, model_parameter_names
-from xla_swap.executors.streaming import StreamingRuntime, remat_from_policy
+from xla_swap.executors.streaming import StreamingRuntime
+from xla_swap.generate import generate
+from xla_swap.generators import Generators
 from xla_swap.hf import causal_lm_stages  # noqa: F401  (re-exported: the entry point's splitter)
 from xla_swap.hf_refusals import describe_failure
 from xla_swap.index_checks import token_id_bounds
 from xla_swap.mixed_precision import cast_floats, check_mixed_precision, stage_functions_in
+from xla_swap.planning import InfeasibleBudgetError
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.planning.policy import OffloadPolicy
-from xla_swap.planning.units import check_budget_bytes
-from xla_swap.sharding import StageSharding, check_shard
-from xla_swap.stages import host_stages, linear_weights, meta_tensor, stage_functions, tied_parameters
+from xla_swap.sharding import StageSharding
+from xla_swap.stack_checks import (check_options, check_weights_source, checked_devices, checked_layers,
+                                   optimizer_config, stages_in_order)
+from xla_swap.stack_config import AutotuneConfig, CompileConfig, ParallelConfig, TrainingConfig
+from xla_swap.stages import StageLayout, host_stages, linear_weights, stage_functions, tied_parameters
 from xla_swap.torch_attention import torchax_env, warn_eager_attention
 from xla_swap.torch_bridge import inputs_to_jax, output_to_torch, rank_rows_to_torch, to_torch, torch_matmul_precision
-from xla_swap.training import TrainingMixin
+from xla_swap.training import Trainer, torch_param_groups
 
-__all__ = ["SwappedStack", "causal_lm_stages", "DEFAULT_POLICY", "torch_matmul_precision"]
+__all__ = ["SwappedStack", "causal_lm_stages", "DEFAULT_POLICY", "torch_matmul_precision", "AutotuneConfig",
+           "CompileConfig", "ParallelConfig", "TrainingConfig"]
 
 log = logging.getLogger(__name__)
 
@@ -76,133 +82,7 @@ log = logging.getLogger(__name__)
 DEFAULT_POLICY = OffloadPolicy(params="host", grads="host", optimizer_state="host", remat=True, prefetch_depth=2)
 
 
-def _checked_layers(layers, first, last) -> list[torch.nn.Module]:
-    """``layers`` as a list, checked with ``first`` and ``last``; raises TypeError / ValueError naming the argument."""
-    if isinstance(layers, torch.nn.Module) and not isinstance(layers, (torch.nn.ModuleList, torch.nn.Sequential)):
-        raise TypeError("layers must be a sequence of nn.Modules (e.g. model.model.layers), got one module")
-    layers = list(layers) if isinstance(layers, (Sequence, torch.nn.ModuleList, torch.nn.Sequential)) else None
-    if not layers:
-        raise ValueError("layers must be a non-empty sequence of torch.nn.Module")
-    for i, m in enumerate(layers):
-        if not isinstance(m, torch.nn.Module):
-            raise TypeError(f"layers[{i}] must be a torch.nn.Module, got {type(m).__name__}")
-    for name, m in (("first", first), ("last", last)):
-        if m is not None and not isinstance(m, torch.nn.Module):
-            raise TypeError(f"{name} must be a torch.nn.Module or None, got {type(m).__name__}")
-    return layers
-
-
-def _check_options(*, policy, budget_bytes, data_parallel, accumulate_grads, transpose_linear, autotune,
-                   fused_attention, calibration, loss_fn, skip_nonfinite, max_grad_norm, optimizer) -> int | None:
-    """The scalar options of ``SwappedStack`` checked; returns ``budget_bytes`` as an int (or ``None``).
-    Raises TypeError / ValueError naming the argument."""
-    if policy is not None and budget_bytes is not None:
-        raise ValueError("give either policy or budget_bytes, not both")
-    if policy is not None and not isinstance(policy, OffloadPolicy):
-        raise TypeError(f"policy must be an xla_swap.planning.OffloadPolicy, got {type(policy).__name__}")
-    budget_bytes = check_budget_bytes(budget_bytes, optional=True)
-    if data_parallel is not None and not isinstance(data_parallel, bool):
-        raise TypeError(f"data_parallel must be a bool or None, got {type(data_parallel).__name__}")
-    for name, value in (("accumulate_grads", accumulate_grads), ("transpose_linear", transpose_linear),
-                        ("autotune", autotune)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    if not isinstance(fused_attention, bool):
-        raise TypeError(f"fused_attention must be a bool, got {fused_attention!r}")
-    check_calibration_arg(calibration)
-    if budget_bytes is not None and autotune and per_rank_batches():
-        raise ValueError("autotune with per-rank batches: each process would measure and choose its own schedule; "
-                         "give policy= or budget_bytes= with autotune=False")
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    if not isinstance(skip_nonfinite, bool):
-        raise TypeError(f"skip_nonfinite must be a bool, got {type(skip_nonfinite).__name__}")
-    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
-                                      or not np.isfinite(max_grad_norm) or max_grad_norm <= 0):
-        raise ValueError(f"max_grad_norm must be a finite number > 0 or None, got {max_grad_norm!r}")
-    if optimizer is None and (max_grad_norm is not None or skip_nonfinite):
-        raise ValueError("max_grad_norm and skip_nonfinite need an optimizer; without one train_step fills .grad "
-                         "(clip it with torch.nn.utils.clip_grad_norm_)")
-    return budget_bytes
-
-
-def _optimizer_config(optimizer) -> tuple:
-    """``(torch optimizer or None, AdamW / list of AdamW per param group / None)`` of the ``optimizer``
-    argument. Raises TypeError naming it; the errors of ``AdamW.groups_from_torch``."""
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer, AdamW.groups_from_torch(optimizer)
-    if optimizer is not None and not isinstance(optimizer, AdamW):
-        raise TypeError("optimizer must be None, an xla_swap.planning.AdamW or a torch.optim.AdamW, "
-                        f"got {type(optimizer).__name__}")
-    return None, optimizer
-
-
-def _checked_devices(devices) -> list:
-    """``devices`` (default ``jax.devices()``) checked; raises TypeError naming the argument."""
-    devices = list(jax.devices()) if devices is None else devices
-    if isinstance(devices, jax.Device) or not isinstance(devices, Sequence) or not devices or \
-            not all(isinstance(d, jax.Device) for d in devices):
-        raise TypeError(f"devices must be a non-empty sequence of jax.Device, got {devices!r}")
-    processes = {d.process_index for d in devices}
-    if per_rank_batches() and processes != set(range(jax.process_count())):
-        raise ValueError("with per-rank batches (xla_swap.distributed.initialize) devices must span every process "
-                         f"(default jax.devices()), got devices of processes {sorted(processes)}")
-    return devices
-
-
-def _with_prefetch_depth(policy: OffloadPolicy, prefetch_depth: int | None) -> OffloadPolicy:
-    """``policy`` with ``prefetch_depth`` when given (``None``: ``policy`` itself)."""
-    if prefetch_depth is None:
-        return policy
-    return OffloadPolicy(params=policy.params, grads=policy.grads, activations=policy.activations,
-                         remat=policy.remat, prefetch_depth=prefetch_depth, optimizer_state=policy.optimizer_state)
-
-
-def _stages_in_order(first, layers: list, last) -> tuple[list, list[str]]:
-    """``(modules, names)`` of the stages in order: ``first`` and ``last`` where given, ``layers[i]`` between."""
-    named = ([("first", first)] if first is not None else []) + [(f"layers[{i}]", m) for i, m in enumerate(layers)]
-    named += [("last", last)] if last is not None else []
-    return [m for _, m in named], [n for n, _ in named]
-
-
-def _check_weights_source(weights, modules: list, names: list[str], compute_dtype) -> None:
-    """``weights`` (``None`` or a callable) against the modules: a meta tensor needs ``weights``;
-    ``param_dtype`` needs float32 parameters. Raises TypeError / ValueError naming the tensor."""
-    if weights is not None and not callable(weights):
-        raise TypeError(f"weights must be None or a callable (module, names) -> {{name: torch.Tensor}}, "
-                        f"got {type(weights).__name__}")
-    on_meta = meta_tensor(modules, names)
-    if on_meta is not None and weights is None:
-        raise ValueError(f"{on_meta} is on the meta device (no values): give weights= (a source of the stages' "
-                         "tensors) or build the stack with xla_swap.load_stack(model, checkpoint)")
-    if compute_dtype is not None and weights is None:
-        for name, m in zip(names, modules):
-            for pn, p in m.named_parameters():
-                if p.is_floating_point() and p.dtype != torch.float32:
-                    raise ValueError(f"param_dtype keeps float32 master weights: {name}.{pn} is {p.dtype}; "
-                                     "build the model in float32 (model.float())")
-
-
-def _build_runtime(fns: list, stage_params: list, updated: list, policy: OffloadPolicy, budget_bytes: int | None,
-                   autotune: bool, common: dict) -> StreamingRuntime:
-    """The ``StreamingRuntime`` of the stages: ``policy``'s, or with ``budget_bytes`` the residency
-    :func:`xla_swap.budget.resident_for_budget` gives (every stage streamed until the first call
-    chooses, with ``autotune``). Raises ValueError for a budget below the streaming window."""
-    if budget_bytes is None:
-        return StreamingRuntime.from_policy(fns, stage_params, policy, **common)
-    optimizer = common["optimizer"]
-    k = policy.prefetch_depth
-    resident = resident_for_budget(stage_params, updated, optimizer[0] if isinstance(optimizer, list) else optimizer,
-                                   budget_bytes, k)   # raises below the streaming window, before anything is built
-    if autotune:   # stream everything until the first call chooses (the least device memory)
-        resident = [False] * len(stage_params)
-    return StreamingRuntime(fns, stage_params, prefetch_depth=k, resident=resident,
-                            grads_to_host=policy.grads == "host",
-                            optimizer_state_on_host=policy.optimizer_state == "host",
-                            remat=remat_from_policy(policy), **common)
-
-
-class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
+class SwappedStack:
     """A stack of torch layers whose weights, gradients and optimizer state live in host memory.
 
     Args:
@@ -212,33 +92,6 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
         ``first(*inputs) -> h`` or ``(h, layer_kwargs)`` (see the module docstring). Without
         it, the first input is ``h``.
       last: optional module run after the layers, e.g. final norm and LM head: ``last(h) -> out``.
-      policy: an :class:`xla_swap.planning.OffloadPolicy` (default ``DEFAULT_POLICY``):
-        ``params`` host/device, ``grads``, ``optimizer_state``, ``remat``, ``prefetch_depth``.
-        Not together with ``budget_bytes``.
-      budget_bytes: instead of ``policy``: device memory (bytes) for the stack. With
-        ``autotune=True`` (the default) it bounds everything the stack holds on the device
-        (weights, optimizer state, activations, temporaries): the first ``forward`` or
-        ``train_step`` measures the link and each layer on the device (a few calls: seconds)
-        and switches to the schedule predicted fastest for the budget and that call's input
-        shape (:meth:`autotune`; ``schedule`` then holds the choice), for a training step when
-        there is an ``optimizer``, else for that call's mode. Until then every stage streams.
-        With several devices the bytes are counted unsharded (the planner's logical bytes). With ``autotune=False`` it bounds weights and optimizer state only: stages
-        are kept resident from the last one backwards while they fit beside the streaming
-        window of ``prefetch_depth + 1`` stages (the last stages are the first the backward
-        needs), at construction, and the rest are streamed.
-      autotune: with ``budget_bytes``, choose the schedule from a measurement at the first
-        call (default ``True``; see ``budget_bytes``). Without ``budget_bytes`` it does
-        nothing (call :meth:`autotune` to choose for a budget).
-      calibration: what :meth:`autotune` (the first call's choice included) chooses from instead of
-        measuring: a callable ``(runtime, h) -> xla_swap.executors.calibrate.Calibration`` called
-        with the stack's runtime and the call's input as the runtime sees it, e.g.
-        ``functools.partial(xla_swap.executors.calibrate.calibration_from_figures, link=...,
-        forward_s=..., backward_s=...)`` (figures measured elsewhere, or a test's: no clock read),
-        or a ``Calibration`` of this stack's stages and input signature. Default ``None``: measure.
-      fused_attention: on a GPU, run ``torch.nn.functional.scaled_dot_product_attention`` (what
-        Hugging Face's ``sdpa`` attention calls) as cuDNN's fused attention
-        (``xla_swap.torch_attention``; default ``True``). ``False``: XLA's unfused form, which
-        materialises the ``[B, N, T, S]`` scores. Other platforms always run XLA's form.
       optimizer: ``None`` (``train_step`` fills ``.grad``), an ``xla_swap.planning.AdamW``, or
         a ``torch.optim.AdamW`` (or ``Adam``) over the stages' parameters: the lr, weight decay,
         betas and eps of each of its ``param_groups`` are read at every ``train_step`` and applied
@@ -254,47 +107,23 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
         Parameters with ``requires_grad=False`` are not updated, as in torch.
       loss_fn: default ``loss_fn(output, *targets) -> scalar`` torch function for
         ``train_step`` (e.g. ``torch.nn.functional.cross_entropy``).
-      devices: the ``jax`` devices to run on (default: ``jax.devices()``, all local devices).
-      shard: with several devices: ``"fsdp"`` (default; each weight with >= 2 dimensions is
-        split over all devices on its largest evenly divisible dimension, others replicated;
-        each device keeps its shard in its own host memory), ``"replicate"``, or a callable
-        ``(name, shape) -> tuple`` giving a ``PartitionSpec`` over the mesh axis ``"d"``.
-      data_parallel: with several devices, split the activations' leading (batch or token)
-        dimension over them (each device computes its part of the batch; XLA all-gathers
-        each layer's weight shards on the device): FSDP / ZeRO-3 as torch users know it.
-        Inputs whose leading dimension does not split evenly stay replicated. Default
-        ``None``: on for ``shard="fsdp"``, off otherwise (tensor parallelism with a
-        ``shard`` callable wants replicated activations).
-      transpose_linear: hold every ``nn.Linear`` weight in host (and device) memory as
-        ``[in, out]``, the transpose of torch's ``[out, in]`` (default ``True``). The stage hands
-        the module the transpose, which XLA folds into the matmul: it then contracts like
-        ``h @ w`` ("NN") instead of ``F.linear``'s "NT", which costs more compute per stage
-        (docs/explanation/design.md, "``nn.Linear`` weights held ``[in, out]``"). Everything
-        the user sees stays in torch's layout: ``shard`` callables get torch's shape and return
-        torch's spec, ``state_dicts()``, ``sync_modules()`` and ``.grad`` are ``[out, in]``;
-        only ``runtime.host_params`` and ``last_grads`` hold the names in ``transposed`` as
-        ``[in, out]``.
-      prefetch_depth: overrides ``policy.prefetch_depth`` when given.
-      max_signatures: input shapes whose executables stay cached (serving several batch
-        sizes and sequence lengths).
-      offload_activations: in training, each layer's kept input goes to ``pinned_host`` during the
-        forward and comes back ``prefetch_depth`` layers ahead in the backward (activation offload).
-      accumulate_grads: without an optimizer, add each step's gradients to the modules'
-        ``.grad`` (default; a host copy of every gradient per step). ``False`` leaves them in
-        ``pinned_host`` as ``last_grads`` (one pytree of jax arrays per stage) instead.
-
-      max_grad_norm: with an optimizer: clip the gradients at every update to this global 2-norm
-        (over every trainable parameter of every stage, ``torch.nn.utils.clip_grad_norm_``'s
-        semantics: scale by ``min(1, max_grad_norm / (norm + 1e-6))``). Default ``None``.
-      skip_nonfinite: with an optimizer: skip an update whose gradient norm is inf or nan
-        (weights, moments and step unchanged, the gradients dropped), as torch's ``GradScaler``
-        skips ``optimizer.step()``. Default ``False``.
-        With either, the update needs every stage's gradients first, so it is no longer fused
-        into the backward: the backward sends each layer's gradients to ``pinned_host`` and an
-        update pass streams weights, gradients and moments in and the new weights and moments
-        out. Per update that moves, beyond the fused step, the gradients out and in (2 x the
-        trainable weight bytes) and the weights in once more (less the ``prefetch_depth + 1``
-        layers the backward leaves on the device), and waits once for the norm.
+      policy: the schedule, an :class:`xla_swap.planning.OffloadPolicy` (default ``DEFAULT_POLICY``):
+        ``params`` host/device, ``grads``, ``optimizer_state``, ``remat``, ``prefetch_depth``. With
+        ``budget_bytes`` it must stream (``params="host"``): the budget chooses the stages kept resident.
+      budget_bytes: device memory (bytes) for the stack. With ``autotune`` enabled (the default) it bounds
+        everything the stack holds on the device (weights, optimizer state, activations, temporaries): the
+        first ``forward`` or ``train_step`` measures the link and each layer on the device (a few calls:
+        seconds) and switches to the schedule predicted fastest for the budget and that call's input shape
+        (:meth:`autotune`; ``schedule`` then holds the choice), for a training step when there is an
+        ``optimizer``, else for that call's mode. Until then every stage streams. With several devices the
+        bytes are counted unsharded (the planner's logical bytes). With ``autotune`` disabled it bounds
+        weights and optimizer state only: stages are kept resident from the last one backwards while they
+        fit beside the streaming window of ``prefetch_depth + 1`` stages (the last stages are the first the
+        backward needs), at construction, and the rest are streamed.
+      autotune: an :class:`xla_swap.stack_config.AutotuneConfig`: whether ``budget_bytes`` is chosen for at
+        the first call, and what from (``calibration``).
+      parallel: a :class:`xla_swap.stack_config.ParallelConfig`: the devices (default every local one), the
+        ``shard`` rule of the weights over them (default ``"fsdp"``) and ``data_parallel``.
       weights: where the stages' values come from: ``None`` (default) the modules' own parameters
         and buffers, or a callable ``weights(module, names) -> {name: torch.Tensor}`` called once
         per stage, in order, with the stage's module and the names of its buffers and parameters
@@ -304,170 +133,137 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
         only their structure is used. :class:`xla_swap.loading.SafetensorsWeights` reads a
         Hugging Face safetensors checkpoint this way; :func:`xla_swap.load_stack` builds a stack
         from a causal LM and its checkpoint.
-      param_dtype: ``torch.bfloat16`` for mixed precision as FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``
-        gives it on one device (default ``None``: compute in the dtypes held). The parameters stay in
-        ``pinned_host`` in the model's float32 (the master weights; AdamW moments float32 too, unless
-        the optimizer's ``state_dtype`` says otherwise); each stage casts its floating parameters (not
-        its buffers) and its floating inputs to bf16 on the device, inside its executable, so forward
-        and backward compute in bf16, the gradient w.r.t. the master is the bf16 gradient cast to
-        float32 by the cast's transpose, and AdamW updates the float32 master. Outputs, the carry
-        and ``.grad`` (without an optimizer: float32) are as computed. Cost: the weights cross the link
-        as float32, twice the bytes of bf16 weights (``runtime.stage_nbytes`` counts them so, and the
-        planner and :meth:`autotune` with it); the bf16 copy is a temporary of the stage's executable.
-        ``float16`` is refused (it needs loss scaling, which the stack does not implement).
-      mp_policy: instead of ``param_dtype``: a ``torch.distributed.fsdp.MixedPrecisionPolicy``. Its
-        ``param_dtype`` and ``cast_forward_inputs`` are honoured; ``output_dtype`` must be ``None``;
-        ``reduce_dtype`` ``None`` or ``param_dtype``, or ``torch.float32`` on one device (no reduction
-        there: the cast of the bf16 gradient to the float32 master is exact).
+      mp_policy: mixed precision, a ``torch.distributed.fsdp.MixedPrecisionPolicy`` (default ``None``:
+        compute in the dtypes held): ``param_dtype=torch.bfloat16`` keeps float32 master weights and
+        moments in ``pinned_host``, each stage computing in bf16 inside its executable
+        (:mod:`xla_swap.mixed_precision` says how, what it costs and which fields are honoured).
+      training: a :class:`xla_swap.stack_config.TrainingConfig`: ``max_grad_norm``, ``skip_nonfinite``,
+        ``accumulate_grads`` (without an optimizer), ``offload_activations``.
+      compilation: a :class:`xla_swap.stack_config.CompileConfig`: ``transpose_linear``, ``fused_attention``,
+        ``max_signatures``.
 
-    Host memory at construction: each stage is read (from the modules, or ``weights``), copied into
-    its ``pinned_host`` buffers (with an optimizer, zero moments beside them) and released before
-    the next, so beyond the stack's own buffers construction holds one stage's transient copies.
-    The stack never aliases the modules' storage and needs it only for :meth:`sync_modules` and,
-    without an optimizer, for the ``.grad`` it writes (``accumulate_grads``): with an optimizer
-    the caller may release it once the stack is built, keeping the modules' structure, e.g.
-    ``model.to("meta")`` (the parameter objects stay the same, so a torch optimizer's groups
-    still match; ``sync_modules`` then refuses).
+    Host memory at construction: one stage's transient copies beyond the stack's own buffers; with an
+    optimizer the modules' storage may be released once it is built (``docs/explanation/design.md``).
 
     Raises:
       TypeError: a layer / ``first`` / ``last`` is not an ``nn.Module``; ``policy``,
-        ``optimizer``, ``loss_fn``, ``devices``, ``shard`` or ``calibration`` has the wrong type; a
+        ``optimizer``, ``loss_fn``, ``mp_policy`` or a config has the wrong type; a
         parameter or buffer is ``float64`` with ``jax_enable_x64`` off (it would run as ``float32``;
         the message names the stage and the tensor).
-      ValueError: ``layers`` is empty; both ``policy`` and ``budget_bytes``; a ``budget_bytes`` that is
-        not an int > 0 (a bool or a non-number: TypeError; the words of
+      ValueError: ``layers`` is empty; ``budget_bytes`` with a policy that keeps every stage resident; a
+        ``budget_bytes`` that is not an int > 0 (a bool or a non-number: TypeError; the words of
         ``xla_swap.planning.units.check_budget_bytes``) or is below the streaming window of weights
-        and optimizer state (``autotune=False`` and ``True`` alike);
+        and optimizer state (with ``autotune`` enabled or not);
         a parameter shared by two stages other than ``first`` and ``last`` (tied embeddings: held once
         by ``first``, carried to ``last``; ``tied``); a stage that fails to trace on
         ``first.example_inputs()`` (when ``first`` has it: the message names the stage's module); a torch
         optimizer with options AdamW here does not implement (``amsgrad``, ``maximize``,
         ``Adam``'s L2 ``weight_decay``; the message names the group), a stage parameter with
         ``requires_grad`` in none of its groups, or a group's parameter in no stage (the
-        message names it); ``shard`` is unknown; ``max_grad_norm`` not a finite number > 0;
-        ``max_grad_norm`` or ``skip_nonfinite`` without an optimizer. TypeError: a torch optimizer other than
-        ``AdamW`` / ``Adam`` (e.g. SGD).
-      ValueError: a parameter or buffer on the meta device without ``weights``; what ``weights`` gives lacks a name, has an
-        unexpected one or a tensor of another shape (the message names the stage and tensor).
+        message names it); ``max_grad_norm`` or ``skip_nonfinite`` without an optimizer. TypeError: a torch
+        optimizer other than ``AdamW`` / ``Adam`` (e.g. SGD).
+      ValueError: a parameter or buffer on the meta device without ``weights``; what ``weights`` gives lacks a
+        name, has an unexpected one or a tensor of another shape (the message names the stage and tensor).
         TypeError: ``weights`` not callable, or it returns something other than a dict of tensors.
-      ValueError: ``param_dtype`` other than ``torch.bfloat16`` (TypeError: not a ``torch.dtype``), both
-        ``param_dtype`` and ``mp_policy``, an ``mp_policy`` field not honoured (named), a floating
-        parameter (or what ``weights`` gives for one) that is not float32 with ``param_dtype``.
-        TypeError: ``mp_policy`` not a ``MixedPrecisionPolicy``.
-      ValueError: with per-rank batches (:mod:`xla_swap.distributed`), ``devices`` not spanning every process,
-        or ``budget_bytes`` with ``autotune`` (each process would choose its own schedule).
+      ValueError / TypeError: an ``mp_policy`` field not honoured (named); a floating parameter (or what
+        ``weights`` gives for one) that is not float32 with ``mp_policy.param_dtype``.
+      ValueError: with per-rank batches (:mod:`xla_swap.distributed`), ``parallel.devices`` not spanning every
+        process, or ``budget_bytes`` with ``autotune`` enabled (each process would choose its own schedule).
       ImportError: torchax is not installed.
+    The configs check their own fields when built (:mod:`xla_swap.stack_config`).
     """
 
     def __init__(self, layers: Sequence[torch.nn.Module], *, first: torch.nn.Module | None = None,
-                 last: torch.nn.Module | None = None, policy: OffloadPolicy | None = None,
-                 budget_bytes: int | None = None, optimizer=None, loss_fn: Callable | None = None,
-                 devices: Sequence[jax.Device] | None = None, shard: str | Callable = "fsdp",
-                 prefetch_depth: int | None = None, max_signatures: int = 8, accumulate_grads: bool = True,
-                 offload_activations: bool = False, data_parallel: bool | None = None,
-                 transpose_linear: bool = True, autotune: bool = True, calibration=None,
-                 fused_attention: bool = True, max_grad_norm: float | None = None,
-                 skip_nonfinite: bool = False, weights: Callable | None = None,
-                 param_dtype: torch.dtype | None = None, mp_policy=None):
+                 last: torch.nn.Module | None = None, optimizer=None, loss_fn: Callable | None = None,
+                 policy: OffloadPolicy | None = None, budget_bytes: int | None = None,
+                 autotune: AutotuneConfig = AutotuneConfig(), parallel: ParallelConfig = ParallelConfig(),
+                 weights: Callable | None = None, mp_policy=None, training: TrainingConfig = TrainingConfig(),
+                 compilation: CompileConfig = CompileConfig()):
         # ---- validation (no state changes) ----
-        layers = _checked_layers(layers, first, last)
-        budget_bytes = _check_options(policy=policy, budget_bytes=budget_bytes, data_parallel=data_parallel,
-                                      accumulate_grads=accumulate_grads, transpose_linear=transpose_linear,
-                                      autotune=autotune, fused_attention=fused_attention, calibration=calibration,
-                                      loss_fn=loss_fn, skip_nonfinite=skip_nonfinite, max_grad_norm=max_grad_norm,
-                                      optimizer=optimizer)
-        torch_optimizer, optimizer = _optimizer_config(optimizer)
-        check_shard(shard)
-        devices = _checked_devices(devices)
-        compute_dtype, cast_inputs = check_mixed_precision(param_dtype, mp_policy, len(devices))
-        policy = _with_prefetch_depth(policy or DEFAULT_POLICY, prefetch_depth)
-        modules, names = _stages_in_order(first, layers, last)
+        layers = checked_layers(layers, first, last)
+        budget_bytes = check_options(policy=policy, budget_bytes=budget_bytes, loss_fn=loss_fn, optimizer=optimizer,
+                                     autotune=autotune, parallel=parallel, training=training, compilation=compilation)
+        torch_optimizer, optimizer = optimizer_config(optimizer)
+        devices = checked_devices(parallel.devices)
+        compute_dtype, cast_inputs = check_mixed_precision(mp_policy, len(devices))
+        policy = policy or DEFAULT_POLICY
+        modules, names = stages_in_order(first, layers, last)
         owner, tied = tied_parameters(names, modules)
-        _check_weights_source(weights, modules, names, compute_dtype)
-        group_of = self._torch_groups(torch_optimizer, names, modules, owner) if torch_optimizer is not None else {}
-        env = torchax_env(platform := devices[0].platform if fused_attention else "xla")  # "gpu": SDPA on cuDNN
+        check_weights_source(weights, modules, names, compute_dtype)
+        group_of = torch_param_groups(torch_optimizer, names, modules, owner) if torch_optimizer is not None else {}
+        platform = devices[0].platform if compilation.fused_attention else "xla"   # "gpu": SDPA on cuDNN
+        env = torchax_env(platform)
         warn_eager_attention(modules, names, platform)
 
         # ---- stage functions: one per group of layers that compute the same thing ----
-        self.modules: list[torch.nn.Module] = modules
-        self.stage_names: list[str] = names
-        #: ``{(stage, name): fqn}``: checkpoint names from ``first.parameter_names`` (a PEFT model's), else stage-based.
-        self.checkpoint_names: dict = model_parameter_names(modules, first)
-        self.has_first, self.has_last = first is not None, last is not None
-        #: the torchax environment the stages are traced in (``xla_swap.torch_attention.torchax_env``).
-        self.torch_env = env
-        #: per stage, the names of the ``nn.Linear`` weights held as ``[in, out]`` on the host
-        #: and the device (``transpose_linear``).
-        self.transposed: list[frozenset[str]] = [linear_weights(m) if transpose_linear else frozenset() for m in modules]
+        transposed = [linear_weights(m) if compilation.transpose_linear else frozenset() for m in modules]
         if tied:
-            self.transposed[-1] = self.transposed[-1] - set(tied)
-        #: ``{name in last: name in first}``: the weights ``first`` and ``last`` share (tied embeddings): held
-        #: once, by the first stage (one gradient and optimizer state), carried to the last on the device.
-        self.tied: dict[str, str] = dict(tied)
-        fns, layer_groups = stage_functions(first, layers, last, env, self.transposed, tied)
-        #: per layer, its group: layers of one group share one stage function (``stages.layer_groups``).
-        self.layer_groups: tuple[int, ...] = tuple(layer_groups)
+            transposed[-1] = transposed[-1] - set(tied)
+        fns, layer_groups = stage_functions(first, layers, last, env, transposed, tied)
 
         # ---- weights: torch (or `weights`) -> pinned_host, one stage at a time (never through the device) ----
-        placement = StageSharding(devices, shard, self.transposed)
-        self.mesh = placement.mesh
-        stage_params, trainable, updated, groups = host_stages(names, modules, self.transposed, tied, weights,
+        placement = StageSharding(devices, parallel.shard, transposed)
+        stage_params, trainable, updated, groups = host_stages(names, modules, transposed, tied, weights,
                                                                placement.host, compute_dtype, group_of)
-        #: per stage, the names of the parameters the optimizer updates (``requires_grad``).
-        self.trainable_names: list = trainable
-        #: the dtype the stages compute in (``param_dtype``): each stage casts its floating parameters
-        #: (and with ``cast_forward_inputs`` its floating inputs) to it; ``None``: as held.
-        self.param_dtype: torch.dtype | None = compute_dtype
         if compute_dtype is not None:   # one wrapper per distinct stage function (shared layers stay shared)
             fns = stage_functions_in(fns, trainable, jnp.bfloat16, cast_inputs)
-        #: with ``param_dtype``: whether the stages also cast their floating inputs (``cast_forward_inputs``).
-        self.cast_inputs: bool = cast_inputs
-        if data_parallel is None:
-            data_parallel = shard == "fsdp"
+        self._hold_stages(StageLayout(modules, names, transposed, trainable, model_parameter_names(modules, first),
+                                      first is not None, last is not None), env, tied, layer_groups)
+        self._hold_precision(compute_dtype, cast_inputs)
+        #: the device mesh of the stages' weights (``None`` on one device).
+        self.mesh = placement.mesh
         #: whether activations are split over the devices on their leading dimension.
-        self.data_parallel: bool = bool(data_parallel and placement.mesh is not None)
+        self.data_parallel: bool = parallel.splits_batch() and placement.mesh is not None
 
-        # ---- the runtime ----
+        # ---- the runtime and the parts that use it ----
         common = dict(optimizer=optimizer, trainable=lambda i, path: path[0].key in updated[i], own_params=True,
                       group_of=lambda i, path: groups[i][path[0].key],
-                      track_residency=False, max_signatures=max_signatures,
-                      offload_activations=offload_activations, **placement.runtime_kwargs(self.data_parallel))
-        rt = _build_runtime(fns, stage_params, updated, policy, budget_bytes, autotune, common)
-        self._set_state(rt, policy, torch_optimizer, loss_fn, accumulate_grads, max_grad_norm, skip_nonfinite,
-                        budget_bytes if autotune else None, calibration)
-        example = getattr(first, "example_inputs", None)
-        if callable(example):  # refuse at construction what does not trace (e.g. an op torchax lacks)
-            self._check_trace(example())
-
-    def _set_state(self, rt: StreamingRuntime, policy: OffloadPolicy, torch_optimizer, loss_fn, accumulate_grads: bool,
-                   max_grad_norm, skip_nonfinite: bool, autotune_budget: int | None, calibration) -> None:
-        """The attributes of a stack running ``rt`` (the constructor's arguments, checked)."""
+                      track_residency=False, max_signatures=compilation.max_signatures,
+                      offload_activations=training.offload_activations, **placement.runtime_kwargs(self.data_parallel))
         #: the :class:`~xla_swap.executors.StreamingRuntime` that runs the stages.
-        self.runtime: StreamingRuntime = rt
+        self.runtime: StreamingRuntime = build_runtime(fns, stage_params, updated, policy, budget_bytes,
+                                                       autotune.enabled, common)
         #: the policy in force (``budget_bytes`` given: ``params`` reads "host", see ``runtime.resident``;
         #: ``remat`` and ``prefetch_depth`` follow ``autotune``'s choice).
         self.policy: OffloadPolicy = policy
         #: the optimizer's configuration (group 0's with a torch optimizer), or ``None``.
-        self.optimizer: AdamW | None = rt.optimizer
-        #: the torch optimizer given, whose ``param_groups`` are read at every ``train_step``, or ``None``.
-        self.torch_optimizer = torch_optimizer
-        self._group_ids = [tuple(id(p) for p in g["params"]) for g in torch_optimizer.param_groups] \
-            if torch_optimizer is not None else None
-        self.loss_fn = loss_fn
-        self.accumulate_grads = accumulate_grads
-        #: the global gradient-norm clip applied at each update (``None``: none).
-        self.max_grad_norm: float | None = None if max_grad_norm is None else float(max_grad_norm)
-        #: whether an update whose gradient norm is not finite is skipped.
-        self.skip_nonfinite: bool = skip_nonfinite
-        #: without an optimizer and with ``accumulate_grads=False``: the last step's gradients
-        #: (per stage, ``{name: jax.Array}`` in ``pinned_host``; the names in ``transposed`` as ``[in, out]``).
-        self.last_grads: list | None = None
-        self._jax_losses: dict = {}
-        #: the schedule chosen by :meth:`autotune` (a ``ScheduleChoice``: ``.explain()``), or ``None``.
-        self.schedule = None
-        self._autotune_budget: int | None = autotune_budget
-        #: what :meth:`autotune` chooses from when given no ``calibration`` (``None``: it measures).
-        self.calibration = calibration
+        self.optimizer: AdamW | None = self.runtime.optimizer
+        #: the parts the stack calls (module docstring): training, the schedule, checkpoints, generation.
+        self.trainer = Trainer(self.layout, env, self.optimizer, torch_optimizer, loss_fn, training)
+        self.autotuner = Autotuner(budget_bytes if autotune.enabled else None, autotune.calibration)
+        self.checkpointer = Checkpointer(self.layout, self.optimizer, torch_optimizer)
+        self.generators = Generators()
+        example = getattr(first, "example_inputs", None)
+        if callable(example):  # refuse at construction what does not trace (e.g. an op torchax lacks)
+            self._check_trace(example())
+
+    def _hold_stages(self, layout: StageLayout, env, tied: dict, layer_groups: list) -> None:
+        """The attributes that describe the stages (their names and layouts, as ``layout`` holds them)."""
+        #: the stages' modules, names and layouts (:class:`xla_swap.stages.StageLayout`), read by the stack's parts;
+        #: ``modules``, ``stage_names``, ``checkpoint_names``, ``has_first`` / ``has_last``, ``transposed``
+        #: (per stage the ``nn.Linear`` weights held ``[in, out]``, ``transpose_linear``) and ``trainable_names``
+        #: (per stage the names the optimizer updates) are its fields.
+        self.layout: StageLayout = layout
+        self.modules: list[torch.nn.Module] = layout.modules
+        self.stage_names: list[str] = layout.names
+        self.checkpoint_names: dict = layout.checkpoint_names
+        self.has_first, self.has_last = layout.has_first, layout.has_last
+        self.transposed: list[frozenset[str]] = layout.transposed
+        self.trainable_names: list = layout.trainable
+        #: the torchax environment the stages are traced in (``xla_swap.torch_attention.torchax_env``).
+        self.torch_env = env
+        #: ``{name in last: name in first}``: the weights ``first`` and ``last`` share (tied embeddings): held
+        #: once, by the first stage (one gradient and optimizer state), carried to the last on the device.
+        self.tied: dict[str, str] = dict(tied)
+        #: per layer, its group: layers of one group share one stage function (``stages.layer_groups``).
+        self.layer_groups: tuple[int, ...] = tuple(layer_groups)
+
+    def _hold_precision(self, compute_dtype: torch.dtype | None, cast_inputs: bool) -> None:
+        #: the dtype the stages compute in (``param_dtype``): each stage casts its floating parameters
+        #: (and with ``cast_forward_inputs`` its floating inputs) to it; ``None``: as held.
+        self.param_dtype: torch.dtype | None = compute_dtype
+        #: with ``param_dtype``: whether the stages also cast their floating inputs (``cast_forward_inputs``).
+        self.cast_inputs: bool = cast_inputs
         #: jax's fp32 matmul precision the executables were traced with: torch's setting
         #: (:func:`torch_matmul_precision`), read again at every call.
         self.matmul_precision: str = torch_matmul_precision()
@@ -532,17 +328,175 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
     __call__ = forward
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-        """Generate tokens with a KV cache, as ``model.generate`` (a stack of ``causal_lm_stages(model)``).
-
-        ``input_ids`` int ``[batch, prompt]``, ``attention_mask`` ``None`` or left-padded 0/1 of its
-        shape; keywords ``max_new_tokens`` (required), ``do_sample``, ``temperature``, ``top_k``,
-        ``top_p``, ``eos_token_id``, ``pad_token_id``, ``seed``, ``kv_cache`` (``"auto"`` /
-        ``"device"`` / ``"host"``), ``device_budget_bytes``, ``max_cache_len``, ``prompt_bucket``,
-        ``expert_fetch`` (``"auto"`` / ``"routed"`` / ``"all"``), ``expert_layout``. Returns int64 ``[batch, prompt + n]`` on the CPU. Arguments, placement and errors:
-        :func:`xla_swap.generate.generate`.
+        """Generate tokens with a KV cache, as ``model.generate`` (a stack of ``causal_lm_stages(model)``):
+        ``input_ids`` int ``[batch, prompt]``, ``attention_mask`` ``None`` or left-padded 0/1 of its shape,
+        ``max_new_tokens`` (required) and the keywords of :func:`xla_swap.generate.generate` (sampling, stop
+        tokens, KV cache placement, experts), which gives the arguments, placement and errors. Returns int64
+        ``[batch, prompt + n]`` on the CPU; ``last_generation`` holds the placement and figures.
         """
-        from xla_swap.generate import generate
         return generate(self, input_ids, attention_mask, **kwargs)
+
+    @property
+    def last_generation(self) -> dict:
+        """The last :meth:`generate` call's KV cache placement, its explanation and figures
+        (:func:`xla_swap.generate.generate`). Raises AttributeError before the first call."""
+        if self.generators.last is None:
+            raise AttributeError("last_generation: generate has not run on this stack")
+        return self.generators.last
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, inputs, targets=(), *, loss_fn: Callable | None = None, lr: float | None = None,
+                   accumulate: bool = False) -> torch.Tensor:
+        """One training step: forward, ``loss_fn(output, *targets)``, backward, optimizer step.
+
+        With ``accumulate=True`` (and an optimizer) it is one micro-batch: its gradients are added
+        to the accumulated ones and nothing is updated; the next call with ``accumulate=False``
+        adds its own and updates with the sum, as torch's ``loss.backward()`` per micro-batch and
+        one ``optimizer.step()`` do (``.grad`` sums: divide the loss by the number of
+        micro-batches, as torch's loop does, for their mean). An update clips and skips as the
+        constructor's ``max_grad_norm`` / ``skip_nonfinite`` say (``last_grad_norm``,
+        ``last_step_skipped``).
+
+        Args:
+          inputs: a torch tensor or a tuple of them (the arguments of ``first``).
+          targets: a torch tensor or a tuple of them (CPU, or CUDA on any local GPU), passed to the
+            loss after the output, laid out like it: split on the batch over the data-parallel
+            devices where the output is, replicated (or on the stack's one device) otherwise. With
+            per-rank batches (:mod:`xla_swap.distributed`) ``inputs`` and ``targets`` are this rank's.
+          loss_fn: a torch function ``(output, *targets) -> scalar`` (default: the constructor's).
+            Converted and compiled once per :func:`xla_swap.training.loss_key`: a lambda recreated each
+            step with the same code, reading the same numbers, modules and functions, compiles once; one
+            reading a tensor or an ``nn.Module`` compiles at each new function object (keep it,
+            and pass per-step data as ``targets``).
+          lr: this step's learning rate for every parameter group, overriding the optimizer's for
+            this step only (a torch optimizer's ``param_groups`` are not changed). Default: each
+            group's own ``lr`` (with a torch optimizer, read now: a ``torch.optim.lr_scheduler``
+            stepping it is followed). Unused by an ``accumulate=True`` call (no update).
+          accumulate: see above (a bool; needs an optimizer).
+
+        Returns: the loss, a 0-d float32 CPU torch tensor. With an optimizer the weights are
+        updated (in host memory: ``sync_modules()`` copies them into the modules); without
+        one the gradients are added to the modules' ``.grad`` (CPU tensors).
+
+        Raises (before any state changes):
+          TypeError: ``inputs``/``targets`` not tensors; no ``loss_fn``; an input's dtype
+            refused as in :meth:`forward`; a ``float64`` target with ``jax_enable_x64`` off;
+            ``accumulate`` not a bool.
+          IndexError: a token id outside the input embedding's rows, as in :meth:`forward`; a class
+            index outside ``[0, C)`` other than the loss's ignore index, as ``cross_entropy`` raises:
+            integer targets shaped like the output without its last dimension ``C`` (or that shape
+            flattened) are class indices; the ignore index is ``-100`` unless ``loss_fn`` has an
+            ``ignore_index`` (``nn.CrossEntropyLoss(ignore_index=...)``, a ``functools.partial``'s
+            keyword, an attribute set on the function; ``None``: no target checked). Float targets and
+            other shapes are not checked (:mod:`xla_swap.index_checks`).
+          ValueError: the loss is not a floating scalar; a stage fails to trace; ``lr < 0``; the
+            torch optimizer's groups hold other parameters than at construction, or an option
+            the update does not implement (``AdamW.groups_from_torch``); ``accumulate=True``
+            without an optimizer (``.grad`` accumulates already); without an optimizer and with
+            ``accumulate_grads``, a parameter on the meta device (no ``.grad`` to add to).
+        """
+        loss_fn = self.trainer.checked_loss(loss_fn, accumulate)
+        with self.torch_precision():
+            inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+            x = self._carry_in(inputs)   # token ids checked, dtypes, the trace: nothing changes yet
+            jax_targets = self.trainer.targets_in(self.runtime, targets, x, loss_fn)
+            groups = self.trainer.param_groups()
+            if groups is not None:
+                self.runtime.param_groups = groups
+            runtime = self.runtime
+            self._maybe_autotune(inputs, training=True)
+            if self.runtime is not runtime:   # autotune chose a new runtime: the input as that one places it
+                x = self._carry_in(inputs)
+            return self.trainer.step(self.runtime, x, jax_targets, loss_fn, lr, accumulate)
+
+    @property
+    def last_grads(self) -> list | None:
+        """Without an optimizer and with ``TrainingConfig(accumulate_grads=False)``: the last step's gradients
+        (per stage, ``{name: jax.Array}`` in ``pinned_host``; the names in ``transposed`` as ``[in, out]``), else
+        ``None``."""
+        return self.trainer.last_grads
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global 2-norm of the gradients of the last update (over every trainable parameter of
+        every stage, before clipping: ``clip_grad_norm_``'s return value; a float, possibly inf or
+        nan), or ``None`` when neither ``max_grad_norm`` nor ``skip_nonfinite`` is set."""
+        return self.runtime.last_grad_norm
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last update was skipped for a non-finite gradient (``skip_nonfinite``)."""
+        return self.runtime.last_step_skipped
+
+    # ------------------------------------------------------------------ schedule
+    def autotune(self, inputs, *, budget_bytes: int, training: bool = True, reps: int = 3, calibration=None,
+                 **choose_kwargs):
+        """Choose prefetch depth, resident stages, activation offload, where the optimizer state lives and, for
+        training, ``remat`` for ``budget_bytes`` of device memory (for *everything* the stack holds there) from a
+        short measurement on the device (or ``calibration``), and run the stack with that choice from now on:
+        ``self.runtime`` is replaced (weights, optimizer state and step carried over) and the choice kept as
+        ``self.schedule``. A stack built with ``budget_bytes`` (and ``autotune`` enabled) calls it at its first
+        ``forward`` / ``train_step``.
+
+        ``inputs`` as for ``train_step`` (their shapes matter); ``training``: for ``train_step`` (default) or
+        ``forward``; ``reps``: timed calls per figure; ``choose_kwargs``: ``max_prefetch_depth``,
+        ``allow_offload``, ``allow_device_optimizer_state``, ``allow_no_remat``. Returns the
+        ``xla_swap.planning.chooser.ScheduleChoice`` (``.explain()``). Arguments and errors (the stack is
+        unchanged after one): :meth:`xla_swap.budget.Autotuner.choose`.
+        """
+        self.autotuner.check_call(calibration)
+        x = self._carry_in(inputs if isinstance(inputs, (tuple, list)) else (inputs,))
+        with self.torch_precision():
+            # the stack drops its old runtime: the new one takes its weights and moments, no copy
+            self.runtime = self.autotuner.choose(self.runtime, x, budget_bytes, training=training, reps=reps,
+                                                 calibration=calibration, **choose_kwargs)
+        if isinstance(self.runtime.remat, bool):   # the policy in force follows the choice
+            self.policy = dataclasses.replace(self.policy, remat=self.runtime.remat,
+                                              prefetch_depth=self.runtime.prefetch_depth)
+        return self.autotuner.schedule
+
+    @property
+    def schedule(self):
+        """The schedule chosen by :meth:`autotune` (a ``ScheduleChoice``: ``.explain()``), or ``None``."""
+        return self.autotuner.schedule
+
+    def _maybe_autotune(self, inputs: tuple, training: bool) -> None:
+        """At the first call of a stack built with ``budget_bytes`` and ``autotune`` enabled: :meth:`autotune`,
+        for training whenever the stack has an optimizer (its device memory then holds the resident
+        stages' optimizer state, which a forward's choice does not count), else for that call's mode."""
+        if not self.autotuner.due:
+            return
+        try:
+            self.autotune(inputs, budget_bytes=self.autotuner.first_call_budget,
+                          training=training or self.optimizer is not None)
+        except InfeasibleBudgetError as e:
+            raise self.autotuner.infeasible(e, inputs) from e
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """The whole training state as CPU torch tensors (copies), in torch's layout and names:
+        ``{"model": {fqn: weight}, "optim": {"state": {fqn: {"step", "exp_avg", "exp_avg_sq"}},
+        "param_groups": [...]}}``, the form of ``torch.distributed.checkpoint.state_dict.get_state_dict``.
+        Names, dtypes and errors: :meth:`xla_swap.checkpoint.Checkpointer.state_dict`."""
+        return self.checkpointer.state_dict(self.runtime)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore the training state from a :meth:`state_dict` (of this stack or another built the same
+        way), everything checked before anything changes: :meth:`xla_swap.checkpoint.Checkpointer.load_state_dict`."""
+        self.checkpointer.load_state_dict(self.runtime, state_dict)
+
+    def save_checkpoint(self, path, *, extra: dict | None = None) -> None:
+        """Write :meth:`state_dict` as a ``torch.distributed.checkpoint`` checkpoint into the folder ``path``,
+        streaming one shard at a time; ``extra``: ``None`` or ``{str: picklable}`` saved beside it (with several
+        jax processes every process calls it). Keys, memory and errors:
+        :meth:`xla_swap.checkpoint.Checkpointer.save`."""
+        self.checkpointer.save(self.runtime, path, extra=extra)
+
+    def load_checkpoint(self, path) -> dict:
+        """Restore the training state from a :meth:`save_checkpoint` folder (of any number of processes and
+        devices), one stage at a time; returns its ``extra`` dict (``{}`` without one). Errors:
+        :meth:`xla_swap.checkpoint.Checkpointer.load`."""
+        return self.checkpointer.load(self.runtime, path)
 
     # ------------------------------------------------------------------ weights
     def state_dicts(self) -> list[dict[str, torch.Tensor]]:
@@ -550,12 +504,8 @@ class SwappedStack(TrainingMixin, AutotuneMixin, CheckpointMixin):
 
         With several processes every process must call it (the sharded weights are gathered).
         """
-        return [{n: self._torch_layout(i, n, to_torch(p[n])) for n in names}
+        return [{n: self.layout.torch_layout(i, n, to_torch(p[n])) for n in names}
                 for i, (p, names) in enumerate(zip(self.runtime.host_params, self.trainable_names))]
-
-    def _torch_layout(self, stage: int, name: str, t: torch.Tensor) -> torch.Tensor:
-        """A host-layout tensor of ``name`` in stage ``stage`` in torch's layout (``transposed`` ones back to ``[out, in]``)."""
-        return t.t().contiguous() if name in self.transposed[stage] else t
 
     def sync_modules(self) -> None:
         """Copy the current (trained) weights into the ``nn.Module`` parameters, in place.

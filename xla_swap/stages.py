@@ -13,6 +13,7 @@ Hugging Face adapters (``xla_swap.hf``, ``xla_swap.generate``).
   carry keys of tied weights.
 * **Functions.** :func:`stage_functions`: the JAX function of every stage, ``f(w, carry)``.
 * **Host weights.** :func:`host_stages`: every stage's tensors in ``pinned_host``, one stage at a time.
+* **The stack's view.** :class:`StageLayout`: the stages' modules, names and layouts, as the stack's parts read them.
 
 The module imports torch and jax; torchax only through the environment it is given.
 """
@@ -33,7 +34,8 @@ from xla_swap.torch_bridge import inputs_to_jax, module_fn, to_numpy
 
 __all__ = ["linear_weights", "embedding_padding_rows", "stage_signature", "layer_selection", "TIED", "split_carry",
            "meta_tensor", "stage_tensors", "tied_parameters", "stage_avals", "program_key", "attribute_key",
-           "attribute_keys", "layer_groups", "example_carry", "stage_functions", "host_stages"]
+           "attribute_keys", "layer_groups", "example_carry", "stage_functions", "host_stages",
+           "StageLayout"]
 
 
 def linear_weights(mod: torch.nn.Module) -> frozenset[str]:
@@ -358,8 +360,8 @@ def host_stages(names: list[str], modules: list[torch.nn.Module], transposed: li
         if compute_dtype is not None:
             for n in pnames:
                 if is_float(arrays[n].dtype) and arrays[n].dtype != np.float32:
-                    raise ValueError(f"param_dtype keeps float32 master weights: weights gives {name}.{n} as "
-                                     f"{arrays[n].dtype}; give float32 tensors")
+                    raise ValueError(f"mp_policy.param_dtype keeps float32 master weights: weights gives "
+                                     f"{name}.{n} as {arrays[n].dtype}; give float32 tensors")
         # each stage is placed in pinned_host as soon as it is read and handed to the runtime as its own
         placed = {}
         for n in list(arrays):
@@ -373,3 +375,33 @@ def host_stages(names: list[str], modules: list[torch.nn.Module], transposed: li
         stage_params.append({**{n: placed[n] for n in placed if n not in pnames},
                              **{n: placed[n] for n in pnames}})
     return stage_params, trainable, updated, groups
+
+
+class StageLayout:
+    """What the stack's parts (training, checkpoints, the weights' copies) need to know of its stages, fixed at
+    construction: the modules in order, their names, the weights held transposed and the trainable names.
+
+    Attributes:
+      modules: the stages' ``nn.Module`` in order (``first``, the layers, ``last``).
+      names: ``"first"``, ``"layers[i]"``, ``"last"``, one per stage.
+      transposed: per stage, the names of the ``nn.Linear`` weights held ``[in, out]`` (``linear_weights``).
+      trainable: per stage, the names of the parameters the optimizer updates (``requires_grad``).
+      checkpoint_names: ``{(stage, name): fqn}`` from ``first.parameter_names`` (a PEFT model's), else ``{}``.
+      has_first, has_last: whether ``first`` / ``last`` were given.
+    """
+
+    def __init__(self, modules: list, names: list[str], transposed: list, trainable: list, checkpoint_names: dict,
+                 has_first: bool, has_last: bool):
+        self.modules, self.names, self.transposed, self.trainable = modules, names, transposed, trainable
+        self.checkpoint_names, self.has_first, self.has_last = checkpoint_names, has_first, has_last
+
+    def torch_layout(self, stage: int, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A host-layout tensor of ``name`` in stage ``stage`` in torch's layout (``transposed`` ones back to
+        ``[out, in]``)."""
+        return t.t().contiguous() if name in self.transposed[stage] else t
+
+    def fqn(self, stage: int, name: str) -> str:
+        """torch-style name of parameter ``name`` of ``stage``: its name in the model the stages were cut
+        from where ``checkpoint_names`` has it (a PEFT model's), else ``layers.3.mlp.up_proj.weight``."""
+        own = self.checkpoint_names.get((stage, name))
+        return own if own is not None else f"{self.names[stage].replace('[', '.').replace(']', '')}.{name}"

@@ -7,8 +7,8 @@ on the source by ``test_package_shape``:
 * no module imports a private (``_``-prefixed) name of another ``xla_swap`` module, nor reads a private
   attribute of an object other than ``self`` / ``cls`` (``private_attribute_reads``);
 * no run of six code lines stands to the letter in two places (``repeated_blocks``);
-* no class has more than one base other than exceptions and protocols (``multiple_bases``: one class
-  holds its parts, it is not assembled from mixins; checked on ``xla_swap/executors/`` for now).
+* no class has more than one base other than exceptions, warnings, protocols and ``Generic``
+  (``multiple_bases``: a class holds its parts and calls them; it is not assembled from mixins).
 """
 from __future__ import annotations
 
@@ -88,13 +88,17 @@ def private_attribute_reads(path: pathlib.Path, root: pathlib.Path = ROOT) -> li
     return found
 
 
+#: bases that do not make a class a mixin: exception and warning classes, protocols and ``Generic``.
+_EXEMPT_BASES = ("Protocol", "Generic", "Exception", "BaseException", "Warning")
+
+
 def _is_exception_or_protocol(base: ast.expr) -> bool:
-    """A base named ``...Error`` / ``...Exception`` / ``...Warning`` / ``BaseException``, or ``Protocol``
-    (``typing.Protocol``, ``Protocol[T]``)."""
+    """A base named ``...Error`` / ``...Exception`` / ``...Warning`` / ``BaseException``, ``Protocol`` or
+    ``Generic`` (also subscripted or qualified: ``typing.Protocol``, ``Generic[T]``)."""
     if isinstance(base, ast.Subscript):
         base = base.value
     name = base.attr if isinstance(base, ast.Attribute) else base.id if isinstance(base, ast.Name) else ""
-    return name == "Protocol" or name.endswith(("Error", "Exception", "Warning"))
+    return name in _EXEMPT_BASES or name.endswith(("Error", "Exception", "Warning"))
 
 
 def multiple_bases(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:

@@ -20,6 +20,7 @@ from hypothesis import strategies as st  # noqa: E402
 from xla_swap.executors import InGraphRuntime, PjrtExecutor, StreamingRuntime  # noqa: E402
 from xla_swap.planning import AdamW  # noqa: E402
 from xla_swap.stack import SwappedStack  # noqa: E402
+from xla_swap.stack_config import ParallelConfig
 
 D = 8
 
@@ -71,8 +72,8 @@ def _entry_points(params, x, mods):
         "SwappedStack.policy": lambda a: SwappedStack(mods, policy=a),
         "SwappedStack.budget_bytes": lambda a: SwappedStack(mods, budget_bytes=a),
         "SwappedStack.optimizer": lambda a: SwappedStack(mods, optimizer=a),
-        "SwappedStack.devices": lambda a: SwappedStack(mods, devices=a),
-        "SwappedStack.shard": lambda a: SwappedStack(mods, shard=a),
+        "SwappedStack.devices": lambda a: SwappedStack(mods, parallel=ParallelConfig(devices=a)),
+        "SwappedStack.shard": lambda a: SwappedStack(mods, parallel=ParallelConfig(shard=a)),
         "SwappedStack.forward": lambda a: stack(a),
         "SwappedStack.train_step.inputs": lambda a: stack.train_step(a, loss_fn=lambda o: o.sum()),
         "SwappedStack.train_step.loss_fn": lambda a: stack.train_step(torch.ones(2, D), loss_fn=a),

@@ -11,6 +11,7 @@ given times and link) with the clock made to raise, and is checked against ``cho
 those figures: the verdicts do not depend on the speed of the machine running the tests.
 """
 import copy
+import dataclasses
 import functools
 
 import time
@@ -24,7 +25,8 @@ from streaming_cases import forbid_clock
 from xla_swap.executors.calibrate import calibration_from_figures
 from xla_swap.planning import AdamW, InfeasibleBudgetError, Link
 from xla_swap.planning.chooser import ChoiceCache, choose_schedule, evaluate_choice
-from xla_swap.stack import SwappedStack
+from xla_swap.stack import DEFAULT_POLICY, SwappedStack
+from xla_swap.stack_config import AutotuneConfig, ParallelConfig
 
 _perf_counter = time.perf_counter
 
@@ -62,7 +64,7 @@ def test_autotune_partial_residency_equals_torch_adamw(monkeypatch):
     layers = copy.deepcopy(ref)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     stack = SwappedStack(list(layers), optimizer=torch.optim.AdamW(layers.parameters(), lr=1e-2), loss_fn=loss,
-                         devices=jax.devices()[:1])
+                         parallel=ParallelConfig(devices=jax.devices()[:1]))
     x = torch.randn(T, D)
     c = FIGURES(stack.runtime, stack._carry_in((x,)))
     lo = evaluate_choice(list(c.costs), c.link, prefetch_depth=1).device_bytes
@@ -103,14 +105,15 @@ def test_budget_bytes_chooses_the_schedule_at_the_first_call(monkeypatch):
     x = torch.randn(T, D)
     probe_layers = copy.deepcopy(ref)
     probe = SwappedStack(list(probe_layers), optimizer=torch.optim.AdamW(probe_layers.parameters(), lr=1e-2),
-                         loss_fn=loss, devices=jax.devices()[:1])
+                         loss_fn=loss, parallel=ParallelConfig(devices=jax.devices()[:1]))
     c = FIGURES(probe.runtime, probe._carry_in((x,)))
     lo = evaluate_choice(list(c.costs), c.link, prefetch_depth=2).device_bytes
     hi = evaluate_choice(list(c.costs), c.link, prefetch_depth=2, resident=[True] * L).device_bytes
     budget = (lo + hi) // 2
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     stack = SwappedStack(list(layers), optimizer=torch.optim.AdamW(layers.parameters(), lr=1e-2), loss_fn=loss,
-                         devices=jax.devices()[:1], budget_bytes=budget, calibration=FIGURES)
+                         parallel=ParallelConfig(devices=jax.devices()[:1]), budget_bytes=budget,
+                         autotune=AutotuneConfig(calibration=FIGURES))
     assert stack.schedule is None and stack.runtime.resident == (False,) * L      # streams until the first call
     for step in range(3):
         if step == 0:
@@ -135,8 +138,10 @@ def test_budget_bytes_chooses_the_schedule_at_the_first_call(monkeypatch):
     with pytest.raises(InfeasibleBudgetError) as e:
         choose_schedule(list(c.costs), c.link, 1)
     smallest = e.value.min_budget_bytes
-    tight = SwappedStack(list(copy.deepcopy(ref)), optimizer=AdamW(lr=1e-2), loss_fn=loss, prefetch_depth=1,
-                         devices=jax.devices()[:1], budget_bytes=smallest - 1, calibration=FIGURES)
+    tight = SwappedStack(list(copy.deepcopy(ref)), optimizer=AdamW(lr=1e-2), loss_fn=loss,
+                         policy=dataclasses.replace(DEFAULT_POLICY, prefetch_depth=1),
+                         parallel=ParallelConfig(devices=jax.devices()[:1]), budget_bytes=smallest - 1,
+                         autotune=AutotuneConfig(calibration=FIGURES))
     before = tight.runtime
     with pytest.raises(ValueError, match=r"budget_bytes=\d+ holds no schedule"):
         tight.train_step(x)
@@ -146,16 +151,19 @@ def test_budget_bytes_chooses_the_schedule_at_the_first_call(monkeypatch):
     assert float(tight.train_step(x)) > 0
     # with an optimizer the choice is for training even when the first call is a forward
     fwd_first = SwappedStack(list(copy.deepcopy(ref)), optimizer=AdamW(lr=1e-2), loss_fn=loss,
-                             devices=jax.devices()[:1], budget_bytes=budget, calibration=FIGURES)
+                             parallel=ParallelConfig(devices=jax.devices()[:1]), budget_bytes=budget,
+                             autotune=AutotuneConfig(calibration=FIGURES))
     fwd_first(x)
     assert fwd_first.schedule.training is True
     _same_choice(fwd_first.schedule, c, budget)
     rule = SwappedStack(list(copy.deepcopy(ref)), optimizer=AdamW(lr=1e-2), loss_fn=loss,
-                        devices=jax.devices()[:1], budget_bytes=10 ** 12, autotune=False)
+                        parallel=ParallelConfig(devices=jax.devices()[:1]), budget_bytes=10 ** 12,
+                        autotune=AutotuneConfig(enabled=False))
     rule.train_step(x)
     assert rule.schedule is None and rule.runtime.resident == (True,) * L
     with pytest.raises(TypeError, match="calibration must be"):
-        SwappedStack(list(copy.deepcopy(ref)), devices=jax.devices()[:1], budget_bytes=budget, calibration="fast")
+        SwappedStack(list(copy.deepcopy(ref)), parallel=ParallelConfig(devices=jax.devices()[:1]),
+                     budget_bytes=budget, autotune=AutotuneConfig(calibration="fast"))
 
 
 def test_budget_picks_residual_offload_on_a_rich_link_and_trains_as_torch(monkeypatch):
@@ -176,7 +184,8 @@ def test_budget_picks_residual_offload_on_a_rich_link_and_trains_as_torch(monkey
 
     def stack_of(model, **kw):
         first, layers, last = causal_lm_stages(model)
-        return SwappedStack(layers, first=first, last=last, loss_fn=ce, devices=jax.devices()[:1],
+        return SwappedStack(layers, first=first, last=last, loss_fn=ce,
+                            parallel=ParallelConfig(devices=jax.devices()[:1]),
                             optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6), **kw)
     probe = stack_of(copy.deepcopy(ref0))
     cals = {name: f(probe.runtime, probe._carry_in((data[0][0],))) for name, f in figures.items()}
@@ -188,7 +197,7 @@ def test_budget_picks_residual_offload_on_a_rich_link_and_trains_as_torch(monkey
         ref = copy.deepcopy(ref0).train()
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
         model = copy.deepcopy(ref0)
-        stack = stack_of(model, budget_bytes=budget, calibration=figures[name])
+        stack = stack_of(model, budget_bytes=budget, autotune=AutotuneConfig(calibration=figures[name]))
         for step, (x, y) in enumerate(data):
             if step == 0:
                 forbid_clock(monkeypatch)

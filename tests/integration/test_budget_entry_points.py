@@ -24,6 +24,7 @@ from xla_swap.planning import AdamW, LayerCost, plan
 from xla_swap.planning.chooser import ChoiceCache, choose_schedule, evaluate_choice
 from xla_swap.planning.units import check_budget_bytes
 from xla_swap.stack import SwappedStack
+from xla_swap.stack_config import AutotuneConfig, ParallelConfig
 
 _perf_counter = time.perf_counter
 
@@ -34,7 +35,8 @@ def _layers(seed=0):
 
 
 def _stack(layers, **kw):
-    return SwappedStack(list(layers), optimizer=AdamW(lr=1e-2), loss_fn=loss, devices=jax.devices()[:1], **kw)
+    return SwappedStack(list(layers), optimizer=AdamW(lr=1e-2), loss_fn=loss,
+                        parallel=ParallelConfig(devices=jax.devices()[:1]), **kw)
 
 
 def _middle_budget(x) -> int:
@@ -52,7 +54,7 @@ def test_swapped_stack_builds_the_serving_runtime_once_per_choice(monkeypatch):
     x = torch.randn(T, D)
     budget = _middle_budget(x)
     built = count_runtime_builds(monkeypatch)
-    stack = _stack(_layers(), budget_bytes=budget, calibration=FIGURES)
+    stack = _stack(_layers(), budget_bytes=budget, autotune=AutotuneConfig(calibration=FIGURES))
     assert built == [stack.runtime] and stack.runtime.resident == (False,) * L    # streams until the first call
     forbid_clock(monkeypatch)
     stack.train_step(x)
@@ -69,7 +71,8 @@ def test_swapped_stack_builds_the_serving_runtime_once_per_choice(monkeypatch):
     assert again.runtime_kwargs() == first.runtime_kwargs() and stack.runtime is chosen and len(built) == 2
     monkeypatch.setattr(time, "perf_counter", _perf_counter)
     built.clear()
-    rule = _stack(_layers(), budget_bytes=10 ** 12, autotune=False)                # the construction-time rule
+    rule = _stack(_layers(), budget_bytes=10 ** 12,
+                  autotune=AutotuneConfig(enabled=False))                # the construction-time rule
     rule.train_step(x)
     assert built == [rule.runtime] and rule.runtime.resident == (True,) * L
 

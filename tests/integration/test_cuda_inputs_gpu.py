@@ -55,8 +55,10 @@ def ce(logits, labels):
 
 def _stack(model, n_gpus):
     from xla_swap.stack import SwappedStack, causal_lm_stages
+    from xla_swap.stack_config import ParallelConfig
     first, layers, last = causal_lm_stages(model)
-    return SwappedStack(layers, first=first, last=last, loss_fn=ce, devices=jax.devices()[:n_gpus])
+    return SwappedStack(layers, first=first, last=last, loss_fn=ce,
+                        parallel=ParallelConfig(devices=jax.devices()[:n_gpus]))
 
 
 def _rel(a, b):

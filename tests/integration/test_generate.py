@@ -6,6 +6,7 @@ range (``transformers_ends.py``)."""
 import pytest
 import torch
 import transformers
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import xla_swap
 from transformers_ends import LONGROPE_REFUSAL, LONGROPE_TRACED_FROM, older_than
@@ -151,7 +152,7 @@ def test_decode_compiled_once():
     ids, mask = _prompts()
     stack = _stack(model)
     stack.generate(ids, mask, max_new_tokens=2, eos_token_id=None, max_cache_len=64)
-    gen = next(iter(stack._generators.values()))
+    gen = stack.generators.current
     after_two = gen.streamer.num_executables
     stack.generate(ids, mask, max_new_tokens=NEW, eos_token_id=None, max_cache_len=64)
     info = stack.last_generation
@@ -178,20 +179,22 @@ def test_choose_batch_over_devices_is_a_multiple_that_fits(num_devices):
     multiple of n, and the chosen batch's prefill (compiled) fits the per-device budget with its KV cache (the
     estimate counts the cache also among the executables' outputs: conservative, within a factor 2)."""
     import jax
-    from xla_swap.generate import _Generator, _prefill_temps, choose_batch
+    from xla_swap.generate import choose_batch, prefill_temps
+    from xla_swap.generators import Generator
     first, layers, last = xla_swap.causal_lm_stages(_model("llama"))
-    stack = xla_swap.SwappedStack(layers, first=first, last=last, devices=jax.devices())
+    stack = xla_swap.SwappedStack(layers, first=first, last=last,
+                                  parallel=xla_swap.ParallelConfig(devices=jax.devices()))
     n = num_devices
     assert stack.runtime.batch_axis is not None
     budget = 16 << 20
     batch, why = choose_batch(stack, 11, NEW, device_budget_bytes=budget)
     assert batch % n == 0 and batch >= n and f"multiple of the {n}" in why
-    gen = _Generator(stack, batch, 48, "device", budget)
+    gen = Generator(stack, batch, 48, "device", budget)
     window = -(-gen.window // n)
-    used = max(_prefill_temps(gen, batch, 16, 48)) + gen.kv_total // n + window
+    used = max(prefill_temps(gen, batch, 16, 48)) + gen.kv_total // n + window
     assert used <= budget, (used, budget, why)
-    more = _Generator(stack, 2 * batch, 48, "device", budget)   # not far below what fits: twice the batch does not
-    assert max(_prefill_temps(more, 2 * batch, 16, 48)) + more.kv_total // n + window > budget
+    more = Generator(stack, 2 * batch, 48, "device", budget)   # not far below what fits: twice the batch does not
+    assert max(prefill_temps(more, 2 * batch, 16, 48)) + more.kv_total // n + window > budget
 
 
 def test_bad_arguments_refused_before_running():
@@ -262,7 +265,8 @@ def test_bf16_param_dtype_generates_the_bf16_models_tokens(family):
     ids, mask = _prompts()
     kw = dict(max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
     first, layers, last = xla_swap.causal_lm_stages(model)
-    mixed = xla_swap.SwappedStack(layers, first=first, last=last, param_dtype=torch.bfloat16)
+    mixed = xla_swap.SwappedStack(layers, first=first, last=last,
+                                  mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     got = mixed.generate(ids, mask, **kw)
     assert torch.equal(mixed.generate(ids, mask, kv_cache="host", **kw), got)
     assert torch.equal(_stack(bf).generate(ids, mask, **kw), got)

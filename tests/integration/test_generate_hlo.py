@@ -42,7 +42,7 @@ def test_host_and_device_kv_cache_compute_the_same_ops():
     for placement in ("device", "host"):
         tokens[placement] = stack.generate(ids, mask, kv_cache=placement, **kw)
         assert stack.last_generation["placement"] == placement
-        gen = next(iter(stack._generators.values()))
+        gen = stack.generators.current
         assert gen.streamer.state_on_host[1] is (placement == "host")
         streamers[placement] = gen.streamer
     assert torch.equal(tokens["host"], tokens["device"])

@@ -58,7 +58,8 @@ def prompts(batch=3, length=7):
 
 def one_device_stack(model):
     first, layers, last = xla_swap.causal_lm_stages(model)
-    return xla_swap.SwappedStack(layers, first=first, last=last, devices=jax.devices()[:1])
+    return xla_swap.SwappedStack(layers, first=first, last=last,
+                                 parallel=xla_swap.ParallelConfig(devices=jax.devices()[:1]))
 
 
 class RoutedSets:

@@ -49,6 +49,7 @@ from transformers_ends import LONGROPE_REFUSAL, LONGROPE_TRACED_FROM, needs_newe
     skip_if_absent  # noqa: E402
 from xla_swap.hf_refusals import describe_failure  # noqa: E402
 from xla_swap.stack import SwappedStack, causal_lm_stages  # noqa: E402
+from xla_swap.stack_config import ParallelConfig
 
 V, T = 96, 12
 BASE = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -237,7 +238,7 @@ def check_family(family, experts="dense", tied=False):
     model = copy.deepcopy(ref)
     first, layers, last = causal_lm_stages(model, experts=experts)
     stack = SwappedStack(layers, first=first, last=last, loss_fn=ce, optimizer=adamw(model.parameters()),
-                         devices=jax.devices()[:1])
+                         parallel=ParallelConfig(devices=jax.devices()[:1]))
     x, mask, y = data(side)
     keep = mask.bool()
     with torch.no_grad():
@@ -323,7 +324,7 @@ def test_bf16_router_softmax_traces():
     model = make("qwen3_moe", {**EXACT["qwen3_moe"][0], "num_experts": 16, "num_experts_per_tok": 4}).bfloat16()
     ref = copy.deepcopy(model)
     first, layers, last = causal_lm_stages(model)
-    stack = SwappedStack(layers, first=first, last=last, devices=jax.devices()[:1])
+    stack = SwappedStack(layers, first=first, last=last, parallel=ParallelConfig(devices=jax.devices()[:1]))
     ids, mask, _ = data("left")
     keep = mask.bool()
     with torch.no_grad():
@@ -342,7 +343,7 @@ def check_refused(family, overrides, message):
     model = make(family, overrides)
     with pytest.raises((ValueError, TypeError)) as info:
         first, layers, last = causal_lm_stages(model)
-        SwappedStack(layers, first=first, last=last, devices=jax.devices()[:1])
+        SwappedStack(layers, first=first, last=last, parallel=ParallelConfig(devices=jax.devices()[:1]))
     for piece in (message,) if isinstance(message, str) else message:
         assert piece in str(info.value)
 
@@ -442,7 +443,7 @@ def test_experts_forms_equal_eager(form):
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     first, layers, last = causal_lm_stages(model, experts=form)
-    SwappedStack(layers, first=first, last=last, devices=jax.devices()[:1])(*data("left")[:2])
+    SwappedStack(layers, first=first, last=last, parallel=ParallelConfig(devices=jax.devices()[:1]))(*data("left")[:2])
     assert model.get_experts_implementation() == impl
 
 
@@ -460,7 +461,7 @@ def test_longrope_factors_chosen_per_call():
     through one stack equal torch, and no traced value stays on the rotary module as its cache."""
     ref = make("phi3-longrope", EXACT["phi3-longrope"][0])
     first, layers, last = causal_lm_stages(copy.deepcopy(ref))
-    stack = SwappedStack(layers, first=first, last=last, devices=jax.devices()[:1])
+    stack = SwappedStack(layers, first=first, last=last, parallel=ParallelConfig(devices=jax.devices()[:1]))
     x, mask, _ = data("left")
     for t in (6, 12):
         with torch.no_grad():

@@ -20,6 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from xla_swap.index_checks import check_index_range, class_target_bounds, loss_ignore_index, token_id_bounds
 from xla_swap.stack import SwappedStack, causal_lm_stages
+from xla_swap.stack_config import ParallelConfig
 
 V = 512
 TOL = 1e-5
@@ -86,7 +87,7 @@ def test_forward_and_generate_refuse_ids_outside_the_vocabulary():
     model and its generate raise IndexError too); nothing changed; the next forward equals torch's."""
     model = _model()
     first, layers, last = causal_lm_stages(model)
-    stack = SwappedStack(layers, first=first, last=last, loss_fn=ce, devices=jax.devices()[:1],
+    stack = SwappedStack(layers, first=first, last=last, loss_fn=ce, parallel=ParallelConfig(devices=jax.devices()[:1]),
                          optimizer=torch.optim.AdamW(model.parameters(), **ADAM))
     x, _ = _batch(0)
     weights = stack.state_dicts()
@@ -122,7 +123,8 @@ def test_train_step_refuses_bad_ids_and_labels_before_any_state_changes():
     steps = [0]
     opt.register_step_post_hook(lambda *a: steps.__setitem__(0, steps[0] + 1))
     first, layers, last = causal_lm_stages(model)
-    stack = SwappedStack(layers, first=first, last=last, loss_fn=ce, optimizer=opt, devices=jax.devices()[:1])
+    stack = SwappedStack(layers, first=first, last=last, loss_fn=ce, optimizer=opt,
+                         parallel=ParallelConfig(devices=jax.devices()[:1]))
     (x0, y0), (x1, y1), (x2, y2) = _batch(0), _batch(1), _batch(2)
     bad = [(dict(inputs=_with(x0, 600), targets=y0), "input_ids", 600, V),
            (dict(inputs=_with(x0, -1), targets=y0), "input_ids", -1, V),
@@ -172,7 +174,7 @@ def test_the_loss_ignore_index_is_read_from_the_loss():
     """``functools.partial(loss, ignore_index=-1)``: labels -1 pass (as in torch), -5 and -100 still raise."""
     model = _model()
     first, layers, last = causal_lm_stages(model)
-    stack = SwappedStack(layers, first=first, last=last, devices=jax.devices()[:1],
+    stack = SwappedStack(layers, first=first, last=last, parallel=ParallelConfig(devices=jax.devices()[:1]),
                          optimizer=torch.optim.AdamW(model.parameters(), **ADAM))
 
     def ce_ignore(logits, labels, ignore_index):

@@ -16,6 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from xla_swap.stack import SwappedStack, causal_lm_stages  # noqa: E402
+from xla_swap.stack_config import ParallelConfig
 
 V, T = 128, 10
 BASE = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -78,7 +79,7 @@ def test_per_layer_settings_equal_torch(case):
     # forward and gradients (no optimizer: train_step fills .grad)
     model = copy.deepcopy(ref)
     first, layers, last = causal_lm_stages(model)
-    stack = SwappedStack(layers, first=first, last=last, loss_fn=ce, devices=jax.devices()[:1])
+    stack = SwappedStack(layers, first=first, last=last, loss_fn=ce, parallel=ParallelConfig(devices=jax.devices()[:1]))
     groups = stack.layer_groups
     assert all(groups[i] != groups[j] for i in odd for j in range(len(layers)) if j not in odd), groups
     with torch.no_grad():
@@ -98,7 +99,7 @@ def test_per_layer_settings_equal_torch(case):
     # one AdamW update
     model = copy.deepcopy(ref)
     first, layers, last = causal_lm_stages(model)
-    stack = SwappedStack(layers, first=first, last=last, loss_fn=ce, devices=jax.devices()[:1],
+    stack = SwappedStack(layers, first=first, last=last, loss_fn=ce, parallel=ParallelConfig(devices=jax.devices()[:1]),
                          optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
     before = {n: p.detach().clone() for n, p in ref.named_parameters()}
     stack.train_step((x, mask), y)
@@ -121,7 +122,8 @@ def test_homogeneous_layers_share_one_function_and_compile_once():
     for n in (2, 4):
         model = make("llama", {"num_hidden_layers": n})
         first, layers, last = causal_lm_stages(model)
-        stack = SwappedStack(layers, first=first, last=last, loss_fn=ce, devices=jax.devices()[:1],
+        stack = SwappedStack(layers, first=first, last=last, loss_fn=ce,
+                             parallel=ParallelConfig(devices=jax.devices()[:1]),
                              optimizer=torch.optim.AdamW(model.parameters()))
         assert stack.layer_groups == (0,) * n
         assert len(set(stack.runtime.stage_fn_ids[1:-1])) == 1
@@ -148,7 +150,8 @@ def test_layers_without_example_inputs_are_told_apart_by_their_settings():
     with another ``scale`` gets its own function; the stack equals the torch loop, values and grads."""
     torch.manual_seed(0)
     layers = [Scaled(1.0), Scaled(1.0), Scaled(0.5), Scaled(1.0)]
-    stack = SwappedStack(layers, loss_fn=lambda out, t: ((out - t) ** 2).mean(), devices=jax.devices()[:1])
+    stack = SwappedStack(layers, loss_fn=lambda out, t: ((out - t) ** 2).mean(),
+                         parallel=ParallelConfig(devices=jax.devices()[:1]))
     assert stack.layer_groups == (0, 0, 1, 0)
     x, t = torch.randn(3, 16), torch.randn(3, 16)
     h = x

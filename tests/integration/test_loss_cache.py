@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from llama_cases import V, batches, ce, make_model, rel
 from xla_swap.executors.compile_cache import use_compilation_cache
 from xla_swap.stack import SwappedStack, causal_lm_stages
+from xla_swap.stack_config import TrainingConfig
 from xla_swap.training import loss_key
 
 COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -76,7 +77,8 @@ def test_losses_computing_different_things_do_not_share_a_compiled_loss(compiles
     global SCALE
     model = make_model(layers=2, seed=7)
     first, layers, last = causal_lm_stages(model)
-    stack = SwappedStack(layers, first=first, last=last, accumulate_grads=False)   # no optimizer: weights fixed
+    stack = SwappedStack(layers, first=first, last=last,
+                         training=TrainingConfig(accumulate_grads=False))   # no optimizer: weights fixed
     (x, y), = batches(1, seed=8)
     with torch.no_grad():
         want = float(ce(model(x).logits, y))

@@ -30,6 +30,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from llama_cases import rel  # noqa: E402  (relative error in the 2-norm, as the other stack tests)
 from xla_swap.stack import SwappedStack, causal_lm_stages  # noqa: E402
+from xla_swap.stack_config import ParallelConfig, TrainingConfig
 from xla_swap.torch_bridge import inputs_to_jax  # noqa: E402
 
 V, D, F = 512, 64, 176
@@ -64,7 +65,7 @@ def stack_of(pm, optimizer=True, **kw):
     ``pm``'s parameters as a user writes it (frozen ones included: torch skips them)."""
     first, layers, last = causal_lm_stages(pm)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR) if optimizer else None
-    kw.setdefault("devices", jax.devices()[:1])
+    kw.setdefault("parallel", ParallelConfig(devices=jax.devices()[:1]))
     return SwappedStack(layers, first=first, last=last, optimizer=opt, loss_fn=ce, **kw)
 
 
@@ -100,7 +101,7 @@ def test_adapters_train_as_torch(kind):
         pm.add_adapter("b", peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
         pm.base_model.set_adapter(["default", "b"])
     ref = copy.deepcopy(pm)
-    stack = stack_of(pm, devices=None)   # all devices: FSDP-sharded adapters and base weights
+    stack = stack_of(pm, parallel=ParallelConfig(devices=None))   # all devices: FSDP-sharded adapters and base weights
     x, y = batch()
     with torch.no_grad():
         assert rel(stack(x), ref(x).logits) < 1e-5
@@ -157,7 +158,7 @@ def test_clipped_steps_update_the_adapters_alone():
     frozen weights stay where they are."""
     pm = lora()
     ref = copy.deepcopy(pm)
-    stack = stack_of(pm, max_grad_norm=0.5)
+    stack = stack_of(pm, training=TrainingConfig(max_grad_norm=0.5))
     rt = stack.runtime
     before = [dict(p) for p in rt.host_params]
     opt = torch.optim.AdamW(ref.parameters(), lr=LR)

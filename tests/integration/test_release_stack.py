@@ -38,10 +38,10 @@ def _cycle(model, ids) -> list:
     loss = stack.train_step(ids[:, :-1], ids[:, 1:])
     assert logits.shape == (2, 8, V) and torch.isfinite(loss)
     rt = stack.runtime
-    made = ([stack, rt] + list(rt._fns) + list(rt._traced_fns) + list(stack._jax_losses.values())
+    made = ([stack, rt] + list(rt._fns) + list(rt._traced_fns) + list(stack.trainer.loss_functions.values())
             + list(rt._loss_jits.values()) + [e for s in rt._sigs.values() for e in s.compiled.values()]
             + jax.tree_util.tree_leaves(rt.host_params) + jax.tree_util.tree_leaves(rt.optimizer_state))
-    assert rt.num_executables > 0 and stack._jax_losses and rt.step == 1
+    assert rt.num_executables > 0 and stack.trainer.loss_functions and rt.step == 1
     return [weakref.ref(o) for o in made]
 
 

@@ -16,6 +16,7 @@ import torch
 from llama_cases import V, ce, make_model, rel
 from xla_swap.planning import AdamW, OffloadPolicy
 from xla_swap.stack import SwappedStack, causal_lm_stages
+from xla_swap.stack_config import AutotuneConfig, CompileConfig, ParallelConfig, TrainingConfig
 
 pytestmark = pytest.mark.spmd
 
@@ -62,7 +63,7 @@ def test_llama_20_steps_equal_torch_adamw(num_devices):
 def test_serving_several_shapes():
     model = make_model(layers=3, seed=1)
     first, layers, last = causal_lm_stages(model)
-    stack = SwappedStack(layers, first=first, last=last, max_signatures=2)
+    stack = SwappedStack(layers, first=first, last=last, compilation=CompileConfig(max_signatures=2))
     with torch.no_grad():
         for b, t in ((2, 16), (1, 9), (3, 16), (2, 16)):
             ids = torch.randint(0, V, (b, t))
@@ -76,7 +77,7 @@ def test_grads_without_optimizer_fill_dot_grad():
     ref = make_model(layers=2, seed=2)
     model = copy.deepcopy(ref)
     first, layers, last = causal_lm_stages(model)
-    stack = SwappedStack(layers, first=first, last=last, transpose_linear=False,
+    stack = SwappedStack(layers, first=first, last=last, compilation=CompileConfig(transpose_linear=False),
                          policy=OffloadPolicy(params="host", grads="host", remat=False, prefetch_depth=1))
     assert stack.transposed == [frozenset()] * 4
     x, y = next(batches(1, seed=3))
@@ -88,7 +89,8 @@ def test_grads_without_optimizer_fill_dot_grad():
         assert p.grad is not None, n
         assert rel(p.grad, q.grad) <= 1e-4, n
     # accumulate_grads=False: the gradients stay in pinned_host, one pytree per stage
-    kept = SwappedStack(layers, first=first, last=last, accumulate_grads=False, offload_activations=True,
+    kept = SwappedStack(layers, first=first, last=last, training=TrainingConfig(accumulate_grads=False,
+                                                                                offload_activations=True),
                         policy=OffloadPolicy(params="host", grads="host", remat=True, prefetch_depth=2))
     kept.train_step(x, y, loss_fn=ce)
     assert kept.runtime.offloaded_activation_nbytes > 0   # layer inputs went through pinned_host
@@ -106,7 +108,8 @@ def test_budget_keeps_last_stages_resident():
     # window: 3 largest stages (k=2) of weights + moments; then room for the last stage only
     per = [3 * s for s in sizes]
     budget = sum(sorted(per, reverse=True)[:3]) + per[-1]
-    stack = SwappedStack(layers, first=first, last=last, budget_bytes=budget, optimizer=opt, loss_fn=ce, autotune=False)
+    stack = SwappedStack(layers, first=first, last=last, budget_bytes=budget, optimizer=opt, loss_fn=ce,
+                         autotune=AutotuneConfig(enabled=False))
     assert stack.runtime.resident == (False,) * 5 + (True,)
     x, y = next(batches(1))
     before = ce(model(x).logits, y)
@@ -128,7 +131,23 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="amsgrad"):
         SwappedStack(layers, optimizer=torch.optim.AdamW(model.parameters(), amsgrad=True))
     with pytest.raises(ValueError, match="shard must be"):
-        SwappedStack(layers, shard="zero3")
+        SwappedStack(layers, parallel=ParallelConfig(shard="zero3"))
+    # each setting group checks its fields where it is written, the stack the group's type
+    with pytest.raises(TypeError, match="devices must be a non-empty sequence of jax.Device"):
+        ParallelConfig(devices=[])
+    with pytest.raises(ValueError, match="max_grad_norm must be a finite number > 0"):
+        TrainingConfig(max_grad_norm=float("nan"))
+    with pytest.raises(TypeError, match="enabled must be a bool"):
+        AutotuneConfig(enabled="yes")
+    with pytest.raises(ValueError, match="max_signatures must be an int >= 1"):
+        CompileConfig(max_signatures=0)
+    with pytest.raises(TypeError, match="training must be an xla_swap.TrainingConfig, got dict"):
+        SwappedStack(layers, training={"max_grad_norm": 1.0})
+    with pytest.raises(TypeError, match="param_dtype"):   # mixed precision has one form: mp_policy
+        SwappedStack(layers, param_dtype=torch.bfloat16)
+    streamed = SwappedStack(layers, policy=OffloadPolicy(params="host", prefetch_depth=1), budget_bytes=10 ** 12,
+                            autotune=AutotuneConfig(enabled=False))   # the budget picks residency, the policy the rest
+    assert streamed.runtime.prefetch_depth == 1 and all(streamed.runtime.resident)
     with pytest.raises(ValueError, match="either policy or budget_bytes"):
         SwappedStack(layers, policy=OffloadPolicy(), budget_bytes=10)
     emb = torch.nn.Embedding(V, 32)
@@ -161,7 +180,7 @@ def test_tensor_parallel_shard_rule(num_devices):
             (None, "d") if dim == 1 and shape[1] % num_devices == 0 else ()
 
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    stack = SwappedStack(layers, first=first, last=last, shard=tp, loss_fn=ce,
+    stack = SwappedStack(layers, first=first, last=last, parallel=ParallelConfig(shard=tp), loss_fn=ce,
                          optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
     if num_devices > 1:
         # the rule speaks torch's [out, in]; the host holds [in, out] (transpose_linear), so the specs turn
@@ -209,7 +228,7 @@ def test_data_parallel_llama_equals_torch(num_devices):
         assert carry[1]["position_embeddings"][0].spec == jax.sharding.PartitionSpec()  # cos [1, t, hd]
     with torch.no_grad():
         torch.testing.assert_close(stack(x), model(x).logits, rtol=1e-4, atol=1e-5)
-    replicated = SwappedStack(layers, first=first, last=last, data_parallel=False)
+    replicated = SwappedStack(layers, first=first, last=last, parallel=ParallelConfig(data_parallel=False))
     assert replicated.runtime.batch_axis is None
 
 
@@ -233,7 +252,8 @@ def test_linear_weights_held_in_out_contract_like_matmul():
     h = torch.randn(8, 16)
     dims = {}
     for tl in (True, False):
-        stack = SwappedStack(layers, transpose_linear=tl, devices=jax.devices()[:1])
+        stack = SwappedStack(layers, compilation=CompileConfig(transpose_linear=tl),
+                             parallel=ParallelConfig(devices=jax.devices()[:1]))
         w = {n: jax.numpy.asarray(jax.device_get(a)) for n, a in stack.runtime.host_params[0].items()}
         assert w["a.weight"].shape == ((16, 64) if tl else (64, 16))
         stage = stack.runtime._fns[0]  # the stage function the runtime compiles

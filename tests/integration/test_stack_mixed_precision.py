@@ -1,4 +1,4 @@
-"""``SwappedStack(param_dtype=torch.bfloat16)`` (FSDP2's ``MixedPrecisionPolicy`` semantics) against
+"""``SwappedStack(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))`` (FSDP2's semantics) against
 torch on the same weights and data: float32 master weights and AdamW moments in ``pinned_host``,
 forward and backward in bfloat16, the update in float32.
 
@@ -9,7 +9,7 @@ FSDP2 keeps them), forward + loss + backward in bf16, the bf16 gradients cast on
 Two comparisons, because XLA's bf16 arithmetic on the CPU is not torch's (other fusion and
 accumulation order, excess precision kept between fused ops):
 - exact (rel 1e-5 after 10 steps): the reference's bf16 gradients computed by a pure-bf16 stack
-  (``param_dtype=None`` over a bf16 copy, reloaded from the master every step). What it checks: the
+  (no ``mp_policy``, over a bf16 copy, reloaded from the master every step). What it checks: the
   cast inside the stage equals casting the weights beforehand, the gradient reaches the fp32
   master through the cast's transpose, the moments and the update are fp32.
 - torch's bf16 backward: the pure-bf16 stack's gradients differ from torch's at bf16 rounding
@@ -32,9 +32,11 @@ import jax
 import numpy as np
 import pytest
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from llama_cases import batches, ce, make_model
 from xla_swap.stack import SwappedStack, causal_lm_stages
+from xla_swap.stack_config import ParallelConfig
 
 TOL = 1e-5
 # eps=1e-6 keeps each element's first AdamW steps linear in its gradient (see test_stack_optim.py).
@@ -57,7 +59,8 @@ def bf16_copy(master):
 
 def stack_of(model, **kw):
     first, layers, last = causal_lm_stages(model)
-    return SwappedStack(layers, first=first, last=last, loss_fn=ce, devices=jax.devices()[:1], **kw)
+    return SwappedStack(layers, first=first, last=last, loss_fn=ce,
+                        parallel=ParallelConfig(devices=jax.devices()[:1]), **kw)
 
 
 def fqns(model):
@@ -115,7 +118,7 @@ def runs():
     """The mixed-precision stack after ``STEPS`` steps and the two references from the same fp32 init."""
     init = make_model(layers=2)
     model = copy.deepcopy(init)
-    stack = mixed_stack_run(model, STEPS, param_dtype=torch.bfloat16)
+    stack = mixed_stack_run(model, STEPS, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     stack.sync_modules()
     ref_xla, ref_torch = copy.deepcopy(init), copy.deepcopy(init)
     reference(ref_xla, XlaBf16Grads(init), STEPS)
@@ -151,13 +154,13 @@ def test_gradients_and_one_step_equal_reference():
     xla = XlaBf16Grads(init)
     g_ref = xla(init, x, y)
     model = copy.deepcopy(init)
-    stack = stack_of(model, param_dtype=torch.bfloat16)
+    stack = stack_of(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     assert torch.equal(stack(x), xla.stack(x))
     stack.train_step(x, y)
     for p, g in zip(model.parameters(), g_ref):
         assert p.grad.dtype == torch.float32 and torch.equal(p.grad, g)
     one = copy.deepcopy(init)
-    mixed_stack_run(one, 1, param_dtype=torch.bfloat16).sync_modules()
+    mixed_stack_run(one, 1, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)).sync_modules()
     ref = copy.deepcopy(init)
     reference(ref, XlaBf16Grads(init), 1)
     assert worst_rel(init, ref) > 1e-3
@@ -190,7 +193,7 @@ def test_every_element_moves_at_fine_tuning_lr():
     init = make_model(layers=1)
     model = copy.deepcopy(init)
     stack = stack_of(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5, eps=1e-6),
-                     param_dtype=torch.bfloat16)
+                     mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     x, y = batches(1)[0]
     stack.train_step(x, y)
     stack.sync_modules()
@@ -215,36 +218,37 @@ def test_bf16_floor(runs):
 
 
 def test_mp_policy_and_refusals():
-    """``mp_policy=MixedPrecisionPolicy(param_dtype=bf16)`` is ``param_dtype``; fields not honoured and
-    bad arguments are refused by name before anything is built; the process stays usable."""
+    """``mp_policy=MixedPrecisionPolicy(param_dtype=bf16)`` with ``reduce_dtype=float32`` on one device is the
+    same as without; fields not honoured and bad arguments are refused by name before anything is built (a
+    ``param_dtype=`` keyword too: mixed precision has one form, the policy's); the process stays usable."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
     model = make_model(layers=1)
     bad = [
-        (dict(param_dtype=torch.float16), ValueError, "param_dtype"),
-        (dict(param_dtype="bfloat16"), TypeError, "param_dtype"),
+        (dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16)), ValueError, "param_dtype"),
+        (dict(mp_policy=MixedPrecisionPolicy(param_dtype="bfloat16")), TypeError, "param_dtype"),
         (dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)),
          ValueError, "mp_policy.output_dtype"),
         (dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float16)),
          ValueError, "mp_policy.reduce_dtype"),
         (dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-              devices=jax.devices()[:2]), ValueError, "mp_policy.reduce_dtype"),
+              parallel=ParallelConfig(devices=jax.devices()[:2])), ValueError, "mp_policy.reduce_dtype"),
         (dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16), param_dtype=torch.bfloat16),
-         ValueError, "param_dtype or mp_policy"),
+         TypeError, "param_dtype"),
         (dict(mp_policy={"param_dtype": torch.bfloat16}), TypeError, "mp_policy"),
     ]
     first, layers, last = causal_lm_stages(model)
     for kw, err, name in bad:
-        kw = {"devices": jax.devices()[:1], **kw}
+        kw = {"parallel": ParallelConfig(devices=jax.devices()[:1]), **kw}
         with pytest.raises(err, match=name.replace(".", r"\.")):
             SwappedStack(layers, first=first, last=last, **kw)
     low = make_model(layers=1).bfloat16()
     f2, l2, la2 = causal_lm_stages(low)
     with pytest.raises(ValueError, match="float32 master"):
-        SwappedStack(l2, first=f2, last=la2, param_dtype=torch.bfloat16)
-    # mp_policy with reduce_dtype=float32 on one device equals param_dtype (no reduction)
+        SwappedStack(l2, first=f2, last=la2, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    # mp_policy with reduce_dtype=float32 on one device equals it without (no reduction)
     x, y = batches(1)[0]
     outs = []
-    for kw in (dict(param_dtype=torch.bfloat16),
+    for kw in (dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
                dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))):
         m = copy.deepcopy(model)
         s = stack_of(m, optimizer=torch.optim.AdamW(m.parameters(), **ADAM), **kw)
@@ -282,7 +286,7 @@ def test_against_torch_autocast(lr):
         floor = worst_rel(autocast_run(copy.deepcopy(init), steps, lr, math_sdpa=True), ref)
         model = copy.deepcopy(init)
         stack = stack_of(model, optimizer=torch.optim.AdamW(model.parameters(), **{**ADAM, "lr": lr}),
-                         param_dtype=torch.bfloat16)
+                         mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
         for x, y in batches(steps):
             stack.train_step(x, y)
         stack.sync_modules()

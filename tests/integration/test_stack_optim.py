@@ -15,6 +15,7 @@ import torch
 
 from llama_cases import batches, ce, hf_groups, make_model, warmup_cosine
 from xla_swap.stack import SwappedStack, causal_lm_stages
+from xla_swap.stack_config import ParallelConfig, TrainingConfig
 
 TOL = 1e-5
 
@@ -35,7 +36,8 @@ def worst_rel(model, ref):
 def stack_of(model, opt, **kw):
     """A stack over the whole model on one device (weights, moments in pinned_host, 2 layers prefetched)."""
     first, layers, last = causal_lm_stages(model)
-    return SwappedStack(layers, first=first, last=last, loss_fn=ce, optimizer=opt, devices=jax.devices()[:1], **kw)
+    return SwappedStack(layers, first=first, last=last, loss_fn=ce, optimizer=opt,
+                        parallel=ParallelConfig(devices=jax.devices()[:1]), **kw)
 
 
 def test_scheduler_and_param_groups_equal_torch(recwarn):
@@ -155,7 +157,8 @@ def test_accumulation_over_4_micro_batches_equals_torch():
     opt = torch.optim.AdamW(hf_groups(model, 0.1), lr=3e-3, eps=1e-6)
     sched = warmup_cosine(opt, warmup=1, total=4)
     first, layers, last = causal_lm_stages(model)
-    stack = SwappedStack(layers, first=first, last=last, optimizer=opt, devices=jax.devices()[:1],
+    stack = SwappedStack(layers, first=first, last=last, optimizer=opt,
+                         parallel=ParallelConfig(devices=jax.devices()[:1]),
                          loss_fn=lambda logits, y: ce(logits, y) / n)
     data = batches(3 * n, seed=3)
     for i, (x, y) in enumerate(data):
@@ -185,7 +188,7 @@ def test_global_norm_clipping_equals_torch(max_norm, micro):
     model = copy.deepcopy(ref)
     opt_ref = torch.optim.AdamW(ref.parameters(), **ADAM)
     opt = torch.optim.AdamW(model.parameters(), **ADAM)
-    stack = stack_of(model, opt, max_grad_norm=max_norm)
+    stack = stack_of(model, opt, training=TrainingConfig(max_grad_norm=max_norm))
     data = batches(3 * micro, seed=5)
     norms = []
     for i, (x, y) in enumerate(data):
@@ -214,8 +217,9 @@ def test_nonfinite_gradient_skips_the_step(max_norm):
 
     def scaled_ce(logits, y, scale):
         return ce(logits, y) * scale
-    stack = SwappedStack(layers, first=first, last=last, optimizer=opt, devices=jax.devices()[:1],
-                         loss_fn=scaled_ce, max_grad_norm=max_norm, skip_nonfinite=True)
+    stack = SwappedStack(layers, first=first, last=last, optimizer=opt,
+                         parallel=ParallelConfig(devices=jax.devices()[:1]),
+                         loss_fn=scaled_ce, training=TrainingConfig(max_grad_norm=max_norm, skip_nonfinite=True))
     for i, (x, y) in enumerate(batches(4, seed=7)):
         scale = torch.tensor(math.inf if i == 1 else 1.0)
         state = stack.runtime.optimizer_state[1]
@@ -233,11 +237,12 @@ def test_nonfinite_gradient_skips_the_step(max_norm):
 def test_bad_training_arguments_are_named():
     model = make_model(layers=1)
     first, layers, last = causal_lm_stages(model)
-    kw = dict(first=first, last=last, loss_fn=ce, devices=jax.devices()[:1])
+    kw = dict(first=first, last=last, loss_fn=ce, parallel=ParallelConfig(devices=jax.devices()[:1]))
     with pytest.raises(ValueError, match="max_grad_norm must be a finite number > 0"):
-        SwappedStack(layers, optimizer=torch.optim.AdamW(model.parameters()), max_grad_norm=0.0, **kw)
+        SwappedStack(layers, optimizer=torch.optim.AdamW(model.parameters()),
+                     training=TrainingConfig(max_grad_norm=0.0), **kw)
     with pytest.raises(ValueError, match="need an optimizer"):
-        SwappedStack(layers, skip_nonfinite=True, **kw)
+        SwappedStack(layers, training=TrainingConfig(skip_nonfinite=True), **kw)
     x, y = batches(1)[0]
     plain = SwappedStack(layers, **kw)
     with pytest.raises(ValueError, match="accumulate=True needs an optimizer"):

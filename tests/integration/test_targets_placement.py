@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from llama_cases import V, ce, make_model, rel
 from xla_swap.planning import OffloadPolicy
 from xla_swap.stack import SwappedStack, causal_lm_stages
+from xla_swap.stack_config import ParallelConfig
 from xla_swap.torch_bridge import tensor_pieces, tensor_to_sharding, to_numpy
 
 pytestmark = pytest.mark.spmd
@@ -65,7 +66,8 @@ def test_targets_meet_the_output_sharding(num_devices, data_parallel, b, flat):
     model = copy.deepcopy(ref)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3)
     first, layers, last = causal_lm_stages(model)
-    stack = SwappedStack(layers, first=first, last=last, loss_fn=ce, data_parallel=data_parallel,
+    stack = SwappedStack(layers, first=first, last=last, loss_fn=ce,
+                         parallel=ParallelConfig(data_parallel=data_parallel),
                          optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3))
     calls = _record_loss_calls(stack.runtime)
     for step in range(2):
@@ -135,7 +137,7 @@ def test_one_device_stack_places_on_its_device():
     dev = jax.devices()[-1]
     model = make_model(layers=2, seed=9)
     first, layers, last = causal_lm_stages(model)
-    stack = SwappedStack(layers, first=first, last=last, loss_fn=ce, devices=[dev])
+    stack = SwappedStack(layers, first=first, last=last, loss_fn=ce, parallel=ParallelConfig(devices=[dev]))
     calls = _record_loss_calls(stack.runtime)
     x, y = _batch(2, seed=1)
     stack.train_step(x, y)
