@@ -28,6 +28,7 @@ from jax.sharding import Sharding
 from xla_swap.planning.prefetch import EVENT_KINDS, PrefetchSchedule, ScheduleStep
 
 from .config import check_max_signatures, check_prefetch_depth
+from .loop import perform_events
 from .signatures import ExeKey, Signature, SignatureCache, StageKey, distinct_ids
 from ._stages import DEVICE_KIND, HOST_KIND, aval_key, param_key, tree_aval
 from .stage_programs import gathered
@@ -241,22 +242,26 @@ class StatefulStreamer:
         self.states[i] = jax.device_put(s, self._host_state_sh) if self.state_on_host[i] else s
 
     def _execute(self, step: ScheduleStep, weights: dict, states: dict, nxt: dict) -> None:
-        """Perform ``step``'s events in ``EVENT_KINDS`` order and record them in ``executed_events``."""
-        for kind in EVENT_KINDS:
-            for j in getattr(step, kind):
-                if kind == "fetch_state":
-                    states[j] = jax.device_put(self.states[j], self._dev_state_sh)
-                elif kind in ("fetch", "fetch_next"):
-                    weights[j] = jax.device_put(*self._stage_weights(j))
-                elif kind == "take":
-                    weights[j] = self._carry.pop(j)[1]
-                elif kind == "keep_next":
-                    nxt[j] = (self._stage_weights(j)[0], weights[j])
-                elif kind == "release":
-                    del weights[j]
-                else:
-                    raise AssertionError(f"a forward step has no {kind} event")
-                self.executed_events.append((step.pass_name, step.stage, kind, j))
+        """Perform ``step``'s events in ``EVENT_KINDS`` order and record them in ``executed_events``
+        (``loop.perform_events``, as the runtime's executor does)."""
+        perform_events(step, EVENT_KINDS, lambda kind, j: self._event(kind, j, weights, states, nxt),
+                       self.executed_events)
+
+    def _event(self, kind: str, j: int, weights: dict, states: dict, nxt: dict) -> None:
+        """One forward event for stage ``j``: its host state or weights copied in, its weights taken from the
+        previous call, kept for the next one, or released."""
+        if kind == "fetch_state":
+            states[j] = jax.device_put(self.states[j], self._dev_state_sh)
+        elif kind in ("fetch", "fetch_next"):
+            weights[j] = jax.device_put(*self._stage_weights(j))
+        elif kind == "take":
+            weights[j] = self._carry.pop(j)[1]
+        elif kind == "keep_next":
+            nxt[j] = (self._stage_weights(j)[0], weights[j])
+        elif kind == "release":
+            del weights[j]
+        else:
+            raise AssertionError(f"a forward step has no {kind} event")
 
     def _signature(self, x) -> Signature:
         """The cached :class:`Signature` of ``x`` (its stages' input avals, ``chain``), or a new one traced."""

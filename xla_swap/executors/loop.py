@@ -11,20 +11,33 @@ Imports only jax (no torch).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
-from xla_swap.planning.prefetch import PrefetchSchedule, ScheduleStep
+from xla_swap.planning.prefetch import EVENT_KINDS, PrefetchSchedule, ScheduleStep
 
 from .config import BackwardMode, RuntimeConfig
 from .trace import StageEvent
 from ._stages import HOST_KIND, aval_key, merge_diff, split_diff, tree_aval, tree_nbytes
 
-__all__ = ["StreamExecutor"]
+__all__ = ["StreamExecutor", "perform_events"]
 
 _GRADS, _UPDATE, _ACCUM = BackwardMode.GRADS, BackwardMode.UPDATE, BackwardMode.ACCUM
+#: the events that bring a stage's arrays in for this call, in ``EVENT_KINDS`` order.
+_INBOUND = ("fetch_state", "fetch", "take", "fetch_activations")
+
+
+def perform_events(step: ScheduleStep, kinds: tuple, handle: Callable[[str, int], None], executed: list) -> None:
+    """Perform ``step``'s events of ``kinds`` in ``EVENT_KINDS`` order: ``handle(kind, stage)`` for each
+    stage the step lists under that kind, then ``(pass_name, step's stage, kind, stage)`` appended to
+    ``executed`` (so a call's record equals its schedule's ``events()``)."""
+    for kind in EVENT_KINDS:
+        if kind in kinds:
+            for j in getattr(step, kind):
+                handle(kind, j)
+                executed.append((step.pass_name, step.stage, kind, j))
 
 
 class StreamExecutor:
@@ -160,35 +173,45 @@ class StreamExecutor:
         if accs is not None and j not in accs:
             accs[j] = self.store.acc_in(j)
 
-    def _did(self, step: ScheduleStep, kind: str, j: int) -> None:
-        self.executed_events.append((step.pass_name, step.stage, kind, j))
+    def _perform(self, call: "_Call", step: ScheduleStep, kinds: tuple) -> None:
+        """Execute ``step``'s events of ``kinds`` for this call (:func:`perform_events`)."""
+        perform_events(step, kinds, lambda kind, j: self._event(call, step, kind, j), self.executed_events)
 
-    def _bring(self, call: "_Call", step: ScheduleStep) -> None:
-        """Execute ``step``'s inbound events for this call (any pass): optimizer state and accumulated
-        gradients, weights copied or taken, offloaded activations."""
-        for j in step.fetch_state:
-            self._fetch_state(j, call.states, call.accs)
-            self._did(step, "fetch_state", j)
-        for j in step.fetch:
+    def _event(self, call: "_Call", step: ScheduleStep, kind: str, j: int) -> None:
+        """One event: stage ``j``'s weights copied for this call or the next, taken from the previous call,
+        kept for the next (a backward's own stage: the weights it just used or updated, ``call.kept``);
+        its optimizer state / accumulated gradients copied in; its kept activations offloaded or brought
+        back; its weights released."""
+        if kind == "fetch":
             call.weights[j] = self._copy_weights(j, step.pass_name, call.recorder)
-            self._did(step, "fetch", j)
-        for j in step.take:
-            if j not in call.weights:
-                carried = self.store.take_carried(j)
-                if carried is None:
-                    raise RuntimeError(f"the schedule takes stage {j}'s weights at {step.pass_name} step "
-                                       f"{step.stage}, but they are not on the device")
-                call.weights[j] = carried  # left in device memory by the previous call
-            self._did(step, "take", j)
-        for j in step.fetch_activations:
-            if call.offloaded[j]:
-                self._fetch_activations(call, j)
-                self._did(step, "fetch_activations", j)
-
-    def _release(self, call: "_Call", step: ScheduleStep) -> None:
-        for j in step.release:
+        elif kind == "fetch_next":
+            call.next_call[j] = (self.store.host_params[j], self._copy_weights(j, "next", call.recorder))
+        elif kind == "keep_next":
+            if j in call.kept:   # overrides a copy the forward kept
+                call.next_call[j] = (self.store.host_params[j], call.kept.pop(j))
+            elif j not in call.next_call:
+                call.next_call[j] = (self.store.host_params[j], call.weights[j])  # a live copy
+        elif kind == "fetch_state":
+            self._fetch_state(j, call.states, call.accs)
+        elif kind == "take":
+            self._take(call, step, j)
+        elif kind == "fetch_activations":
+            self._fetch_activations(call, j)
+        elif kind == "offload":
+            self._offload_activations(call, j)
+        elif kind == "release":
             del call.weights[j]
-            self._did(step, "release", j)
+        else:
+            raise AssertionError(f"no such event: {kind}")
+
+    def _take(self, call: "_Call", step: ScheduleStep, j: int) -> None:
+        """Stage ``j``'s weights for this call from those the previous call left on the device."""
+        if j not in call.weights:
+            carried = self.store.take_carried(j)
+            if carried is None:
+                raise RuntimeError(f"the schedule takes stage {j}'s weights at {step.pass_name} step "
+                                   f"{step.stage}, but they are not on the device")
+            call.weights[j] = carried  # left in device memory by the previous call
 
     def finish_step(self, mode: BackwardMode, accumulate: bool, hyper, max_grad_norm, skip_nonfinite: bool) -> None:
         """After a training call's backward: the last micro-batch of an ``ACCUM`` step computes the
@@ -221,7 +244,7 @@ class StreamExecutor:
         hyper_arr = jax.device_put(np.asarray(hyper, np.float32), act)
         coef_arr = jax.device_put(np.asarray(coef, np.float32), act)
         call = _Call(sig=None, recorder=recorder, save=False, offload=False, schedule=sched, states={}, accs={})
-        self._bring(call, sched.prologue_of("update"))
+        self._perform(call, sched.prologue_of("update"), _INBOUND)
         prev = None
         for step in sched.pass_steps("update"):
             i = step.stage
@@ -235,9 +258,9 @@ class StreamExecutor:
             moved = store.store_update(i, new_p, new_s)
             if self.config.throttle and prev is not None:
                 jax.block_until_ready(prev)  # stage i-1's results are on the host
-            self._bring(call, step)
+            self._perform(call, step, _INBOUND)
             self.residency.record("update", i)   # stage i counted by its new weights, as in the backward
-            self._release(call, step)
+            self._perform(call, step, ("release",))
             del new_p, new_s
             prev = moved
         store.set_carry({})  # the schedule's carried_out: the backward's keeps are taken (donated)
@@ -275,7 +298,7 @@ class StreamExecutor:
         """The forward: the schedule's prologue, then its forward steps; in training the stage inputs
         are kept in ``call.acts`` (``acts[n]`` the output). Returns the output."""
         x = jax.device_put(h, self.layout.act(call.sig.chain[0], call.sig.replicated))
-        self._bring(call, call.schedule.prologue_of("forward"))
+        self._perform(call, call.schedule.prologue_of("forward"), _INBOUND)
         call.acts = [x] if train else None
         for step in call.schedule.pass_steps("forward"):
             y = self._forward_stage(call, fwd[step.stage], step, x)
@@ -299,19 +322,9 @@ class StreamExecutor:
             recorder.add(ev, y)
         if self.config.throttle:
             jax.block_until_ready(x)  # stage i-1 done: its weights' memory is free
-        for c in step.fetch_next:
-            call.next_call[c] = (self.store.host_params[c], self._copy_weights(c, "next", recorder))
-            self._did(step, "fetch_next", c)
-        for c in step.keep_next:
-            if c not in call.next_call:
-                call.next_call[c] = (self.store.host_params[c], call.weights[c])  # a live copy
-            self._did(step, "keep_next", c)
-        self._bring(call, step)
-        for j in step.offload:
-            self._offload_activations(call, j)
-            self._did(step, "offload", j)
+        self._perform(call, step, EVENT_KINDS[:-1])
         self.residency.record("forward", i)
-        self._release(call, step)
+        self._perform(call, step, ("release",))
         del p
         return y
 
@@ -364,7 +377,7 @@ class StreamExecutor:
         call.states = {} if mode is _UPDATE else None
         call.accs = {} if mode is not _GRADS and store.grad_acc is not None else None
         call.new_acc, call.sumsq = [None] * n, [None] * n
-        self._bring(call, call.schedule.prologue_of("backward"))
+        self._perform(call, call.schedule.prologue_of("backward"), _INBOUND)
         for step in call.schedule.pass_steps("backward"):
             self._backward_stage(call, bwd[step.stage], step, hyper, mode)
         if mode is _UPDATE:
@@ -405,9 +418,9 @@ class StreamExecutor:
             recorder.add(ev, moved)
         if self.config.throttle and call.prev_host is not None:
             jax.block_until_ready(call.prev_host)  # stage i+1's results are on the host
-        self._bring(call, step)
+        self._perform(call, step, EVENT_KINDS[:-1])
         self.residency.record("backward", i)
-        self._release(call, step)
+        self._perform(call, step, ("release",))
         del p, on_device
         call.prev_host = moved
 
@@ -426,8 +439,7 @@ class StreamExecutor:
             kept = p      # not donated (see _run): the next call's forward starts with it
             out = self._store_grads(call, i, results, mode)
         if keeps_next:
-            call.next_call[i] = (self.store.host_params[i], kept)
-            self._did(step, "keep_next", i)
+            call.kept[i] = kept   # the step's keep_next event holds it for the next call
         return out
 
     def _store_grads(self, call: "_Call", i: int, results: tuple, mode):
@@ -457,6 +469,7 @@ class _Call:
     schedule: PrefetchSchedule  # the events this call executes
     next_call: dict = dataclasses.field(default_factory=dict)  # stage -> (host_params copied from, device copy)
     weights: dict = dataclasses.field(default_factory=dict)  # stage -> its streamed weights on the device
+    kept: dict = dataclasses.field(default_factory=dict)  # stage -> what its backward leaves for the next call
     states: dict | None = None  # stage -> its optimizer state on the device
     accs: dict | None = None    # stage -> its accumulated gradients on the device
     acts: list | None = None   # train_step: stage i's input (on the device or offloaded)
