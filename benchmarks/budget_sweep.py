@@ -267,6 +267,7 @@ def _default_call(layers, x, tloss, budget: int, reps: int, window: int) -> dict
 
     from xla_swap.planning import AdamW
     from xla_swap.stack import SwappedStack
+    from xla_swap.stack_config import ParallelConfig, TrainingConfig
     t0 = time.perf_counter()
     st = SwappedStack(layers, optimizer=AdamW(lr=1e-5), loss_fn=tloss,
                       parallel=ParallelConfig(devices=[jax.devices()[0]]),

@@ -13,16 +13,9 @@ import torch
 
 from xla_swap.executors.streaming import StreamingRuntime, remat_from_policy
 from xla_swap.planning.policy import OffloadPolicy
+from xla_swap.stack_config import check_calibration_arg
 
-__all__ = ["check_calibration_arg", "resident_for_budget", "build_runtime", "Autotuner"]
-
-
-def check_calibration_arg(calibration) -> None:
-    """``calibration`` must be ``None``, a ``Calibration`` or a callable; raises TypeError naming it."""
-    from xla_swap.executors.calibrate import Calibration
-    if calibration is not None and not isinstance(calibration, Calibration) and not callable(calibration):
-        raise TypeError(f"calibration must be a Calibration, a callable (runtime, h) -> Calibration or None, "
-                        f"got {type(calibration).__name__}")
+__all__ = ["resident_for_budget", "build_runtime", "Autotuner"]
 
 
 def resident_for_budget(stage_params: list[dict], trainable: list, optimizer, budget: int, k: int) -> list[bool]:

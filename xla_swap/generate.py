@@ -322,19 +322,20 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         seed = int(torch.randint(0, 2 ** 31 - 1, ()).item())
     ids_cpu = input_ids.detach().to("cpu", torch.int64)
     sampling = (do_sample, float(temperature), top_k, None if top_p is None else float(top_p))
-    out = _run(stack, ids_cpu, mask, sampling, (eos, pad, seed), (p_len, cache_len, max_new_tokens),
-               (kv_cache, device_budget_bytes, expert_layout), plan)
+    out, info = _run(stack, ids_cpu, mask, sampling, (eos, pad, seed), (p_len, cache_len, max_new_tokens),
+                     (kv_cache, device_budget_bytes, expert_layout), plan)
     if own is not None:
         ids_cpu, out = own[0], out[own[1]]
     if plan.has_experts:
-        stack.generators.last["experts"] = plan.summary()
+        info["experts"] = plan.summary()
+    stack.generators.record(info)
     return torch.cat([ids_cpu, torch.from_numpy(out.astype(np.int64))], dim=1)
 
 
 def _run(stack, ids_cpu: torch.Tensor, mask: torch.Tensor, sampling: tuple, stops: tuple, lengths: tuple,
-         placement: tuple, plan) -> np.ndarray:
-    """The prefill and decode steps of :func:`generate` on checked arguments: the generated tokens ``[B, n]``
-    (``stack.last_generation`` set). ``stops`` is ``(eos, pad, seed)``, ``lengths`` ``(p_len, cache_len,
+         placement: tuple, plan) -> tuple[np.ndarray, dict]:
+    """The prefill and decode steps of :func:`generate` on checked arguments: ``(the generated tokens [B, n],
+    the figures stack.last_generation gives)``. ``stops`` is ``(eos, pad, seed)``, ``lengths`` ``(p_len, cache_len,
     max_new_tokens)``, ``placement`` ``(kv_cache, device_budget_bytes, expert_layout)``."""
     (eos, pad, seed), (p_len, cache_len, max_new_tokens) = stops, lengths
     kv_cache, device_budget_bytes, expert_layout = placement
@@ -346,10 +347,10 @@ def _run(stack, ids_cpu: torch.Tensor, mask: torch.Tensor, sampling: tuple, stop
         st, prompt = _initial_state(ids_cpu, mask, p_len, cache_len, max_new_tokens, eos, pad, seed,
                                     stack.runtime.activation_sharding)
         out, n_done, first_s, done_s = _decode(gen, select, st, prompt, max_new_tokens, plan)
-    stack.generators.last = dict(placement=gen.placement, explanation=gen.explanation, kv_cache_bytes=gen.kv_total,
-                                 kv_cache_bytes_per_layer=gen.kv_nbytes, cache_len=cache_len, prompt_len=p_len,
-                                 new_tokens=int(n_done), first_token_s=first_s, step_done_s=done_s)
-    return out
+    info = dict(placement=gen.placement, explanation=gen.explanation, kv_cache_bytes=gen.kv_total,
+                kv_cache_bytes_per_layer=gen.kv_nbytes, cache_len=cache_len, prompt_len=p_len,
+                new_tokens=int(n_done), first_token_s=first_s, step_done_s=done_s)
+    return out, info
 
 
 def _initial_state(ids_cpu: torch.Tensor, mask: torch.Tensor, p_len: int, cache_len: int, max_new_tokens: int,

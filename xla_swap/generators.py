@@ -205,11 +205,20 @@ def memory_stats(sharding) -> dict | None:
 class Generators:
     """What generation keeps in a ``SwappedStack`` between ``generate`` calls: the :class:`Generator` of the
     last shapes (one at a time: a new one drops the previous KV cache) and the last call's figures (``last``:
-    the dict ``stack.last_generation`` gives, or ``None`` before the first call)."""
+    the dict ``stack.last_generation`` gives, or ``None`` before the first call; :meth:`record` sets it)."""
 
     def __init__(self):
         self._by_key: dict = {}
-        self.last: dict | None = None
+        self._last: dict | None = None
+
+    @property
+    def last(self) -> dict | None:
+        """The last ``generate`` call's placement, explanation and figures, or ``None`` before the first."""
+        return self._last
+
+    def record(self, info: dict) -> None:
+        """Keep ``info`` (a ``generate`` call's figures) as :attr:`last`."""
+        self._last = info
 
     def get(self, stack, batch: int, cache_len: int, kv_cache: str, budget, routing=None,
             expert_layout: str = "stacked") -> Generator:

@@ -5,7 +5,7 @@ config sections do):
     SwappedStack(layers, first=first, last=last, optimizer=opt, loss_fn=ce,
                  parallel=ParallelConfig(devices=jax.devices()[:2], shard="fsdp"),
                  training=TrainingConfig(max_grad_norm=1.0, skip_nonfinite=True),
-                 autotune=AutotuneConfig(enabled=False), compile=CompileConfig(transpose_linear=False))
+                 autotune=AutotuneConfig(enabled=False), compilation=CompileConfig(transpose_linear=False))
 
 Each group checks its own fields when it is built (an error naming the field, the value and what was
 expected), so a bad setting fails where it is written, before any stack exists; the constructor checks
@@ -26,7 +26,7 @@ import jax
 from xla_swap.planning.policy import as_int, check_bool
 from xla_swap.sharding import check_shard
 
-__all__ = ["ParallelConfig", "TrainingConfig", "AutotuneConfig", "CompileConfig"]
+__all__ = ["ParallelConfig", "TrainingConfig", "AutotuneConfig", "CompileConfig", "check_calibration_arg"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +112,14 @@ class TrainingConfig:
         return self.max_grad_norm is not None or self.skip_nonfinite
 
 
+def check_calibration_arg(calibration) -> None:
+    """``calibration`` must be ``None``, a ``Calibration`` or a callable; raises TypeError naming it."""
+    from xla_swap.executors.calibrate import Calibration
+    if calibration is not None and not isinstance(calibration, Calibration) and not callable(calibration):
+        raise TypeError(f"calibration must be a Calibration, a callable (runtime, h) -> Calibration or None, "
+                        f"got {type(calibration).__name__}")
+
+
 @dataclasses.dataclass(frozen=True)
 class AutotuneConfig:
     """How a stack built with ``budget_bytes`` chooses its schedule.
@@ -134,7 +142,6 @@ class AutotuneConfig:
     calibration: Any = None
 
     def __post_init__(self):
-        from xla_swap.budget import check_calibration_arg
         check_bool("enabled", self.enabled)
         check_calibration_arg(self.calibration)
 

@@ -49,6 +49,7 @@ def _top_level_modules_after(import_stmt: str) -> set:
     ("xla_swap", {"torch", "torch_xla", "torchax", "jax", "jaxlib"}),   # SwappedStack loads lazily
     ("xla_swap._compat", {"torch", "torch_xla", "torchax", "jax", "jaxlib"}),
     ("xla_swap._compat.jax", {"torch", "torch_xla", "torchax"}),
+    ("xla_swap.stack_config", {"torch", "torch_xla", "torchax"}),   # the stack's setting groups: written anywhere
 ])
 def test_package_imports_without(package, forbidden):
     loaded = _top_level_modules_after(f"import {package}")
@@ -113,6 +114,15 @@ def test_torch_entry_point_runs_without_torch_xla():
     assert "torch_xla" not in loaded
     imported = {m for m, _ in _imported_modules(ROOT / "xla_swap" / "stack.py")}
     assert not any(m.startswith(("xla_swap.frontend", "torch_xla")) for m in imported), sorted(imported)
+
+
+def test_the_stack_parts_do_not_import_the_stack():
+    """``SwappedStack`` holds its parts and calls them; none of them imports ``xla_swap.stack`` back (no circle)."""
+    parts = ["generate.py", "generators.py", "training.py", "budget.py", "checkpoint.py", "stack_config.py",
+             "stack_checks.py", "stages.py"]
+    bad = [f"{p}:{line} imports {mod}" for p in parts for mod, line in _imported_modules(ROOT / "xla_swap" / p)
+           if mod == "xla_swap.stack" or mod.startswith("xla_swap.stack.")]
+    assert not bad, "\n".join(bad)
 
 
 _BLOCK_TORCH = """
