@@ -294,6 +294,7 @@ def link_floor(stack, link) -> dict:
 
 def stack_rows(args, b, s, model_cpu, link):
     """The stack's rows at ``(b, s)`` (module docstring), each judged against ``link`` (GB/s)."""
+    import xla_swap
     from xla_swap.planning.policy import OffloadPolicy
     tag = _tag(args, b, s, model_cpu)
     # remat (the default policy) or, for "saved", no recompute: every stage's input and vjp
@@ -301,11 +302,13 @@ def stack_rows(args, b, s, model_cpu, link):
     saved = OffloadPolicy(params="host", grads="host", optimizer_state="host", remat=False, prefetch_depth=2)
     # (row, fused attention, whether an optimizer, keywords): "fwdbwd" has no optimizer and keeps
     # the gradients in pinned_host (last_grads) rather than adding them to the modules' .grad
-    variants = [("cudnn", True, True, {}), ("cudnn_fwdbwd", True, False, {"accumulate_grads": False})]
+    variants = [("cudnn", True, True, {}),
+                ("cudnn_fwdbwd", True, False, {"training": xla_swap.TrainingConfig(accumulate_grads=False)})]
     if b * s <= args.unfused_max_tokens:
         variants.append(("xla", False, True, {}))
     if args.saved_rows and b * s <= args.saved_max_tokens:
-        variants.append(("cudnn_saved", True, True, {"policy": saved, "offload_activations": True}))
+        variants.append(("cudnn_saved", True, True,
+                         {"policy": saved, "training": xla_swap.TrainingConfig(offload_activations=True)}))
         # the chooser's pick under a budget (remat or kept residuals, docs/reference/planner.md "Remat or
         # residuals"): the first step measures the link and the layers, then runs the choice
         variants.append(("cudnn_chosen", True, True, {"budget_bytes": _budget_bytes(args)}))

@@ -226,7 +226,7 @@ def measure(n: int, D: int, F: int, L: int, tokens, shardings=SHARDINGS, reps: i
                     return st(x)
 
             def train():
-                st.last_grads = None  # the previous step's gradients go first: their buffers are reused
+                st.trainer.last_grads = None  # the previous step's gradients go first: their buffers are reused
                 with on_dev0():
                     st.train_step(x, loss_fn=tloss)
                 return st.last_grads
@@ -244,7 +244,7 @@ def measure(n: int, D: int, F: int, L: int, tokens, shardings=SHARDINGS, reps: i
                 del y
             r[f"{prefix}train{suffix}"] = _timeit(train, reps, sync=jbr, window=window)
             note(group, T, f"{prefix}train{suffix}")
-            st.last_grads = None
+            st.trainer.last_grads = None
 
     pol = OffloadPolicy(params="host", grads="host", optimizer_state="host", remat=True, prefetch_depth=k)
     ondev = OffloadPolicy(params="device", grads="device", optimizer_state="device", remat=True, prefetch_depth=k)

@@ -9,8 +9,8 @@ through ``SwappedStack`` (default policy: weights, gradients, bf16 AdamW moments
 * ``plain``: ``train_step`` (the update fused into the backward);
 * ``accum4``: 4 micro-batches of the same size, three ``train_step(accumulate=True)`` and one
   update: the time of the 4 calls, and per micro-batch;
-* ``clip``: ``SwappedStack(max_grad_norm=1.0)``: backward, the norm, then an update pass;
-* ``mp``: the same model in float32 with ``SwappedStack(param_dtype=torch.bfloat16)``: fp32 master
+* ``clip``: ``SwappedStack(training=TrainingConfig(max_grad_norm=1.0))``: backward, the norm, then an update pass;
+* ``mp``: the same model in float32 with ``SwappedStack(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))``: fp32 master
   weights and fp32 AdamW moments in ``pinned_host``, bf16 compute (``--no-mp`` skips it); its
   floor is the plain one with every byte doubled (fp32 weights and moments cross the link).
 
@@ -82,7 +82,7 @@ def shape_rows(d, f, layers, b, s, steps, mp=True):
         st.train_step(x, y)
     rows["accum4_s"] = median_time(accum, steps)
     del st
-    st = build(max_grad_norm=1.0)
+    st = build(training=xla_swap.TrainingConfig(max_grad_norm=1.0))
     rows["clip_s"] = median_time(lambda: st.train_step(x, y), steps)
     rows["clip_norm"] = st.last_grad_norm
     del st
@@ -90,7 +90,8 @@ def shape_rows(d, f, layers, b, s, steps, mp=True):
     rows["clip_ratio"] = rows["clip_s"] / rows["plain_s"]
     rows["plain_floor_ratio"] = rows["plain_s"] / floor
     if mp:
-        st = build(model.float(), param_dtype=torch.bfloat16)
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        st = build(model.float(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
         rows["mp_s"] = median_time(lambda: st.train_step(x, y), steps)
         del st
         rows["mp_ratio"] = rows["mp_s"] / rows["plain_s"]
