@@ -64,8 +64,8 @@ from xla_swap.planning import InfeasibleBudgetError
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.planning.policy import OffloadPolicy
 from xla_swap.sharding import StageSharding
-from xla_swap.stack_checks import (check_options, check_weights_source, checked_devices, checked_layers,
-                                   optimizer_config, stages_in_order)
+from xla_swap.stack_checks import (check_moved_keywords, check_options, check_weights_source, checked_devices,
+                                   checked_layers, optimizer_config, stages_in_order)
 from xla_swap.stack_config import AutotuneConfig, CompileConfig, ParallelConfig, TrainingConfig
 from xla_swap.stages import StageLayout, host_stages, linear_weights, stage_functions, tied_parameters
 from xla_swap.torch_attention import torchax_env, warn_eager_attention
@@ -170,7 +170,9 @@ class SwappedStack:
       ValueError: with per-rank batches (:mod:`xla_swap.distributed`), ``parallel.devices`` not spanning every
         process, or ``budget_bytes`` with ``autotune`` enabled (each process would choose its own schedule).
       ImportError: torchax is not installed.
-    The configs check their own fields when built (:mod:`xla_swap.stack_config`).
+    The configs check their own fields when built (:mod:`xla_swap.stack_config`). A keyword the constructor
+    took before the groups (``devices=``, ``max_grad_norm=``, ``prefetch_depth=``, ``param_dtype=``, ...) raises
+    TypeError naming the group it now belongs to.
     """
 
     def __init__(self, layers: Sequence[torch.nn.Module], *, first: torch.nn.Module | None = None,
@@ -178,8 +180,9 @@ class SwappedStack:
                  policy: OffloadPolicy | None = None, budget_bytes: int | None = None,
                  autotune: AutotuneConfig = AutotuneConfig(), parallel: ParallelConfig = ParallelConfig(),
                  weights: Callable | None = None, mp_policy=None, training: TrainingConfig = TrainingConfig(),
-                 compilation: CompileConfig = CompileConfig()):
+                 compilation: CompileConfig = CompileConfig(), **moved):
         # ---- validation (no state changes) ----
+        check_moved_keywords(moved)
         layers = checked_layers(layers, first, last)
         budget_bytes = check_options(policy=policy, budget_bytes=budget_bytes, loss_fn=loss_fn, optimizer=optimizer,
                                      autotune=autotune, parallel=parallel, training=training, compilation=compilation)

@@ -17,8 +17,8 @@ from xla_swap.planning.units import check_budget_bytes
 from xla_swap.stack_config import AutotuneConfig, CompileConfig, ParallelConfig, TrainingConfig
 from xla_swap.stages import meta_tensor
 
-__all__ = ["checked_layers", "check_options", "optimizer_config", "checked_devices", "stages_in_order",
-           "check_weights_source"]
+__all__ = ["checked_layers", "check_moved_keywords", "MOVED_KEYWORDS", "check_options", "optimizer_config",
+           "checked_devices", "stages_in_order", "check_weights_source"]
 
 
 def checked_layers(layers, first, last) -> list[torch.nn.Module]:
@@ -35,6 +35,27 @@ def checked_layers(layers, first, last) -> list[torch.nn.Module]:
         if m is not None and not isinstance(m, torch.nn.Module):
             raise TypeError(f"{name} must be a torch.nn.Module or None, got {type(m).__name__}")
     return layers
+
+
+#: the constructor keywords that moved into a settings group: where each one goes now.
+MOVED_KEYWORDS = {
+    **{k: f"parallel=xla_swap.ParallelConfig({k}=...)" for k in ("devices", "shard", "data_parallel")},
+    **{k: f"training=xla_swap.TrainingConfig({k}=...)" for k in ("max_grad_norm", "skip_nonfinite",
+                                                                  "accumulate_grads", "offload_activations")},
+    "calibration": "autotune=xla_swap.AutotuneConfig(calibration=...)",
+    **{k: f"compilation=xla_swap.CompileConfig({k}=...)" for k in ("transpose_linear", "fused_attention",
+                                                                   "max_signatures")},
+    "prefetch_depth": "policy=xla_swap.planning.OffloadPolicy(prefetch_depth=...)",
+    "param_dtype": "mp_policy=torch.distributed.fsdp.MixedPrecisionPolicy(param_dtype=...)",
+}
+
+
+def check_moved_keywords(kwargs: dict) -> None:
+    """Refuse keywords ``SwappedStack`` does not take. Raises TypeError naming each one and, for one that
+    moved into a settings group (:data:`MOVED_KEYWORDS`), where it goes now."""
+    if kwargs:
+        said = [f"{k}= (now {MOVED_KEYWORDS[k]})" if k in MOVED_KEYWORDS else f"{k}= (unknown)" for k in kwargs]
+        raise TypeError("SwappedStack got unexpected keyword arguments: " + "; ".join(said))
 
 
 def check_options(*, policy, budget_bytes, loss_fn, optimizer, autotune, parallel, training,

@@ -7,6 +7,8 @@ equal the model's logits; without an optimizer the modules' ``.grad`` must equal
 Runs on 1, 4 and 8 virtual CPU devices (weights FSDP-sharded over them).
 """
 import copy
+import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -145,6 +147,18 @@ def test_bad_arguments_are_named():
         SwappedStack(layers, training={"max_grad_norm": 1.0})
     with pytest.raises(TypeError, match="param_dtype"):   # mixed precision has one form: mp_policy
         SwappedStack(layers, param_dtype=torch.bfloat16)
+    # a keyword that moved into a group is refused with where it goes now; the group does have that field
+    from xla_swap.stack_checks import MOVED_KEYWORDS
+    groups = {"parallel": ParallelConfig, "training": TrainingConfig, "autotune": AutotuneConfig,
+              "compilation": CompileConfig, "policy": OffloadPolicy}
+    for k, where in MOVED_KEYWORDS.items():
+        group = groups.get(where.split("=", 1)[0])
+        assert group is None or k in {f.name for f in dataclasses.fields(group)}, (k, where)
+        with pytest.raises(TypeError, match=re.escape(f"{k}= (now {where})")):
+            SwappedStack(layers, **{k: 1})
+    with pytest.raises(TypeError, match=re.escape("devices= (now parallel=xla_swap.ParallelConfig(devices=...)); "
+                                                  "colour= (unknown)")):
+        SwappedStack(layers, devices=jax.devices(), colour="red")
     streamed = SwappedStack(layers, policy=OffloadPolicy(params="host", prefetch_depth=1), budget_bytes=10 ** 12,
                             autotune=AutotuneConfig(enabled=False))   # the budget picks residency, the policy the rest
     assert streamed.runtime.prefetch_depth == 1 and all(streamed.runtime.resident)
