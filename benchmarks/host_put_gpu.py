@@ -11,8 +11,8 @@ the paths a leaf can take, so the build's path is chosen from figures:
   path today (``xla_swap.stages.host_stages``);
 * ``numpy_via_device``: the same numpy array put in device memory first, then moved to ``pinned_host``
   (two link crossings, each a DMA);
-* ``cuda_via_dlpack``: a CUDA tensor's pieces handed to jax by DLPack on their GPUs, each moved to that
-  GPU's ``pinned_host`` (no pageable copy), assembled with ``jax.make_array_from_single_device_arrays``;
+* ``cuda_via_dlpack``: a CUDA tensor laid out on the GPUs as the stack lays out CUDA inputs (pieces handed
+  to jax by DLPack), then moved to ``pinned_host`` (no pageable copy);
 * ``zeros_program``: a jitted ``zeros`` whose output lives in ``pinned_host`` (the fresh AdamW moments).
 
 Each at two leaf shapes of a Llama-2-70B layer (``[8192, 28672]`` and ``[8192, 8192]``, bf16), split by rows
@@ -72,17 +72,13 @@ def paths(shape: tuple, n: int, spec: str, reps: int, cuda: bool) -> dict:
 
 
 def _cuda_pieces_to_pinned(t, host):
-    """``t`` (a CUDA tensor) as a ``pinned_host`` array of sharding ``host``: each device's piece copied to its
-    GPU by torch, handed to jax by DLPack, and moved to that GPU's ``pinned_host`` (one DMA)."""
+    """``t`` (a CUDA tensor) as a ``pinned_host`` array of sharding ``host``: laid out on the GPUs as the stack
+    lays out CUDA inputs (:func:`xla_swap.torch_bridge.inputs_to_jax`: each piece copied peer to peer by torch
+    and handed to jax by DLPack), then moved to ``pinned_host`` (one DMA per shard)."""
     import jax
-    import torch
-    pieces = []
-    for d, index in host.addressable_devices_indices_map(tuple(t.shape)).items():
-        piece = t[index].to(f"cuda:{d.local_hardware_id}").contiguous()
-        with torch.cuda.device(d.local_hardware_id):
-            on_device = jax.dlpack.from_dlpack(piece)
-        pieces.append(jax.device_put(on_device, jax.sharding.SingleDeviceSharding(d, memory_kind="pinned_host")))
-    return jax.make_array_from_single_device_arrays(tuple(t.shape), host, pieces)
+    from xla_swap.torch_bridge import inputs_to_jax
+    on_devices = inputs_to_jax(t, "leaf", placement=lambda avals: (host.with_memory_kind("device"),))
+    return jax.device_put(on_devices, host)
 
 
 def main(argv=None) -> int:
