@@ -28,13 +28,16 @@ def compiles():
 
     def listener(name, duration, **kw):
         seen[name] += 1
-    prev = use_compilation_cache(None)
+    min_s = jax.config.jax_persistent_cache_min_compile_time_secs   # the suite's, restored as it was
+    prev = use_compilation_cache(None, min_compile_time_s=min_s)
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         yield seen
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
-        use_compilation_cache(prev, min_compile_time_s=jax.config.jax_persistent_cache_min_compile_time_secs)
+        use_compilation_cache(prev, min_compile_time_s=min_s)
+        assert (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs) == \
+            (prev, min_s)
 
 
 def scaled(scale):
