@@ -50,7 +50,7 @@ def export(out_dir: Path, devices: int, layers: int, batch: int, width: int) -> 
     import torch_xla.distributed.spmd as xs
     import torch_xla.runtime as xr
 
-    from xla_swap.frontend import emit_annotations, lower_fn, offload_name, scan
+    from xla_swap.lowering import emit_annotations, lower_fn, offload_name, scan
     from xla_swap.planning import OffloadPolicy
 
     xr.use_spmd()

@@ -4,7 +4,7 @@ each against torch on the device in the same run.
 
 Part A, attention alone (bf16, head dimension 128, grouped-query K/V): torch's fused SDPA
 against the same torch call run through the stack's GPU torchax environment
-(``xla_swap.torch_attention``: cuDNN) and through torchax's default environment (XLA's unfused
+(``xla_swap.stack.torch_attention``: cuDNN) and through torchax's default environment (XLA's unfused
 form), forward and forward+backward (gradients of q, k, v); the relative error of each against
 torch's output, and of its q, k, v gradients (the largest). Each figure is the median over
 ``--reps`` samples of the time per call of ``--window`` calls issued back to back and synced
@@ -109,7 +109,7 @@ def hlo_summary(text: str) -> dict:
 def attention_rows(b, n, kv, s, reps, window, res):
     import jax
     import torch
-    from xla_swap import torch_attention
+    from xla_swap.stack import torch_attention
     from xla_swap._compat.torchax import import_torchax
     F = torch.nn.functional
     dev = _device()

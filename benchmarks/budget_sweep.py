@@ -12,7 +12,7 @@ new weights and moments; times are the steady state of a loop (medians of ``--re
 
 Per shape, one subprocess (jax cannot reset ``peak_bytes_in_use``, so a process's peaks belong to
 one shape): ``SwappedStack`` is built once (its runtime ``rt0``: k=2, everything streamed), then
-``xla_swap.executors.calibrate.calibrate`` measures the link and the layer's forward / backward
+``xla_swap.executors.streaming.calibrate.calibrate`` measures the link and the layer's forward / backward
 (the calibration, ``cal``; its own high-water mark is recorded as ``peak_after_calibration``).
 Every configuration is then chosen from ``cal`` (the hand rows evaluated, the auto rows picked by
 ``xla_swap.planning.chooser.choose_schedule``, what ``SwappedStack.autotune`` calls) before any
@@ -228,8 +228,8 @@ def measure_shape(D, F, L, T, reps=3, window=2, sweep=True) -> dict:
 
     from xla_swap.planning import AdamW
     from xla_swap.stack import SwappedStack
-    from xla_swap.stack_config import ParallelConfig, TrainingConfig
-    from xla_swap.torch_bridge import to_torch as _to_torch
+    from xla_swap.stack.config import ParallelConfig, TrainingConfig
+    from xla_swap.stack.torch_bridge import to_torch as _to_torch
 
     t_start = time.perf_counter()
     dev = jax.devices()[0]
@@ -267,7 +267,7 @@ def _default_call(layers, x, tloss, budget: int, reps: int, window: int) -> dict
 
     from xla_swap.planning import AdamW
     from xla_swap.stack import SwappedStack
-    from xla_swap.stack_config import ParallelConfig, TrainingConfig
+    from xla_swap.stack.config import ParallelConfig, TrainingConfig
     t0 = time.perf_counter()
     st = SwappedStack(layers, optimizer=AdamW(lr=1e-5), loss_fn=tloss,
                       parallel=ParallelConfig(devices=[jax.devices()[0]]),
@@ -294,7 +294,7 @@ def _run_mode(stack, x, training: bool, sweep: bool, reps: int, window: int, res
     import torch
     from torch_stack import _timeit
 
-    from xla_swap.executors.calibrate import calibrate, peak_bytes_in_use, reconfigure
+    from xla_swap.executors.streaming.calibrate import calibrate, peak_bytes_in_use, reconfigure
     from xla_swap.planning.chooser import ChoiceCache, choose_schedule, evaluate_choice
 
     dev = jax.devices()[0]

@@ -3,7 +3,7 @@
 
 The stack of ``benchmarks/gpu_stack/``: ``layer(h) = h + gelu(h @ a, tanh) @ b`` over
 stacked weights ``w1 [L, D, F]``, ``w2 [L, F, D]``, written in torch and scanned with
-``xla_swap.frontend.scan(layer, x, {"a": w1, "b": w2}, policy=OffloadPolicy(params="host"))``,
+``xla_swap.lowering.scan(layer, x, {"a": w1, "b": w2}, policy=OffloadPolicy(params="host"))``,
 then lowered with ``emit_annotations(True)`` + ``lower_fn``: every iteration's weight slice
 goes through ``annotate_device_placement`` (``_xla_buffer_placement="device"``), so the
 module can run with the stacked weights in ``pinned_host`` memory. The GPU machine has no
@@ -120,10 +120,10 @@ def lower_stack(w1, w2, x):
       x: materialised XLA tensor ``[T, D]`` (the input parameter).
 
     Returns:
-      ``(lowered, roles)``: the :class:`xla_swap.frontend.LoweredComputation` and
+      ``(lowered, roles)``: the :class:`xla_swap.lowering.LoweredComputation` and
       ``{"w1": id, "w2": id, "x": id}`` (HLO entry parameter ids).
     """
-    from xla_swap.frontend import emit_annotations, lower_fn, scan
+    from xla_swap.lowering import emit_annotations, lower_fn, scan
 
     policy = stack_policy()
 
@@ -148,7 +148,7 @@ def sidecar(lowered, roles, *, d, f, layers, tokens, dtype, command) -> dict:
     return {
         "name": lowered.name, "d": d, "f": f, "layers": layers, "tokens": tokens, "dtype": dtype,
         "layer": LAYER_TEXT,
-        "forward": "xla_swap.frontend.scan(layer, x, {'a': w1, 'b': w2}, policy=OffloadPolicy(params='host')), "
+        "forward": "xla_swap.lowering.scan(layer, x, {'a': w1, 'b': w2}, policy=OffloadPolicy(params='host')), "
                    "lowered with emit_annotations(True) + lower_fn",
         "roles": roles,
         "params": [{"id": p.id, "role": by_id[p.id], "kind": p.kind, "shape": list(p.shape),

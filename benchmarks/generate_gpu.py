@@ -20,7 +20,7 @@ Per batch (``--batches``, default 1 and 32), prompt ``--prompt`` (512) tokens, g
 time to first token (the prefill's token ready, ``last_generation["first_token_s"]``), the decode
 step (median of the intervals between steps of a ``--new-tokens`` run; ``--new-tokens-70b`` for the
 70b shape, whose batches are ``--batches-70b``), and, with ``--plan-batch``, the batch
-``xla_swap.generate.choose_batch`` picks for the free device memory (at most ``--max-batch``);
+``xla_swap.hf.generate.choose_batch`` picks for the free device memory (at most ``--max-batch``);
 tokens/s (batch / step) and the step over its floor. Floor: ``max(W / h2d, decode compute)``, with
 ``W`` the streamed weight bytes and ``h2d`` measured in the run (a ``pinned_host`` -> device copy
 of ``--bw-mib`` MiB, median of 5); decode compute: the resident stack's step (``8b``), else
@@ -429,8 +429,8 @@ def run_shape(name: str, args, bw: dict, cuda: bool) -> dict:
     res["link_floor_s"] = w / (bw["h2d_GBps"] * 1e9)
     res["hbm_floor_s"] = w / (bw["hbm_GBps"] * 1e9)
     batches = list(args.batches_70b if name == "70b" else args.batches)
-    if args.plan_batch:   # the batch that maximises tokens/s for the free device memory (xla_swap.generate.choose_batch)
-        from xla_swap.generate import choose_batch, release_generation
+    if args.plan_batch:   # the batch that maximises tokens/s for the free device memory (xla_swap.hf.generate.choose_batch)
+        from xla_swap.hf.generate import choose_batch, release_generation
         up = lambda x: -(-x // 64) * 64   # noqa: E731
         planned, why = choose_batch(stack, args.prompt, up(up(args.prompt) + new) - up(args.prompt),
                                     max_batch=args.max_batch, prompt_bucket=64)
@@ -566,7 +566,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--batches-70b", default="1,32")
     ap.add_argument("--plan-batch", action=argparse.BooleanOptionalAction, default=True,
-                    help="also run the batch xla_swap.generate.choose_batch picks for the free device memory")
+                    help="also run the batch xla_swap.hf.generate.choose_batch picks for the free device memory")
     ap.add_argument("--max-batch", type=int, default=256)
     ap.add_argument("--accel-batches", default="1")
     ap.add_argument("--accel-new-tokens", type=int, default=8)

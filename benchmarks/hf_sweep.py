@@ -374,7 +374,7 @@ def check(model, side, state: dict) -> dict:
     import torch
 
     from xla_swap.stack import SwappedStack, causal_lm_stages
-    from xla_swap.stack_config import ParallelConfig
+    from xla_swap.stack.config import ParallelConfig
 
     ref, mine, ref64 = model, copy.deepcopy(model), copy.deepcopy(model).double()
     before = [p.detach().clone() for p in mine.parameters()]

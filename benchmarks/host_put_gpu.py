@@ -8,7 +8,7 @@ the paths a leaf can take, so the build's path is chosen from figures:
 * ``cuda_to_pageable``: ``torch.randn(..., device="cuda").cpu()``, a GPU tensor into fresh pageable memory
   (what ``RandomWeights`` does before the stack sees the values);
 * ``numpy_to_pinned``: ``jax.device_put(numpy, NamedSharding(..., memory_kind="pinned_host"))``, the build's
-  path today (``xla_swap.stages.host_stages``);
+  path today (``xla_swap.stack.stages.host_stages``);
 * ``numpy_via_device``: the same numpy array put in device memory first, then moved to ``pinned_host``
   (two link crossings, each a DMA);
 * ``cuda_via_dlpack``: a CUDA tensor laid out on the GPUs as the stack lays out CUDA inputs (pieces handed
@@ -73,10 +73,10 @@ def paths(shape: tuple, n: int, spec: str, reps: int, cuda: bool) -> dict:
 
 def _cuda_pieces_to_pinned(t, host):
     """``t`` (a CUDA tensor) as a ``pinned_host`` array of sharding ``host``: laid out on the GPUs as the stack
-    lays out CUDA inputs (:func:`xla_swap.torch_bridge.inputs_to_jax`: each piece copied peer to peer by torch
+    lays out CUDA inputs (:func:`xla_swap.stack.torch_bridge.inputs_to_jax`: each piece copied peer to peer by torch
     and handed to jax by DLPack), then moved to ``pinned_host`` (one DMA per shard)."""
     import jax
-    from xla_swap.torch_bridge import inputs_to_jax
+    from xla_swap.stack.torch_bridge import inputs_to_jax
     on_devices = inputs_to_jax(t, "leaf", placement=lambda avals: (host.with_memory_kind("device"),))
     return jax.device_put(on_devices, host)
 

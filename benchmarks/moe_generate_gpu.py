@@ -95,7 +95,7 @@ def _one_device():
 
 def expert_bytes(stack) -> tuple[int, int]:
     """``(bytes of one expert's slices in one layer, bytes of every expert weight streamed)``."""
-    from xla_swap.moe_decode import routing_info
+    from xla_swap.hf.moe_decode import routing_info
     info = routing_info(stack)
     per, total = 0, 0
     for i, (name, e, _) in info.layers.items():
@@ -154,8 +154,8 @@ def fetch_rates(stack, k: int, h2d: float, reps: int = 10) -> dict:
     """GB/s of copying ``k`` experts of the first routed layer alone, by each layout of ``ExpertStore``."""
     import jax
     import numpy as np
-    from xla_swap.executors.routed_experts import ExpertStore
-    from xla_swap.moe_decode import routing_info
+    from xla_swap.executors.streaming.routed_experts import ExpertStore
+    from xla_swap.hf.moe_decode import routing_info
     info = routing_info(stack)
     i, (name, e, _) = next(iter(sorted(info.layers.items())))
     params = stack.runtime.host_params[1 + i]

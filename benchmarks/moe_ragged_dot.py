@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """One expert projection of a Mixtral-shaped layer in jax alone: dense dispatch against sorted segments.
 
-The kernels under ``xla_swap.moe``'s two experts forms, without torch or the stack: the
+The kernels under ``xla_swap.hf.moe``'s two experts forms, without torch or the stack: the
 ``gate_up`` projection (weights ``[E, 2 I, D]``, torch's layout) of ``--tokens`` tokens routed to
 ``--top-k`` of ``E`` experts (uniform random routing), bf16, forward and forward + backward (the
 gradients of the input and the weights), jitted:

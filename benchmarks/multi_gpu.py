@@ -114,7 +114,7 @@ def make_layers(D: int, F: int, L: int, dtype: str = "bfloat16", seed: int = 0) 
     import jax.numpy as jnp
     import torch
 
-    from xla_swap.torch_bridge import to_torch as _to_torch
+    from xla_swap.stack.torch_bridge import to_torch as _to_torch
 
     np_dt = jnp.bfloat16 if dtype == "bfloat16" else np.float32
     t_dt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
@@ -156,8 +156,8 @@ def measure(n: int, D: int, F: int, L: int, tokens, shardings=SHARDINGS, reps: i
     from xla_swap.executors import StreamingRuntime
     from xla_swap.planning import OffloadPolicy
     from xla_swap.stack import SwappedStack
-    from xla_swap.stack_config import ParallelConfig, TrainingConfig
-    from xla_swap.torch_bridge import to_torch as _to_torch
+    from xla_swap.stack.config import ParallelConfig, TrainingConfig
+    from xla_swap.stack.torch_bridge import to_torch as _to_torch
 
     devs = jax.devices()
     if not 1 <= n <= len(devs):

@@ -4,7 +4,7 @@
 What is lowered
 ---------------
 One training step of the layer stack of ``examples/train_decoder.py`` (``layer_fn(cfg,
-offload_name)``, the pre-LN decoder block): ``xla_swap.frontend.scan`` over the stacked weights
+offload_name)``, the pre-LN decoder block): ``xla_swap.lowering.scan`` over the stacked weights
 ``init_params(cfg)["layers"]`` with a policy, loss ``(h_out ** 2).mean()``, outputs the loss and
 the gradients of the six stacked weights. It is traced under ``emit_annotations(True)`` and
 lowered with ``lower_fn`` (inputs: the carry ``h0 [B, S, D]`` and the stacked weights). No
@@ -181,7 +181,7 @@ def lower_train_step(cfg, policy, weights: dict):
     """
     import torch
     import torch_xla
-    from xla_swap.frontend import emit_annotations, lower_fn, offload_name, scan
+    from xla_swap.lowering import emit_annotations, lower_fn, offload_name, scan
     td = _train_decoder()
     names = sorted(weights)
     block = td.layer_fn(cfg, offload_name)

@@ -4,7 +4,7 @@
 What it checks (``docs/explanation/mixture-of-experts.md``, "Ties in the routers' top-k"):
 
 1. ``torch.topk`` on the torch device (CUDA if there is one, else the CPU) against ``torch.topk``
-   traced in the stages' environment for the first jax device (``xla_swap.moe.topk_like_torch``:
+   traced in the stages' environment for the first jax device (``xla_swap.hf.moe.topk_like_torch``:
    ``lax.top_k`` on a GPU, torch's own CPU kernel through a host callback on the CPU), on rows of
    router scores with ties: every score equal, and scores drawn from 3 values. Per ``(experts, k)``:
    whether every row picks the same set of experts, and whether in the same order.
@@ -32,7 +32,7 @@ def compare_topk(dev, tokens: int, shapes) -> list:
     import jax
     import torch
 
-    from xla_swap.torch_attention import torchax_env
+    from xla_swap.stack.torch_attention import torchax_env
     env = torchax_env(jax.devices()[0].platform)
     rows = []
     for n, k in shapes:

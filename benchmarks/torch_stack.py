@@ -184,9 +184,10 @@ def measure_shape(D, F, L, T, reps, k=2, window=1):
 
     from xla_swap.executors import StreamingRuntime
     from xla_swap.planning import AdamW, OffloadPolicy
-    from xla_swap.stack import DEFAULT_POLICY, SwappedStack
-    from xla_swap.stack_config import AutotuneConfig, CompileConfig, ParallelConfig, TrainingConfig
-    from xla_swap.torch_bridge import to_torch as _to_torch
+    from xla_swap.stack.swapped_stack import DEFAULT_POLICY
+    from xla_swap.stack import SwappedStack
+    from xla_swap.stack.config import AutotuneConfig, CompileConfig, ParallelConfig, TrainingConfig
+    from xla_swap.stack.torch_bridge import to_torch as _to_torch
 
     bf16 = jnp.bfloat16
     rng = np.random.default_rng(0)

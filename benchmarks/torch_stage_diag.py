@@ -66,9 +66,10 @@ def main(argv=None):
     from xla_swap.planning import OffloadPolicy
     import dataclasses
 
-    from xla_swap.stack import DEFAULT_POLICY, SwappedStack
-    from xla_swap.stack_config import AutotuneConfig, ParallelConfig
-    from xla_swap.torch_bridge import to_torch as _to_torch
+    from xla_swap.stack.swapped_stack import DEFAULT_POLICY
+    from xla_swap.stack import SwappedStack
+    from xla_swap.stack.config import AutotuneConfig, ParallelConfig
+    from xla_swap.stack.torch_bridge import to_torch as _to_torch
 
     D, F, L, T = args.shape
     k = 2

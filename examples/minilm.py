@@ -154,7 +154,7 @@ def load_bert():
 
 
 class EmbedWithMask(torch.nn.Module):
-    """First stage for ``xla_swap.stack.SwappedStack``: BERT's embeddings, plus the additive
+    """First stage for ``xla_swap.stack.swapped_stack.SwappedStack``: BERT's embeddings, plus the additive
     attention mask every ``BertLayer`` takes as its ``attention_mask`` keyword.
 
     ``forward(input_ids [B, S] int, attention_mask [B, S] 0/1) -> (h [B, S, H], {"attention_mask": [B, 1, 1, S]})``

@@ -75,7 +75,7 @@ def main(argv=None) -> int:
 
 
 def run_streaming(ids, mask, steps):
-    """The unmodified torch model (``transformers.BertModel``) through ``xla_swap.stack.SwappedStack``.
+    """The unmodified torch model (``transformers.BertModel``) through ``xla_swap.stack.swapped_stack.SwappedStack``.
 
     The embeddings (with the attention mask) are the first stage, the 6 ``BertLayer``s the
     streamed layers (weights in ``pinned_host``, FSDP-sharded over the 4 devices, prefetched 2
@@ -116,7 +116,7 @@ def run_torch_xla(emb, layers, cfg, ids, mask, args, steps):
     import torch_xla.distributed.spmd as xs
     import torch_xla.runtime as xr
 
-    from xla_swap.frontend import emit_annotations, host_transfer_guard, lower_fn, scan
+    from xla_swap.lowering import emit_annotations, host_transfer_guard, lower_fn, scan
     from xla_swap.planning import OffloadPolicy
 
     xr.use_spmd()
@@ -176,7 +176,7 @@ def run_torch_xla(emb, layers, cfg, ids, mask, args, steps):
 
 
 def report_has_host_weights(report, lowered, layers_x) -> bool:
-    from xla_swap.frontend.lowering import data_handle
+    from xla_swap.lowering.computation import data_handle
     handles = {data_handle(t) for t in layers_x.values()}
     ids = [p.id for p in lowered.parameters if data_handle(p.tensor) in handles]
     return all(report.parameter_memory_spaces[i] == "pinned_host" for i in ids)

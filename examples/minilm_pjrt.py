@@ -3,7 +3,7 @@
 :func:`run_lowered_with_pjrt` runs the HLO that torch_xla lowered (SPMD, 4 devices) through
 :class:`xla_swap.executors.PjrtExecutor`, with the stacked layer weights in ``pinned_host``
 memory when the policy swaps parameters. (The streaming path runs the torch model itself
-through ``xla_swap.stack.SwappedStack``: ``minilm_embed.run_streaming``.)
+through ``xla_swap.stack.swapped_stack.SwappedStack``: ``minilm_embed.run_streaming``.)
 
 This module imports neither torch_xla nor torch at import time.
 """
@@ -26,7 +26,7 @@ def run_lowered_with_pjrt(lowered, policy, *, weights):
     (``.cpu().numpy()``: a device-to-host copy, so call this outside a ``host_transfer_guard``).
 
     Args:
-      lowered: ``xla_swap.frontend.lowering.LoweredComputation`` whose first output is the
+      lowered: ``xla_swap.lowering.computation.LoweredComputation`` whose first output is the
         ``[B, 384]`` float32 sentence embedding (lowered with ``emit_annotations(True)``
         when the weights are to live in host memory).
       policy: the ``xla_swap.planning.OffloadPolicy`` the scan was lowered with.

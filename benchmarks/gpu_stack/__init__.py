@@ -43,7 +43,7 @@ Variants (same weights and inputs, generated deterministically from ``--seed``):
 * ``xla_swap-in-graph``: ``xla_swap.executors.InGraphRuntime`` over the per-layer host buffers
   (first and last layer in ``--chunks`` column chunks).
 * ``torch_xla-lowered``: the same stack written in torch, scanned by
-  ``xla_swap.frontend.scan(..., policy=OffloadPolicy(params="host"))`` and lowered by torch_xla
+  ``xla_swap.lowering.scan(..., policy=OffloadPolicy(params="host"))`` and lowered by torch_xla
   on CPU (``benchmarks/export_torch_xla_stack.py`` wrote the ``HloModuleProto`` + JSON sidecar
   to ``--artifacts-dir``), run by ``xla_swap.executors.PjrtExecutor`` with the stacked weights
   in ``pinned_host`` and x on the device; ``put_all`` once, untimed. Skipped, with a note,

@@ -92,7 +92,7 @@ def forbid_clock(monkeypatch) -> None:
     rest of the test: a choice made after this comes from injected figures alone."""
     import time
 
-    import xla_swap.executors.calibrate as cal_mod
+    import xla_swap.executors.streaming.calibrate as cal_mod
     from xla_swap.executors import StreamingRuntime
 
     def refuse(*a, **k):

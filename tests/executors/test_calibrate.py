@@ -1,4 +1,4 @@
-"""``xla_swap.executors.calibrate``: calibration on the device, the chosen schedule applied.
+"""``xla_swap.executors.streaming.calibrate``: calibration on the device, the chosen schedule applied.
 
 On the virtual CPU devices: the calibration's figures are positive and finite and its bytes are
 the runtime's; the chosen residency is what the new runtime runs (resident stages never
@@ -16,8 +16,8 @@ import pytest
 
 from streaming_cases import check_close, count_runtime_builds, forbid_clock, layer, loss_fn, mono_loss, stacked
 from xla_swap.executors import StreamingRuntime, TraceRecorder
-from xla_swap.executors.calibrate import (Calibration, autotune, calibrate, calibration_from_figures, measure_link,
-                                          peak_bytes_in_use, reconfigure, runtime_signature)
+from xla_swap.executors.streaming.calibrate import (Calibration, autotune, calibrate, calibration_from_figures, measure_link,
+                                                    peak_bytes_in_use, reconfigure, runtime_signature)
 from xla_swap.planning import AdamW, InfeasibleBudgetError, Link
 from xla_swap.planning.chooser import ChoiceCache, choose_schedule, evaluate_choice
 
@@ -342,7 +342,7 @@ def test_costs_for_a_forward_take_the_forward_temporaries(params, x):
 
 
 def test_link_warm_up_stops_when_the_rate_stops_rising(monkeypatch):
-    import xla_swap.executors.calibrate as cal_mod
+    import xla_swap.executors.streaming.calibrate as cal_mod
     rates = iter([10.0, 20.0, 40.0, 41.0, 5.0])             # GB/s of successive copies: a ramp, then flat
     clock = {"t": 0.0}
 
@@ -361,7 +361,7 @@ def test_link_warm_up_stops_when_the_rate_stops_rising(monkeypatch):
 
 def test_timing_inputs_are_not_zeros():
     """Stages are timed on N(0, 1) floating inputs (zeros can time faster on a GPU); integer leaves stay 0."""
-    from xla_swap.executors._stages import probe
+    from xla_swap.executors.pytrees import probe
     f = probe(jax.ShapeDtypeStruct((64, 32), jax.numpy.bfloat16))
     assert f.dtype == jax.numpy.bfloat16 and f.shape == (64, 32) and 0.8 < float(np.std(f.astype(np.float32))) < 1.2
     i = probe(jax.ShapeDtypeStruct((4,), np.int32))

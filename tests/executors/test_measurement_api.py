@@ -1,4 +1,4 @@
-"""``StreamingRuntime``'s public measurement API (what ``executors/calibrate.py`` reads).
+"""``StreamingRuntime``'s public measurement API (what ``executors/streaming/calibrate.py`` reads).
 
 On the virtual CPU devices: the read-only views describe the runtime's own arrays; a stage
 executable got through ``stage_executable`` computes the stage (forward against the layer in jax,
@@ -12,7 +12,7 @@ import pytest
 
 from streaming_cases import check_close, layer, loss_fn
 from xla_swap.executors import StreamingRuntime, optim
-from xla_swap.executors.compilation import Signature
+from xla_swap.executors.streaming.compilation import Signature
 from xla_swap.planning import AdamW
 
 

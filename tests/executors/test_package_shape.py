@@ -10,8 +10,13 @@ from shape_rules import (MAX_FUNCTION_LINES, MAX_MODULE_DOCSTRING_LINES, MAX_MOD
 # become a documented public property / method of the owning class; the test fails on any read not listed
 # here and on any entry listed here that no longer occurs, so the list only shrinks.
 REMAINING_PRIVATE_READS = {
-    ("xla_swap/moe.py", "layer._xla_swap_experts"), ("xla_swap/moe.py", "mod._xla_swap_experts"),
+    ("xla_swap/hf/moe.py", "layer._xla_swap_experts"), ("xla_swap/hf/moe.py", "mod._xla_swap_experts"),
 }
+
+
+#: The modules directly under ``xla_swap/`` (``__init__.py`` included): the rest live in packages named for what
+#: they hold (``stack``, ``hf``, ``lowering``, ``planning``, ``executors``, ``_compat``).
+MAX_TOP_LEVEL_MODULES = 6
 
 
 def _modules():
@@ -23,6 +28,14 @@ def _modules():
 def test_every_module_is_small():
     bad = [v for p in _modules() for v in shape_violations(p)]
     assert not bad, "xla_swap: one idea per module, short functions:\n" + "\n".join(bad)
+
+
+def test_at_most_six_modules_at_the_top_of_the_package():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert "__init__.py" in top, top
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, (
+        f"{len(top)} modules at the top of xla_swap/ (at most {MAX_TOP_LEVEL_MODULES}): put each in the package "
+        f"of what it holds: {top}")
 
 
 def test_no_private_name_of_another_module_is_imported():
@@ -84,12 +97,13 @@ def test_the_rules_flag_what_they_look_for(tmp_path):
     probe = tmp_path / "probe.py"
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
     doc = "\n".join(["doc"] * (MAX_MODULE_DOCSTRING_LINES + 1))
-    probe.write_text(f'"""{doc}"""\nfrom xla_swap.hf import _hidden\nfrom ._stages import ok\n'
+    probe.write_text(f'"""{doc}"""\nfrom xla_swap.hf.causal_lm import _hidden\nfrom ._stages import ok\n'
                      'x = other._hidden + self._mine + cls._c + super()._s + torch.ops.aten._unsafe_view\n'
                      f'def long():\n{body}\n' + "\n" * MAX_MODULE_LINES)
     found = shape_violations(probe, root=tmp_path)
     assert [f.split(" ")[0] for f in found] == ["probe.py:", "probe.py:", f"probe.py:{MAX_MODULE_DOCSTRING_LINES + 5}"]
-    assert private_imports(probe, root=tmp_path) == [f"probe.py:{MAX_MODULE_DOCSTRING_LINES + 2} xla_swap.hf._hidden"]
+    assert private_imports(probe, root=tmp_path) == [
+        f"probe.py:{MAX_MODULE_DOCSTRING_LINES + 2} xla_swap.hf.causal_lm._hidden"]
     assert private_attribute_reads(probe, root=tmp_path) == [f"probe.py:{MAX_MODULE_DOCSTRING_LINES + 4} other._hidden"]
 
 

@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from xla_swap.executors import pjrt, pjrt_host_memory
-from xla_swap.executors.pjrt import (HOST_MEMORY_LIMIT_ENV, HostMemoryError, MemoryReport, ParameterPlacement,
-                                     PjrtExecutor, compile_lowered)
+from xla_swap.executors.pjrt import executor as pjrt, host_memory as pjrt_host_memory
+from xla_swap.executors.pjrt.executor import HOST_MEMORY_LIMIT_ENV, MemoryReport
+from xla_swap.executors.pjrt import HostMemoryError, ParameterPlacement, PjrtExecutor, compile_lowered
 
 L, D, B = 3, 16, 4          # layers, width (divisible by 1, 4 and 8), batch
 W_BYTES = L * D * D * 4     # the stacked fp32 weights, global
@@ -315,7 +315,7 @@ def test_torch_xla_lowering_runs_with_its_sharding_strings(num_devices):
     import torch
     import torch_xla
     from xla_util import mesh_2d, to_xla
-    from xla_swap.frontend.lowering import lower_fn
+    from xla_swap.lowering.computation import lower_fn
 
     g = torch.Generator().manual_seed(0)
     cpu = {"w1": torch.randn(16, 32, generator=g), "w2": torch.randn(32, 16, generator=g),

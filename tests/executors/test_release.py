@@ -17,7 +17,7 @@ import pytest
 
 from xla_swap._compat.jax import tracing_cache_entries
 from xla_swap.executors import StreamingRuntime
-from xla_swap.executors.streaming import MAX_LOSS_FNS
+from xla_swap.executors.streaming.runtime import MAX_LOSS_FNS
 from xla_swap.planning import AdamW
 
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st  # noqa: E402
 from xla_swap.executors import InGraphRuntime, PjrtExecutor, StreamingRuntime  # noqa: E402
 from xla_swap.planning import AdamW  # noqa: E402
 from xla_swap.stack import SwappedStack  # noqa: E402
-from xla_swap.stack_config import ParallelConfig
+from xla_swap.stack.config import ParallelConfig
 
 D = 8
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from xla_swap.executors.jaxpr_split import split_at
-from xla_swap.executors.routed_experts import EXPERTS_CALL, ExpertStore, experts_call
+from xla_swap.executors.streaming.jaxpr_split import split_at
+from xla_swap.executors.streaming.routed_experts import EXPERTS_CALL, ExpertStore, experts_call
 
 E, N, K, D = 6, 5, 2, 4
 

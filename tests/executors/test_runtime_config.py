@@ -10,9 +10,9 @@ import pytest
 
 from streaming_cases import layer, loss_fn, make_input, make_params
 from xla_swap.executors import StreamingRuntime
-from xla_swap.executors.compilation import ExeKey, StageKey
-from xla_swap.executors.config import BackwardMode, RuntimeConfig
-from xla_swap.executors.decode import StatefulStreamer
+from xla_swap.executors.streaming.compilation import ExeKey, StageKey
+from xla_swap.executors.streaming.config import BackwardMode, RuntimeConfig
+from xla_swap.executors.streaming.decode import StatefulStreamer
 from xla_swap.planning import AdamW
 
 
@@ -112,7 +112,7 @@ def test_the_decode_streamer_keeps_its_executables_as_the_runtime_does():
     stages of one function share an executable, and a signature dropped beyond ``max_signatures`` takes its
     executables with it (the cache stays bounded); a signature traced again compiles again, with the
     same results."""
-    from xla_swap.executors.signatures import SignatureCache
+    from xla_swap.executors.streaming.signatures import SignatureCache
     rt = StreamingRuntime(layer, make_params(n=3), max_signatures=1)
     st = StatefulStreamer([layer] * 3, rt.host_params, rt.device_shardings, state_avals=[None] * 3,
                           activation_sharding=rt.activation_sharding, max_signatures=1)
@@ -131,7 +131,7 @@ def test_the_decode_streamer_keeps_its_executables_as_the_runtime_does():
 def test_the_runtime_surface_is_its_parts_and_keeps_their_docstrings():
     """Every public method and property the runtime takes from a part reads that part's attribute and
     carries its docstring; a read-only one refuses assignment, ``step`` and ``param_groups`` write through."""
-    from xla_swap.executors.forwarding import Forwarded
+    from xla_swap.executors.streaming.forwarding import Forwarded
     rt = StreamingRuntime(layer, make_params(n=2), optimizer=AdamW(lr=1e-2))
     methods = ["schedule", "signature", "stage_executable", "clear_executables", "load_stage", "trainable_paths",
                "memory_report", "executable_memory", "executable_hlo", "layer_cost", "stage_cost_bytes",

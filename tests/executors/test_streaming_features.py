@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from xla_swap.executors import TraceRecorder
-from xla_swap.executors.streaming import MAX_LOSS_FNS, StreamingRuntime
+from xla_swap.executors.streaming.runtime import MAX_LOSS_FNS
+from xla_swap.executors.streaming import StreamingRuntime
 from xla_swap.planning import AdamW, OffloadPolicy
 
 L, D, F, T = 4, 16, 32, 8

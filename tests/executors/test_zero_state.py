@@ -6,7 +6,7 @@ import pytest
 
 from streaming_cases import layer, make_params
 from xla_swap.executors import StreamingRuntime
-from xla_swap.executors.placement import zeros_where_they_live
+from xla_swap.executors.streaming.placement import zeros_where_they_live
 from xla_swap.planning import AdamW
 
 

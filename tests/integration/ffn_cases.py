@@ -4,7 +4,7 @@ import functools
 
 import torch
 
-from xla_swap.executors.calibrate import calibration_from_figures
+from xla_swap.executors.streaming.calibrate import calibration_from_figures
 from xla_swap.planning import Link
 
 D, F, L, T = 16, 32, 6, 8

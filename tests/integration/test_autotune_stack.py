@@ -22,11 +22,12 @@ import torch
 
 from ffn_cases import D, FFN, FIGURES, L, T, loss
 from streaming_cases import forbid_clock
-from xla_swap.executors.calibrate import calibration_from_figures
+from xla_swap.executors.streaming.calibrate import calibration_from_figures
 from xla_swap.planning import AdamW, InfeasibleBudgetError, Link
 from xla_swap.planning.chooser import ChoiceCache, choose_schedule, evaluate_choice
-from xla_swap.stack import DEFAULT_POLICY, SwappedStack
-from xla_swap.stack_config import AutotuneConfig, ParallelConfig
+from xla_swap.stack.swapped_stack import DEFAULT_POLICY
+from xla_swap.stack import SwappedStack
+from xla_swap.stack.config import AutotuneConfig, ParallelConfig
 
 _perf_counter = time.perf_counter
 
@@ -57,7 +58,7 @@ def _same_choice(got, cal, budget, training=True):
 
 
 def test_autotune_partial_residency_equals_torch_adamw(monkeypatch):
-    import xla_swap.executors.calibrate as cal_mod
+    import xla_swap.executors.streaming.calibrate as cal_mod
     monkeypatch.setattr(cal_mod, "CHOICES", ChoiceCache())
     torch.manual_seed(0)
     ref = torch.nn.ModuleList(FFN() for _ in range(L))
@@ -97,7 +98,7 @@ def test_budget_bytes_chooses_the_schedule_at_the_first_call(monkeypatch):
     raises) and switches to the chooser's schedule for ``B``; training then equals torch AdamW. A
     budget no schedule fits is refused at the first call, naming ``budget_bytes``, with the stack
     unchanged and usable; ``autotune=False`` keeps the construction-time rule."""
-    import xla_swap.executors.calibrate as cal_mod
+    import xla_swap.executors.streaming.calibrate as cal_mod
     monkeypatch.setattr(cal_mod, "CHOICES", ChoiceCache())
     torch.manual_seed(1)
     ref = torch.nn.ModuleList(FFN() for _ in range(L))
@@ -174,7 +175,7 @@ def test_budget_picks_residual_offload_on_a_rich_link_and_trains_as_torch(monkey
     eager AdamW (loss and weights) over 3 steps."""
     from llama_cases import batches, ce, make_model
     from xla_swap.hf import causal_lm_stages
-    import xla_swap.executors.calibrate as cal_mod
+    import xla_swap.executors.streaming.calibrate as cal_mod
     monkeypatch.setattr(cal_mod, "CHOICES", ChoiceCache())
     data = batches(3, b=2, t=12, seed=3)
     ref0 = make_model(layers=3, seed=4)

@@ -6,7 +6,7 @@ runtime at construction (every stage streamed: the runtime the calibration reads
 call builds one more, the runtime of the choice, which then serves every call; choosing again for
 the same budget builds none; ``autotune=False`` builds one. A bad budget (0, -1, True, 1.5, 2.0,
 "1GB", 2**63; ``None`` where a budget is required) raises the same exception type and message at ``SwappedStack``, ``SwappedStack.autotune``,
-``plan``, ``choose_schedule`` and ``xla_swap.executors.calibrate.autotune`` as
+``plan``, ``choose_schedule`` and ``xla_swap.executors.streaming.calibrate.autotune`` as
 ``check_budget_bytes`` itself, before any runtime (or stage function) is built.
 
 Every choice is made from injected figures (``calibration_from_figures``) with the clock made to raise.
@@ -19,12 +19,12 @@ import torch
 
 from ffn_cases import D, FFN, FIGURES, L, T, loss
 from streaming_cases import count_runtime_builds, forbid_clock
-from xla_swap.executors.calibrate import autotune
+from xla_swap.executors.streaming.calibrate import autotune
 from xla_swap.planning import AdamW, LayerCost, plan
 from xla_swap.planning.chooser import ChoiceCache, choose_schedule, evaluate_choice
 from xla_swap.planning.units import check_budget_bytes
 from xla_swap.stack import SwappedStack
-from xla_swap.stack_config import AutotuneConfig, ParallelConfig
+from xla_swap.stack.config import AutotuneConfig, ParallelConfig
 
 _perf_counter = time.perf_counter
 
@@ -49,7 +49,7 @@ def _middle_budget(x) -> int:
 
 
 def test_swapped_stack_builds_the_serving_runtime_once_per_choice(monkeypatch):
-    import xla_swap.executors.calibrate as cal_mod
+    import xla_swap.executors.streaming.calibrate as cal_mod
     monkeypatch.setattr(cal_mod, "CHOICES", ChoiceCache())
     x = torch.randn(T, D)
     budget = _middle_budget(x)
@@ -82,7 +82,7 @@ BAD = [0, -1, True, 1.5, 2.0, "1GB", None, 1 << 63]
 
 @pytest.mark.parametrize("bad", BAD, ids=repr)
 def test_a_bad_budget_is_refused_alike_everywhere_before_anything_is_built(bad, monkeypatch):
-    import xla_swap.stack as stack_mod
+    import xla_swap.stack.swapped_stack as stack_mod
     x = torch.randn(T, D)
     stack = _stack(_layers())
     h = stack._carry_in((x,))
@@ -118,7 +118,7 @@ def test_the_chosen_runtime_takes_the_weights_and_moments_without_a_copy(monkeyp
     """The stack's autotune hands its runtime's host arrays to the runtime of the choice: a streamed
     stage's weights and moments are the same arrays (host memory holds them once), a stage made
     resident gets device copies of both; the old runtime's arrays are not deleted by the hand-over."""
-    import xla_swap.executors.calibrate as cal_mod
+    import xla_swap.executors.streaming.calibrate as cal_mod
     monkeypatch.setattr(cal_mod, "CHOICES", ChoiceCache())
     x = torch.randn(T, D)
     stack = _stack(_layers())

@@ -55,7 +55,7 @@ def ce(logits, labels):
 
 def _stack(model, n_gpus):
     from xla_swap.stack import SwappedStack, causal_lm_stages
-    from xla_swap.stack_config import ParallelConfig
+    from xla_swap.stack.config import ParallelConfig
     first, layers, last = causal_lm_stages(model)
     return SwappedStack(layers, first=first, last=last, loss_fn=ce,
                         parallel=ParallelConfig(devices=jax.devices()[:n_gpus]))
@@ -93,7 +93,7 @@ def test_cuda_inputs_and_labels_train_and_forward_as_torch(n_gpus, batch):
 
 
 def test_generate_from_cuda_1_on_two_gpus():
-    from xla_swap.generate import choose_batch
+    from xla_swap.hf.generate import choose_batch
     ids = torch.randint(3, V, (3, 11), generator=torch.Generator().manual_seed(4))
     model = _model()
     one = _stack(copy.deepcopy(model), 1).generate(ids.to("cuda:0"), max_new_tokens=8, eos_token_id=None,

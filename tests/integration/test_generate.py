@@ -164,7 +164,7 @@ def test_decode_compiled_once():
 
 
 def test_choose_batch_grows_with_the_budget():
-    from xla_swap.generate import choose_batch
+    from xla_swap.hf.generate import choose_batch
     stack = _stack(_model("llama"))
     small, why = choose_batch(stack, 11, NEW, device_budget_bytes=4 << 20)
     large, _ = choose_batch(stack, 11, NEW, device_budget_bytes=64 << 20)
@@ -179,8 +179,8 @@ def test_choose_batch_over_devices_is_a_multiple_that_fits(num_devices):
     multiple of n, and the chosen batch's prefill (compiled) fits the per-device budget with its KV cache (the
     estimate counts the cache also among the executables' outputs: conservative, within a factor 2)."""
     import jax
-    from xla_swap.generate import choose_batch, prefill_temps
-    from xla_swap.generators import Generator
+    from xla_swap.hf.generate import choose_batch, prefill_temps
+    from xla_swap.hf.generators import Generator
     first, layers, last = xla_swap.causal_lm_stages(_model("llama"))
     stack = xla_swap.SwappedStack(layers, first=first, last=last,
                                   parallel=xla_swap.ParallelConfig(devices=jax.devices()))

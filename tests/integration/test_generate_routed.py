@@ -21,8 +21,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import xla_swap  # noqa: E402
-from xla_swap.hf import decoder_layers  # noqa: E402
-from xla_swap.moe import experts_modules  # noqa: E402
+from xla_swap.hf.causal_lm import decoder_layers  # noqa: E402
+from xla_swap.hf.moe import experts_modules  # noqa: E402
 
 V, NEW = 128, 6
 BASE = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -151,7 +151,7 @@ def test_auto_stops_routing_when_a_step_fetches_most_experts():
     """The measured check: a decode step whose layers fetched more than the fraction ends routing for the call."""
     from types import SimpleNamespace
 
-    from xla_swap.moe_decode import FetchPlan, RoutingInfo
+    from xla_swap.hf.moe_decode import FetchPlan, RoutingInfo
     info = RoutingInfo({0: ("mlp.experts", 8, 2), 1: ("mlp.experts", 8, 2)}, None, {})
     plan = FetchPlan(info, "auto", 2, 16)
     streamer = SimpleNamespace(routed=None, expert_fetches=[])
@@ -191,7 +191,7 @@ def test_choose_batch_counts_the_routed_bytes():
     per streamed byte; the explanation says which."""
     import re
 
-    from xla_swap.generate import choose_batch
+    from xla_swap.hf.generate import choose_batch
     stack = one_device_stack(make("mixtral"))
     big, why_all = choose_batch(stack, 16, 8, device_budget_bytes=1 << 32, max_batch=64, expert_fetch="all")
     assert choose_batch(stack, 16, 8, device_budget_bytes=1 << 32, max_batch=64)[0] == big == 64

@@ -47,9 +47,9 @@ transformers = pytest.importorskip("transformers")
 
 from transformers_ends import LONGROPE_REFUSAL, LONGROPE_TRACED_FROM, needs_newer, older_than, \
     skip_if_absent  # noqa: E402
-from xla_swap.hf_refusals import describe_failure  # noqa: E402
+from xla_swap.hf.refusals import describe_failure  # noqa: E402
 from xla_swap.stack import SwappedStack, causal_lm_stages  # noqa: E402
-from xla_swap.stack_config import ParallelConfig
+from xla_swap.stack.config import ParallelConfig
 
 V, T = 96, 12
 BASE = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -287,7 +287,7 @@ def test_topk_ties_like_torch(n, k, dim, largest, ordered, dtype):
     """``torch.topk`` in the stages' environment on the CPU, on scores with ties (all equal, and repeated
     values): torch's values and indices (both of its CPU paths: ``nth_element`` below ``64 k`` scores,
     ``partial_sort`` from there), and torch's gradient through the values."""
-    from xla_swap.torch_attention import torchax_env
+    from xla_swap.stack.torch_attention import torchax_env
     env = torchax_env("cpu")
     g = torch.Generator().manual_seed(n + k)
     shape = (n, 3) if dim == 0 else (5, n)
@@ -315,7 +315,7 @@ def test_bf16_router_softmax_traces():
     (torch's C++ casts a torchax tensor on the ``meta`` device it wraps), traces: the softmax equals
     torch's, and the model's logits through the stages are torch eager's within bf16 rounding
     (XLA's bf16 arithmetic on the CPU is not torch's: ``test_stack_mixed_precision.py``)."""
-    from xla_swap.torch_attention import torchax_env
+    from xla_swap.stack.torch_attention import torchax_env
     env = torchax_env("cpu")
     x = torch.randn(6, 16, generator=torch.Generator().manual_seed(3)).bfloat16()
     with env:
@@ -371,9 +371,9 @@ def test_layers_get_their_own_mask():
 
 
 def test_sdpa_fully_masked_rows_equal_torch():
-    """The stages' environment runs ``xla_swap.torch_attention``'s SDPA: a query row with every key masked
+    """The stages' environment runs ``xla_swap.stack.torch_attention``'s SDPA: a query row with every key masked
     (a pad query of a left-padded batch) gives torch's zeros, not NaN, and finite gradients."""
-    from xla_swap.torch_attention import sdpa_reference, torchax_env
+    from xla_swap.stack.torch_attention import sdpa_reference, torchax_env
     env = torchax_env("cpu")
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))
@@ -419,11 +419,11 @@ def test_family_fsdp_matches_torch(family, experts, tied):
 
 @pytest.mark.parametrize("form", ["dense", "sorted"])
 def test_experts_forms_equal_eager(form):
-    """``xla_swap.moe.dense_experts_forward`` / ``sorted_experts_forward`` on a Mixtral experts module: the
+    """``xla_swap.hf.moe.dense_experts_forward`` / ``sorted_experts_forward`` on a Mixtral experts module: the
     eager implementation's output and gradients (weights, input, routing weights), in eager torch (the
     sorted form's segment loop; the stages' ``ragged_dot`` is checked by the family tests); the model keeps
     its own implementation after the stages are built and run."""
-    from xla_swap.moe import dense_experts_forward, experts_modules, sorted_experts_forward
+    from xla_swap.hf.moe import dense_experts_forward, experts_modules, sorted_experts_forward
     forward = {"dense": dense_experts_forward, "sorted": sorted_experts_forward}[form]
     model = make("mixtral", EXACT["mixtral"][0])
     impl = model.get_experts_implementation()

@@ -1,4 +1,4 @@
-"""Layers share a stage function only when they compute the same thing (``xla_swap.stages.layer_groups``).
+"""Layers share a stage function only when they compute the same thing (``xla_swap.stack.stages.layer_groups``).
 
 A per-layer Python setting read in ``forward`` changes what a layer computes without changing its
 type or weight shapes: SmolLM3's ``no_rope_layers`` (every fourth layer without rotary
@@ -16,7 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from xla_swap.stack import SwappedStack, causal_lm_stages  # noqa: E402
-from xla_swap.stack_config import ParallelConfig
+from xla_swap.stack.config import ParallelConfig
 
 V, T = 128, 10
 BASE = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -172,7 +172,7 @@ def test_a_layer_index_is_read_as_the_model_reads_it():
     """Without an example input: ``layer_idx`` (it counts the layers) is no setting, so identical Hugging
     Face layers share a group, while the per-layer config entries read through it (SmolLM3's
     ``config.no_rope_layers[layer_idx]``) still tell layers apart."""
-    from xla_swap.stages import attribute_keys
+    from xla_swap.stack.stages import attribute_keys
 
     def groups(layers):
         keys = attribute_keys(list(layers))

@@ -3,7 +3,7 @@
 * ``import xla_swap.executors`` loads jax only: no torch, no torch_xla (the GPU machine has
   no torch_xla);
 * ``import xla_swap.planning`` loads neither torch, torch_xla nor jax;
-* no module of ``xla_swap.frontend`` imports ``xla_swap.executors`` (checked on the source
+* no module of ``xla_swap.lowering`` imports ``xla_swap.executors`` (checked on the source
   with ``ast``, so imports inside functions count too);
 * ``xla_swap._compat.jax`` (and the executors through it) imports with torch, torch_xla and
   torchax blocked (an import hook that makes them fail), as on the GPU machine;
@@ -24,7 +24,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-FRONTEND = ROOT / "xla_swap" / "frontend"
+FRONTEND = ROOT / "xla_swap" / "lowering"
 COMPAT = ROOT / "xla_swap" / "_compat"
 
 
@@ -45,11 +45,11 @@ def _top_level_modules_after(import_stmt: str) -> set:
     ("xla_swap.executors", {"torch", "torch_xla", "torchax"}),
     ("xla_swap.planning", {"torch", "torch_xla", "torchax", "jax", "jaxlib"}),
     ("xla_swap.planning.chooser", {"torch", "torch_xla", "torchax", "jax", "jaxlib"}),
-    ("xla_swap.executors.calibrate", {"torch", "torch_xla", "torchax"}),
+    ("xla_swap.executors.streaming.calibrate", {"torch", "torch_xla", "torchax"}),
     ("xla_swap", {"torch", "torch_xla", "torchax", "jax", "jaxlib"}),   # SwappedStack loads lazily
     ("xla_swap._compat", {"torch", "torch_xla", "torchax", "jax", "jaxlib"}),
     ("xla_swap._compat.jax", {"torch", "torch_xla", "torchax"}),
-    ("xla_swap.stack_config", {"torch", "torch_xla", "torchax"}),   # the stack's setting groups: written anywhere
+    ("xla_swap.stack.config", {"torch", "torch_xla", "torchax"}),   # the stack's setting groups: written anywhere
 ])
 def test_package_imports_without(package, forbidden):
     loaded = _top_level_modules_after(f"import {package}")
@@ -81,7 +81,7 @@ def _imported_modules(path: pathlib.Path, root: pathlib.Path = ROOT) -> list:
     return found
 
 
-def test_frontend_source_does_not_import_executors():
+def test_lowering_source_does_not_import_executors():
     files = sorted(FRONTEND.rglob("*.py"))
     assert files, f"no sources under {FRONTEND}"
     bad = [f"{p.relative_to(ROOT)}:{line} imports {mod}"
@@ -92,10 +92,10 @@ def test_frontend_source_does_not_import_executors():
 
 def test_import_parser_sees_relative_and_absolute_forms(tmp_path):
     """The checker above resolves the forms a front-end module could use."""
-    probe = tmp_path / "xla_swap" / "frontend" / "probe.py"
+    probe = tmp_path / "xla_swap" / "lowering" / "probe.py"
     probe.parent.mkdir(parents=True)
     probe.write_text("from ..executors import StreamingRuntime\n"
-                     "import xla_swap.executors.streaming\n"
+                     "import xla_swap.executors.trace\n"
                      "from xla_swap import executors\n"
                      "def f():\n"
                      "    import importlib\n"
@@ -104,24 +104,26 @@ def test_import_parser_sees_relative_and_absolute_forms(tmp_path):
     # "from ..executors import ...", "from xla_swap import executors", import_module(...)
     assert mods.count("xla_swap.executors") == 3
     assert "xla_swap.executors.StreamingRuntime" in mods
-    assert "xla_swap.executors.streaming" in mods
+    assert "xla_swap.executors.trace" in mods
 
 
 def test_torch_entry_point_runs_without_torch_xla():
     """``xla_swap.stack`` (SwappedStack) is for machines without torch_xla: it imports neither torch_xla
     nor the torch_xla front end."""
-    loaded = _top_level_modules_after("import xla_swap.stack")
+    loaded = _top_level_modules_after("import xla_swap.stack.swapped_stack")
     assert "torch_xla" not in loaded
-    imported = {m for m, _ in _imported_modules(ROOT / "xla_swap" / "stack.py")}
-    assert not any(m.startswith(("xla_swap.frontend", "torch_xla")) for m in imported), sorted(imported)
+    imported = {m for m, _ in _imported_modules(ROOT / "xla_swap" / "stack" / "swapped_stack.py")}
+    assert not any(m.startswith(("xla_swap.lowering", "torch_xla")) for m in imported), sorted(imported)
 
 
 def test_the_stack_parts_do_not_import_the_stack():
-    """``SwappedStack`` holds its parts and calls them; none of them imports ``xla_swap.stack`` back (no circle)."""
-    parts = ["generate.py", "generators.py", "training.py", "budget.py", "checkpoint.py", "stack_config.py",
-             "stack_checks.py", "stages.py"]
+    """``SwappedStack`` holds its parts and calls them; none of them imports ``xla_swap.stack.swapped_stack`` back
+    (no circle)."""
+    parts = ["hf/generate.py", "hf/generators.py", "stack/training.py", "stack/budget.py", "stack/checkpoint.py",
+             "stack/config.py", "stack/checks.py", "stack/stages.py"]
     bad = [f"{p}:{line} imports {mod}" for p in parts for mod, line in _imported_modules(ROOT / "xla_swap" / p)
-           if mod == "xla_swap.stack" or mod.startswith("xla_swap.stack.")]
+           if mod.split(".")[:2] == ["xla_swap", "stack"]
+           and mod.split(".")[2:3] in (["swapped_stack"], ["SwappedStack"])]
     assert not bad, "\n".join(bad)
 
 
@@ -137,7 +139,7 @@ sys.meta_path.insert(0, _Block())
 
 
 @pytest.mark.parametrize("import_stmt", ["import xla_swap._compat.jax", "import xla_swap.executors",
-                                         "import xla_swap.planning", "import xla_swap.executors.calibrate"])
+                                         "import xla_swap.planning", "import xla_swap.executors.streaming.calibrate"])
 def test_imports_with_torch_and_torch_xla_blocked(import_stmt):
     """As on a machine without them: importing torch, torch_xla or torchax raises ImportError."""
     code = (_BLOCK_TORCH + f"{import_stmt}\n"

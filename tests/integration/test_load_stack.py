@@ -48,7 +48,7 @@ def test_dtype_argument(tmp_path):
     """``dtype`` casts every floating tensor read (buffers included). A bf16 Llama stack is not built
     here: ``causal_lm_stages`` of a bf16 Llama fails to trace on the CPU on main too (a layer returns
     float32), a separate issue."""
-    from xla_swap.loading import SafetensorsWeights
+    from xla_swap.hf.loading import SafetensorsWeights
     real = make_model(layers=2)
     real.save_pretrained(tmp_path)
     src = SafetensorsWeights(real, tmp_path, dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""``SwappedStack.train_step``'s cache of converted losses, keyed by ``xla_swap.training.loss_key``:
+"""``SwappedStack.train_step``'s cache of converted losses, keyed by ``xla_swap.stack.training.loss_key``:
 a loss lambda recreated each step compiles once, and losses that compute different things never
 share a compiled loss. Backend compiles are counted with jax's monitoring events; losses, gradients
 and updates are compared with torch."""
@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from llama_cases import V, batches, ce, make_model, rel
 from xla_swap.executors.compile_cache import use_compilation_cache
 from xla_swap.stack import SwappedStack, causal_lm_stages
-from xla_swap.stack_config import TrainingConfig
-from xla_swap.training import loss_key
+from xla_swap.stack.config import TrainingConfig
+from xla_swap.stack.training import loss_key
 
 COMPILE = "/jax/core/compile/backend_compile_duration"
 SCALE = 1.0   # a global a loss reads (rebound by a test)

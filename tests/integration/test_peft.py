@@ -30,8 +30,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from llama_cases import rel  # noqa: E402  (relative error in the 2-norm, as the other stack tests)
 from xla_swap.stack import SwappedStack, causal_lm_stages  # noqa: E402
-from xla_swap.stack_config import ParallelConfig, TrainingConfig
-from xla_swap.torch_bridge import inputs_to_jax  # noqa: E402
+from xla_swap.stack.config import ParallelConfig, TrainingConfig
+from xla_swap.stack.torch_bridge import inputs_to_jax  # noqa: E402
 
 V, D, F = 512, 64, 176
 PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -264,7 +264,7 @@ def test_eval_mode_dropout_and_decoder_layers():
     pm = lora(lora_dropout=0.1).eval()           # eval mode: peft's dropout is the identity
     first, layers, last = causal_lm_stages(pm)
     assert layers == list(pm.get_base_model().model.layers)
-    from xla_swap.hf import decoder_layers
+    from xla_swap.hf.causal_lm import decoder_layers
     assert decoder_layers(pm) is pm.get_base_model().model.layers
 
 

@@ -2,7 +2,7 @@
 
 Model: the layer stack of the training example, ``examples/train_decoder.py`` with its default
 ``Config()`` (8 layers, D=128, 4 heads, seq 64, batch 8; each compile takes 2-3 s here). One
-training step - ``xla_swap.frontend.scan`` over the stacked weights with the planner's policy
+training step - ``xla_swap.lowering.scan`` over the stacked weights with the planner's policy
 (``planned_policy(cfg)``: params, grads and optimizer state on the host, ``ffn_act`` and the
 untagged intermediates rematerialised), loss ``(h ** 2).mean()``, the gradients of the stacked
 weights returned - is lowered with ``emit_annotations(True)`` + ``lower_fn`` and compiled by

@@ -1,4 +1,4 @@
-"""The torch entry point ``xla_swap.stack.SwappedStack`` against plain torch.
+"""The torch entry point ``xla_swap.stack.swapped_stack.SwappedStack`` against plain torch.
 
 A ``transformers`` Llama decoder (random init from a config) trained 20 steps through the
 entry point (weights, gradients and AdamW state in ``pinned_host``, layers streamed) must
@@ -18,7 +18,7 @@ import torch
 from llama_cases import V, ce, make_model, rel
 from xla_swap.planning import AdamW, OffloadPolicy
 from xla_swap.stack import SwappedStack, causal_lm_stages
-from xla_swap.stack_config import AutotuneConfig, CompileConfig, ParallelConfig, TrainingConfig
+from xla_swap.stack.config import AutotuneConfig, CompileConfig, ParallelConfig, TrainingConfig
 
 pytestmark = pytest.mark.spmd
 
@@ -148,7 +148,7 @@ def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="param_dtype"):   # mixed precision has one form: mp_policy
         SwappedStack(layers, param_dtype=torch.bfloat16)
     # a keyword that moved into a group is refused with where it goes now; the group does have that field
-    from xla_swap.stack_checks import MOVED_KEYWORDS
+    from xla_swap.stack.checks import MOVED_KEYWORDS
     groups = {"parallel": ParallelConfig, "training": TrainingConfig, "autotune": AutotuneConfig,
               "compilation": CompileConfig, "policy": OffloadPolicy}
     for k, where in MOVED_KEYWORDS.items():

@@ -36,7 +36,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from llama_cases import batches, ce, make_model
 from xla_swap.stack import SwappedStack, causal_lm_stages
-from xla_swap.stack_config import ParallelConfig
+from xla_swap.stack.config import ParallelConfig
 
 TOL = 1e-5
 # eps=1e-6 keeps each element's first AdamW steps linear in its gradient (see test_stack_optim.py).

@@ -15,7 +15,7 @@ import torch
 
 from llama_cases import batches, ce, hf_groups, make_model, warmup_cosine
 from xla_swap.stack import SwappedStack, causal_lm_stages
-from xla_swap.stack_config import ParallelConfig, TrainingConfig
+from xla_swap.stack.config import ParallelConfig, TrainingConfig
 
 TOL = 1e-5
 

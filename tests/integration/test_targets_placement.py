@@ -25,8 +25,8 @@ from jax.sharding import PartitionSpec as P
 from llama_cases import V, ce, make_model, rel
 from xla_swap.planning import OffloadPolicy
 from xla_swap.stack import SwappedStack, causal_lm_stages
-from xla_swap.stack_config import ParallelConfig
-from xla_swap.torch_bridge import tensor_pieces, tensor_to_sharding, to_numpy
+from xla_swap.stack.config import ParallelConfig
+from xla_swap.stack.torch_bridge import tensor_pieces, tensor_to_sharding, to_numpy
 
 pytestmark = pytest.mark.spmd
 

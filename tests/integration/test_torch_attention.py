@@ -1,4 +1,4 @@
-"""torch SDPA in the GPU torchax environment (``xla_swap.torch_attention``) against torch eager.
+"""torch SDPA in the GPU torchax environment (``xla_swap.stack.torch_attention``) against torch eager.
 
 On a machine without a GPU the environment's cuDNN path refuses at trace time (``cuDNN is not
 detected``) and every call takes the reference (torch's math, run by XLA): these tests check the
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from xla_swap import torch_attention
+from xla_swap.stack import torch_attention
 
 F = torch.nn.functional
 

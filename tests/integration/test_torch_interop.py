@@ -24,7 +24,8 @@ import sys
 import pytest
 import torch
 
-from xla_swap.stack import SwappedStack, torch_matmul_precision
+from xla_swap.stack import SwappedStack
+from xla_swap.stack.swapped_stack import torch_matmul_precision
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

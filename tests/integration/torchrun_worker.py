@@ -33,7 +33,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from xla_swap.hf import causal_lm_stages  # noqa: E402
 from xla_swap.stack import SwappedStack  # noqa: E402
-from xla_swap.torch_bridge import to_torch  # noqa: E402
+from xla_swap.stack.torch_bridge import to_torch  # noqa: E402
 
 r, n = (xd.rank(), xd.world_size()) if per_rank else (0, 1)
 # WORKER_CUDA=1 (on GPUs): the batches as CUDA tensors on this process's GPU

@@ -4,7 +4,7 @@
 (``.venv-tf-low``). Where the bottom lacks what the stages need, the test expects the refusal, with its
 message, below the first tested version that has it; from that version on it runs the full check, unchanged:
 
-* a family :data:`xla_swap.hf_refusals.NEEDS_TRANSFORMERS` lists (CodeGen) is refused by name below its version
+* a family :data:`xla_swap.hf.refusals.NEEDS_TRANSFORMERS` lists (CodeGen) is refused by name below its version
   (:func:`needs_newer`);
 * Phi-3's longrope below :data:`LONGROPE_TRACED_FROM` picks its short or long factors with a Python branch on
   the largest position id (``if seq_len > original_max_position_embeddings``), which a traced stage cannot
@@ -15,7 +15,7 @@ import pytest
 import transformers
 from packaging.version import Version
 
-from xla_swap.hf_refusals import NEEDS_TRANSFORMERS
+from xla_swap.hf.refusals import NEEDS_TRANSFORMERS
 
 #: the first tested transformers version whose longrope rotary embedding traces (``torch.where``).
 LONGROPE_TRACED_FROM = "5.24"
@@ -33,7 +33,7 @@ def older_than(version: str) -> bool:
 
 
 def needs_newer(cls_name: str):
-    """The refusal :func:`xla_swap.hf_refusals.refuse_old_transformers` gives causal LM class ``cls_name`` under
+    """The refusal :func:`xla_swap.hf.refusals.refuse_old_transformers` gives causal LM class ``cls_name`` under
     the installed transformers (the whole message), or ``None`` where that version is new enough."""
     need = NEEDS_TRANSFORMERS.get(cls_name)
     version = ".".join(map(str, need[0])) if need else None

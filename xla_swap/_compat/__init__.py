@@ -12,7 +12,7 @@ the versions it was verified on. When an API is missing (an upstream release ren
 removed it) the wrapper raises :class:`MissingUpstreamAPI` naming that API and the installed
 version, instead of an ``AttributeError`` deep inside xla_swap. The rest of the package calls
 these wrappers and no private upstream API directly (``tests/integration/test_layering.py``
-checks the sources; ``xla_swap/stack.py`` and ``xla_swap/executors/streaming.py`` are listed
+checks the sources; ``xla_swap/stack/swapped_stack.py`` and ``xla_swap/executors/streaming/runtime.py`` are listed
 there as the known exceptions).
 
 This package's ``__init__`` imports nothing heavy: ``import xla_swap._compat.jax`` loads jax

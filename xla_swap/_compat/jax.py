@@ -6,7 +6,7 @@ torch_xla blocked).
 
 What is wrapped, by the part of xla_swap that needs it:
 
-* MLIR modules (:mod:`xla_swap.executors.pjrt`, :mod:`xla_swap.frontend.offload`):
+* MLIR modules (:mod:`xla_swap.executors.pjrt`, :mod:`xla_swap.lowering.offload`):
   :func:`make_ir_context`, :func:`module_to_bytecode`, :func:`ir_element_type_factories`,
   :func:`hlo_to_stablehlo`, :func:`stablehlo_to_hlo_proto`.
 * HLO shardings and jax shardings (pjrt): :func:`parse_hlo_sharding`,
@@ -19,7 +19,7 @@ What is wrapped, by the part of xla_swap that needs it:
 * jax's in-memory caches (tests that a dropped runtime releases them): :func:`tracing_cache_entries`.
 * Whether jax's backends (the PJRT clients) have started (:mod:`xla_swap.executors.host_pool`):
   :func:`backends_initialized`.
-* cuDNN's fused attention with a bias that gets no gradient (:mod:`xla_swap.torch_attention`):
+* cuDNN's fused attention with a bias that gets no gradient (:mod:`xla_swap.stack.torch_attention`):
   :func:`cudnn_attention_fixed_bias`.
 
 Verified versions (:data:`VERIFIED`): jax/jaxlib 0.10.2 on CPU (Python 3.11, ``make test``)

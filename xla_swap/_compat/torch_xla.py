@@ -1,6 +1,6 @@
 """The private torch_xla (and torch) APIs the torch_xla front end calls, each wrapped once.
 
-Imported by :mod:`xla_swap.frontend` only (it imports torch and torch_xla; the executors, the
+Imported by :mod:`xla_swap.lowering` only (it imports torch and torch_xla; the executors, the
 planner and ``xla_swap.stack`` never import it).
 
 What is wrapped:

@@ -15,7 +15,7 @@ import math
 import os
 from typing import Callable, MutableMapping
 
-from .pjrt_host_memory import DEFAULT_GPU_HOST_MEMORY_LIMIT_GB, HOST_MEMORY_LIMIT_ENV
+from .pjrt.host_memory import DEFAULT_GPU_HOST_MEMORY_LIMIT_GB, HOST_MEMORY_LIMIT_ENV
 
 __all__ = ["ensure_host_memory_limit", "HOST_MEMORY_LIMIT_ENV"]
 

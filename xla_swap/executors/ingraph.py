@@ -10,7 +10,7 @@ section 5: the per-stage buffers run at the floor, the stacked form about 1.5x i
 ahead XLA prefetches is XLA's choice (its scheduler); ``copy_start_count`` and
 ``memory_report`` of the compiled program tell what it did.
 
-Compared with :class:`xla_swap.executors.streaming.StreamingRuntime`: one executable and
+Compared with :class:`xla_swap.executors.streaming.runtime.StreamingRuntime`: one executable and
 no host-side dispatch per stage, but no control over device memory: in a forward XLA keeps
 about two stages of weights, in a training step it prefetches without bound (section 6), so
 only the forward is offered here.
@@ -25,7 +25,7 @@ import jax
 from jax.sharding import SingleDeviceSharding
 
 from .report import MemoryReport, compiled_report, entry_layout, stats_dict
-from ._stages import (DEVICE_KIND, HOST_KIND, aval_key, check_carry_dtypes, check_input_dtypes, check_memory_kinds,
+from .pytrees import (DEVICE_KIND, HOST_KIND, aval_key, check_carry_dtypes, check_input_dtypes, check_memory_kinds,
                       describe, stage_fns, tree_aval, tree_nbytes)
 
 __all__ = ["InGraphRuntime"]

@@ -9,7 +9,7 @@ fastest predicted candidate that fits wins. :func:`evaluate_choice` predicts one
 are in docs/reference/planner.md, "The chooser".
 
 Framework-neutral: pure Python, imports neither torch, torch_xla nor jax (the measurement that
-feeds it, :func:`xla_swap.executors.calibrate.calibrate`, lives on the executor side).
+feeds it, :func:`xla_swap.executors.streaming.calibrate.calibrate`, lives on the executor side).
 Units: bytes, seconds, GB/s (1e9 bytes/s).
 """
 from __future__ import annotations
@@ -373,7 +373,7 @@ def _better(a: ScheduleChoice, b: ScheduleChoice) -> bool:
 
 class ChoiceCache(LRUCache):
     """Chosen schedules kept in memory, keyed by ``(stage signatures, input signature, budget bytes,
-    training)`` (any hashables the caller derives; ``xla_swap.executors.calibrate`` uses the
+    training)`` (any hashables the caller derives; ``xla_swap.executors.streaming.calibrate`` uses the
     stages' parameter and input shapes and dtypes, the input's with the chooser's options), least
     recently used dropped beyond ``maxsize`` (:class:`~xla_swap.planning.cache.LRUCache`).
 
@@ -398,5 +398,5 @@ class ChoiceCache(LRUCache):
         super().put(key, schedule)
 
 
-#: The process-wide cache used by ``xla_swap.executors.calibrate.autotune`` and ``SwappedStack.autotune``.
+#: The process-wide cache used by ``xla_swap.executors.streaming.calibrate.autotune`` and ``SwappedStack.autotune``.
 CHOICES = ChoiceCache()

@@ -75,7 +75,7 @@ def check_budget_bytes(value, name: str = "budget_bytes", *, optional: bool = Fa
     """``value`` as a device-memory budget: an ``int`` number of bytes in ``1..MAX_BYTES``.
 
     The one check of every entry point that takes a budget (``plan``, ``choose_schedule``,
-    ``xla_swap.executors.calibrate.autotune``, ``SwappedStack(budget_bytes=...)`` and its
+    ``xla_swap.executors.streaming.calibrate.autotune``, ``SwappedStack(budget_bytes=...)`` and its
     ``autotune``, ``generate``'s ``device_budget_bytes``), so a bad value fails alike at each.
 
     Args:

@@ -1,0 +1,5 @@
+"""The streaming runtime: one jitted executable per stage, weights fetched from ``pinned_host`` a prefetch
+depth ahead; its configuration, per-stage store, compilation, executor, decode and calibration."""
+from xla_swap.executors.streaming.runtime import StreamingRuntime
+
+__all__ = ["StreamingRuntime"]

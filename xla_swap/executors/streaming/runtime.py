@@ -1,0 +1,599 @@
+"""Streaming (swapping) runtime for layered models: the "CPU swapping runtime" of Alpa #694.
+
+Each stage (layer) of a model is one jitted executable. Every stage's weights live in host
+memory (memory kind ``pinned_host``) as *separate* per-stage buffers; while stage ``i``
+computes, the weights of stages ``i+1 .. i+k`` are being copied to the device
+asynchronously (``jax.device_put`` to memory kind ``device`` returns at once; the order in
+which the host dispatches copies and executables is what makes them overlap). ``k`` is the
+prefetch depth.
+
+Why this shape: docs/explanation/design.md, "One ``pinned_host`` buffer per layer" and "Streaming: one
+executable per stage, prefetch depth k" (figures in docs/explanation/measured-facts.md, sections 4-6). The runtime
+holds its parts (``RuntimeParts``, parts.py), each owning its own state; this module holds its constructor
+and entry points.
+
+What outlives a runtime: nothing of its own. Its executables (per input signature, at most
+``max_signatures``), its jitted loss functions (at most :data:`MAX_LOSS_FNS`), its weights,
+optimizer state and the stages carried to the next call are held by the runtime alone and
+freed when it is dropped, by reference counting (it holds no reference cycle). It traces and
+compiles its own wrappers of the caller's stage and loss functions, never the caller's
+function objects: jax keys its tracing caches weakly on the traced function and on each
+``jax.jit`` instance, so tracing a long-lived (module-level) function from every new runtime
+would add entries that live as long as that function. What stays are jax's own caches, bounded
+by jax (its jit-parameter cache holds 2048 entries in jax 0.10; ``jnp.einsum``, which torchax's
+``F.linear`` calls, adds entries there keyed on jax's own function, kept until evicted), and in
+``xla_swap.planning`` the chooser's ``CHOICES`` (64 choices) and ``PrefetchSchedule``'s derived
+fields (256). ``tests/executors/test_release.py`` checks this; ``benchmarks/leak_cycles.py``
+measures RSS over construct / call / drop cycles. With jax's persistent compilation cache on,
+every executable loaded from it interns its cache file name (``pathlib``) for the call: the
+live interned strings do not grow, but CPython's interned-string table is rebuilt once at twice
+its slots (about 0.9 MiB at 2^17; ``benchmarks/leak_interned.py``).
+
+The module imports only numpy and jax (no torch, no torch_xla).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.sharding import Sharding
+
+from xla_swap.planning.optimizer import AdamW
+from xla_swap.planning.policy import OffloadPolicy
+
+from .. import optim as _optim
+from .compilation import MAX_LOSS_FNS, Signature, StageCompiler
+from .config import (DEFAULT_MAX_SIGNATURES, BackwardMode, RuntimeConfig, check_flag, check_trace, check_train_args,
+                     remat_from_policy)
+from .forwarding import Forwarded
+from .instrumentation import ResidencyTracker, RuntimeInspector
+from .loop import StreamExecutor
+from .parts import RuntimeParts
+from .placement import (ActivationLayout, activation_shardings, check_placement_args, flatten_stage_params,
+                        leaf_sharding_rule, leaf_shardings, num_stages_of)
+from .stage_store import StageStore
+from ..trace import StageEvent, TraceRecorder
+from .update_pass import OptimizerSteps
+from ..pytrees import stage_fns, tree_nbytes
+
+__all__ = ["StreamingRuntime", "StageEvent", "TraceRecorder", "tree_nbytes", "DEFAULT_MAX_SIGNATURES",
+           "MAX_LOSS_FNS", "Signature", "remat_from_policy"]
+
+
+class StreamingRuntime:
+    """Run a stack of stages with host-resident weights streamed to the device k stages ahead.
+
+    Args:
+      stage_fn: ``stage_fn(params_i, h) -> h``: one stage (layer). ``params_i`` is the
+        pytree ``stage_params[i]`` (in device memory) and ``h`` the activation (the carry
+        between stages): one array or a pytree of arrays; it returns the next stage's
+        ``h`` (an array or a pytree of arrays; a pytree carry lets one layer be split
+        into several stages, e.g. an FFN's column chunks with ``(x, partial_sum)``, or
+        carry per-call constants such as an attention mask or integer position ids
+        alongside the hidden state). Either one callable shared by every stage
+        (then every stage's params must have the same tree structure, leaf shapes and
+        dtypes), or a sequence with one callable per stage. One executable is compiled per
+        distinct (callable, params signature, input signature): an L-layer stack of
+        identical layers compiles one forward (and, for training, one backward) executable.
+      stage_params: non-empty sequence of per-stage pytrees of arrays (numpy arrays or
+        ``jax.Array``, any dtype). Each leaf is copied once into its own ``pinned_host``
+        buffer (a leaf that already is a jax array with the target ``pinned_host`` sharding
+        is used as is, without a copy, unless ``optimizer`` is given). Integer and bool
+        leaves are constants: they get no gradient and no update.
+      prefetch_depth: k >= 1: how many stages ahead weights are transferred. While stage i
+        computes, stages i+1..i+k are being copied in; at most k+1 stages' weights are held
+        on the device. k >= L holds every stage.
+      device: a ``jax.Device`` holding every stage (default ``jax.devices()[0]``). Not
+        together with ``sharding``.
+      sharding: for several devices: a ``jax.sharding.Sharding`` used for every parameter
+        leaf, or a callable ``(stage_index, leaf_path, leaf) -> Sharding``. Its memory
+        kind is ignored: the runtime uses ``pinned_host`` for the resident copy and
+        ``device`` for the streamed copy.
+      activation_sharding: sharding of ``h`` between stages (memory kind ``device``).
+        Default: ``device`` itself, or for a ``NamedSharding`` the same mesh fully
+        replicated. Required when ``sharding`` is a callable or another Sharding type.
+      batch_axis: data parallelism: the name of a mesh axis of ``activation_sharding`` (a
+        ``NamedSharding``) to split the activations' leading (batch or token) dimension
+        over. Every activation leaf (stage inputs and outputs, kept inputs, cotangents)
+        whose leading dimension is a multiple of that axis' size is sharded on it; other
+        leaves (scalars, an attention mask of batch 1) keep ``activation_sharding``. With
+        weights sharded over the same axis (``sharding``) this is FSDP / ZeRO-3: each
+        device pulls its own weight shard from host memory and XLA all-gathers the stage's
+        weights on the device. Default ``None``: activations as ``activation_sharding``.
+      donate: donate buffers the runtime owns to the backward executables: a stage's
+        streamed device weights (their memory then holds that stage's parameter
+        gradients or updated weights) and the output cotangent (when it has the stage
+        input's shape and dtype). The user's arrays are never donated. Off for a call
+        that is traced (``trace``).
+      own_params: the leaves of ``stage_params`` become the runtime's: a leaf that already is a
+        jax array placed where the runtime keeps it (``pinned_host``, or device memory for a
+        ``resident`` stage, with the leaf's sharding) is used as is even with an ``optimizer``
+        (which otherwise copies it, so that its updates never touch the caller's arrays). The
+        caller must not use those arrays afterwards. A caller that places each stage in
+        ``pinned_host`` as it reads it (``SwappedStack``) thus holds the weights once, not twice.
+        The same holds for the arrays of a given ``optimizer_state``. Default ``False``.
+      max_grad_norm: with ``optimizer``: every update clips the gradients to this global 2-norm (as
+        ``train_step(max_grad_norm=...)`` does for one step; a step's own value takes precedence).
+        Default ``None``: no clip unless a step asks for one.
+      throttle: bound device memory for real, not only the runtime's references: after
+        dispatching stage i's computation, the host waits until stage i-1's computation
+        (forward) or the copy of stage i+1's gradients to host (backward) is complete
+        before issuing the next weight transfer. The device is never idle for it (stage
+        i is already queued). ``False`` lets the host run ahead.
+      track_residency: after each stage, count the stages whose runtime-created device
+        buffers are alive (``jax.live_arrays()``); see ``max_resident_stages``. Costs a scan
+        of all live arrays per stage; turn off for timing.
+      trace: a ``TraceRecorder`` (``xla_swap.executors.TraceRecorder``) that records every
+        call's transfers and computations as ``StageEvent`` s (seconds since the call's start);
+        ``forward`` / ``train_step`` also take one per call. ``None`` (default): no tracing.
+        A traced call does not donate buffers.
+      remat: what ``train_step`` keeps from each stage's forward for its backward.
+        ``True`` (default): only the stage input; the backward recomputes the stage's
+        forward. ``False``: every residual of ``jax.vjp(stage_fn)`` except the stage's
+        weights and input. A ``jax.checkpoint_policies`` policy: the residuals that
+        ``jax.checkpoint(stage_fn, policy=remat)`` saves. The saved residuals stay in
+        device memory (``residual_nbytes`` has the bytes kept per stage).
+      resident: per stage, ``True`` keeps that stage's weights (and optimizer state) in
+        device memory for good: it is never transferred (partial residency). Default: no
+        stage resident.
+      grads_to_host: ``True`` (default) sends each stage's parameter gradients to
+        ``pinned_host`` as soon as its backward produced them; ``False`` returns them in
+        device memory (they then add up on the device). Unused with ``optimizer``.
+      optimizer: an ``xla_swap.planning.AdamW``, or a sequence of them (one per parameter group,
+        equal ``state_dtype``; ``group_of`` assigns the leaves): ``train_step`` then applies the update
+        per stage on the device right after the stage's backward (weights and moments
+        prefetched with the weights, the update fused into the backward executable) and
+        sends the new weights and moments back; ``host_params`` and ``optimizer_state``
+        hold them. Gradients do not leave the device. ``param_groups`` holds the groups'
+        configurations; every one of their hyperparameters (lr, weight decay, betas, eps) is a
+        traced input of the update, read at each ``train_step``: assign new configurations (a
+        schedule) between steps without a recompile.
+      optimizer_state_on_host: where the moments live between steps: ``pinned_host``
+        (default, streamed with the weights) or device memory.
+      optimizer_state: with ``optimizer``, the initial moments instead of zeros: per stage a
+        list of ``(m, v)`` pairs, one per trainable leaf, as ``optimizer_state`` holds them
+        (numpy or jax arrays, any memory; e.g. another runtime's). They are copied into place
+        (never aliased or donated); no zero state is allocated first, so carrying a state over
+        (``xla_swap.executors.streaming.calibrate.reconfigure``) does not hold it twice in device memory.
+      group_of: with ``optimizer``: ``(stage_index, leaf_path) -> int``, the parameter group
+        (index into ``param_groups``) of each trainable leaf (default: every leaf in group 0).
+      trainable: ``(stage_index, leaf_path) -> bool``: which floating leaves get gradients and
+        the optimizer's update (default: all). The others (frozen weights, e.g. a LoRA model's
+        base, or a rotary frequency buffer) are constants of every vjp: no gradient of theirs is
+        computed or returned, and an update never sends them back to host memory.
+      max_signatures: how many input signatures (structure, shapes, dtypes of ``h``) keep
+        their compiled executables; the least recently used is dropped beyond it (a bounded
+        cache: serving several batch sizes and sequence lengths with one runtime).
+      offload_activations: in ``train_step``, send each stage's kept input (and, with
+        ``remat`` other than ``True``, its saved residuals) to ``pinned_host`` once the stage
+        has been dispatched, and bring it back ``prefetch_depth`` stages ahead in the backward,
+        next to the weights (activation offload; the last k+1 stages keep theirs on the device).
+        Device memory for kept activations drops from L stages to about 2k+1.
+      prefetch_next_call: treat the schedule as cyclic across calls (default ``True``): a
+        ``forward`` keeps streaming at its tail and leaves the first ``min(k, L)`` stages'
+        weights in device memory for the next call; a ``train_step`` leaves them there
+        from its backward (with ``optimizer``, the updated weights it just computed; without
+        one, the streamed copy its backward used, which is then not donated). The next call
+        (``forward`` or ``train_step``) starts computing at once instead of waiting for
+        stage 0's transfer, and in a serving or training loop the link and the device never
+        idle at a call boundary. A ``train_step``'s backward keeps stage k's weights too
+        (its backward's copy, or the updated weights), in the window slot that stage -1 would
+        have used, so the next forward starts with k+1 stages and a training step moves
+        2L-2k-2 stages of weights in (the last k+1 stay on the device at the turn from forward to
+        backward). The live set during a call stays at k+1 stages; between calls up to k
+        (k+1 after a ``train_step``) stages' weights stay in device memory (``prefetched_stages``,
+        ``release_prefetched()``). A carried stage is used only while ``host_params[i]`` is
+        the same object it was copied from (replacing it invalidates the copy).
+
+    Device memory (bytes), with S = the largest stage's weight bytes (``stage_nbytes``). Which
+      stage's weights are on the device at each step is ``schedule(training)`` (an
+      ``xla_swap.planning.PrefetchSchedule``, the model the planner uses too): its
+      ``max_live_stages`` is at most k+1 streamed stages, what ``max_resident_stages`` measures,
+      and ``peak_live_bytes(stage_nbytes)`` their bytes (at most (k+1)*S). Forward: those
+      weights plus two activations; ``train_step``: those weights and their parameter gradients
+      (plus, with ``optimizer``, their moments), plus the L+1 stage inputs kept for the backward
+      and the stage executables' temporaries (``executable_memory()``), plus with ``remat``
+      other than ``True`` the saved residuals (``residual_nbytes``), plus resident stages. The
+      bound is physical with ``throttle=True``. Between calls: the schedule's ``carried_out``
+      (k stages, k+1 after a ``train_step``; ``prefetch_next_call``). Host memory:
+      ``weight_nbytes`` of ``pinned_host`` (plus the moments, plus the returned gradients).
+
+    Raises:
+      TypeError: ``stage_fn`` (or an element) is not callable; a parameter leaf is not an
+        array, or has a dtype jax would narrow (``float64``/``complex128``, or a 64-bit integer
+        array with values beyond 32 bits, with ``jax_enable_x64`` off); ``device``/``sharding``/``activation_sharding`` has the wrong type;
+        ``prefetch_depth`` is not an int; a flag is not a bool; ``trace`` is not a
+        ``TraceRecorder``; ``remat`` is neither a
+        bool nor callable; ``optimizer`` is not an ``AdamW`` (or a sequence of them);
+        ``trainable`` or ``group_of`` not callable.
+      ValueError: ``prefetch_depth < 1``; ``stage_params`` is empty or not a sequence;
+        the number of stage functions differs from the number of stages; with one shared
+        ``stage_fn``, a stage's params differ from stage 0's in structure, shape or dtype
+        (the message names the stage and leaf); both ``device`` and ``sharding`` are
+        given; the device has no ``pinned_host`` memory; ``activation_sharding`` is
+        needed but missing; ``resident`` has the wrong length; ``max_signatures < 1``;
+        ``batch_axis`` is not an axis of ``activation_sharding``'s mesh; ``optimizer_state``
+        given without ``optimizer``, or not one list of ``(m, v)`` pairs per stage of the
+        trainable leaves' shapes and the optimizer's state dtype (the message names the stage);
+        ``group_of`` returns no valid group index (the message names the stage and leaf);
+        parameter groups with different ``state_dtype``; ``max_grad_norm`` not a finite number > 0,
+        or given without ``optimizer``.
+    """
+
+    def __init__(
+        self,
+        stage_fn: Callable | Sequence[Callable],
+        stage_params: Sequence[Any],
+        *,
+        prefetch_depth: int = 1,
+        device: jax.Device | None = None,
+        sharding: Sharding | Callable | None = None,
+        activation_sharding: Sharding | None = None,
+        batch_axis: str | None = None,
+        donate: bool = True,
+        throttle: bool = True,
+        track_residency: bool = True,
+        trace: TraceRecorder | None = None,
+        remat: bool | Callable = True,
+        resident: Sequence[bool] | None = None,
+        grads_to_host: bool = True,
+        optimizer: AdamW | Sequence[AdamW] | None = None,
+        optimizer_state_on_host: bool = True,
+        optimizer_state: Sequence | None = None,
+        trainable: Callable | None = None,
+        group_of: Callable | None = None,
+        max_signatures: int = DEFAULT_MAX_SIGNATURES,
+        offload_activations: bool = False,
+        prefetch_next_call: bool = True,
+        own_params: bool = False,
+        max_grad_norm: float | None = None,
+    ):
+        # validation first: no state changes before all of it passed
+        for name, flag in (("donate", donate), ("throttle", throttle), ("track_residency", track_residency),
+                           ("own_params", own_params)):
+            check_flag(name, flag)
+        check_trace(trace)
+        groups = _optim.check_optimizer(optimizer)
+        if group_of is not None and not callable(group_of):
+            raise TypeError(f"group_of must be a callable (stage_index, leaf_path) -> int, got {type(group_of).__name__}")
+        if trainable is not None and not callable(trainable):
+            raise TypeError(f"trainable must be a callable (stage_index, leaf_path) -> bool, "
+                            f"got {type(trainable).__name__}")
+        n = num_stages_of(stage_params)
+        #: the settings fixed at construction (a frozen ``RuntimeConfig``).
+        self.config: RuntimeConfig = RuntimeConfig(
+            n, prefetch_depth, resident, remat, offload_activations=offload_activations, grads_to_host=grads_to_host,
+            optimizer_state_on_host=optimizer_state_on_host, donate=donate, throttle=throttle,
+            track_residency=track_residency, prefetch_next_call=prefetch_next_call, max_signatures=max_signatures,
+            max_grad_norm=max_grad_norm)
+        if max_grad_norm is not None and groups is None:
+            raise ValueError("max_grad_norm needs an optimizer; without one the gradients are returned (clip them "
+                             "yourself)")
+        fns, shared = stage_fns(stage_fn, n)
+        flat = flatten_stage_params(stage_params, shared)
+        check_placement_args(device, sharding, activation_sharding, batch_axis)
+        base, leaf_sharding = leaf_sharding_rule(device, sharding)
+        act, batch_sh = activation_shardings(base, sharding, activation_sharding, batch_axis)
+        host_sh, dev_sh, train_mask, group_idx = leaf_shardings(flat, leaf_sharding, self.config.resident, trainable,
+                                                                groups, group_of)
+        avals = [jax.tree_util.tree_unflatten(td, [jax.ShapeDtypeStruct(x.shape, x.dtype) for _, x in leaves])
+                 for leaves, td in flat]
+        self._adopt(RuntimeParts.build(self.config, fns, stage_params, avals, (host_sh, dev_sh, train_mask, group_idx),
+                                       ActivationLayout(act, batch_axis, batch_sh), groups, optimizer_state,
+                                       own_params=own_params))
+        #: the ``TraceRecorder`` every call records into (``None``: no tracing).
+        self.trace = trace
+
+    def _adopt(self, parts: RuntimeParts) -> None:
+        """Hold ``parts``: each part is the attribute of its name (``config``, ``store``, ``executor``, ...)."""
+        #: the runtime's parts, made together (``RuntimeParts``).
+        self.parts: RuntimeParts = parts
+        self.config, self.layout, self.steps, self.store = parts.config, parts.layout, parts.steps, parts.store
+        self.compiler, self.residency, self.executor = parts.compiler, parts.residency, parts.executor
+        self.inspector = parts.inspector
+
+    def reconfigured(self, *, own_params: bool = False, **settings) -> "StreamingRuntime":
+        """A new runtime over this one's stages under another configuration: the same stage functions,
+        current weights and optimizer state (its step count too), shardings, trainable leaves, parameter
+        groups and ``trace``; its ``config`` is this one's with ``settings`` changed (``RuntimeConfig``
+        fields: ``prefetch_depth``, ``resident``, ``remat``, ``offload_activations``, ...).
+
+        ``own_params=False``: this runtime is left as it was (the new one holds copies where the
+        optimizer updates them); ``True``: the new runtime takes the arrays where they already sit, and this
+        one must not be called afterwards.
+
+        Raises: TypeError: an unknown setting, ``own_params`` not a bool; the ``RuntimeConfig`` errors for
+          a bad value; ValueError: accumulated gradients are pending (``grad_acc``: update first).
+        """
+        check_flag("own_params", own_params)
+        if "num_stages" in settings:
+            raise TypeError("num_stages: a reconfigured runtime runs the same stages")
+        parts = self.parts.reconfigured(self.config.replace(**settings), own_params=own_params)
+        return type(self).adopting(parts, trace=self.trace)
+
+    @classmethod
+    def adopting(cls, parts: RuntimeParts, *, trace: TraceRecorder | None = None) -> "StreamingRuntime":
+        """A runtime holding ``parts`` (made by ``RuntimeParts.build`` or ``reconfigured``), recording into ``trace``."""
+        check_trace(trace)
+        rt = cls.__new__(cls)
+        cls._adopt(rt, parts)
+        rt.trace = trace
+        return rt
+
+    # the settings (RuntimeConfig)
+    num_stages = Forwarded("config")
+    prefetch_depth = Forwarded("config")
+    resident = Forwarded("config")
+    remat = Forwarded("config")
+    donate = Forwarded("config")
+    throttle = Forwarded("config")
+    track_residency = Forwarded("config")
+    grads_to_host = Forwarded("config")
+    optimizer_state_on_host = Forwarded("config")
+    max_signatures = Forwarded("config")
+    offload_activations = Forwarded("config")
+    prefetch_next_call = Forwarded("config")
+    max_grad_norm = Forwarded("config")
+    # where activations live (ActivationLayout)
+    activation_sharding = Forwarded("layout", of=ActivationLayout)
+    batch_axis = Forwarded("layout", of=ActivationLayout)
+    activation_sharding_of = Forwarded("layout", of=ActivationLayout)
+    runs_replicated = Forwarded("layout", of=ActivationLayout)
+    input_sharding_of = Forwarded("layout", of=ActivationLayout)
+    loss_args_sharding_of = Forwarded("layout", of=ActivationLayout)
+    _act = Forwarded("layout", "act", of=ActivationLayout)
+    # the stages' arrays (StageStore)
+    host_params = Forwarded("store", of=StageStore)
+    optimizer_state = Forwarded("store", of=StageStore)
+    grad_acc = Forwarded("store", of=StageStore)
+    micro_batches = Forwarded("store", of=StageStore)
+    stage_nbytes = Forwarded("store", of=StageStore)
+    weight_nbytes = Forwarded("store", of=StageStore)
+    optimizer_state_nbytes = Forwarded("store", of=StageStore)
+    trainable_paths = Forwarded("store", of=StageStore)
+    load_stage = Forwarded("store", of=StageStore)
+    _carry = Forwarded("store", "carry", of=StageStore)
+    # the optimizer (OptimizerSteps)
+    optimizer = Forwarded("steps", of=OptimizerSteps)
+    param_groups = Forwarded("steps", settable=True, of=OptimizerSteps)
+    step = Forwarded("steps", settable=True, of=OptimizerSteps)
+    last_grad_norm = Forwarded("steps", of=OptimizerSteps)
+    last_step_skipped = Forwarded("steps", of=OptimizerSteps)
+    # the executables (StageCompiler)
+    STAGE_KINDS = StageCompiler.STAGE_KINDS
+    num_executables = Forwarded("compiler", of=StageCompiler)
+    num_signatures = Forwarded("compiler", of=StageCompiler)
+    clear_executables = Forwarded("compiler", of=StageCompiler)
+    stage_fns = Forwarded("compiler", of=StageCompiler)
+    stage_fn_ids = Forwarded("compiler", of=StageCompiler)
+    signature = Forwarded("compiler", of=StageCompiler)
+    stage_executable = Forwarded("compiler", of=StageCompiler)
+    _signature = Forwarded("compiler", "signature", of=StageCompiler)
+    _fns = Forwarded("compiler", "fns", of=StageCompiler)
+    _traced_fns = Forwarded("compiler", "traced_fns", of=StageCompiler)
+    _sigs = Forwarded("compiler", "sigs", of=StageCompiler)
+    _loss_jits = Forwarded("compiler", "loss_jits", of=StageCompiler)
+    _loss_shapes = Forwarded("compiler", "loss_shapes", of=StageCompiler)
+    # the calls (StreamExecutor) and what they leave to read
+    schedule = Forwarded("executor", of=StreamExecutor)
+    last_schedule = Forwarded("executor", of=StreamExecutor)
+    executed_events = Forwarded("executor", of=StreamExecutor)
+    offloaded_activation_nbytes = Forwarded("executor", of=StreamExecutor)
+    residual_nbytes = Forwarded("executor", of=StreamExecutor)
+    max_resident_stages = Forwarded("residency", of=ResidencyTracker)
+    residency_trace = Forwarded("residency", of=ResidencyTracker)
+    resident_stages = Forwarded("residency", of=ResidencyTracker)
+    reset_stats = Forwarded("residency", of=ResidencyTracker)
+    memory_report = Forwarded("inspector", of=RuntimeInspector)
+    executable_memory = Forwarded("inspector", of=RuntimeInspector)
+    executable_hlo = Forwarded("inspector", of=RuntimeInspector)
+    stage_input_nbytes = Forwarded("inspector", of=RuntimeInspector)
+    layer_cost = Forwarded("inspector", of=RuntimeInspector)
+    stage_cost_bytes = Forwarded("inspector", of=RuntimeInspector)
+
+    @property
+    def param_avals(self) -> tuple:
+        """Per stage, the weights' shapes and dtypes: a pytree of ``jax.ShapeDtypeStruct`` like
+        ``host_params[i]`` (read-only)."""
+        return tuple(lay.param_aval for lay in self.store.layouts)
+
+    @property
+    def device_shardings(self) -> tuple:
+        """Per stage, the shardings (memory kind ``device``) its weights get when streamed in: a
+        pytree of ``jax.sharding.Sharding`` like ``host_params[i]`` (read-only)."""
+        return tuple(lay.device_sharding for lay in self.store.layouts)
+
+    @property
+    def optimizer_state_device_shardings(self) -> tuple:
+        """Per stage, the device shardings of its optimizer state: a list of ``(m, v)`` sharding
+        pairs like ``optimizer_state[i]`` (a copy; empty lists without an optimizer)."""
+        return tuple(list(lay.state_device) for lay in self.store.layouts)
+
+    @property
+    def trainable_mask(self) -> tuple:
+        """Per stage, a tuple of bools, one per leaf of ``host_params[i]`` in leaf order: whether
+        the optimizer updates it (the floating leaves ``trainable`` selects)."""
+        return tuple(lay.train_mask for lay in self.store.layouts)
+
+    @property
+    def group_idx(self) -> list[tuple[int, ...]]:
+        """Per stage, the parameter group of each trainable leaf (in leaf order)."""
+        return [lay.groups for lay in self.store.layouts]
+
+    @classmethod
+    def from_policy(cls, stage_fn, stage_params, policy: OffloadPolicy, *, optimizer: AdamW | None = None,
+                    **kwargs) -> "StreamingRuntime":
+        """A runtime that applies ``policy`` (the planner's ``Plan.policy`` or one written by hand).
+
+        The policy's fields map as follows: ``params="host"`` streams every stage,
+        ``"device"`` keeps every stage resident; ``grads`` -> ``grads_to_host``;
+        ``optimizer_state`` -> ``optimizer_state_on_host``; ``prefetch_depth``;
+        ``remat`` and ``activations``: ``remat=True`` recomputes each stage in the
+        backward, keeping the activations named ``"device"`` in ``policy.activations``
+        (``jax.ad_checkpoint.checkpoint_name``) through
+        ``jax.checkpoint_policies.save_only_these_names``; ``remat=False`` keeps every
+        residual.
+
+        Args:
+          stage_fn, stage_params: as for the constructor.
+          policy: an ``xla_swap.planning.OffloadPolicy``.
+          optimizer: an ``xla_swap.planning.AdamW`` or ``None``.
+          **kwargs: the other constructor arguments (``device``, ``sharding``, ...); those
+            the policy decides may not be given.
+
+        Raises:
+          TypeError: ``policy`` is not an ``OffloadPolicy``.
+          ValueError: ``policy.activations`` offloads names to the host (kept in device
+            memory by this runtime: not supported here); a keyword the policy decides is
+            also given; the constructor's errors.
+        """
+        if not isinstance(policy, OffloadPolicy):
+            raise TypeError(f"policy must be an xla_swap.planning.OffloadPolicy, got {type(policy).__name__}")
+        decided = {"prefetch_depth", "resident", "grads_to_host", "optimizer_state_on_host", "remat"}
+        clash = sorted(decided & set(kwargs))
+        if clash:
+            raise ValueError(f"{', '.join(clash)}: decided by the policy; change the policy instead")
+        try:
+            n = len(stage_params)
+        except TypeError:
+            n = None
+        resident = None if n is None or policy.params == "host" else [True] * n
+        return cls(stage_fn, stage_params, prefetch_depth=policy.prefetch_depth, resident=resident,
+                   grads_to_host=policy.grads == "host", optimizer=optimizer,
+                   optimizer_state_on_host=policy.optimizer_state == "host", remat=remat_from_policy(policy),
+                   **kwargs)
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def prefetched_stages(self) -> list[int]:
+        """Stages whose weights are held in device memory for the next call (``prefetch_next_call``), sorted."""
+        return sorted(self.store.carry)
+
+    def release_prefetched(self) -> None:
+        """Drop the weights held in device memory for the next call (frees up to k stages' weights;
+        the next call then streams its first stages again)."""
+        self.store.set_carry({})
+
+    def output_aval(self, h):
+        """Shape and dtype of ``forward(h)`` without running anything (traces on first use of a signature).
+
+        Returns: a ``jax.ShapeDtypeStruct`` (or a pytree of them for a pytree carry).
+
+        Raises: as ``forward``.
+        """
+        return self.compiler.signature(h).chain[-1]
+
+    def forward(self, h, *, trace: TraceRecorder | None = None):
+        """Run every stage in order, streaming weights ``prefetch_depth`` stages ahead.
+
+        Args:
+          h: the input activation: a numpy or jax array, or a pytree of them. Each new
+            structure/shape/dtype signature is traced and compiled once (before any
+            transfer) and cached (at most ``max_signatures``, least recently used dropped).
+          trace: a ``TraceRecorder`` for this call (instead of the constructor's ``trace``).
+
+        Returns:
+          ``jax.Array`` (or pytree) on the device (``activation_sharding``), shaped like
+          the last stage's output. Asynchronous: call ``jax.block_until_ready`` to wait.
+
+        Raises:
+          TypeError: a leaf of ``h`` is not an array; a leaf's dtype is one jax would narrow
+            (``float64``/``complex128``, or a 64-bit integer array with values beyond 32 bits,
+            with ``jax_enable_x64`` off); a stage whose ``stage_fn`` and parameters the next
+            stage shares returns the carry in other dtypes than it got (e.g. an ``int32`` or
+            ``float16`` ``h`` promoted by ``float32`` weights): the message names the leaf,
+            the dtype got and the one expected; a stage returns no array or a non-array leaf;
+            ``trace`` is not a ``TraceRecorder``.
+          ValueError: a leaf of ``h`` is a deleted jax array; a stage function fails to
+            trace (message names the stage).
+        """
+        check_trace(trace)
+        return self.executor.run(h, train=False, recorder=trace if trace is not None else self.trace)[0]
+
+    __call__ = forward
+
+    def train_step(self, h, loss_fn: Callable | None = None, *, cotangent=None, loss_args: tuple = (),
+                   lr: float | None = None, trace: TraceRecorder | None = None, accumulate: bool = False,
+                   max_grad_norm: float | None = None, skip_nonfinite: bool = False):
+        """Forward and backward pass; each stage's parameter gradients go to ``pinned_host``
+        (or, with ``optimizer``, each stage is updated right after its backward).
+
+        The forward keeps every stage's input on the device (L activations) and the last
+        ``prefetch_depth + 1`` stages' weights (the backward starts with them). The backward
+        runs one ``jax.vjp`` executable per stage in reverse (it recomputes the stage's
+        forward: per-stage rematerialisation; see ``remat`` for keeping residuals instead)
+        with the same k-deep prefetch. Weight traffic per step: 2L-2k-2 stages in in a loop
+        (the last k+1 stay on the device from the forward to the backward; with
+        ``prefetch_next_call`` the call starts with stages 0..k, the backward keeps them for the
+        next call; 2L-k-1 in a cold call), and L stages of gradients out (or, with ``optimizer``,
+        L stages of weights and moments out and the moments in). Gradients are taken w.r.t. the
+        ``trainable`` leaves of the parameters and the floating leaves of ``h``; the rest are constants.
+
+        Args:
+          h: input activation, as for ``forward``.
+          loss_fn: ``loss_fn(out, *loss_args) -> scalar`` (shape ``()``, floating). Its
+            value and gradient w.r.t. ``out`` are computed by one jitted executable, cached
+            per ``loss_fn`` object (bounded: pass per-step data such as targets through
+            ``loss_args``, not a new closure per step, or every step compiles again).
+          cotangent: instead of ``loss_fn``: the cotangent of the output (same structure,
+            shapes and dtypes as the output's floating leaves), numpy or jax arrays.
+          loss_args: extra arguments (e.g. targets) passed to ``loss_fn``.
+          lr: with ``optimizer``: this step's learning rate for every parameter group (default:
+            each group's ``param_groups[g].lr``); changing it does not recompile.
+          trace: a ``TraceRecorder`` for this call (instead of the constructor's ``trace``).
+          accumulate: with ``optimizer``: add this micro-batch's gradients to ``grad_acc`` and do
+            not update (``lr`` is then unused). The next call with ``accumulate=False`` adds its
+            own and updates with the sum (torch's ``.grad`` accumulation: divide the loss by the
+            number of micro-batches for their mean). Per micro-batch this moves the weights in
+            (forward and backward, as any step) and the accumulators in (all but the first) and
+            out, never the moments; the moments move once per update.
+          max_grad_norm: with ``optimizer``, at an update: scale the (summed) gradients by
+            ``min(1, max_grad_norm / (norm + 1e-6))``, ``norm`` their 2-norm over every trainable
+            leaf of every stage (``clip_grad_norm_``). Default: the runtime's ``max_grad_norm``.
+          skip_nonfinite: with ``optimizer``, at an update: when that norm is not finite, skip the
+            update (weights, moments and ``step`` unchanged; the accumulated gradients dropped), as
+            torch's ``GradScaler`` skips ``optimizer.step()``; ``last_step_skipped`` says so.
+            With either of the two the update needs every gradient first, so it is not fused
+            into the backward: the backward sends each stage's gradients to ``grad_acc`` and a
+            third pass (the ``"update"`` pass of ``schedule(True, update_pass=True)``) streams
+            weights, gradients and moments in and weights and moments out (beyond the fused step: the
+            gradients out and in, one more pass of the weights in, one host sync for ``last_grad_norm``).
+
+        Returns:
+          ``(loss_or_output, input_cotangent, grads)``: the scalar loss (``loss_fn`` given) or the
+          forward output (``cotangent`` given), as device arrays; the cotangent of ``h`` (device,
+          shaped like ``h``, ``None`` at integer leaves); a list of ``num_stages`` pytrees shaped
+          like ``stage_params[i]`` (``None`` at integer leaves and those ``trainable`` leaves out) in
+          ``pinned_host`` (``grads_to_host``) or device memory, or ``None`` with ``optimizer`` (the update is
+          applied: ``host_params`` and ``optimizer_state`` hold the new values, ``step`` is
+          incremented). All asynchronous.
+
+        Raises:
+          ValueError: not exactly one of ``loss_fn`` / ``cotangent``; the cotangent's shape
+            or dtype differs from the output's; ``loss_fn`` does not return a scalar; the
+            input checks of ``forward``; ``lr < 0``; ``param_groups`` was replaced by a list of
+            another length or state dtype; ``accumulate``, ``max_grad_norm`` or
+            ``skip_nonfinite`` without an optimizer; ``max_grad_norm`` not a finite number > 0.
+          TypeError: ``loss_fn`` not callable; ``loss_args`` not a tuple; no floating
+            parameter or output leaf; ``trace`` is not a ``TraceRecorder``; a dtype of ``h``
+            refused as in ``forward``, or a ``cotangent`` / ``loss_args`` leaf that jax would
+            narrow (``float64`` with ``jax_enable_x64`` off).
+        """
+        check_train_args(loss_fn, cotangent, loss_args, trace, accumulate, skip_nonfinite, max_grad_norm)
+        max_grad_norm = self.config.max_grad_norm if max_grad_norm is None else max_grad_norm
+        separate_update = accumulate or max_grad_norm is not None or skip_nonfinite
+        hyper = self.steps.hyper(lr, separate_update)
+        loss_exe = self._train_loss_exe(h, loss_fn, cotangent, loss_args)
+        mode = BackwardMode.GRADS if hyper is None else (BackwardMode.ACCUM if separate_update else BackwardMode.UPDATE)
+        if mode is BackwardMode.ACCUM and not accumulate:  # compile the update pass before anything moves
+            self.compiler.update_exes(self.config.donate)
+        out = self.executor.run(h, train=True, recorder=trace if trace is not None else self.trace, loss_exe=loss_exe,
+                                cotangent=cotangent, loss_args=loss_args, mode=mode, update_pass=mode is
+                                BackwardMode.ACCUM and not accumulate, hyper=hyper if mode is BackwardMode.UPDATE else None)
+        self.executor.finish_step(mode, accumulate, hyper, max_grad_norm, skip_nonfinite)
+        return out
+
+    def _train_loss_exe(self, h, loss_fn, cotangent, loss_args):
+        """``train_step``'s input, cotangent and loss arguments checked against ``h``'s signature; the jitted
+        loss (``None`` with a ``cotangent``): ``StageCompiler.train_loss_exe``."""
+        return self.compiler.train_loss_exe(h, loss_fn, cotangent, loss_args)
