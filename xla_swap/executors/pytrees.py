@@ -1,5 +1,6 @@
-"""Private helpers shared by the runtimes: pytree shape signatures, stage-function lists,
-memory-kind checks, and the split of a pytree into differentiable and constant leaves.
+"""Pytree helpers shared by the executors (and the torch side's input checks): avals and shape signatures,
+dtype checks of inputs and carries, stage-function lists, memory-kind checks, and the split of a pytree into
+differentiable and constant leaves.
 
 Imports numpy and jax only (and the framework-neutral memory-kind names of
 ``xla_swap.planning.policy``, the one place they are defined).
