@@ -37,7 +37,7 @@ not split its statistics by memory space (all ``host_*`` fields are 0 and S(5) p
 are counted in ``argument_size_in_bytes``); :meth:`PjrtExecutor.memory_report` then takes the
 split of arguments and outputs from the compiled entry layout (see
 :class:`xla_swap.executors.MemoryReport`, defined in ``report.py``). The executor's parts, one
-idea per ``pjrt_*.py`` module beside this one, are listed in docs/explanation/design.md.
+idea per module of ``xla_swap/executors/pjrt/`` beside this one, are listed in docs/explanation/design.md.
 """
 from __future__ import annotations
 
