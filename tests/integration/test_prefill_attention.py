@@ -7,7 +7,8 @@ run time (a host callback in the stand-in: the branch that ran). A prefill mask 
 ``[0, T)`` with no mask; a sliding window that reaches inside the prompt, a cache offset > 0, a custom 4D mask, a
 hole or right padding run the masked call over every key. Values equal torch's math (``sdpa_reference``) either
 way. Then ``generate`` in the GPU environment (stand-ins, fp32 admitted to the fused path) gives the tokens of
-``model.generate`` for a left-padded and an unpadded batch, with the causal path run where the mask allows it.
+``model.generate`` (Llama, Qwen2, Mistral, GPT-NeoX, Mixtral, Falcon) for a left-padded batch and an unpadded
+one, with the causal path run where the mask allows it.
 """
 import jax
 import jax.numpy as jnp
@@ -161,7 +162,8 @@ def gpu_env(kernel, monkeypatch):
 
 @pytest.mark.parametrize("family,window,padded", [("llama", None, True), ("llama", None, False),
                                                   ("qwen2", None, True), ("mistral", 8, True),
-                                                  ("mistral", 64, True)])
+                                                  ("mistral", 64, True), ("gpt_neox", None, True),
+                                                  ("mixtral", None, True), ("falcon", None, True)])
 def test_generate_in_the_gpu_environment_equals_hf(gpu_env, family, window, padded):
     """Greedy tokens equal ``model.generate``'s (fp32); every layer's prefill ran the causal path unless a
     sliding window (8) reaches inside the 16-token prefill; decode steps never take it."""
