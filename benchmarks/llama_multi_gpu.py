@@ -67,7 +67,8 @@ ANCHORS = ("fsdp2", "deepspeed")
 _ANCHOR_MIN_S = {"fsdp2": 40, "deepspeed": 75}
 _SMOKE = dict(shapes=["tiny"], tokens=[32, 64], seq=16, reps=1, warmup=0, gpus=2, torchrun_shapes=["tiny"],
               torchrun_tokens=[16, 32], shape_tokens=[],
-              anchor_shapes=["tiny"], largest_shape="tiny", largest_layers=3, largest_tokens=[32])
+              anchor_shapes=["tiny"], largest_shape="tiny", largest_layers=3, largest_tokens=[32],
+              largest_host_reserve_gb=1.0)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -96,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--largest-tokens", type=int, nargs="+", default=[16384], help="global tokens")
     p.add_argument("--largest-headroom", type=float, default=1.25, help="the pinned pool per device over its "
                    "share of the state (1.1 ran out at the 70B shape's first step on 4 H200s)")
+    p.add_argument("--largest-host-reserve-gb", type=float, default=48.0, help="host memory (GB) the largest "
+                   "row leaves beside its pinned pools for the process and the system; less available: skipped")
     p.add_argument("--largest-anchor-layers", type=int, default=0, help="after the largest row: FSDP2 "
                    "CPUOffloadPolicy (built on the meta device) on this many layers of --largest-shape (0: none)")
     p.add_argument("--budget-s", type=float, default=500, help="wall time for every piece together")
@@ -199,6 +202,7 @@ def plan(args, n: int, work: str) -> list[dict]:
                            min_s=90, cmd=[py, me, "--piece", "largest", "--shape", args.largest_shape, "--layers",
                                           str(args.largest_layers), "--gpus", str(n), "--piece-out", out,
                                           "--largest-headroom", str(args.largest_headroom),
+                                          "--largest-host-reserve-gb", str(args.largest_host_reserve_gb),
                                           "--tokens", *map(str, args.largest_tokens), *common]))
         if args.largest_anchor_layers:
             pieces.append(dict(name=f"fsdp2-largest:{args.largest_shape}", kind="largest_anchor", min_s=90, cmd=[

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import statistics
 import sys
@@ -326,6 +327,24 @@ def piece_torchrun(args) -> int:
     return 0
 
 
+def pools_do_not_fit(state: int, n: int, headroom: float, available: int | None, reserve: int) -> str | None:
+    """Why the pinned pools of a ``state``-byte model over ``n`` devices would not fit the host, or None.
+
+    Each device's pool pins ``ceil(state / n x headroom)`` GiB (``host_pool.ensure_host_memory_limit``);
+    pinned pages cannot be swapped or reclaimed, so the ``n`` pools plus ``reserve`` bytes for the
+    process and the system (page tables, the build's pageable copies, the driver) must fit ``available``
+    (``MemAvailable``, bytes): a host whose pinned pages exhaust its memory can stop answering altogether,
+    so the row is skipped with the figures instead. ``available`` None (not Linux): no check."""
+    if not available:
+        return None
+    pools = n * math.ceil(-(-state // max(1, n)) * headroom / (1 << 30)) * (1 << 30)
+    if pools + reserve <= available:
+        return None
+    return (f"{n} pinned pools of {pools / n / 2**30:.1f} GiB ({state / 1e9:.1f} GB of weights and moments x "
+            f"{headroom} / {n}) plus {reserve / 1e9:.0f} GB for the process need {(pools + reserve) / 1e9:.1f} GB, "
+            f"{available / 1e9:.1f} GB available")
+
+
 def piece_largest(args) -> int:
     """The largest-model row (module docstring) on every GPU at ``--largest-tokens``, skipped with the
     reason when the host cannot hold its weights and moments."""
@@ -336,12 +355,14 @@ def piece_largest(args) -> int:
     mem = host_memory()
     w = Writer(args.piece_out, piece="largest", shape_name=args.shape, shape=shape, params=counts,
                weight_bytes=weight, state_bytes=state, host_before=mem)
-    if mem.get("MemAvailable") and state * 1.05 > mem["MemAvailable"]:
-        w.set(skipped=f"weights and moments need {state / 1e9:.1f} GB, {mem['MemAvailable'] / 1e9:.1f} GB available")
-        return 0
-    from xla_swap.executors.host_pool import ensure_host_memory_limit
     import torch
     n_pool = args.gpus or (torch.cuda.device_count() if torch.cuda.is_available() else 1)
+    why = pools_do_not_fit(state, n_pool, args.largest_headroom, mem.get("MemAvailable"),
+                           int(args.largest_host_reserve_gb * 1e9))
+    if why:
+        w.set(skipped=why)
+        return 0
+    from xla_swap.executors.host_pool import ensure_host_memory_limit
     per_device = -(-state // max(1, n_pool))   # the pool is per device: each device pins its 1/n of the state
     w.set(host_pool_gib=ensure_host_memory_limit(per_device, headroom=args.largest_headroom),
           host_pool_headroom=args.largest_headroom)

@@ -20,7 +20,14 @@ prefill is the link's (about W / h2d, several times torch, which reads its weigh
 thousand tokens the compute (2 x params x tokens plus attention) exceeds the stream and the stack
 approaches torch (target <= 1.10x).
 
-    PYTHONPATH=/tmp/site:. python3 benchmarks/prefill_gpu.py --out $OUT/prefill_gpu.json
+With ``--check-path``, once the timings are done, the stack's generation is released and each prompt runs once
+more with the causal prefill path counting its runs (``xla_swap.stack.torch_attention.count_causal_prefill_runs``; a
+host callback per layer, so not timed), unpadded and left-padded by 5 tokens (the bucket pads them): each row's
+``causal_prefill_runs`` / ``causal_prefill_runs_padded`` should be the layer count (every layer's prefill ran cuDNN's
+causal kernel over the prompt's keys, no mask). ``causal_prefill_traced``: the causal path traced in the timed
+calls (``xla_swap.stack.torch_attention.kernel_counts``).
+
+    PYTHONPATH=/tmp/site:. python3 benchmarks/prefill_gpu.py --check-path --out $OUT/prefill_gpu.json
     PYTHONPATH=. PJRT_DEVICE=CPU python3 benchmarks/prefill_gpu.py --cpu-smoke --out /tmp/prefill.json
 """
 from __future__ import annotations
@@ -66,6 +73,25 @@ def stack_ttft(stack, ids, reps: int) -> float:
     return statistics.median(ts[1:])
 
 
+def check_path(stack, ids, pad: int = 5) -> dict:
+    """Runs of the causal prefill path in one ``generate(ids)`` and one of ``ids`` less its first ``pad`` tokens
+    (left-padded by the bucket), counted by a host callback in executables compiled afresh."""
+    from xla_swap.stack import torch_attention
+    from xla_swap.hf.generate import release_generation
+    out = {}
+    torch_attention.count_causal_prefill_runs(True)
+    try:
+        release_generation(stack)   # compiled again: with the counting callback
+        for key, x in (("causal_prefill_runs", ids), ("causal_prefill_runs_padded", ids[:, pad:])):
+            before = torch_attention.kernel_counts().get("causal_prefill_run", 0)
+            stack.generate(x, max_new_tokens=1, eos_token_id=None, prompt_bucket=64)
+            out[key] = torch_attention.kernel_counts().get("causal_prefill_run", 0) - before
+    finally:
+        torch_attention.count_causal_prefill_runs(False)
+        release_generation(stack)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="d5120")
@@ -74,6 +100,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", default="512,4096,16384")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--check-path", action="store_true", help="count the causal prefill path's runs (untimed)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "prefill_gpu.json"))
     args = ap.parse_args(argv)
     if args.cpu_smoke:
@@ -81,6 +108,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import LlamaForCausalLM
     import xla_swap
+    import xla_swap.stack.torch_attention
     shape = (SMOKE if args.cpu_smoke else SHAPES)[args.shape]
     layers = args.layers or _layers(args.shape, shape, argparse.Namespace(layers_8b=16, layers_70b=48))
     prompts = [int(p) for p in args.prompts.split(",")]
@@ -115,7 +143,11 @@ def main(argv=None) -> int:
             row["torch_s"], row["torch_error"] = None, str(e).splitlines()[0]
         gc.collect()
         torch.cuda.empty_cache() if cuda else None
+        traced = xla_swap.stack.torch_attention.kernel_counts().get("causal_prefill", 0)
         row["stack_s"] = stack_ttft(stack, ids, args.reps)
+        row["causal_prefill_traced"] = xla_swap.stack.torch_attention.kernel_counts().get("causal_prefill", 0) - traced
+        if args.check_path:
+            row.update(check_path(stack, ids))
         row["stack_over_torch"] = row["stack_s"] / row["torch_s"] if row["torch_s"] else None
         row["stack_over_link_floor"] = row["stack_s"] / data["link_floor_s"]
         data["rows"].append(row)
@@ -124,12 +156,14 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(data, f, indent=1)
     print(f"{data['device']}: W {w / 1e9:.2f} GB, h2d {bw['h2d_GBps']:.1f} GB/s, link floor {data['link_floor_s']:.3f} s")
-    print("| prompt | torch on the device s | stack TTFT s | stack / torch | stack / link floor |")
-    print("|---|---|---|---|---|")
+    print("| prompt | torch on the device s | stack TTFT s | stack / torch | stack / link floor | causal prefill "
+          "traced / runs / runs padded |")
+    print("|---|---|---|---|---|---|")
     for r in data["rows"]:
         ratio = "" if r["stack_over_torch"] is None else f"{r['stack_over_torch']:.3f}"
         ts = "OOM" if r["torch_s"] is None else f"{r['torch_s']:.4f}"
-        print(f"| {r['prompt']} | {ts} | {r['stack_s']:.4f} | {ratio} | {r['stack_over_link_floor']:.3f} |")
+        path = f"{r['causal_prefill_traced']} / {r.get('causal_prefill_runs', '-')} / {r.get('causal_prefill_runs_padded', '-')}"
+        print(f"| {r['prompt']} | {ts} | {r['stack_s']:.4f} | {ratio} | {r['stack_over_link_floor']:.3f} | {path} |")
     return 0
 
 

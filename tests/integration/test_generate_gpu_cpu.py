@@ -63,7 +63,10 @@ def test_two_devices_and_own_shapes(tmp_path, num_devices):
 def test_prefill_smoke(tmp_path):
     import prefill_gpu
     out = tmp_path / "prefill.json"
-    assert prefill_gpu.main(["--cpu-smoke", "--out", str(out)]) == 0
+    assert prefill_gpu.main(["--cpu-smoke", "--check-path", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["prompt"] for r in rows] == [16, 32]
     assert all(r["torch_s"] > 0 and r["stack_s"] > 0 and r["stack_over_torch"] > 0 for r in rows)
+    # fp32 on the CPU runs the reference attention: the causal prefill path (bf16 on the GPU) is never traced
+    assert all(r["causal_prefill_traced"] == r["causal_prefill_runs"] == r["causal_prefill_runs_padded"] == 0
+               for r in rows)

@@ -3,6 +3,7 @@ at the tiny shape (one process on 1 and 2 devices, FSDP2 on 2 gloo ranks, 2 torc
 piece in this process, and the analysis on a hand-made raw dict (floors, speed-ups, targets, anchors)."""
 import json
 import math
+import os
 
 import jax
 import pytest
@@ -84,7 +85,7 @@ def test_largest_piece(tmp_path):
     out = tmp_path / "largest.json"
     args = llama_multi_gpu.parse_args(["--piece", "largest", "--shape", "tiny", "--layers", "3", "--gpus", "2",
                                        "--tokens", "32", "--seq", "16", "--reps", "1", "--warmup", "0",
-                                       "--piece-out", str(out)])
+                                       "--piece-out", str(out), "--largest-host-reserve-gb", "1"])
     assert llama_scaling.run_piece(args) == 0
     d = json.loads(out.read_text())
     counts = lm.param_counts(lm.shape_of("tiny", 3))
@@ -153,3 +154,27 @@ def test_batch_shape():
     assert lm.batch_shape(32, 2, seq=16) == (2, 16)
     with pytest.raises(ValueError, match="do not split"):
         lm.batch_shape(7, 2)
+
+
+def test_largest_row_is_skipped_where_its_pinned_pools_and_reserve_exceed_the_host():
+    gb, gib = 10**9, 2**30
+    state = 413_860_000_000   # a 70B model's bf16 weights and two bf16 moments
+    # 4 pools of ceil(state / 4 x headroom) GiB each, plus the reserve, against MemAvailable.
+    assert llama_scaling.pools_do_not_fit(state, 4, 1.1, 520 * gb, 48 * gb) is None   # 4 x 106 GiB + 48 GB
+    why = llama_scaling.pools_do_not_fit(state, 4, 1.2, 520 * gb, 48 * gb)            # 4 x 116 GiB + 48 GB
+    assert why is not None and "4 pinned pools of 116.0 GiB" in why and "520.0 GB available" in why
+    assert llama_scaling.pools_do_not_fit(state, 4, 1.2, None, 48 * gb) is None
+    pools = 4 * 116 * gib
+    assert llama_scaling.pools_do_not_fit(state, 4, 1.2, pools + 48 * gb, 48 * gb) is None
+    assert llama_scaling.pools_do_not_fit(state, 4, 1.2, pools + 48 * gb - 1, 48 * gb) is not None
+
+
+def test_largest_piece_skips_with_the_figures_when_the_host_is_too_small(tmp_path, monkeypatch):
+    out = tmp_path / "largest.json"
+    args = llama_multi_gpu.parse_args(["--piece", "largest", "--shape", "tiny", "--layers", "3", "--gpus", "2",
+                                       "--tokens", "32", "--piece-out", str(out), "--largest-host-reserve-gb", "1e6"])
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "7")
+    assert llama_scaling.run_piece(args) == 0
+    d = json.loads(out.read_text())
+    assert "plus 1000000 GB for the process" in d["skipped"] and d["rows"] == []
+    assert os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == "7"   # the pool was left as it was

@@ -22,6 +22,7 @@ from xla_swap.stack.mixed_precision import stage_functions_in
 from xla_swap.hf.moe_decode import routed_specs
 from xla_swap.hf.sampling import next_token_step
 from xla_swap.stack.stages import TIED
+from xla_swap.stack.torch_attention import prefill_attention
 from xla_swap.stack.torch_bridge import module_fn
 
 __all__ = ["Generator", "Generators", "decode_stage_fns", "memory_stats"]
@@ -164,7 +165,8 @@ def decode_stage_fns(stack, cache_len: int, cache_kw: str) -> list:
                 kwargs = layer_kwargs(kw, g)
                 kwargs.update(consts.get(g, {}))
                 kwargs[seen_kw.get("cache", cache_kw)] = cache
-                out = layer_fn(w, (h,), kwargs)
+                with prefill_attention():   # a prefill's causal mask: cuDNN's causal kernel (checked on the device)
+                    out = layer_fn(w, (h,), kwargs)
                 if isinstance(out, (tuple, list)):
                     out = out[0]
                 if not cache.updated:

@@ -26,6 +26,9 @@ every row; torch returns zeros there.
   differentiated (a ``jax.custom_vjp`` reads that at trace time); otherwise the backward leaves
   that output off (:func:`xla_swap._compat.jax.cudnn_attention_fixed_bias`). In a stack, a float
   mask carried between stages is differentiated like every floating leaf of the carry.
+  Generation's stages trace within :func:`prefill_attention`: a prefill's mask over the whole cache is
+  checked on the device and, where causal with left padding, cuDNN's causal kernel runs over the prompt's keys
+  only, with no mask (half the tiles skipped, no ``[B, 1, T, S]`` bias read).
 
 A ``transformers`` model built with ``attn_implementation="eager"`` multiplies q and k itself
 and does not call SDPA: its attention runs as XLA's unfused form on every platform
@@ -37,6 +40,8 @@ many calls took each path while tracing.
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import functools
 import warnings
 
@@ -45,14 +50,22 @@ import jax.numpy as jnp
 
 from xla_swap._compat import jax as _compat_jax
 
-__all__ = ["torchax_env", "kernel_counts", "sdpa_reference", "eager_attention_modules", "warn_eager_attention"]
+__all__ = ["torchax_env", "kernel_counts", "sdpa_reference", "eager_attention_modules", "warn_eager_attention",
+           "prefill_attention", "count_causal_prefill_runs"]
 
 #: SDPA calls traced per implementation ("cudnn", "reference"), over the process.
 _COUNTS: collections.Counter = collections.Counter()
+#: operand dtypes that run cuDNN's kernel (others run the reference).
+_FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
+#: whether SDPA calls being traced may take the checked causal prefill path (:func:`prefill_attention`).
+_PREFILL: contextvars.ContextVar = contextvars.ContextVar("xla_swap_prefill_attention", default=False)
+#: whether the causal prefill path counts its runs (:func:`count_causal_prefill_runs`).
+_COUNT_RUNS = [False]
 
 
 def kernel_counts() -> dict:
-    """``{"cudnn": n, "reference": m}``: SDPA calls traced by the environments so far (for checks)."""
+    """``{"cudnn": n, "reference": m, ...}``: SDPA calls traced by the environments so far (for checks);
+    ``"causal_prefill"`` / ``"causal_prefill_run"``: the causal prefill path traced / run (:func:`prefill_attention`)."""
     return dict(_COUNTS)
 
 
@@ -147,39 +160,121 @@ def _biased_bwd(scale, causal, vjp, g):
 _biased.defvjp(_biased_fwd, _biased_bwd, symbolic_zeros=True)
 
 
+def _fused(q, k, v, mask, scale, causal):
+    """cuDNN's attention on ``[B, T, N, H]`` arrays with an optional boolean ``mask`` (no bias)."""
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal, implementation="cudnn")
+
+
+def _left_padded_causal(keep):
+    """Whether a boolean mask ``keep [Bm, 1, T, S]`` (``S >= T``) is causal with left padding: ``keep[b, 0, i, j]``
+    is ``j <= i and kp[b, j]`` for ``j < T``, with ``kp[b]`` zeros then ones, and false for every ``j >= T``.
+
+    Returns ``(ok, shift)``: a traced bool scalar and int32 ``[Bm]``, the padding keys of each row (``T - sum(kp[b])``).
+    """
+    t = keep.shape[2]
+    kp = keep[:, 0, t - 1, :t]                      # the last query's keys: the row's padding
+    want = jnp.tril(jnp.ones((t, t), jnp.bool_))[None] & kp[:, None, :]
+    ok = jnp.all(keep[:, 0, :, :t] == want) & jnp.all(kp[:, 1:] >= kp[:, :-1])
+    if keep.shape[3] > t:
+        ok = ok & ~jnp.any(keep[:, 0, :, t:])
+    return ok, (t - kp.sum(-1)).astype(jnp.int32)
+
+
+def _rolled_causal(qt, kt, vt, shift, scale):
+    """Causal attention with no mask over keys ``[0, T)`` of ``[B, T, N, H]`` arrays whose row ``b`` starts with
+    ``shift[b]`` padding tokens: each row rolled so that its tokens come first (a padding key then follows every
+    token, out of a causal query's reach), attended, and rolled back. Padding queries get values the caller zeros."""
+    b, t = qt.shape[:2]
+    shift = jnp.broadcast_to(shift, (b,))
+
+    def roll(x, s):
+        idx = (jnp.arange(t, dtype=jnp.int32)[None, :] + s[:, None]) % t
+        return jnp.take_along_axis(x, idx[:, :, None, None], axis=1)
+    out = _fused(roll(qt, shift), roll(kt[:, :t], shift), roll(vt[:, :t], shift), None, scale, True)
+    _COUNTS["causal_prefill"] += 1
+    if _COUNT_RUNS[0]:
+        jax.debug.callback(_count_run)
+    return roll(out, -shift)
+
+
+def _count_run() -> None:
+    _COUNTS["causal_prefill_run"] += 1
+
+
+def _checked_prefill(qt, kt, keep) -> bool:
+    """Whether the call may take the checked causal path: inside :func:`prefill_attention`, several queries,
+    a boolean mask ``[B or 1, 1, T, S]`` with ``S >= T`` keys."""
+    b, t = qt.shape[:2]
+    return _PREFILL.get() and t > 1 and keep.ndim == 4 and keep.shape[0] in (1, b) and keep.shape[1] == 1 \
+        and keep.shape[2] == t and keep.shape[3] == kt.shape[1] >= t
+
+
+def _fused_attention(q, k, v, m, is_causal: bool, scale):
+    """cuDNN's attention on torch's ``[B, N, T, H]`` layout with torch's mask ``m`` (``None``, boolean or additive
+    float, broadcastable to ``[B, N, T, S]``) and ``is_causal``; rows with no key give zeros. Within
+    :func:`prefill_attention`, a boolean mask over several queries is checked on the device
+    (:func:`_left_padded_causal`): causal with left padding, it runs :func:`_rolled_causal`, else the masked call."""
+    mask = bias = dead = keep = None
+    if m is not None:
+        keep = m if m.dtype == jnp.bool_ else m > -jnp.inf
+        if is_causal:
+            keep = keep & jnp.tril(jnp.ones(keep.shape[-2:], jnp.bool_))
+        dead = ~keep.any(-1, keepdims=True)             # rows with no key: zeros, as in torch
+        if m.dtype == jnp.bool_:
+            mask = keep | dead
+        else:
+            bias = jnp.where(dead, 0, m).astype(q.dtype)
+    qt, kt, vt = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))
+    causal = is_causal and m is None
+    if mask is not None and _checked_prefill(qt, kt, keep):
+        ok, shift = _left_padded_causal(keep)
+        out = jax.lax.cond(ok, lambda: _rolled_causal(qt, kt, vt, shift, scale),
+                           lambda: _fused(qt, kt, vt, mask, scale, False))
+    elif bias is None:
+        out = _fused(qt, kt, vt, mask, scale, causal)
+    else:
+        out = _biased(qt, kt, vt, bias, _scale(q, scale), causal)
+    out = jnp.swapaxes(out, 1, 2)                       # [B, N, T, H], torch's layout
+    return out if dead is None else jnp.where(dead, 0, out)
+
+
 def _sdpa_cudnn(env, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                 enable_gqa=False):
     _refuse_dropout(dropout_p)
     q, k, v = (_to_jax(env, t) for t in (query, key, value))
-    if q.dtype in (jnp.bfloat16, jnp.float16):
-        mask = bias = dead = None
-        if attn_mask is not None:
-            m = _to_jax(env, attn_mask)
-            keep = m if m.dtype == jnp.bool_ else m > -jnp.inf
-            if is_causal:
-                keep = keep & jnp.tril(jnp.ones(keep.shape[-2:], jnp.bool_))
-            dead = ~keep.any(-1, keepdims=True)             # rows with no key: zeros, as in torch
-            if m.dtype == jnp.bool_:
-                mask = keep | dead
-            else:
-                bias = jnp.where(dead, 0, m).astype(q.dtype)
-        qt, kt, vt = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))
-        causal = bool(is_causal) and attn_mask is None
+    if q.dtype in _FUSED_DTYPES:
+        m = None if attn_mask is None else _to_jax(env, attn_mask)
         try:
-            if bias is None:
-                out = jax.nn.dot_product_attention(qt, kt, vt, mask=mask, scale=scale, is_causal=causal,
-                                                   implementation="cudnn")
-            else:
-                out = _biased(qt, kt, vt, bias, _scale(q, scale), causal)
+            out = _fused_attention(q, k, v, m, bool(is_causal), scale)
         except (ValueError, NotImplementedError, TypeError, RuntimeError):
             out = None
         if out is not None:
-            out = jnp.swapaxes(out, 1, 2)                   # [B, N, T, H], torch's layout
-            if dead is not None:
-                out = jnp.where(dead, 0, out)
             _COUNTS["cudnn"] += 1
             return env.j2t_iso(out)
     return sdpa_reference(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+@contextlib.contextmanager
+def prefill_attention():
+    """Within it, the GPU environment's SDPA calls traced with several queries and a boolean mask
+    ``[B or 1, 1, T, S]`` (``S >= T``; what ``transformers`` builds for a prefill into a fixed-size cache) check
+    the mask on the device: where it is causal with left padding (each row's keys ``[0, T)`` hidden up to its
+    first token, every key past ``T`` hidden), cuDNN's causal attention runs over keys ``[0, T)`` only, with no
+    mask (each row rolled so its tokens come first); any other mask (a sliding window, a cache offset > 0, a
+    custom mask) runs the masked call as outside. Both give torch's result; :func:`kernel_counts` counts the
+    causal path as ``"causal_prefill"`` (traced) and ``"causal_prefill_run"`` (runs, while
+    :func:`count_causal_prefill_runs` is on). Never differentiated (the generation stages enter it)."""
+    token = _PREFILL.set(True)
+    try:
+        yield
+    finally:
+        _PREFILL.reset(token)
+
+
+def count_causal_prefill_runs(on: bool) -> None:
+    """Whether executables traced from now on count each run of the causal prefill path in
+    :func:`kernel_counts` (``"causal_prefill_run"``, a host callback per call: for checks, not timings)."""
+    _COUNT_RUNS[0] = bool(on)
 
 
 @functools.lru_cache(maxsize=None)
