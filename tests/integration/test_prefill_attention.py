@@ -154,7 +154,7 @@ def test_no_check_traced_where_the_path_does_not_apply(kernel, case):
 def gpu_env(kernel, monkeypatch):
     """``SwappedStack`` traced in the GPU environment on the CPU (the kernel's stand-ins), runs counted."""
     import xla_swap.stack.swapped_stack
-    monkeypatch.setattr(xla_swap.stack, "torchax_env", lambda platform: torch_attention.torchax_env("gpu"))
+    monkeypatch.setattr(xla_swap.stack.swapped_stack, "torchax_env", lambda platform: torch_attention.torchax_env("gpu"))
     torch_attention.count_causal_prefill_runs(True)
     yield
     torch_attention.count_causal_prefill_runs(False)
