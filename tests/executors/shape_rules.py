@@ -8,7 +8,9 @@ on the source by ``test_package_shape``:
   attribute of an object other than ``self`` / ``cls`` (``private_attribute_reads``);
 * no run of six code lines stands to the letter in two places (``repeated_blocks``);
 * no class has more than one base other than exceptions, warnings, protocols and ``Generic``
-  (``multiple_bases``: a class holds its parts and calls them; it is not assembled from mixins).
+  (``multiple_bases``: a class holds its parts and calls them; it is not assembled from mixins);
+* no circle of top-level imports (``import_cycles``);
+* no attribute read through ``self`` in one module that only other modules set (``attributes_set_elsewhere``).
 """
 from __future__ import annotations
 
@@ -154,4 +156,118 @@ def repeated_blocks(paths, root: pathlib.Path = ROOT, min_lines: int = 6) -> lis
                 continue
             last[pair] = i
             found.append(f"{first[0]}:{first[1]}-{first[2]} ~ {rel}:{here[1]}-{here[2]}")
+    return found
+
+
+def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _top_level_imports(tree: ast.Module, name: str, is_package: bool) -> set[str]:
+    """The modules ``name``'s top-level statements import (not those inside functions or
+    ``if TYPE_CHECKING:``): absolute names, relative ones resolved; ``from m import x`` gives ``m.x`` and ``m``."""
+    out = set()
+    base = name.split(".") if is_package else name.split(".")[:-1]
+
+    def visit(stmts):
+        for node in stmts:
+            if isinstance(node, ast.If):
+                test = node.test
+                if isinstance(test, ast.Name) and test.id == "TYPE_CHECKING" or \
+                        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING":
+                    continue
+                visit(node.body + node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body + node.orelse + node.finalbody)
+            elif isinstance(node, ast.Import):
+                out.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                mod = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else [])) \
+                    if node.level else node.module
+                out.update(f"{mod}.{a.name}" for a in node.names)
+                out.add((mod,))   # the module itself, unless every name is a submodule (import_cycles decides)
+    visit(tree.body)
+    return out
+
+
+def import_cycles(paths, root: pathlib.Path = ROOT) -> list[str]:
+    """``"a -> b -> a"`` for each circle of top-level imports among the modules ``paths`` (a package's
+    ``__init__`` counts as the package; importing ``p.m`` also runs ``p``'s ``__init__``, which is not followed)."""
+    graph = {}
+    for p in paths:
+        name = _module_name(p, root)
+        graph[name] = _top_level_imports(ast.parse(p.read_text(), filename=str(p)), name, p.name == "__init__.py")
+    def resolve(deps):
+        names = {d for d in deps if isinstance(d, str)}
+        froms = {d[0] for d in deps if isinstance(d, tuple)}
+        # ``from pkg import mod`` imports pkg.mod (and runs pkg's __init__ first, which is not a circle of pkg's)
+        froms = {f for f in froms if not any(n.startswith(f + ".") and n in graph for n in names)}
+        return names | froms
+    graph = {m: sorted(d for d in resolve(deps) if d in graph and d != m) for m, deps in graph.items()}
+    found, state = [], {}
+
+    def walk(m, stack):
+        state[m] = "open"
+        stack.append(m)
+        for d in graph[m]:
+            if state.get(d) == "open":
+                found.append(" -> ".join(stack[stack.index(d):] + [d]))
+            elif d not in state:
+                walk(d, stack)
+        stack.pop()
+        state[m] = "done"
+    for m in sorted(graph):
+        if m not in state:
+            walk(m, [])
+    return found
+
+
+def _names_setattr(func: ast.expr) -> bool:
+    """``setattr`` or ``object.__setattr__``."""
+    return isinstance(func, ast.Name) and func.id == "setattr" or \
+        isinstance(func, ast.Attribute) and func.attr == "__setattr__"
+
+
+def _self_names(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """``(set here, read here)``: attribute names assigned through ``self`` / ``cls`` (or defined as a
+    method, property or class attribute of a class of this module), and names read through them."""
+    sets, reads = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    sets.add(item.name)
+                elif isinstance(item, (ast.Assign, ast.AnnAssign)):
+                    targets = item.targets if isinstance(item, ast.Assign) else [item.target]
+                    sets.update(t.id for t in targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            (sets if isinstance(node.ctx, (ast.Store, ast.Del)) else reads).add(node.attr)
+        elif isinstance(node, ast.Call) and _names_setattr(node.func) and len(node.args) > 1 \
+                and isinstance(node.args[0], ast.Name) and node.args[0].id == "self" \
+                and isinstance(node.args[1], ast.Constant):
+            sets.add(node.args[1].value)
+    return sets, reads
+
+
+#: names a class reads through ``self`` from an upstream base (``torch.nn.Module.modules``), which some
+#: ``xla_swap`` class also happens to set.
+UPSTREAM_ATTRIBUTES = frozenset({"modules"})
+
+
+def attributes_set_elsewhere(paths, root: pathlib.Path = ROOT) -> list[str]:
+    """``"file self.name (set in other files)"`` for each name a module reads through ``self`` that it
+    neither sets nor defines while other modules of ``paths`` set it through ``self``: a class that reads
+    state another file's class sets (a mixin, or a subclass leaning on its base's internals)."""
+    names = {p: _self_names(ast.parse(p.read_text(), filename=str(p))) for p in paths}
+    setters: dict[str, set] = {}
+    for p, (sets, _) in names.items():
+        for n in sets:
+            setters.setdefault(n, set()).add(p)
+    found = []
+    for p, (sets, reads) in sorted(names.items()):
+        for n in sorted(reads - sets - UPSTREAM_ATTRIBUTES):
+            if n in setters:
+                others = ", ".join(sorted(str(o.relative_to(root)) for o in setters[n]))
+                found.append(f"{p.relative_to(root)} self.{n} (set in {others})")
     return found
