@@ -1,6 +1,6 @@
 """Placing the arguments of :class:`xla_swap.executors.PjrtExecutor` in their memory kinds and shardings.
 
-:class:`ParameterBuffers` is the executor's base class: :meth:`~ParameterBuffers.put` /
+:class:`ParameterBuffers`, which the executor holds: :meth:`~ParameterBuffers.put` /
 :meth:`~ParameterBuffers.put_all` check a value against its :class:`ParameterInfo` (shape, dtype,
 liveness), check the pinned host limit (:mod:`xla_swap.executors.pjrt.host_memory`) and copy it
 with ``jax.device_put``; an array already placed is passed on as it is.
@@ -24,21 +24,22 @@ from .placement import ParameterInfo
 
 
 class ParameterBuffers:
-    """The placement of entry parameters: the base of :class:`xla_swap.executors.PjrtExecutor`.
+    """The placement of a :class:`xla_swap.executors.PjrtExecutor`'s entry parameters; the executor holds one.
 
-    A subclass sets these attributes before placing anything:
-
-    Attributes:
+    Args:
       parameters: tuple of :class:`ParameterInfo`, one per entry parameter.
       platform: the jax platform of the devices (``"cpu"``, ``"cuda"``, ...).
       host_memory_limit_bytes: cap, in bytes over all devices, on live ``pinned_host`` arrays of
         ``platform`` (None: no limit).
-      transfer_count: number of arrays placed (copied) so far.
+
+    Attributes: the arguments, and ``transfer_count``: number of arrays placed (copied) so far.
     """
-    parameters: tuple = ()
-    platform: str = ""
-    host_memory_limit_bytes: int | None = None
-    transfer_count: int = 0
+
+    def __init__(self, parameters: tuple, platform: str, host_memory_limit_bytes: int | None):
+        self.parameters = tuple(parameters)
+        self.platform = platform
+        self.host_memory_limit_bytes = host_memory_limit_bytes
+        self.transfer_count = 0
 
     @property
     def num_parameters(self) -> int:
@@ -117,7 +118,7 @@ class ParameterBuffers:
                 f"it, or keep fewer parameters in pinned_host.",
                 requested, in_use, self.host_memory_limit_bytes)
 
-    def _x64(self):
+    def x64(self):
         """x64 mode while placing/executing when a parameter is 64-bit (jax would narrow it otherwise)."""
         if any(np.dtype(p.dtype).itemsize == 8 and np.dtype(p.dtype).kind in "iuf" for p in self.parameters):
             return _cj.enable_x64()
@@ -126,7 +127,7 @@ class ParameterBuffers:
     def _device_put(self, index: int, x) -> jax.Array:
         param = self.parameters[index]
         try:
-            with self._x64():
+            with self.x64():
                 out = jax.device_put(x, param.sharding)
         except Exception as e:
             if param.memory_kind == PINNED_HOST and is_resource_exhausted(e):
@@ -188,9 +189,9 @@ class ParameterBuffers:
         arrays = list(arrays)
         if len(arrays) != self.num_parameters:
             raise ValueError(f"put_all: expected {self.num_parameters} arrays (one per parameter), got {len(arrays)}")
-        return self._place_all(arrays, "put_all")
+        return self.place_all(arrays, "put_all")
 
-    def _place_all(self, arrays: list, where: str, extra_host_bytes: int = 0) -> list:
+    def place_all(self, arrays: list, where: str, extra_host_bytes: int = 0) -> list:
         """Check every value, then the host limit for the placements plus ``extra_host_bytes``, then place.
 
         ``extra_host_bytes``: pinned host bytes the caller will need besides the placements (a

@@ -65,7 +65,7 @@ from ..report import HOST_MEMORY_SPACE, MemoryReport, compiled_report, entry_lay
 log = logging.getLogger(__name__)
 
 
-class PjrtExecutor(ParameterBuffers):
+class PjrtExecutor:
     """A lowered XLA module compiled with PJRT (jaxlib) for CPU or NVIDIA GPU, SPMD over N devices.
 
     Args:
@@ -141,7 +141,6 @@ class PjrtExecutor(ParameterBuffers):
         result_memory_kinds = check_mapping(result_memory_kinds, "result_memory_kinds")
         devices = check_devices_arg(devices)
         source = load_module(module)
-        self.transfer_count = 0
         with _cj.make_ir_context() as ctx, ir.Location.unknown(ctx):
             mod = ir.Module.parse(source.mlir)
             entry = read_entry(mod)
@@ -162,7 +161,8 @@ class PjrtExecutor(ParameterBuffers):
         self._describe_signature(entry, kinds, shard_specs, hlo_shardings)
         if host_memory_limit_bytes == AUTO:
             host_memory_limit_bytes = default_host_limit(self.platform)
-        self.host_memory_limit_bytes = host_memory_limit_bytes
+        #: the placement of the arguments (:class:`ParameterBuffers`): checks, the host limit, the copies.
+        self.buffers = ParameterBuffers(self.parameters, self.platform, host_memory_limit_bytes)
         self._report = None
         log.info("compiled PJRT executable: %d parameter(s) (%d in pinned_host), %d result(s), %d %s device(s)",
                  len(entry.metas), kinds.count(PINNED_HOST), len(entry.out_metas), len(devices), self.platform)
@@ -268,6 +268,44 @@ class PjrtExecutor(ParameterBuffers):
         """Number of results."""
         return len(self.output_shapes)
 
+    # -- the arguments' placement (``buffers``) -------------------------------------------
+    @property
+    def num_parameters(self) -> int:
+        """Number of entry parameters."""
+        return len(self.parameters)
+
+    @property
+    def host_memory_limit_bytes(self) -> int | None:
+        """The cap on live ``pinned_host`` bytes over all devices that placements check (None: no limit)."""
+        return self.buffers.host_memory_limit_bytes
+
+    @host_memory_limit_bytes.setter
+    def host_memory_limit_bytes(self, value) -> None:
+        """Set the cap (as the constructor's argument: None, ``"auto"`` or an int >= 0; ValueError otherwise)."""
+        check_host_limit_arg(value)
+        self.buffers.host_memory_limit_bytes = default_host_limit(self.platform) if value == AUTO else value
+
+    @property
+    def transfer_count(self) -> int:
+        """Number of arrays this executor has placed (copied) so far."""
+        return self.buffers.transfer_count
+
+    def put(self, index: int, array) -> jax.Array:
+        """Place one parameter's value in its memory kind and sharding: :meth:`ParameterBuffers.put`."""
+        return self.buffers.put(index, array)
+
+    def put_all(self, arrays: Sequence) -> list:
+        """:meth:`put` every parameter, all checked first: :meth:`ParameterBuffers.put_all`."""
+        return self.buffers.put_all(arrays)
+
+    def is_placed(self, index: int, x) -> bool:
+        """Whether ``x`` is used by a call without a copy: :meth:`ParameterBuffers.is_placed`."""
+        return self.buffers.is_placed(index, x)
+
+    def host_bytes_in_use(self) -> int:
+        """Bytes of live ``pinned_host`` jax arrays of this platform, over all devices."""
+        return self.buffers.host_bytes_in_use()
+
     @property
     def parameter_memory_kinds(self) -> tuple:
         """The requested memory kind of every parameter (``"device"`` / ``"pinned_host"``)."""
@@ -318,13 +356,13 @@ class PjrtExecutor(ParameterBuffers):
         if len(args) != self.num_parameters:
             raise ValueError(f"call: the module has {self.num_parameters} parameter(s), got {len(args)} argument(s)")
         host_results = 0
-        if self.host_memory_limit_bytes is not None:
+        if self.buffers.host_memory_limit_bytes is not None:
             if self._report is None:
                 self._report = self.memory_report()
             host_results = (self._report.host_output_bytes + self._report.host_temp_bytes) * len(self.devices)
-        values = self._place_all(list(args), "call", extra_host_bytes=host_results)
+        values = self.buffers.place_all(list(args), "call", extra_host_bytes=host_results)
         try:
-            with self._x64():
+            with self.buffers.x64():
                 shards = _cj.execute_sharded(self._exe, values)
         except Exception as e:
             if is_host_oom(e):
@@ -333,7 +371,7 @@ class PjrtExecutor(ParameterBuffers):
                     f"the PJRT GPU pinned pool, default {DEFAULT_GPU_HOST_MEMORY_LIMIT_GB} GiB): "
                     f"{str(e).splitlines()[0]}", 0) from e
             raise
-        with self._x64():
+        with self.buffers.x64():
             return [jax.make_array_from_single_device_arrays(shape, sharding, list(arrs))
                     for shape, sharding, arrs in zip(self.output_shapes, self.output_shardings, shards)]
 
