@@ -5,6 +5,7 @@ executable cache keys are typed (``BackwardMode``, ``ExeKey``, ``StageKey``)."""
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -26,7 +27,7 @@ def test_the_runtime_reads_its_settings_from_one_frozen_config():
         (3, 2, (False, True, False), False, True, 3)
     for name in ("num_stages", "prefetch_depth", "resident", "remat", "offload_activations", "max_signatures",
                  "donate", "throttle", "track_residency", "grads_to_host", "optimizer_state_on_host",
-                 "prefetch_next_call", "max_grad_norm"):
+                 "prefetch_next_call", "max_grad_norm", "skip_nonfinite"):
         assert getattr(rt, name) == getattr(c, name), name
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.prefetch_depth = 1
@@ -43,6 +44,7 @@ def test_the_runtime_reads_its_settings_from_one_frozen_config():
     ({"max_signatures": 0}, ValueError, "max_signatures must be an int >= 1"),
     ({"max_grad_norm": float("nan")}, ValueError, "max_grad_norm must be a finite number > 0"),
     ({"donate": 1}, TypeError, "donate must be a bool"),
+    ({"skip_nonfinite": 1}, TypeError, "skip_nonfinite must be a bool"),
     ({"remat": "yes"}, TypeError, "remat must be a bool"),
 ])
 def test_the_config_checks_every_setting_once(kwargs, exc, match):
@@ -87,9 +89,28 @@ def test_max_grad_norm_given_at_construction_clips_every_update():
                                jax.tree_util.tree_leaves(unclipped.host_params)))
 
 
-def test_max_grad_norm_at_construction_needs_an_optimizer():
-    with pytest.raises(ValueError, match="max_grad_norm needs an optimizer"):
-        StreamingRuntime(layer, make_params(n=2), max_grad_norm=1.0)
+@pytest.mark.parametrize("setting", [{"max_grad_norm": 1.0}, {"skip_nonfinite": True}])
+def test_the_norm_settings_at_construction_need_an_optimizer(setting):
+    with pytest.raises(ValueError, match="max_grad_norm and skip_nonfinite need an optimizer"):
+        StreamingRuntime(layer, make_params(n=2), **setting)
+
+
+def test_skip_nonfinite_given_at_construction_skips_every_nonfinite_update():
+    """A runtime built with ``skip_nonfinite`` skips an update of nan gradients as a step given it does (weights,
+    moments and step unchanged), runs the update pass on finite ones, and a step's ``False`` overrides it."""
+    params, x = make_params(n=3), make_input()
+    nan_loss = lambda out: jnp.sum(out) * jnp.nan   # noqa: E731 - every gradient nan
+    built = StreamingRuntime(layer, params, optimizer=AdamW(lr=1e-2), skip_nonfinite=True)
+    assert built.config.needs_norm and built.skip_nonfinite
+    before = [np.asarray(a) for a in jax.tree_util.tree_leaves(built.host_params + built.optimizer_state)]
+    built.train_step(x, nan_loss)
+    assert built.last_step_skipped and built.step == 0 and not np.isfinite(built.last_grad_norm)
+    for a, b in zip(before, jax.tree_util.tree_leaves(built.host_params + built.optimizer_state)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    built.train_step(x, loss_fn)
+    assert not built.last_step_skipped and built.step == 1 and built.last_schedule.update_pass
+    built.train_step(x, loss_fn, skip_nonfinite=False)   # the step's own value: the fused update, no norm
+    assert built.step == 2 and not built.last_schedule.update_pass
 
 
 def test_modes_and_cache_keys_are_typed():

@@ -223,7 +223,8 @@ class SwappedStack:
         common = dict(optimizer=optimizer, trainable=lambda i, path: path[0].key in updated[i], own_params=True,
                       group_of=lambda i, path: groups[i][path[0].key],
                       track_residency=False, max_signatures=compilation.max_signatures,
-                      offload_activations=training.offload_activations, **placement.runtime_kwargs(self.data_parallel))
+                      offload_activations=training.offload_activations, max_grad_norm=training.max_grad_norm,
+                      skip_nonfinite=training.skip_nonfinite, **placement.runtime_kwargs(self.data_parallel))
         #: the :class:`~xla_swap.executors.StreamingRuntime` that runs the stages.
         self.runtime: StreamingRuntime = build_runtime(fns, stage_params, updated, policy, budget_bytes,
                                                        autotune.enabled, common)

@@ -250,10 +250,9 @@ class Trainer:
         update the torch optimizer's ``step()`` runs (a no-op on its parameters: its hooks and a scheduler see a
         step); without an optimizer the gradients go to ``.grad`` or ``last_grads`` (``accumulate_grads``)."""
         step = runtime.step
-        cfg = self.config
-        clip = dict(accumulate=accumulate, max_grad_norm=cfg.max_grad_norm, skip_nonfinite=cfg.skip_nonfinite) \
-            if self.optimizer is not None else {}
-        loss, _, grads = runtime.train_step(x, self.jax_loss(loss_fn), loss_args=tuple(jax_targets), lr=lr, **clip)
+        cfg = self.config   # max_grad_norm and skip_nonfinite are the runtime's own (its RuntimeConfig)
+        loss, _, grads = runtime.train_step(x, self.jax_loss(loss_fn), loss_args=tuple(jax_targets), lr=lr,
+                                            accumulate=accumulate)
         if self.torch_optimizer is not None and runtime.step > step:
             opt = self.torch_optimizer
             if all(p.grad is None for g in opt.param_groups for p in g["params"]):

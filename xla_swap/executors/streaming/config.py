@@ -92,7 +92,8 @@ def check_train_args(loss_fn, cotangent, loss_args, trace, accumulate, skip_nonf
         raise TypeError(f"loss_args must be a tuple, got {type(loss_args).__name__}")
     check_trace(trace)
     check_flag("accumulate", accumulate)
-    check_flag("skip_nonfinite", skip_nonfinite)
+    if skip_nonfinite is not None:
+        check_flag("skip_nonfinite", skip_nonfinite)
     check_max_grad_norm(max_grad_norm)
 
 
@@ -122,7 +123,7 @@ def _check_remat(remat) -> None:
 
 
 _FLAGS = ("offload_activations", "grads_to_host", "optimizer_state_on_host", "donate", "throttle",
-          "track_residency", "prefetch_next_call")
+          "track_residency", "prefetch_next_call", "skip_nonfinite")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,9 +136,10 @@ class RuntimeConfig:
       resident: L bools, the stages kept in device memory for good.
       remat: ``True``, ``False`` or a ``jax.checkpoint_policies`` policy.
       offload_activations, grads_to_host, optimizer_state_on_host, donate, throttle, track_residency,
-        prefetch_next_call: bools.
+        prefetch_next_call, skip_nonfinite: bools.
       max_signatures: int >= 1, input signatures whose executables stay cached.
-      max_grad_norm: ``None`` or a finite float > 0: the default gradient clip of an update.
+      max_grad_norm: ``None`` or a finite float > 0: the gradient clip of every update.
+      skip_nonfinite: bool: every update whose gradient norm is not finite is skipped.
 
     Raises (at construction): TypeError: ``prefetch_depth`` not an int, a flag not a
       bool, ``remat`` neither a bool nor a policy; ValueError: ``prefetch_depth < 1``, ``resident`` not
@@ -157,6 +159,12 @@ class RuntimeConfig:
     prefetch_next_call: bool = True
     max_signatures: int = DEFAULT_MAX_SIGNATURES
     max_grad_norm: float | None = None
+    skip_nonfinite: bool = False
+
+    @property
+    def needs_norm(self) -> bool:
+        """Whether an update needs the global gradient norm first (``max_grad_norm`` or ``skip_nonfinite``)."""
+        return self.max_grad_norm is not None or self.skip_nonfinite
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 - frozen: set once here

@@ -115,6 +115,9 @@ class StreamingRuntime:
       max_grad_norm: with ``optimizer``: every update clips the gradients to this global 2-norm (as
         ``train_step(max_grad_norm=...)`` does for one step; a step's own value takes precedence).
         Default ``None``: no clip unless a step asks for one.
+      skip_nonfinite: with ``optimizer``: every update whose gradient norm is inf or nan is skipped (as
+        ``train_step(skip_nonfinite=True)`` does for one step; a step's own value takes precedence).
+        Default ``False``.
       throttle: bound device memory for real, not only the runtime's references: after
         dispatching stage i's computation, the host waits until stage i-1's computation
         (forward) or the copy of stage i+1's gradients to host (backward) is complete
@@ -247,6 +250,7 @@ class StreamingRuntime:
         prefetch_next_call: bool = True,
         own_params: bool = False,
         max_grad_norm: float | None = None,
+        skip_nonfinite: bool = False,
     ):
         # validation first: no state changes before all of it passed
         for name, flag in (("donate", donate), ("throttle", throttle), ("track_residency", track_residency),
@@ -265,10 +269,10 @@ class StreamingRuntime:
             n, prefetch_depth, resident, remat, offload_activations=offload_activations, grads_to_host=grads_to_host,
             optimizer_state_on_host=optimizer_state_on_host, donate=donate, throttle=throttle,
             track_residency=track_residency, prefetch_next_call=prefetch_next_call, max_signatures=max_signatures,
-            max_grad_norm=max_grad_norm)
-        if max_grad_norm is not None and groups is None:
-            raise ValueError("max_grad_norm needs an optimizer; without one the gradients are returned (clip them "
-                             "yourself)")
+            max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite)
+        if self.config.needs_norm and groups is None:
+            raise ValueError("max_grad_norm and skip_nonfinite need an optimizer; without one the gradients are "
+                             "returned (clip them yourself)")
         fns, shared = stage_fns(stage_fn, n)
         flat = flatten_stage_params(stage_params, shared)
         check_placement_args(device, sharding, activation_sharding, batch_axis)
@@ -334,6 +338,7 @@ class StreamingRuntime:
     offload_activations = Forwarded("config")
     prefetch_next_call = Forwarded("config")
     max_grad_norm = Forwarded("config")
+    skip_nonfinite = Forwarded("config")
     # where activations live (ActivationLayout)
     activation_sharding = Forwarded("layout", of=ActivationLayout)
     batch_axis = Forwarded("layout", of=ActivationLayout)
@@ -514,7 +519,7 @@ class StreamingRuntime:
 
     def train_step(self, h, loss_fn: Callable | None = None, *, cotangent=None, loss_args: tuple = (),
                    lr: float | None = None, trace: TraceRecorder | None = None, accumulate: bool = False,
-                   max_grad_norm: float | None = None, skip_nonfinite: bool = False):
+                   max_grad_norm: float | None = None, skip_nonfinite: bool | None = None):
         """Forward and backward pass; each stage's parameter gradients go to ``pinned_host``
         (or, with ``optimizer``, each stage is updated right after its backward).
 
@@ -552,7 +557,8 @@ class StreamingRuntime:
             leaf of every stage (``clip_grad_norm_``). Default: the runtime's ``max_grad_norm``.
           skip_nonfinite: with ``optimizer``, at an update: when that norm is not finite, skip the
             update (weights, moments and ``step`` unchanged; the accumulated gradients dropped), as
-            torch's ``GradScaler`` skips ``optimizer.step()``; ``last_step_skipped`` says so.
+            torch's ``GradScaler`` skips ``optimizer.step()``; ``last_step_skipped`` says so. Default: the
+            runtime's ``skip_nonfinite``.
             With either of the two the update needs every gradient first, so it is not fused
             into the backward: the backward sends each stage's gradients to ``grad_acc`` and a
             third pass (the ``"update"`` pass of ``schedule(True, update_pass=True)``) streams
@@ -581,6 +587,7 @@ class StreamingRuntime:
         """
         check_train_args(loss_fn, cotangent, loss_args, trace, accumulate, skip_nonfinite, max_grad_norm)
         max_grad_norm = self.config.max_grad_norm if max_grad_norm is None else max_grad_norm
+        skip_nonfinite = self.config.skip_nonfinite if skip_nonfinite is None else skip_nonfinite
         separate_update = accumulate or max_grad_norm is not None or skip_nonfinite
         hyper = self.steps.hyper(lr, separate_update)
         loss_exe = self._train_loss_exe(h, loss_fn, cotangent, loss_args)
