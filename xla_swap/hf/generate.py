@@ -51,7 +51,6 @@ import numpy as np
 import torch
 
 from xla_swap.distributed import gather_ints, gather_prompts, per_rank_batches
-from xla_swap.executors.streaming.routed_experts import RoutedStreamer
 from xla_swap.hf.causal_lm import CausalLMFirst, CausalLMLast
 from xla_swap.stack.index_checks import check_index_range, token_id_bounds
 from xla_swap.hf.refusals import refuse_longrope_generation
@@ -379,8 +378,8 @@ def _decode(gen: Generator, select, st: dict, prompt: jax.Array, max_new_tokens:
     """Prefill and decode steps until every row stopped or ``max_new_tokens``: ``(tokens int32 [B, n],
     n, first_token_s, step_done_s)`` (seconds from the start; each step's flag is read one step late,
     so the device never waits for the host). ``plan``: a :class:`xla_swap.hf.moe_decode.FetchPlan` (applied
-    to a ``RoutedStreamer``) or ``None``."""
-    plan = plan if isinstance(gen.streamer, RoutedStreamer) else None
+    to the generator's ``routed_experts``) or ``None``."""
+    plan = plan if gen.routed_experts is not None else None
     t_start = time.perf_counter()
     x = (prompt, st["mask"], st["pos"], st["offset"])
     done_s: list[float] = []
@@ -389,10 +388,10 @@ def _decode(gen: Generator, select, st: dict, prompt: jax.Array, max_new_tokens:
     n_done = max_new_tokens
     for step in range(max_new_tokens):
         if plan is not None:
-            plan.before_step(gen.streamer, step)
+            plan.before_step(gen.routed_experts, step)
         logits = gen.streamer.run(x)
         if plan is not None:
-            plan.after_step(gen.streamer)
+            plan.after_step(gen.routed_experts)
         st = select(logits, st)
         x = (st["ids"], st["mask"], st["pos"], st["offset"])
         if step >= 1:   # step - 1 is done once its flag is read (after step is dispatched: no device idle)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from xla_swap.distributed import gather_ints
 from xla_swap.executors.streaming.decode import StatefulStreamer, state_nbytes
-from xla_swap.executors.streaming.routed_experts import RoutedStreamer
+from xla_swap.executors.streaming.routed_experts import RoutedExperts
 from xla_swap.hf.kv_cache import OFFSET, DecodeFirst, LayerKV, layer_kwargs
 from xla_swap.stack.mixed_precision import stage_functions_in
 from xla_swap.hf.moe_decode import routed_specs
@@ -29,7 +29,7 @@ __all__ = ["Generator", "Generators", "decode_stage_fns", "memory_stats"]
 
 
 class Generator:
-    """The stage functions and the streamer (a ``StatefulStreamer``, or a ``RoutedStreamer`` with ``routing``) of
+    """The stage functions and the streamer (a ``StatefulStreamer``, running by ``RoutedExperts`` with ``routing``) of
     one (batch, cache length, placement): its KV cache, prefetched weights and decode executables.
 
     Args:
@@ -60,12 +60,12 @@ class Generator:
         kw = dict(state_avals=avals, activation_sharding=rt.activation_sharding,
                   state_on_host=self.placement == "host", prefetch_depth=rt.prefetch_depth, resident=rt.resident,
                   gather_weights=rt.batch_axis is not None)
-        if routing is None:   # every expert streamed with its layer
-            self.streamer = StatefulStreamer(self._stage_fns, rt.host_params, rt.device_shardings, **kw)
-        else:                 # routed experts (xla_swap.hf.moe_decode)
-            self.streamer = RoutedStreamer(self._stage_fns, rt.host_params, rt.device_shardings, **kw,
-                                           routed_specs=routed_specs(stack, routing, self._stage_fns),
-                                           expert_layout=expert_layout)
+        #: with ``routing``, the routed-experts fetch the streamer runs its stages by (``RoutedExperts``,
+        #: :mod:`xla_swap.hf.moe_decode`), else ``None`` (every expert streamed with its layer).
+        self.routed_experts = None if routing is None else RoutedExperts(
+            routed_specs(stack, routing, self._stage_fns), expert_layout)
+        self.streamer = StatefulStreamer(self._stage_fns, rt.host_params, rt.device_shardings, **kw,
+                                         stage_calls=self.routed_experts)
         self._select_exes: dict = {}
 
     def _cache_avals(self, stack) -> list:

@@ -1,5 +1,5 @@
 """Routed experts in generation, the torch side: which layers of a stack can fetch only the experts their
-tokens were routed to, the stage pieces :class:`xla_swap.executors.streaming.routed_experts.RoutedStreamer` runs
+tokens were routed to, the stage pieces :class:`xla_swap.executors.streaming.routed_experts.RoutedExperts` runs
 them with, and the choice per call between that and streaming every expert.
 
 * **Marker.** While a layer is traced for routed fetching, its ``@use_experts_implementation`` module
@@ -209,7 +209,7 @@ class FetchPlan:
         self.info, self.measured = info, expert_fetch == "auto"
         #: whether the model has mixture-of-experts layers.
         self.has_experts: bool = bool(info.layers or info.whole)
-        #: ``info`` when the stack can fetch routed experts (its generator is then a ``RoutedStreamer``, which
+        #: ``info`` when the stack can fetch routed experts (its generator's streamer then runs by ``RoutedExperts``, which
         #: runs whole steps too: one generator serves every choice), else ``None``.
         self.routing: RoutingInfo | None = info if info.reason is None else None
         #: per step run, whether it fetched only the routed experts.
@@ -217,19 +217,19 @@ class FetchPlan:
         #: per step run, ``[(layer index, expert ids), ...]`` it copied (empty for a whole step).
         self.fetched: list[list[tuple[int, tuple[int, ...]]]] = []
 
-    def before_step(self, streamer, step: int) -> None:
-        """Set ``streamer.routed`` for step ``step``."""
+    def before_step(self, experts, step: int) -> None:
+        """Set ``experts.routed`` (a ``RoutedExperts``) for step ``step``."""
         routed = self.prefill if step == 0 else self.decode
-        if routed and step >= 2 and self.measured and not still_routed(self.info, streamer.expert_fetches):
+        if routed and step >= 2 and self.measured and not still_routed(self.info, experts.expert_fetches):
             self.decode = routed = False
             self.explanation += (f"; step {step - 1} fetched more than {ROUTED_MAX_FRACTION} of the experts: "
                                  "all after it")
-        streamer.routed = routed
+        experts.routed = routed
         self.routed_steps.append(routed)
 
-    def after_step(self, streamer) -> None:
-        """Record what the step just run fetched."""
-        self.fetched.append([(stage - 1, ids) for stage, ids in streamer.expert_fetches])
+    def after_step(self, experts) -> None:
+        """Record what the step just run fetched (``experts``: the ``RoutedExperts`` it ran by)."""
+        self.fetched.append([(stage - 1, ids) for stage, ids in experts.expert_fetches])
 
     def summary(self) -> dict:
         """``{"routed_steps", "fetched", "explanation"}`` for ``stack.last_generation["experts"]``."""

@@ -166,6 +166,11 @@ class RuntimeConfig:
         """Whether an update needs the global gradient norm first (``max_grad_norm`` or ``skip_nonfinite``)."""
         return self.max_grad_norm is not None or self.skip_nonfinite
 
+    def step_norm_settings(self, max_grad_norm: float | None, skip_nonfinite: bool | None) -> tuple:
+        """``(max_grad_norm, skip_nonfinite)`` of one step: its own values, ``None`` standing for this config's."""
+        return (self.max_grad_norm if max_grad_norm is None else max_grad_norm,
+                self.skip_nonfinite if skip_nonfinite is None else skip_nonfinite)
+
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 - frozen: set once here
         set_("prefetch_depth", check_prefetch_depth(self.prefetch_depth))

@@ -33,12 +33,45 @@ from .signatures import ExeKey, Signature, SignatureCache, StageKey, distinct_id
 from ..pytrees import DEVICE_KIND, HOST_KIND, aval_key, param_key, tree_aval
 from .stage_programs import gathered
 
-__all__ = ["StatefulStreamer", "state_nbytes"]
+__all__ = ["StageCalls", "StatefulStreamer", "state_nbytes"]
 
 
 def state_nbytes(avals) -> int:
     """Bytes of a pytree of ``jax.ShapeDtypeStruct`` (or arrays): the sum of ``prod(shape) x itemsize``."""
     return int(sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(avals)))
+
+
+class StageCalls:
+    """How a :class:`StatefulStreamer` runs each stage: the stage's own weights and executable, dispatched
+    as they are. A streamer holds one (``stage_calls``); a variant (e.g. routed experts,
+    ``routed_experts.RoutedExperts``) overrides these steps and reads the streamer only through its public
+    attributes."""
+
+    def check(self, streamer: "StatefulStreamer") -> None:
+        """Raise ValueError when ``streamer`` cannot run this way (called by its constructor)."""
+
+    def start(self, streamer: "StatefulStreamer") -> None:
+        """A :meth:`StatefulStreamer.run` begins."""
+
+    def weights(self, streamer: "StatefulStreamer", i: int) -> tuple[Any, Any]:
+        """``(host weights, device shardings)`` stage ``i`` streams: ``host_params[i]`` and its shardings."""
+        return streamer.host_params[i], streamer.device_shardings[i]
+
+    def executable(self, streamer: "StatefulStreamer", sig: Signature, i: int):
+        """Stage ``i``'s executable for ``sig``: :meth:`StatefulStreamer.stage_executable`."""
+        return streamer.stage_executable(sig, i)
+
+    def call(self, streamer: "StatefulStreamer", i: int, exe, p, x, states: dict):
+        """Dispatch stage ``i`` on weights ``p`` and input ``x`` (asynchronous); its state updated in place."""
+        if streamer.state_avals[i] is None:
+            return exe(p, x)
+        y, s = exe(p, streamer.take_state(i, states), x)
+        streamer.put_state(i, s)
+        return y
+
+    def output(self, streamer: "StatefulStreamer", i: int, y):
+        """Stage ``i``'s output as the next stage takes it, once the events after its dispatch ran: ``y``."""
+        return y
 
 
 class StatefulStreamer:
@@ -68,18 +101,19 @@ class StatefulStreamer:
         inside its executable: the computation stays replicated over the mesh, as the activations
         are, instead of being split along a sharded weight's dimension (what a data-parallel
         stack wants; ``executors.stage_programs.gathered``). Default ``False``: as XLA partitions it.
+      stage_calls: how each stage is run (:class:`StageCalls`, the default, or a variant of it).
 
     Raises:
       TypeError: a stage function is not callable; ``state_on_host`` not a bool or a sequence of bools;
         ``prefetch_depth`` not an int.
       ValueError: the per-stage sequences differ in length; ``prefetch_depth < 1``;
-        ``max_signatures`` not an int >= 1.
+        ``max_signatures`` not an int >= 1; what ``stage_calls.check`` raises.
     """
 
     def __init__(self, stage_fns: Sequence[Callable], host_params: list, param_shardings: Sequence[Any], *,
                  state_avals: Sequence[Any], activation_sharding: Sharding, state_on_host: bool | Sequence[bool] = False,
                  prefetch_depth: int = 2, resident: Sequence[bool] | None = None, max_signatures: int = 8,
-                 gather_weights: bool = False):
+                 gather_weights: bool = False, stage_calls: StageCalls | None = None):
         n = len(stage_fns)
         for i, f in enumerate(stage_fns):
             if not callable(f):
@@ -109,8 +143,10 @@ class StatefulStreamer:
         self._gather = activation_sharding.with_memory_kind(DEVICE_KIND) if gather_weights else None
         self._fns = list(stage_fns)
         self._fn_ids = distinct_ids(stage_fns)
-        self._dev_sh = list(param_shardings)
-        self._dev_state_sh = activation_sharding.with_memory_kind(DEVICE_KIND)
+        #: per stage, the device shardings (a pytree like ``host_params[i]``) its weights are copied to.
+        self.device_shardings: list = list(param_shardings)
+        #: where a state is in device memory (``activation_sharding`` in memory kind ``device``).
+        self.state_sharding = activation_sharding.with_memory_kind(DEVICE_KIND)
         self._host_state_sh = activation_sharding.with_memory_kind(HOST_KIND)
         #: per stage, the state (``None`` for stateless stages, or before the first call).
         self.states: list = [None] * n
@@ -124,6 +160,9 @@ class StatefulStreamer:
         self.executed_events: list[tuple] = []
         #: bytes of each stage's state (0 without state).
         self.state_nbytes: list[int] = [0 if s is None else state_nbytes(s) for s in state_avals]
+        #: how each stage is run (:class:`StageCalls`).
+        self.stage_calls: StageCalls = StageCalls() if stage_calls is None else stage_calls
+        self.stage_calls.check(self)
 
     # ---------------------------------------------------------------- public
     @property
@@ -152,7 +191,7 @@ class StatefulStreamer:
           to trace or returns a state unlike ``state_avals`` (as :meth:`run`).
         """
         sig = self._signature(x)
-        return [self._exe(sig, i) for i in range(self.num_stages)]
+        return [self.stage_calls.executable(self, sig, i) for i in range(self.num_stages)]
 
     def reset_states(self) -> None:
         """(Re)allocate every state as zeros where it lives (``pinned_host`` or device memory)."""
@@ -160,7 +199,7 @@ class StatefulStreamer:
             if av is None:
                 continue
             self.states[i] = None
-            sh = self._host_state_sh if self.state_on_host[i] else self._dev_state_sh
+            sh = self._host_state_sh if self.state_on_host[i] else self.state_sharding
             self.states[i] = jax.tree_util.tree_map(
                 lambda a, sh=sh: jax.device_put(np.zeros(a.shape, a.dtype), sh), av)
 
@@ -177,7 +216,8 @@ class StatefulStreamer:
         next-call prefetch, the weights the previous call left valid as ``carry`` (those whose
         ``host_params`` element was not replaced since), each host state fetched beside its
         stage's weights (``host_state``)."""
-        carry = tuple(j for j, (src, _) in sorted(self._carry.items()) if src is self._stage_weights(j)[0])
+        calls = self.stage_calls
+        carry = tuple(j for j, (src, _) in sorted(self._carry.items()) if src is calls.weights(self, j)[0])
         return PrefetchSchedule(self.num_stages, self.prefetch_depth, resident=self.resident, carry=carry,
                                 host_state=self.state_on_host)
 
@@ -192,8 +232,10 @@ class StatefulStreamer:
         Raises: ValueError naming the stage when one fails to trace, or returns a state of another
           structure, shape or dtype than ``state_avals`` says (before anything runs).
         """
+        calls = self.stage_calls
+        calls.start(self)
         sig = self._signature(x)
-        exes = [self._exe(sig, i) for i in range(self.num_stages)]   # every compile before the first transfer
+        exes = [calls.executable(self, sig, i) for i in range(self.num_stages)]   # every compile before the first copy
         if any(s is None and a is not None for s, a in zip(self.states, self.state_avals)):
             self.reset_states()
         x = jax.device_put(x, self.activation_sharding)
@@ -205,42 +247,36 @@ class StatefulStreamer:
         self._execute(sched.prologues[0], weights, states, nxt)
         for step in sched.steps:
             i = step.stage
-            p = self._stage_weights(i)[0] if self.resident[i] else weights[i]
-            y = self._call_stage(i, exes[i], p, x, states)
+            p = calls.weights(self, i)[0] if self.resident[i] else weights[i]
+            y = calls.call(self, i, exes[i], p, x, states)
             jax.block_until_ready(x)   # stage i-1 done: its weights' (and state's) memory is free
             del p
             self._execute(step, weights, states, nxt)
-            x = self._stage_output(i, y)
+            x = calls.output(self, i, y)
         self._carry = nxt
         return x
 
-    # ---------------------------------------------------------------- internals
-    def _stage_weights(self, i: int) -> tuple[Any, Any]:
-        """``(host weights, device shardings)`` stage ``i`` streams: ``host_params[i]`` and its shardings."""
-        return self.host_params[i], self._dev_sh[i]
-
-    def _call_stage(self, i: int, exe, p, x, states: dict):
-        """Dispatch stage ``i`` on weights ``p`` and input ``x`` (asynchronous); its state updated in place."""
-        if self.state_avals[i] is None:
-            return exe(p, x)
-        y, s = exe(p, self._take_state(i, states), x)
-        self._put_state(i, s)
-        return y
-
-    def _stage_output(self, i: int, y):
-        """Stage ``i``'s output as the next stage takes it, once the events after its dispatch ran: ``y``."""
-        return y
-
-    def _take_state(self, i: int, states: dict):
-        """Stage ``i``'s state on the device (fetched from ``pinned_host``, or in place), given up (donated)."""
+    def take_state(self, i: int, states: dict):
+        """Stage ``i``'s state on the device (fetched from ``pinned_host`` into ``states``, or in place), given up
+        (its buffer is donated to the stage's executable)."""
         s = states.pop(i) if self.state_on_host[i] else self.states[i]
         self.states[i] = None   # donated
         return s
 
-    def _put_state(self, i: int, s) -> None:
-        """Keep stage ``i``'s new state where it lives (back to ``pinned_host``, or in place)."""
+    def put_state(self, i: int, s) -> None:
+        """Keep stage ``i``'s new state ``s`` where it lives (back to ``pinned_host``, or in place)."""
         self.states[i] = jax.device_put(s, self._host_state_sh) if self.state_on_host[i] else s
 
+    def stage_executable(self, sig: Signature, i: int):
+        """Stage ``i``'s own executable for ``sig`` (shared by the stages of equal function, weights, state and
+        input avals): ``(p, x) -> y``, or ``(p, s, x) -> (y, s)`` with the state donated."""
+        sav = self.state_avals[i]
+        base = StageKey(self._fn_ids[i], param_key(self.host_params[i], self.device_shardings[i]),
+                        aval_key(sig.chain[i]), state=() if sav is None else aval_key(sav))
+        return self._cache.executable(sig, i, ExeKey("forward", donate=sav is not None), base,
+                                      lambda: self._compile(i, sig.chain[i]))
+
+    # ---------------------------------------------------------------- internals
     def _execute(self, step: ScheduleStep, weights: dict, states: dict, nxt: dict) -> None:
         """Perform ``step``'s events in ``EVENT_KINDS`` order and record them in ``executed_events``
         (``loop.perform_events``, as the runtime's executor does)."""
@@ -251,13 +287,13 @@ class StatefulStreamer:
         """One forward event for stage ``j``: its host state or weights copied in, its weights taken from the
         previous call, kept for the next one, or released."""
         if kind == "fetch_state":
-            states[j] = jax.device_put(self.states[j], self._dev_state_sh)
+            states[j] = jax.device_put(self.states[j], self.state_sharding)
         elif kind in ("fetch", "fetch_next"):
-            weights[j] = jax.device_put(*self._stage_weights(j))
+            weights[j] = jax.device_put(*self.stage_calls.weights(self, j))
         elif kind == "take":
             weights[j] = self._carry.pop(j)[1]
         elif kind == "keep_next":
-            nxt[j] = (self._stage_weights(j)[0], weights[j])
+            nxt[j] = (self.stage_calls.weights(self, j)[0], weights[j])
         elif kind == "release":
             del weights[j]
         else:
@@ -285,25 +321,16 @@ class StatefulStreamer:
             chain.append(jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), out))
         return chain
 
-    def _exe(self, sig: Signature, i: int):
-        """Stage ``i``'s executable for ``sig`` (shared by the stages of equal function, weights, state and
-        input avals): ``(p, x) -> y``, or ``(p, s, x) -> (y, s)`` with the state donated."""
-        sav = self.state_avals[i]
-        base = StageKey(self._fn_ids[i], param_key(self.host_params[i], self._dev_sh[i]), aval_key(sig.chain[i]),
-                        state=() if sav is None else aval_key(sav))
-        return self._cache.executable(sig, i, ExeKey("forward", donate=sav is not None), base,
-                                      lambda: self._compile(i, sig.chain[i]))
-
     def _compile(self, i: int, in_aval):
         pav = self.host_params[i]
         sav = self.state_avals[i]
         spec = lambda av, sh: jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), av)
         pspec = jax.tree_util.tree_map(lambda v, sh: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh),
-                                       pav, self._dev_sh[i])
+                                       pav, self.device_shardings[i])
         act = self.activation_sharding
         xspec = spec(in_aval, act)
         f = gathered(self._fns[i], self._gather)
         if sav is None:
             return jax.jit(lambda p, x: f(p, x), out_shardings=act).lower(pspec, xspec).compile()
-        return jax.jit(lambda p, s, x: f(p, s, x), out_shardings=(act, self._dev_state_sh),
-                       donate_argnums=(1,)).lower(pspec, spec(sav, self._dev_state_sh), xspec).compile()
+        return jax.jit(lambda p, s, x: f(p, s, x), out_shardings=(act, self.state_sharding),
+                       donate_argnums=(1,)).lower(pspec, spec(sav, self.state_sharding), xspec).compile()

@@ -20,7 +20,7 @@ per weight shape and ``m`` (dynamic slices of the host arrays moved to the devic
 XLA:GPU a fusion reads the host slices on the compute stream), layout ``"split"`` keeps a second copy as
 one ``pinned_host`` array per expert (built on first use: the experts' bytes once more in host memory)
 and copies the chosen ones with one ``jax.device_put`` (the copy engines, as whole stages are moved).
-``RoutedStreamer.routed`` switches a call between this and the whole layer (every expert streamed with
+``RoutedExperts.routed`` switches a call between this and the whole layer (every expert streamed with
 its stage, one executable); both give the layer's own result. One device only.
 
 The module imports only numpy and jax (no torch).
@@ -35,13 +35,13 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
-from .decode import StatefulStreamer
+from .decode import StageCalls
 from xla_swap.planning.routing import expert_bucket
 
 from .jaxpr_split import JaxprSplit, split_at
 from ..pytrees import DEVICE_KIND, aval_key
 
-__all__ = ["EXPERTS_CALL", "experts_call", "RoutedSpec", "ExpertStore", "RoutedStreamer", "LAYOUTS"]
+__all__ = ["EXPERTS_CALL", "experts_call", "RoutedSpec", "ExpertStore", "RoutedExperts", "LAYOUTS"]
 
 #: the expert-weight layouts of :class:`ExpertStore`.
 LAYOUTS = ("stacked", "split")
@@ -162,36 +162,33 @@ class ExpertStore:
         return int(sum(a.nbytes for _, parts in self._parts.values() for arrs in parts.values() for a in arrs))
 
 
-class RoutedStreamer(StatefulStreamer):
-    """A :class:`StatefulStreamer` whose mixture-of-experts stages can fetch only their routed experts.
+class RoutedExperts(StageCalls):
+    """How a :class:`StatefulStreamer`'s mixture-of-experts stages fetch only their routed experts: pass one
+    as its ``stage_calls``.
 
-    Args (besides :class:`StatefulStreamer`'s, which keep their meaning):
+    Args:
       routed_specs: ``{stage: RoutedSpec}``: stages (with state, not ``resident``) that can run by routed
         experts; stages given the same spec object share executables.
       expert_layout: ``"stacked"`` (default) or ``"split"`` (:class:`ExpertStore`).
 
-    :attr:`routed` (default ``False``) chooses, per :meth:`run`, whether those stages fetch their routed
-    experts or stream whole (as :class:`StatefulStreamer` does); :attr:`expert_fetches` lists what the
-    last run copied.
+    :attr:`routed` (default ``False``) chooses, per run of the streamer, whether those stages fetch their
+    routed experts or stream whole (as :class:`StageCalls` runs them); :attr:`expert_fetches` lists what
+    the last run copied.
 
-    Raises: ValueError: ``activation_sharding`` spans several devices; a stage of ``routed_specs`` out of
-      range, without state or resident; an unknown ``expert_layout``; and what the base class raises.
+    Raises: ValueError: an unknown ``expert_layout``; from the streamer's constructor (:meth:`check`): its
+      ``activation_sharding`` spans several devices; a stage of ``routed_specs`` out of range, without
+      state or resident.
     """
 
-    def __init__(self, stage_fns, host_params: list, param_shardings, *, routed_specs: dict,
-                 expert_layout: str = "stacked", **kwargs):
-        super().__init__(stage_fns, host_params, param_shardings, **kwargs)
-        if len(self.activation_sharding.device_set) != 1:
-            raise ValueError("routed experts run on one device; activation_sharding spans "
-                             f"{len(self.activation_sharding.device_set)}")
-        for i in routed_specs:
-            if not 0 <= i < self.num_stages or self.state_avals[i] is None or self.resident[i]:
-                raise ValueError(f"routed_specs: stage {i} must be a stage with state, streamed (not resident)")
+    def __init__(self, routed_specs: dict, expert_layout: str = "stacked"):
+        if expert_layout not in LAYOUTS:
+            raise ValueError(f"expert layout must be one of {LAYOUTS}, got {expert_layout!r}")
         self._specs: dict[int, RoutedSpec] = dict(routed_specs)
-        self._store = ExpertStore(expert_layout, self.activation_sharding)
+        self._layout = expert_layout
+        self._store: ExpertStore | None = None   # made by check(), on the streamer's device
         self._views: dict[int, tuple] = {}
         self._programs: dict = {}
-        #: whether the next :meth:`run` fetches only the routed experts of the routed stages.
+        #: whether the next run fetches only the routed experts of the routed stages.
         self.routed: bool = False
         #: the expert copies of the last run: ``(stage, expert ids)`` per routed stage, in order.
         self.expert_fetches: list[tuple[int, tuple[int, ...]]] = []
@@ -204,50 +201,57 @@ class RoutedStreamer(StatefulStreamer):
     @property
     def expert_layout(self) -> str:
         """``"stacked"`` or ``"split"`` (:class:`ExpertStore`)."""
-        return self._store.layout
+        return self._layout
 
     def expert_host_nbytes(self) -> int:
         """Bytes of ``pinned_host`` held beyond the stages' weights (the ``"split"`` layout's copies)."""
-        return self._store.host_nbytes()
+        return 0 if self._store is None else self._store.host_nbytes()
 
-    def run(self, x):
-        """:meth:`StatefulStreamer.run`, the routed stages by routed experts when :attr:`routed` is set."""
+    def check(self, streamer) -> None:
+        """Raise ValueError unless ``streamer`` runs on one device and every routed stage has state and streams."""
+        if len(streamer.activation_sharding.device_set) != 1:
+            raise ValueError("routed experts run on one device; activation_sharding spans "
+                             f"{len(streamer.activation_sharding.device_set)}")
+        for i in self._specs:
+            if not 0 <= i < streamer.num_stages or streamer.state_avals[i] is None or streamer.resident[i]:
+                raise ValueError(f"routed_specs: stage {i} must be a stage with state, streamed (not resident)")
+        self._store = ExpertStore(self._layout, streamer.activation_sharding)
+
+    def start(self, streamer) -> None:
         self.expert_fetches = []
-        return super().run(x)
 
-    # ---------------------------------------------------------------- the base class's hooks
-    def _stage_weights(self, i: int) -> tuple[Any, Any]:
+    def weights(self, streamer, i: int) -> tuple[Any, Any]:
         if not (self.routed and i in self._specs):
-            return super()._stage_weights(i)
-        src = self.host_params[i]
+            return super().weights(streamer, i)
+        src = streamer.host_params[i]
         view = self._views.get(i)
         if view is None or view[0] is not src:
             names = self._specs[i].expert_names
-            sh = self._dev_sh[i]
+            sh = streamer.device_shardings[i]
             view = (src, {n: v for n, v in src.items() if n not in names},
                     {n: v for n, v in sh.items() if n not in names})
             self._views[i] = view
         return view[1], view[2]
 
-    def _exe(self, sig, i: int):
+    def executable(self, streamer, sig, i: int):
         if not (self.routed and i in self._specs):
-            return super()._exe(sig, i)
+            return super().executable(streamer, sig, i)
         in_aval = sig.chain[i]
         spec = self._specs[i]
-        pav = jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), self.host_params[i])
-        key = (id(spec), aval_key(pav), aval_key(self.state_avals[i]), aval_key(in_aval))
+        pav = jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), streamer.host_params[i])
+        key = (id(spec), aval_key(pav), aval_key(streamer.state_avals[i]), aval_key(in_aval))
         prog = self._programs.get(key)
         if prog is None:
-            prog = self._program(i, spec, pav, in_aval)
+            prog = self._program(streamer, i, spec, pav, in_aval)
             self._programs[key] = prog
         return prog
 
-    def _call_stage(self, i: int, exe, p, x, states: dict):
+    def call(self, streamer, i: int, exe, p, x, states: dict):
         if not isinstance(exe, _Program):
-            return super()._call_stage(i, exe, p, x, states)
-        return _Pending(exe, exe.before(p, self._take_state(i, states), x))
+            return super().call(streamer, i, exe, p, x, states)
+        return _Pending(exe, exe.before(p, streamer.take_state(i, states), x))
 
-    def _stage_output(self, i: int, y):
+    def output(self, streamer, i: int, y):
         if not isinstance(y, _Pending):
             return y
         prog, outs = y.program, y.outs
@@ -256,22 +260,22 @@ class RoutedStreamer(StatefulStreamer):
         boundary = outs[sp.n_marker_in:sp.n_marker_in + sp.n_boundary]
         ids = np.unique(np.asarray(marker_in[1])).astype(np.int32)   # the layer's one device -> host read
         self.expert_fetches.append((i, tuple(int(e) for e in ids)))
-        ids_dev = jax.device_put(ids, self._dev_state_sh)
-        w = self._store.fetch(i, self.host_params[i], prog.spec.expert_names, ids, ids_dev)
+        ids_dev = jax.device_put(ids, streamer.state_sharding)
+        w = self._store.fetch(i, streamer.host_params[i], prog.spec.expert_names, ids, ids_dev)
         slots = expert_bucket(len(ids), prog.k, prog.spec.num_experts)   # spare slots: the last expert again, no token
         w = {n: v + [v[-1]] * (slots - len(ids)) for n, v in w.items()}
         if slots > len(ids):
             ids_dev = jax.device_put(np.concatenate([ids, np.full(slots - len(ids), prog.spec.num_experts, np.int32)]),
-                                     self._dev_state_sh)
+                                     streamer.state_sharding)
         late = prog.after(w, ids_dev, tuple(marker_in), tuple(boundary))
         flat = sp.assemble(outs[sp.n_marker_in + sp.n_boundary:], late)
         out, s = jax.tree_util.tree_unflatten(prog.out_tree, flat)
-        self._put_state(i, s)
+        streamer.put_state(i, s)
         return out
 
-    def _program(self, i: int, spec: RoutedSpec, pav: dict, in_aval) -> _Program:
+    def _program(self, streamer, i: int, spec: RoutedSpec, pav: dict, in_aval) -> _Program:
         """Trace stage ``i`` with :data:`EXPERTS_CALL`, split it there and compile its first half."""
-        sav = self.state_avals[i]
+        sav = streamer.state_avals[i]
         try:
             closed, out_shape = jax.make_jaxpr(spec.marked_fn, return_shape=True)(pav, sav, in_aval)
             paths = jax.tree_util.tree_flatten_with_path((pav, sav, in_aval))[0]
@@ -290,11 +294,11 @@ class RoutedStreamer(StatefulStreamer):
         def after(w, ids, marker_in, boundary):
             return after_fn(spec.experts_fn(w, ids, *marker_in), *boundary)
 
-        dev, act = self._dev_sh[i], self.activation_sharding
+        dev, act, state_sh = streamer.device_shardings[i], streamer.activation_sharding, streamer.state_sharding
         spec_of = lambda av, sh: jax.tree_util.tree_map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), av)
         pspec = {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=dev[n]) for n, v in pav.items() if n not in names}
-        exe = jax.jit(before, out_shardings=self._dev_state_sh, donate_argnums=(1,)).lower(
-            pspec, spec_of(sav, self._dev_state_sh), spec_of(in_aval, act)).compile()
-        return _Program(split, spec, exe, jax.jit(after, out_shardings=self._dev_state_sh),
+        exe = jax.jit(before, out_shardings=state_sh, donate_argnums=(1,)).lower(
+            pspec, spec_of(sav, state_sh), spec_of(in_aval, act)).compile()
+        return _Program(split, spec, exe, jax.jit(after, out_shardings=state_sh),
                         jax.tree_util.tree_structure(out_shape), int(split.before.out_avals[1].shape[-1]))

@@ -112,12 +112,8 @@ class StreamingRuntime:
         caller must not use those arrays afterwards. A caller that places each stage in
         ``pinned_host`` as it reads it (``SwappedStack``) thus holds the weights once, not twice.
         The same holds for the arrays of a given ``optimizer_state``. Default ``False``.
-      max_grad_norm: with ``optimizer``: every update clips the gradients to this global 2-norm (as
-        ``train_step(max_grad_norm=...)`` does for one step; a step's own value takes precedence).
-        Default ``None``: no clip unless a step asks for one.
-      skip_nonfinite: with ``optimizer``: every update whose gradient norm is inf or nan is skipped (as
-        ``train_step(skip_nonfinite=True)`` does for one step; a step's own value takes precedence).
-        Default ``False``.
+      max_grad_norm, skip_nonfinite: with ``optimizer``: what ``train_step``'s keywords of these names do
+        for one step, for every update (a step's own value takes precedence). Default ``None``, ``False``.
       throttle: bound device memory for real, not only the runtime's references: after
         dispatching stage i's computation, the host waits until stage i-1's computation
         (forward) or the copy of stage i+1's gradients to host (backward) is complete
@@ -557,13 +553,10 @@ class StreamingRuntime:
             leaf of every stage (``clip_grad_norm_``). Default: the runtime's ``max_grad_norm``.
           skip_nonfinite: with ``optimizer``, at an update: when that norm is not finite, skip the
             update (weights, moments and ``step`` unchanged; the accumulated gradients dropped), as
-            torch's ``GradScaler`` skips ``optimizer.step()``; ``last_step_skipped`` says so. Default: the
-            runtime's ``skip_nonfinite``.
-            With either of the two the update needs every gradient first, so it is not fused
-            into the backward: the backward sends each stage's gradients to ``grad_acc`` and a
-            third pass (the ``"update"`` pass of ``schedule(True, update_pass=True)``) streams
-            weights, gradients and moments in and weights and moments out (beyond the fused step: the
-            gradients out and in, one more pass of the weights in, one host sync for ``last_grad_norm``).
+            torch's ``GradScaler`` skips ``optimizer.step()`` (default: the runtime's; ``last_step_skipped``).
+            With either, the update needs every gradient first: the backward sends them to ``grad_acc`` and
+            the ``"update"`` pass of ``schedule(True, update_pass=True)`` streams weights, gradients and moments
+            in and weights and moments out (one host sync for ``last_grad_norm``).
 
         Returns:
           ``(loss_or_output, input_cotangent, grads)``: the scalar loss (``loss_fn`` given) or the
@@ -586,8 +579,7 @@ class StreamingRuntime:
             narrow (``float64`` with ``jax_enable_x64`` off).
         """
         check_train_args(loss_fn, cotangent, loss_args, trace, accumulate, skip_nonfinite, max_grad_norm)
-        max_grad_norm = self.config.max_grad_norm if max_grad_norm is None else max_grad_norm
-        skip_nonfinite = self.config.skip_nonfinite if skip_nonfinite is None else skip_nonfinite
+        max_grad_norm, skip_nonfinite = self.config.step_norm_settings(max_grad_norm, skip_nonfinite)
         separate_update = accumulate or max_grad_norm is not None or skip_nonfinite
         hyper = self.steps.hyper(lr, separate_update)
         loss_exe = self._train_loss_exe(h, loss_fn, cotangent, loss_args)
