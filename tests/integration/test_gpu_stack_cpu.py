@@ -34,7 +34,6 @@ def rows():
     return {r["variant"]: r for r in out}
 
 
-@pytest.mark.xdist_group("gpu_stack_rows")
 def test_forward_rows_agree_with_the_on_device_loop(rows):
     for v in ("xla_swap-in-graph", "xla_swap-k2-chunked", "xla-in-graph", "xla-in-graph-unrolled", "on-device-jit"):
         r = rows[v]
@@ -50,7 +49,6 @@ def test_forward_rows_agree_with_the_on_device_loop(rows):
     assert not any("@" in v for v in rows if v.startswith(("xla_swap-k", "on-device", "train")))
 
 
-@pytest.mark.xdist_group("gpu_stack_rows")
 def test_training_rows_agree_and_send_gradients_to_host(rows):
     for v in ("train-xla_swap-k2-saved-chunked", "train-xla_swap-k2"):
         r = rows[v]
@@ -65,7 +63,6 @@ def test_training_rows_agree_and_send_gradients_to_host(rows):
     assert rows["train-on-device-saved-jit"]["group_member"] == 1  # ran in the group's process
 
 
-@pytest.mark.xdist_group("gpu_stack_rows")
 def test_streaming_rows_carry_the_recorded_trace(rows):
     r = rows["train-xla_swap-k2"]
     kinds = {(e["pass_name"], e["kind"]) for e in r["trace"]}
@@ -75,7 +72,6 @@ def test_streaming_rows_carry_the_recorded_trace(rows):
     assert "trace" not in rows["xla_swap-in-graph"]
 
 
-@pytest.mark.xdist_group("gpu_stack_rows")
 def test_missing_artifact_and_torch_are_skips_not_errors(rows):
     assert "no torch_xla artifact" in rows["torch_xla-lowered"]["skipped"]
     assert "error" not in rows["torch_xla-lowered"]

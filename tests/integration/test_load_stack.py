@@ -126,7 +126,6 @@ def wide_checkpoints(tmp_path_factory):
     return tmp, ref, ref_bf16
 
 
-@pytest.mark.xdist_group("wide_checkpoints")
 def test_host_memory_of_loading_without_a_second_copy(wide_checkpoints):
     """fp32 AdamW, the meta path against the full path (``from_pretrained``: the user's model alive):
     the meta path's peak RSS growth is below the full path's by at least 0.6x the fp32 weight bytes."""
@@ -139,7 +138,6 @@ def test_host_memory_of_loading_without_a_second_copy(wide_checkpoints):
     assert meta["build_peak_bytes"] < full["build_peak_bytes"] - 0.6 * w32, (meta, full)
 
 
-@pytest.mark.xdist_group("wide_checkpoints")
 @pytest.mark.parametrize("mixed", [False, True], ids=["bf16", "mixed"])
 def test_host_rss_within_the_bound(wide_checkpoints, mixed):
     """The host RSS bound, meta model and safetensors checkpoint, AdamW, two training steps, every stage

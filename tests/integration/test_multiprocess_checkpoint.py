@@ -17,7 +17,6 @@ import torch.distributed.checkpoint as dcp
 from test_multiprocess import _close, _free_port, run_workers
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.xdist_group("multiprocess_checkpoint_runs")   # one worker builds `runs` once
 WORKER = Path(__file__).resolve().parent / "mp_ckpt_worker.py"
 
 

@@ -80,7 +80,6 @@ def half(policy):
     return pvp.measure(HALF, policy)
 
 
-@pytest.mark.xdist_group("planner_vs_executor_runs")
 def test_weights_and_gradients_are_in_pinned_host(full):
     report, wids = full["_report"], full["_weight_ids"]
     assert report.num_devices == 1          # unsharded module: per-device bytes are the global bytes
@@ -93,7 +92,6 @@ def test_weights_and_gradients_are_in_pinned_host(full):
     assert report.host_argument_bytes == CFG.layers * train_decoder.layer_cost(CFG).param_bytes
 
 
-@pytest.mark.xdist_group("planner_vs_executor_runs")
 def test_per_layer_device_bytes_match_the_planner(full, half):
     layers = CFG.layers - HALF.layers
     predicted = (full["predicted_device_bytes"] - half["predicted_device_bytes"]) / layers
@@ -103,7 +101,6 @@ def test_per_layer_device_bytes_match_the_planner(full, half):
     assert 0.9 <= ratio <= 1.1
 
 
-@pytest.mark.xdist_group("planner_vs_executor_runs")
 def test_total_device_bytes_within_10_percent(full):
     print(f"total device bytes: predicted {full['predicted_device_bytes']}, measured "
           f"{full['measured_device_bytes']}, ratio {full['ratio']:.3f}")

@@ -126,7 +126,6 @@ def runs():
     return dict(init=init, model=model, stack=stack, ref_xla=ref_xla, ref_torch=ref_torch)
 
 
-@pytest.mark.xdist_group("mixed_precision_runs")
 def test_fp32_master_and_moments_on_host(runs):
     """Weights and moments stay fp32 in pinned_host; the planner's and the chooser's weight bytes are
     the fp32 masters' (what crosses the link); the output is bf16 as the model computes it."""
@@ -168,7 +167,6 @@ def test_gradients_and_one_step_equal_reference():
     assert worst_rel(one, ref) <= TOL
 
 
-@pytest.mark.xdist_group("mixed_precision_runs")
 def test_ten_steps_within_the_bf16_floor(runs):
     """10 steps against the reference with the same (XLA) bf16 gradients. Not 1e-5: the fp32 updates of
     XLA and torch differ in the last bits (rel ~1e-7), and a master element that then rounds to the other
@@ -204,7 +202,6 @@ def test_every_element_moves_at_fine_tuning_lr():
     assert float((w.bfloat16() != w0.bfloat16()).float().mean()) < 0.5
 
 
-@pytest.mark.xdist_group("mixed_precision_runs")
 def test_bf16_floor(runs):
     """The floor of the comparison with torch's bf16 backward: one step's gradients of the pure-bf16
     stack and of torch on the same bf16 weights differ at bf16 rounding; after 10 steps the mixed

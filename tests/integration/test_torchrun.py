@@ -100,7 +100,6 @@ def reference(tmp_path_factory):
     return ref
 
 
-@pytest.mark.xdist_group("torchrun_reference")
 def test_torchrun_two_processes_equal_one(reference, tmp_path):
     cmd = [str(TORCHRUN), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
     ranks = _wait([cmd], _env(2), tmp_path / "out")
@@ -108,7 +107,6 @@ def test_torchrun_two_processes_equal_one(reference, tmp_path):
     _check(ranks, reference)
 
 
-@pytest.mark.xdist_group("torchrun_reference")
 def test_torchrun_two_nodes_equal_one(reference, tmp_path):
     port = str(_free_port())
     cmds = [[str(TORCHRUN), "--nnodes", "2", "--node-rank", str(k), "--nproc-per-node", "2",
