@@ -3,8 +3,9 @@
 #   make test   - runs the test suite (4 virtual devices, then the SPMD tests on 1 and 8), then
 #                 make test-jax-only and make test-transformers-low
 #                 Every pytest runs on pytest-xdist workers, one per core (at most PYTEST_MAX_WORKERS,
-#                 default 4; PYTEST_WORKERS=0 runs in one process); a test module runs whole, in order,
-#                 on one worker (--dist loadfile), so a module-scoped fixture is built once.
+#                 default 4; PYTEST_WORKERS=0 runs in one process). The first run sends each module
+#                 whole to one worker (--dist loadfile: its module-scoped fixtures, such as the
+#                 torchrun and multiprocess references, built once); the others send single tests.
 # Both create .venv when it is missing (or pyproject.toml changed) and reuse it otherwise.
 #   make test-jax-only - the executor and planner tests in .venv-jax: jax 0.11.2 (the top of the
 #                 tested range, the GPU machine's version) and no torch, torch_xla or torchax, which
@@ -31,9 +32,7 @@ TF_LOW_SELECT := transformers_range or test_family_matches_torch or refused_at_c
 export PJRT_DEVICE := CPU
 PYTEST_WORKERS ?= auto
 PYTEST_MAX_WORKERS ?= 4
-XDIST := -n $(PYTEST_WORKERS) --maxprocesses $(PYTEST_MAX_WORKERS) --dist loadfile
-# test-transformers-low's three modules have no module-scoped fixture: their tests are spread one by one.
-XDIST_BY_TEST := -n $(PYTEST_WORKERS) --maxprocesses $(PYTEST_MAX_WORKERS) --dist load
+XDIST := -n $(PYTEST_WORKERS) --maxprocesses $(PYTEST_MAX_WORKERS)
 export PYTHONUNBUFFERED := 1
 
 .PHONY: demo test test-jax-only test-transformers-low venv venv-jax venv-tf-low
@@ -78,18 +77,18 @@ demo: venv
 	$(PY) examples/minilm_embed.py
 
 test: venv
-	XLA_SWAP_NUM_DEVICES=4 $(PY) -m pytest -q $(XDIST) tests
-	XLA_SWAP_NUM_DEVICES=1 $(PY) -m pytest -q $(XDIST) -m spmd tests
-	XLA_SWAP_NUM_DEVICES=8 $(PY) -m pytest -q $(XDIST) -m spmd tests
+	XLA_SWAP_NUM_DEVICES=4 $(PY) -m pytest -q $(XDIST) --dist loadfile tests
+	XLA_SWAP_NUM_DEVICES=1 $(PY) -m pytest -q $(XDIST) --dist load -m spmd tests
+	XLA_SWAP_NUM_DEVICES=8 $(PY) -m pytest -q $(XDIST) --dist load -m spmd tests
 	$(MAKE) --no-print-directory test-jax-only
 	$(MAKE) --no-print-directory test-transformers-low
 
 # tests/executors minus the modules that need torch (they importorskip it), and tests/planning.
 test-jax-only: venv-jax
 	$(JAX_PY) -c 'import importlib.util as u, sys; bad = [m for m in ("torch", "torch_xla", "torchax") if u.find_spec(m)]; sys.exit(f"{bad} installed in .venv-jax" if bad else 0)'
-	XLA_SWAP_NUM_DEVICES=4 $(JAX_PY) -m pytest -q $(XDIST) tests/executors tests/planning
+	XLA_SWAP_NUM_DEVICES=4 $(JAX_PY) -m pytest -q $(XDIST) --dist load tests/executors tests/planning
 
 # test_transformers_range.py fails unless transformers $(TF_LOW) is the one imported.
 test-transformers-low: venv venv-tf-low
-	PYTHONPATH=.venv-tf-low XLA_SWAP_TRANSFORMERS=$(TF_LOW) XLA_SWAP_NUM_DEVICES=4 $(PY) -m pytest -q $(XDIST_BY_TEST) $(TF_LOW_TESTS) \
+	PYTHONPATH=.venv-tf-low XLA_SWAP_TRANSFORMERS=$(TF_LOW) XLA_SWAP_NUM_DEVICES=4 $(PY) -m pytest -q $(XDIST) --dist load $(TF_LOW_TESTS) \
 	  -k '$(TF_LOW_SELECT)'
