@@ -2,7 +2,7 @@
 #   make demo   - runs the main job (MiniLM embeddings, SPMD scan, checks)
 #   make test   - runs the test suite (4 virtual devices, then the SPMD tests on 1 and 8), then
 #                 make test-jax-only and make test-transformers-low
-#                 Every pytest runs on pytest-xdist workers, one per core (at most PYTEST_MAX_WORKERS,
+#                 Every pytest runs on pytest-xdist workers, one per core (nproc; at most PYTEST_MAX_WORKERS,
 #                 default 4; PYTEST_WORKERS=0 runs in one process). The first run sends each module
 #                 whole to one worker (--dist loadfile: its module-scoped fixtures, such as the
 #                 torchrun and multiprocess references, built once); the others send single tests.
@@ -30,9 +30,11 @@ TF_LOW_TESTS := tests/integration/test_transformers_range.py tests/integration/t
 TF_LOW_SELECT := transformers_range or test_family_matches_torch or refused_at_construction or experts_forms_equal_eager \
 	or bf16_router or greedy_equals_hf
 export PJRT_DEVICE := CPU
-PYTEST_WORKERS ?= auto
+# One pytest-xdist worker per core this process may run on (nproc counts taskset's set; xdist's own
+# -n auto counts the machine's cores when psutil is installed), at most PYTEST_MAX_WORKERS.
 PYTEST_MAX_WORKERS ?= 4
-XDIST := -n $(PYTEST_WORKERS) --maxprocesses $(PYTEST_MAX_WORKERS)
+PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt $(PYTEST_MAX_WORKERS) ] && n=$(PYTEST_MAX_WORKERS); echo $$n)
+XDIST := -n $(PYTEST_WORKERS)
 export PYTHONUNBUFFERED := 1
 
 .PHONY: demo test test-jax-only test-transformers-low venv venv-jax venv-tf-low
