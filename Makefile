@@ -2,6 +2,13 @@
 #   make demo   - runs the main job (MiniLM embeddings, SPMD scan, checks)
 #   make test   - runs the test suite (4 virtual devices, then the SPMD tests on 1 and 8), then
 #                 make test-jax-only and make test-transformers-low
+#                 The first run is spread over pytest-xdist workers, one per core (nproc; at most
+#                 PYTEST_MAX_WORKERS, default 4; PYTEST_WORKERS=0 runs it in one process), each module
+#                 whole on one worker (--dist loadfile: its module-scoped fixtures, such as the torchrun
+#                 and multiprocess references, built once). The four smaller runs (make test-spmd-1,
+#                 test-spmd-8, test-jax-only, test-transformers-low) then run at once, one process each
+#                 (each alone keeps about 1.3 cores busy; xdist would add a collection and the imports
+#                 per worker), their outputs one after the other (make -O).
 # Both create .venv when it is missing (or pyproject.toml changed) and reuse it otherwise.
 #   make test-jax-only - the executor and planner tests in .venv-jax: jax 0.11.2 (the top of the
 #                 tested range, the GPU machine's version) and no torch, torch_xla or torchax, which
@@ -15,7 +22,7 @@ PY := .venv/bin/python
 JAX_PY := .venv-jax/bin/python
 # The CPU set of `make venv`: jax 0.10.2, the bottom of pyproject.toml's tested range.
 CPU_PINS := jax==0.10.2 jaxlib==0.10.2
-JAX_ONLY_PKGS := jax==0.11.2 jaxlib==0.11.2 numpy ml_dtypes pytest hypothesis
+JAX_ONLY_PKGS := jax==0.11.2 jaxlib==0.11.2 numpy ml_dtypes pytest hypothesis pytest-xdist
 # The bottom of the transformers range and what it pins apart from .venv's (pip check verifies the set).
 TF_LOW := 5.17.0
 TF_LOW_PKGS := transformers==$(TF_LOW) 'huggingface_hub>=1.5,<2' 'httpx<1' 'httpcore<2'
@@ -26,9 +33,14 @@ TF_LOW_TESTS := tests/integration/test_transformers_range.py tests/integration/t
 TF_LOW_SELECT := transformers_range or test_family_matches_torch or refused_at_construction or experts_forms_equal_eager \
 	or bf16_router or greedy_equals_hf
 export PJRT_DEVICE := CPU
+# One pytest-xdist worker per core this process may run on (nproc counts taskset's set; xdist's own
+# -n auto counts the machine's cores when psutil is installed), at most PYTEST_MAX_WORKERS.
+PYTEST_MAX_WORKERS ?= 4
+PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt $(PYTEST_MAX_WORKERS) ] && n=$(PYTEST_MAX_WORKERS); echo $$n)
+XDIST := -n $(PYTEST_WORKERS)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test test-jax-only test-transformers-low venv venv-jax venv-tf-low
+.PHONY: demo test test-spmd-1 test-spmd-8 test-jax-only test-transformers-low venv venv-jax venv-tf-low
 
 venv: .venv/.installed
 
@@ -70,18 +82,21 @@ demo: venv
 	$(PY) examples/minilm_embed.py
 
 test: venv
-	XLA_SWAP_NUM_DEVICES=4 $(PY) -m pytest -q tests
-	XLA_SWAP_NUM_DEVICES=1 $(PY) -m pytest -q -m spmd tests
-	XLA_SWAP_NUM_DEVICES=8 $(PY) -m pytest -q -m spmd tests
-	$(MAKE) --no-print-directory test-jax-only
-	$(MAKE) --no-print-directory test-transformers-low
+	XLA_SWAP_NUM_DEVICES=4 $(PY) -m pytest -q $(XDIST) --dist loadfile tests
+	$(MAKE) --no-print-directory -j4 -O STAGE_XDIST= test-spmd-1 test-spmd-8 test-jax-only test-transformers-low
+
+# The tests marked spmd on 1 and on 8 virtual devices. STAGE_XDIST: these runs' workers (make test runs
+# them at once, one process each); alone, one per core.
+STAGE_XDIST ?= $(XDIST) --dist load
+test-spmd-1 test-spmd-8: test-spmd-%: venv
+	XLA_SWAP_NUM_DEVICES=$* $(PY) -m pytest -q $(STAGE_XDIST) -m spmd tests
 
 # tests/executors minus the modules that need torch (they importorskip it), and tests/planning.
 test-jax-only: venv-jax
 	$(JAX_PY) -c 'import importlib.util as u, sys; bad = [m for m in ("torch", "torch_xla", "torchax") if u.find_spec(m)]; sys.exit(f"{bad} installed in .venv-jax" if bad else 0)'
-	XLA_SWAP_NUM_DEVICES=4 $(JAX_PY) -m pytest -q tests/executors tests/planning
+	XLA_SWAP_NUM_DEVICES=4 $(JAX_PY) -m pytest -q $(STAGE_XDIST) tests/executors tests/planning
 
 # test_transformers_range.py fails unless transformers $(TF_LOW) is the one imported.
 test-transformers-low: venv venv-tf-low
-	PYTHONPATH=.venv-tf-low XLA_SWAP_TRANSFORMERS=$(TF_LOW) XLA_SWAP_NUM_DEVICES=4 $(PY) -m pytest -q $(TF_LOW_TESTS) \
+	PYTHONPATH=.venv-tf-low XLA_SWAP_TRANSFORMERS=$(TF_LOW) XLA_SWAP_NUM_DEVICES=4 $(PY) -m pytest -q $(STAGE_XDIST) $(TF_LOW_TESTS) \
 	  -k '$(TF_LOW_SELECT)'

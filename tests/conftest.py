@@ -3,6 +3,9 @@
 The device count comes from ``XLA_SWAP_NUM_DEVICES`` (default 4); ``make test`` runs the
 whole suite with 4 devices and the tests marked ``spmd`` again with 1 and 8. jax's persistent
 compilation cache is on, in ``.cache/jax`` (a test that counts compilations turns it off).
+``make test`` runs pytest on pytest-xdist workers (``-n auto``): each worker is a process of its own
+that runs this file first, so the devices, the environment and jax's counters are per worker; the
+cache directory is shared by the workers and the subprocesses the tests start.
 """
 import os
 
