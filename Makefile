@@ -6,9 +6,9 @@
 #                 PYTEST_MAX_WORKERS, default 4; PYTEST_WORKERS=0 runs it in one process), each module
 #                 whole on one worker (--dist loadfile: its module-scoped fixtures, such as the torchrun
 #                 and multiprocess references, built once). The four smaller runs (make test-spmd-1,
-#                 test-spmd-8, test-jax-only, test-transformers-low) then run at once, one process each
-#                 (each alone keeps about 1.3 cores busy; xdist would add a collection and the imports
-#                 per worker), their outputs one after the other (make -O).
+#                 test-spmd-8, test-jax-only, test-transformers-low) then run one after another, one
+#                 process each (each alone keeps about 1.3 cores busy; xdist would add a collection and
+#                 the imports per worker).
 # Both create .venv when it is missing (or pyproject.toml changed) and reuse it otherwise.
 #   make test-jax-only - the executor and planner tests in .venv-jax: jax 0.11.2 (the top of the
 #                 tested range, the GPU machine's version) and no torch, torch_xla or torchax, which
@@ -83,7 +83,7 @@ demo: venv
 
 test: venv
 	XLA_SWAP_NUM_DEVICES=4 $(PY) -m pytest -q $(XDIST) --dist loadfile tests
-	$(MAKE) --no-print-directory -j4 -O STAGE_XDIST= test-spmd-1 test-spmd-8 test-jax-only test-transformers-low
+	$(MAKE) --no-print-directory STAGE_XDIST= test-spmd-1 test-spmd-8 test-jax-only test-transformers-low
 
 # The tests marked spmd on 1 and on 8 virtual devices. STAGE_XDIST: these runs' workers (make test runs
 # them at once, one process each); alone, one per core.

@@ -218,9 +218,13 @@ def _init_process_group(device: torch.device, rank: int = 0, world_size: int = 1
 
 
 def _destroy_process_group(created: bool) -> None:
+    """Every rank meets at a barrier, then the group is destroyed (a rank that tears gloo down while another
+    still sends can abort the process)."""
     import torch.distributed as dist
 
     if created and dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 
