@@ -28,8 +28,8 @@ TF_LOW := 5.17.0
 TF_LOW_PKGS := transformers==$(TF_LOW) 'huggingface_hub>=1.5,<2' 'httpx<1' 'httpcore<2'
 # What depends on the model code: every family exact or refused, the experts interface, greedy generation
 # (the cache API); not the stack's own variants (sorted experts, FSDP, tied routers), which .venv runs.
-TF_LOW_TESTS := tests/integration/test_transformers_range.py tests/integration/test_hf_families.py \
-	tests/integration/test_generate.py
+TF_LOW_TESTS := tests/hf/test_transformers_range.py tests/hf/test_hf_families.py \
+	tests/hf/test_generate.py
 TF_LOW_SELECT := transformers_range or test_family_matches_torch or refused_at_construction or experts_forms_equal_eager \
 	or bf16_router or greedy_equals_hf
 export PJRT_DEVICE := CPU

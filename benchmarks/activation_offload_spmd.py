@@ -25,7 +25,7 @@ Run (here, then on the GPU machine)::
     PYTHONPATH=. python3 benchmarks/activation_offload_spmd.py check benchmarks/artifacts/act_offload_n2 \\
         --out benchmarks/results/activation_offload_spmd.json
 
-``tests/integration/test_activation_offload_spmd_cpu.py`` runs both steps on the virtual CPU devices.
+``tests/benchmarks_on_cpu/test_activation_offload_spmd_cpu.py`` runs both steps on the virtual CPU devices.
 """
 from __future__ import annotations
 

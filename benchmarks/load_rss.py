@@ -22,7 +22,7 @@ state (``host_params`` and ``optimizer_state`` bytes). The baseline is taken aft
 so that the measured build does not reuse memory the warm-up freed. On the CPU the "device" is host
 memory too, so ``--train`` adds the streamed device copies, gradients and XLA's temporaries to the
 figure (and glibc keeps freed ones: see ``trimmed_host_after_train``): a GPU host's RSS is lower.
-``tests/integration/test_load_stack.py`` runs it for two model sizes and bounds the difference per
+``tests/hf/test_load_stack.py`` runs it for two model sizes and bounds the difference per
 weight byte; ``docs/explanation/mixed-precision-and-host-memory.md`` has the figures.
 
     python -m benchmarks.load_rss CKPT --path meta --dtype bfloat16 --optimizer --out result.json

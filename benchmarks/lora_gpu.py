@@ -39,7 +39,7 @@ Model FLOPs per step (recomputation not counted): full training ``6 N tokens``; 
 + 6 n tokens`` (the frozen weights' forward and input gradient, no weight gradient; ``n`` the
 adapter parameters); both plus causal attention's ``6 x layers x B x S^2 x D``. ``N``: the
 non-embedding parameters. ``vs_torch`` divides a LoRA row's step by the fastest torch PEFT row's.
-``--tiny`` runs a tiny shape on the CPU end to end (``tests/integration/test_lora_gpu_cpu.py``).
+``--tiny`` runs a tiny shape on the CPU end to end (``tests/benchmarks_on_cpu/test_lora_gpu_cpu.py``).
 
     PYTHONPATH=/tmp/site:. python3 benchmarks/lora_gpu.py --out $OUT/lora_gpu.json
 """

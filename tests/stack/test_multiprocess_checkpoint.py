@@ -1,6 +1,6 @@
 """``save_checkpoint`` / ``load_checkpoint`` across numbers of processes (``jax.distributed`` on CPU).
 
-``tests/integration/mp_ckpt_worker.py`` trains a ``SwappedStack`` of torch layers (FSDP-sharded,
+``tests/stack/mp_ckpt_worker.py`` trains a ``SwappedStack`` of torch layers (FSDP-sharded,
 ``torch.optim.AdamW``) 2 steps and saves, in 2 processes x 2 devices (one DCP save over
 ``torch.distributed``, gloo) and in 1 process x 4 devices; each checkpoint is loaded by the other
 form into a stack over other weights. The loaded weights, moments and step equal the saver's

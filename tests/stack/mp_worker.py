@@ -1,6 +1,6 @@
-"""Worker of tests/integration/test_multiprocess.py: one process of a ``jax.distributed`` run on CPU.
+"""Worker of tests/stack/test_multiprocess.py: one process of a ``jax.distributed`` run on CPU.
 
-``python tests/integration/mp_worker.py PROCESS_ID NUM_PROCESSES PORT DEVICES_PER_PROCESS OUT_JSON``
+``python tests/stack/mp_worker.py PROCESS_ID NUM_PROCESSES PORT DEVICES_PER_PROCESS OUT_JSON``
 
 Runs, over all processes' devices as one mesh: ``StreamingRuntime`` (weights sharded FSDP-style,
 forward and a training step) and ``SwappedStack`` (torch ``nn.Module`` layers, 4 AdamW steps).

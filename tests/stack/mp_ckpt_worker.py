@@ -1,4 +1,4 @@
-"""Worker of tests/integration/test_multiprocess_checkpoint.py: one process of a run on CPU, 1 or
+"""Worker of tests/stack/test_multiprocess_checkpoint.py: one process of a run on CPU, 1 or
 several processes (``jax.distributed``, gloo collectives).
 
 ``python mp_ckpt_worker.py PROCESS_ID NUM_PROCESSES JAX_PORT TORCH_PORT DEVICES_PER_PROCESS OUT_JSON SAVE LOAD``

@@ -17,7 +17,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "xla_swap"
 
 MAX_MODULE_LINES = 600

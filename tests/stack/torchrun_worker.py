@@ -1,8 +1,8 @@
-"""Worker of tests/integration/test_torchrun.py: one rank of a ``torchrun`` job with per-rank batches, or the
+"""Worker of tests/stack/test_torchrun.py: one rank of a ``torchrun`` job with per-rank batches, or the
 single-process reference on the whole batch.
 
-    torchrun --nproc-per-node 2 tests/integration/torchrun_worker.py OUT_DIR   # RANK etc. from torchrun
-    python tests/integration/torchrun_worker.py OUT_DIR                          # one process, whole batch
+    torchrun --nproc-per-node 2 tests/stack/torchrun_worker.py OUT_DIR   # RANK etc. from torchrun
+    python tests/stack/torchrun_worker.py OUT_DIR                          # one process, whole batch
 
 The device count per process comes from ``XLA_FLAGS`` (the test sets it); ``WORKER_CUDA=1`` on GPUs
 passes the batches as CUDA tensors on each process's GPU. A small HF ``LlamaForCausalLM``

@@ -1,6 +1,6 @@
 """``torchrun`` with per-rank batches (``xla_swap.distributed.initialize``) on CPU, against one process.
 
-The real ``torchrun`` starts ``tests/integration/torchrun_worker.py`` (so the environment is torchrun's
+The real ``torchrun`` starts ``tests/stack/torchrun_worker.py`` (so the environment is torchrun's
 own): 2 processes x 2 CPU devices, and 2 "nodes" (two ``torchrun --nnodes 2 --node-rank k`` on this
 machine) of 2 processes x 1 device. Each rank passes its own rows of one global batch; the same worker
 run as 1 process x 4 devices on the whole batch is the reference. Asserted: every rank's losses of 3

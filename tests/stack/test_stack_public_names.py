@@ -1,6 +1,6 @@
 """What ``xla_swap`` and ``xla_swap.stack`` exported before ``stack.py`` was split into one idea per
 module is still there (the shape rules of every module of ``xla_swap/`` are in
-tests/executors/test_package_shape.py)."""
+tests/test_package_shape.py)."""
 from __future__ import annotations
 
 

@@ -16,7 +16,7 @@ On a two-GPU machine, from the repository root with the wheels of ``benchmarks/W
         .whl/*.whl && export PYTHONPATH=/tmp/site:. || exit
     export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false NCCL_NVLS_ENABLE=0
     if python3 -c "import pytest" 2>/dev/null; then python3 -m pytest -q -p no:cacheprovider \
-        tests/integration/test_cuda_inputs_gpu.py; else python3 tests/integration/test_cuda_inputs_gpu.py; fi
+        tests/stack/test_cuda_inputs_gpu.py; else python3 tests/stack/test_cuda_inputs_gpu.py; fi
 """
 import copy
 import os

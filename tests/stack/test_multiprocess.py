@@ -1,6 +1,6 @@
 """Several processes through ``jax.distributed`` (the multi-controller engine) on CPU.
 
-2 processes x 2 virtual CPU devices run ``tests/integration/mp_worker.py`` over one 4-device mesh
+2 processes x 2 virtual CPU devices run ``tests/stack/mp_worker.py`` over one 4-device mesh
 (``StreamingRuntime`` with FSDP-style sharding, and ``SwappedStack`` training torch layers with
 AdamW); each process pins only its own shards (asserted in the worker). The results must equal
 the same worker run as 1 process x 4 devices (relative norm of the difference <= 1e-6), values
