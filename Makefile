@@ -82,7 +82,7 @@ demo: venv
 	$(PY) examples/minilm_embed.py
 
 test: venv
-	XLA_SWAP_NUM_DEVICES=4 $(PY) -m pytest -q $(XDIST) --dist loadfile tests
+	XLA_SWAP_NUM_DEVICES=4 $(PY) -m pytest -q $(XDIST) --dist loadfile --durations=20 tests
 	$(MAKE) --no-print-directory STAGE_XDIST= test-spmd-1 test-spmd-8 test-jax-only test-transformers-low
 
 # The tests marked spmd on 1 and on 8 virtual devices. STAGE_XDIST: these runs' workers (make test runs
