@@ -5,9 +5,12 @@ whole suite with 4 devices and the tests marked ``spmd`` again with 1 and 8. jax
 compilation cache is on, in ``.cache/jax`` (a test that counts compilations turns it off).
 ``make test`` runs pytest on pytest-xdist workers (``-n auto``): each worker is a process of its own
 that runs this file first, so the devices, the environment and jax's counters are per worker; the
-cache directory is shared by the workers and the subprocesses the tests start.
+cache directory is shared by the workers and the subprocesses the tests start. Every test starts from
+the same random state (``seeded_random_state``), whichever tests ran before it in its worker.
 """
 import os
+import random
+import sys
 
 NUM_DEVICES = int(os.environ.get("XLA_SWAP_NUM_DEVICES", "4"))
 os.environ["PJRT_DEVICE"] = "CPU"
@@ -32,3 +35,16 @@ import pytest  # noqa: E402
 def num_devices() -> int:
     """The number of virtual CPU devices of this test run."""
     return NUM_DEVICES
+
+
+@pytest.fixture(autouse=True)
+def seeded_random_state():
+    """Seed Python's, numpy's and torch's global generators (0) before each test, where its modules use
+    them: a test's random inputs do not depend on which tests ran before it in the same process (the
+    workers of ``make test`` run modules in any order)."""
+    random.seed(0)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(0)
+    if "torch" in sys.modules:
+        sys.modules["torch"].manual_seed(0)
+    yield

@@ -47,8 +47,9 @@ class StageCalls:
     ``routed_experts.RoutedExperts``) overrides these steps and reads the streamer only through its public
     attributes."""
 
-    def check(self, streamer: "StatefulStreamer") -> None:
-        """Raise ValueError when ``streamer`` cannot run this way (called by its constructor)."""
+    def attach(self, streamer: "StatefulStreamer") -> None:
+        """Take ``streamer`` as the one this object runs (called by its constructor); raise ValueError when it
+        cannot run this way."""
 
     def start(self, streamer: "StatefulStreamer") -> None:
         """A :meth:`StatefulStreamer.run` begins."""
@@ -107,7 +108,7 @@ class StatefulStreamer:
       TypeError: a stage function is not callable; ``state_on_host`` not a bool or a sequence of bools;
         ``prefetch_depth`` not an int.
       ValueError: the per-stage sequences differ in length; ``prefetch_depth < 1``;
-        ``max_signatures`` not an int >= 1; what ``stage_calls.check`` raises.
+        ``max_signatures`` not an int >= 1; what ``stage_calls.attach`` raises.
     """
 
     def __init__(self, stage_fns: Sequence[Callable], host_params: list, param_shardings: Sequence[Any], *,
@@ -162,7 +163,7 @@ class StatefulStreamer:
         self.state_nbytes: list[int] = [0 if s is None else state_nbytes(s) for s in state_avals]
         #: how each stage is run (:class:`StageCalls`).
         self.stage_calls: StageCalls = StageCalls() if stage_calls is None else stage_calls
-        self.stage_calls.check(self)
+        self.stage_calls.attach(self)
 
     # ---------------------------------------------------------------- public
     @property

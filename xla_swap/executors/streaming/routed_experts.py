@@ -175,7 +175,7 @@ class RoutedExperts(StageCalls):
     routed experts or stream whole (as :class:`StageCalls` runs them); :attr:`expert_fetches` lists what
     the last run copied.
 
-    Raises: ValueError: an unknown ``expert_layout``; from the streamer's constructor (:meth:`check`): its
+    Raises: ValueError: an unknown ``expert_layout``; from the streamer's constructor (:meth:`attach`): its
       ``activation_sharding`` spans several devices; a stage of ``routed_specs`` out of range, without
       state or resident.
     """
@@ -185,7 +185,7 @@ class RoutedExperts(StageCalls):
             raise ValueError(f"expert layout must be one of {LAYOUTS}, got {expert_layout!r}")
         self._specs: dict[int, RoutedSpec] = dict(routed_specs)
         self._layout = expert_layout
-        self._store: ExpertStore | None = None   # made by check(), on the streamer's device
+        self._store: ExpertStore | None = None   # made by attach(), on the streamer's device
         self._views: dict[int, tuple] = {}
         self._programs: dict = {}
         #: whether the next run fetches only the routed experts of the routed stages.
@@ -207,8 +207,9 @@ class RoutedExperts(StageCalls):
         """Bytes of ``pinned_host`` held beyond the stages' weights (the ``"split"`` layout's copies)."""
         return 0 if self._store is None else self._store.host_nbytes()
 
-    def check(self, streamer) -> None:
-        """Raise ValueError unless ``streamer`` runs on one device and every routed stage has state and streams."""
+    def attach(self, streamer) -> None:
+        """Take ``streamer`` (its device holds the fetched experts); raise ValueError unless it runs on one device
+        and every routed stage has state and streams."""
         if len(streamer.activation_sharding.device_set) != 1:
             raise ValueError("routed experts run on one device; activation_sharding spans "
                              f"{len(streamer.activation_sharding.device_set)}")
