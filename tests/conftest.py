@@ -45,6 +45,6 @@ def seeded_random_state():
     random.seed(0)
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed(0)
-    if "torch" in sys.modules:
-        sys.modules["torch"].manual_seed(0)
+    if "torch" in sys.modules:   # the CPU generator (torch.manual_seed also visits every device backend)
+        sys.modules["torch"].random.default_generator.manual_seed(0)
     yield
