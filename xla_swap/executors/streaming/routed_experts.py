@@ -219,9 +219,11 @@ class RoutedExperts(StageCalls):
         self._store = ExpertStore(self._layout, streamer.activation_sharding)
 
     def start(self, streamer) -> None:
+        """A run begins: :attr:`expert_fetches` starts empty."""
         self.expert_fetches = []
 
     def weights(self, streamer, i: int) -> tuple[Any, Any]:
+        """A routed stage's weights less its experts (those are fetched by id); other stages' as they are."""
         if not (self.routed and i in self._specs):
             return super().weights(streamer, i)
         src = streamer.host_params[i]
@@ -235,6 +237,7 @@ class RoutedExperts(StageCalls):
         return view[1], view[2]
 
     def executable(self, streamer, sig, i: int):
+        """A routed stage's two-part program for ``sig`` (traced, split at the experts, cached); else the stage's own."""
         if not (self.routed and i in self._specs):
             return super().executable(streamer, sig, i)
         in_aval = sig.chain[i]
@@ -248,11 +251,14 @@ class RoutedExperts(StageCalls):
         return prog
 
     def call(self, streamer, i: int, exe, p, x, states: dict):
+        """A routed stage dispatched up to its routing (the first executable); others as :class:`StageCalls` does."""
         if not isinstance(exe, _Program):
             return super().call(streamer, i, exe, p, x, states)
         return _Pending(exe, exe.before(p, streamer.take_state(i, states), x))
 
     def output(self, streamer, i: int, y):
+        """A routed stage finished: its routing read, the routed experts copied in, the second executable run,
+        its state put back; other stages' outputs as they are."""
         if not isinstance(y, _Pending):
             return y
         prog, outs = y.program, y.outs
