@@ -152,7 +152,8 @@ class FFNWorkload:
         return list(model)
 
     def materialize(self, model: nn.Module, device: torch.device, seed: int = 0) -> None:
-        _fill_normal(model, device, seed)
+        from llama_model import fill_normal   # this folder is on the path (as for LlamaWorkload)
+        fill_normal(model, device, seed)
 
     def batch(self, tokens: int, device: torch.device, seed: int) -> tuple:
         gen = torch.Generator(device=device)
@@ -164,21 +165,6 @@ class FFNWorkload:
 
     def loss(self, model: nn.Module, batch: tuple) -> torch.Tensor:
         return _loss(model(batch[0]))
-
-
-def _fill_normal(model: nn.Module, device: torch.device, seed: int, std: float = 0.02) -> None:
-    """Values for a model materialised from the meta device: each parameter's local tensor (a DTensor's
-    shard, wherever it lives) N(0, std^2) where it has two or more dimensions, drawn on ``device``
-    (generator ``seed``: fast on a GPU) and copied in, ones otherwise."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            t = p.to_local() if hasattr(p, "to_local") else p
-            if t.dim() >= 2:
-                t.copy_(torch.randn(t.shape, generator=gen, device=device).mul_(std).to(t.dtype))
-            else:
-                t.fill_(1.0)
 
 
 # ---------------------------------------------------------------------------------------

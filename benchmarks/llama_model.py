@@ -196,8 +196,7 @@ class LlamaWorkload:
         return list(model.model.layers)
 
     def materialize(self, model, device, seed: int = 0) -> None:
-        from anchors import _fill_normal
-        _fill_normal(model, device, seed)
+        fill_normal(model, device, seed)
         model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config).to(device)
 
     def batch(self, tokens: int, device, seed: int) -> tuple:
@@ -211,3 +210,19 @@ class LlamaWorkload:
 
     def loss(self, model, data: tuple):
         return ce(model(input_ids=data[0]).logits, data[1])
+
+
+def fill_normal(model, device, seed: int, std: float = 0.02) -> None:
+    """Values for a model materialised from the meta device: each parameter's local tensor (a DTensor's
+    shard, wherever it lives) N(0, std^2) where it has two or more dimensions, drawn on ``device``
+    (generator ``seed``: fast on a GPU) and copied in, ones otherwise."""
+    import torch
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            t = p.to_local() if hasattr(p, "to_local") else p
+            if t.dim() >= 2:
+                t.copy_(torch.randn(t.shape, generator=gen, device=device).mul_(std).to(t.dtype))
+            else:
+                t.fill_(1.0)
