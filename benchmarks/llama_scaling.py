@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import os
 import statistics
 import sys
@@ -337,7 +336,8 @@ def pools_do_not_fit(state: int, n: int, headroom: float, available: int | None,
     so the row is skipped with the figures instead. ``available`` None (not Linux): no check."""
     if not available:
         return None
-    pools = n * math.ceil(-(-state // max(1, n)) * headroom / (1 << 30)) * (1 << 30)
+    from xla_swap.executors.host_pool import pool_gib_needed
+    pools = n * pool_gib_needed(-(-state // max(1, n)), headroom) * (1 << 30)
     if pools + reserve <= available:
         return None
     return (f"{n} pinned pools of {pools / n / 2**30:.1f} GiB ({state / 1e9:.1f} GB of weights and moments x "

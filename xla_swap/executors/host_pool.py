@@ -17,7 +17,7 @@ from typing import Callable, MutableMapping
 
 from .pjrt.host_memory import DEFAULT_GPU_HOST_MEMORY_LIMIT_GB, HOST_MEMORY_LIMIT_ENV
 
-__all__ = ["ensure_host_memory_limit", "HOST_MEMORY_LIMIT_ENV"]
+__all__ = ["ensure_host_memory_limit", "pool_gib_needed", "HOST_MEMORY_LIMIT_ENV"]
 
 
 def ensure_host_memory_limit(nbytes: int, *, headroom: float = 1.1, environ: MutableMapping[str, str] | None = None,
@@ -58,7 +58,7 @@ def ensure_host_memory_limit(nbytes: int, *, headroom: float = 1.1, environ: Mut
     env = os.environ if environ is None else environ
     if initialized is None:
         from xla_swap._compat.jax import backends_initialized as initialized
-    need = max(1, math.ceil(nbytes * headroom / (1 << 30)))
+    need = pool_gib_needed(nbytes, headroom)
     value = env.get(HOST_MEMORY_LIMIT_ENV)
     current = _pool_gib(value)
     if current >= need:
@@ -71,6 +71,12 @@ def ensure_host_memory_limit(nbytes: int, *, headroom: float = 1.1, environ: Mut
             "before the first jax.devices() / array of the process)")
     env[HOST_MEMORY_LIMIT_ENV] = str(need)
     return need
+
+
+def pool_gib_needed(nbytes: int, headroom: float) -> int:
+    """The PJRT GPU pinned pool, in whole GiB (at least 1), that holds ``nbytes`` bytes with ``headroom``
+    (a factor >= 1): ``ceil(nbytes x headroom / 2**30)``, what :func:`ensure_host_memory_limit` sets."""
+    return max(1, math.ceil(nbytes * headroom / (1 << 30)))
 
 
 def _pool_gib(value: str | None) -> float:

@@ -159,10 +159,9 @@ class PjrtExecutor:
             self._bytecode = _cj.module_to_bytecode(mod)
         self._compile(devices, kinds, res_has_sharding)
         self._describe_signature(entry, kinds, shard_specs, hlo_shardings)
-        if host_memory_limit_bytes == AUTO:
-            host_memory_limit_bytes = default_host_limit(self.platform)
         #: the placement of the arguments (:class:`ParameterBuffers`): checks, the host limit, the copies.
-        self.buffers = ParameterBuffers(self.parameters, self.platform, host_memory_limit_bytes)
+        self.buffers = ParameterBuffers(self.parameters, self.platform, None)
+        self.host_memory_limit_bytes = host_memory_limit_bytes   # "auto" resolved for the platform
         self._report = None
         log.info("compiled PJRT executable: %d parameter(s) (%d in pinned_host), %d result(s), %d %s device(s)",
                  len(entry.metas), kinds.count(PINNED_HOST), len(entry.out_metas), len(devices), self.platform)
