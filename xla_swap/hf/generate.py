@@ -254,7 +254,7 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              eos_token_id: int | Sequence[int] | None = FROM_CONFIG, pad_token_id: int | None = FROM_CONFIG,
              seed: int | None = None,
              kv_cache: str = "auto", device_budget_bytes: int | None = None, max_cache_len: int | None = None,
-             prompt_bucket: int = 16, expert_fetch: str = "auto", expert_layout: str = "stacked") -> torch.Tensor:
+             prompt_bucket: int = 16, expert_fetch: str = "auto", expert_layout: str = "auto") -> torch.Tensor:
     """Generate tokens with ``stack`` (built from :func:`xla_swap.causal_lm_stages`), as ``model.generate``.
 
     See the module docstring for the design and how ``kv_cache="auto"`` places the cache.
@@ -280,7 +280,8 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
       prompt_bucket: prompts are left-padded to a multiple of it (one prefill executable per bucket).
       expert_fetch, expert_layout: mixture-of-experts layers: ``"auto"``, ``"routed"`` (copy only the experts a
         step's tokens were routed to) or ``"all"``; the routed slices cut from the stacked ``pinned_host`` weights
-        (``"stacked"``) or a per-expert copy (``"split"``); :mod:`xla_swap.hf.moe_decode`,
+        (``"stacked"``), one packed buffer per expert in place of them (``"split"``), or by expert size
+        (``"auto"``, default); :mod:`xla_swap.hf.moe_decode`,
         ``docs/how-to/mixture-of-experts-serving.md``.
 
     Returns: int64 ``[batch, prompt + n]`` CPU tensor: ``input_ids`` and the ``n <= max_new_tokens``
@@ -317,6 +318,7 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                                                               do_sample, seed)
     mask, eos, pad, p_len, cache_len, device_budget_bytes = check(input_ids, attention_mask, seed)
     plan = FetchPlan(routing_info(stack), expert_fetch, input_ids.shape[0], p_len)
+    expert_layout = plan.resolve_layout(stack, expert_layout)
     if do_sample and seed is None:
         seed = int(torch.randint(0, 2 ** 31 - 1, ()).item())
     ids_cpu = input_ids.detach().to("cpu", torch.int64)
