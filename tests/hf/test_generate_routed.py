@@ -174,7 +174,7 @@ def test_split_layout_holds_each_expert_once_and_gives_the_weights_back(monkeypa
     model = make("qwen3_moe")
     stack = one_device_stack(model)
     before = [{n: t.clone() for n, t in d.items()} for d in stack.state_dicts()]
-    monkeypatch.setattr(moe_decode, "choose_expert_layout", lambda nbytes: choose_expert_layout(nbytes, min_split=nbytes))
+    monkeypatch.setattr(moe_decode, "choose_expert_layout", lambda n: choose_expert_layout(n, min_split=n))
     ids, mask = prompts()
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
                          pad_token_id=0)

@@ -280,8 +280,7 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
       prompt_bucket: prompts are left-padded to a multiple of it (one prefill executable per bucket).
       expert_fetch, expert_layout: mixture-of-experts layers: ``"auto"``, ``"routed"`` (copy only the experts a
         step's tokens were routed to) or ``"all"``; the routed slices cut from the stacked ``pinned_host`` weights
-        (``"stacked"``), one packed buffer per expert in place of them (``"split"``), or by expert size
-        (``"auto"``, default); :mod:`xla_swap.hf.moe_decode`,
+        (``"stacked"``), a buffer per expert (``"split"``) or by size (``"auto"``); :mod:`xla_swap.hf.moe_decode`,
         ``docs/how-to/mixture-of-experts-serving.md``.
 
     Returns: int64 ``[batch, prompt + n]`` CPU tensor: ``input_ids`` and the ``n <= max_new_tokens``
@@ -318,7 +317,6 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                                                               do_sample, seed)
     mask, eos, pad, p_len, cache_len, device_budget_bytes = check(input_ids, attention_mask, seed)
     plan = FetchPlan(routing_info(stack), expert_fetch, input_ids.shape[0], p_len)
-    expert_layout = plan.resolve_layout(stack, expert_layout)
     if do_sample and seed is None:
         seed = int(torch.randint(0, 2 ** 31 - 1, ()).item())
     ids_cpu = input_ids.detach().to("cpu", torch.int64)
@@ -340,6 +338,7 @@ def _run(stack, ids_cpu: torch.Tensor, mask: torch.Tensor, sampling: tuple, stop
     max_new_tokens)``, ``placement`` ``(kv_cache, device_budget_bytes, expert_layout)``."""
     (eos, pad, seed), (p_len, cache_len, max_new_tokens) = stops, lengths
     kv_cache, device_budget_bytes, expert_layout = placement
+    expert_layout = plan.resolve_layout(stack, expert_layout)
     with stack.torch_precision():
         stack.runtime.release_prefetched()   # the streamer prefetches its own first stages
         gen = stack.generators.get(stack, ids_cpu.shape[0], cache_len, kv_cache, device_budget_bytes, plan.routing,
