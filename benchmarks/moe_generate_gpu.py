@@ -11,20 +11,22 @@ straight into ``pinned_host`` (layers on the meta device, ``SwappedStack(weights
 * ``qwen3``: Qwen3-30B-A3B-shaped (D=2048, expert F=768, 32/4 heads of 128, 128 experts top-8,
   vocab 151936), ``--layers-qwen3`` (12) of its 48: 1.25 GB per layer, 1.21 GB experts.
 
-Per shape, prompt ``--prompt`` (32) tokens, greedy, ``--new-tokens`` (16) new tokens after a run that
+Per shape, first the copy rates of one layer's top-k experts alone (``fetch``: ``split_arrays``, one
+``jax.device_put`` of one ``pinned_host`` array per expert and weight; ``packed``, of one packed buffer per
+expert, the ``"split"`` layout; ``stacked``, the ``"stacked"`` layout's slicing program; GB/s against
+``h2d``). Then prompt ``--prompt`` (32) tokens, greedy, ``--new-tokens`` (16) new tokens after a run that
 compiles (2 tokens, or for a routed row the same run: its buckets of fetched experts compile then):
-``all_b1`` (``expert_fetch="all"``), ``routed_b1`` (``"routed"``, layout ``stacked``),
-``routed_split_b1`` (layout ``split``), ``auto_b1`` (what ``"auto"`` chose); then each batch of
-``--batches-<shape>`` routed (``--sweep-new-tokens``, 8; with ``--sweep-all`` every expert too, else
-batch 1's whole step is the reference: it streams the same bytes): ``stops_paying_batch`` is the first
-batch whose routed step is not faster than the whole one (against
-``routed_token_limit``, the batch the ``"auto"`` choice stops at). Each step's routed bytes are counted
-from what it fetched (``last_generation["experts"]["fetched"]``): the streamed weights less the experts,
-plus the fetched experts' slices; floors: those bytes, or every weight, over ``h2d`` measured in this
-process (a 2 GiB ``pinned_host`` -> device copy). ``fetch_*``: one layer's top-k experts copied alone by
-each layout (GB/s against ``h2d``): how fast a slice of a stacked ``pinned_host`` array moves.
+``routed_b1`` (``"routed"``, layout ``stacked``), ``all_stacked_b1`` (``expert_fetch="all"``, stacked), ``all_b1``
+(``"all"``, layout ``"auto"``, what a user gets), ``auto_b1`` (``"auto"`` both), ``routed_split_b1`` (layout
+``split``): one switch of layout, one packing. Then each batch of ``--batches-<shape>`` routed, layout auto
+(``--sweep-new-tokens``, 8; with ``--sweep-all`` every expert too, else batch 1's whole step is the reference:
+it streams the same bytes): ``stops_paying_batch`` is the first batch whose routed step is not faster than the
+whole one (against ``routed_token_limit``, the batch the ``"auto"`` choice stops at). Each step's routed bytes
+are counted from what it fetched (``last_generation["experts"]["fetched"]``, copies per layer from its
+``"copies"``): the streamed weights less the experts, plus the fetched experts; floors: those bytes, or every
+weight, over ``h2d`` measured in this process (a 2 GiB ``pinned_host`` -> device copy).
 
-    PYTHONPATH=/tmp/site:. python3 benchmarks/moe_generate_gpu.py --out $OUT/moe_generate_gpu.json
+    python3 benchmarks/moe_generate_gpu.py --shapes qwen3 mixtral --out $OUT/moe_generate_gpu.json
     python benchmarks/moe_generate_gpu.py --cpu-smoke --out /tmp/moe_gen.json     # tiny shapes, CPU, float32
 """
 from __future__ import annotations
@@ -115,7 +117,7 @@ def _prompt(batch: int, prompt: int, vocab: int):
     return ids, mask
 
 
-def time_generate(stack, batch: int, args, new: int, fetch: str, layout: str = "stacked") -> dict:
+def time_generate(stack, batch: int, args, new: int, fetch: str, layout: str = "auto") -> dict:
     """One greedy run after one that compiles (2 tokens for ``"all"``; else the same run, whose routing, hence
     buckets of fetched experts, the timed one repeats): the median decode step, tokens/s, the experts fetched."""
     ids, mask = _prompt(batch, args.prompt, stack.modules[0].vocab_size)
@@ -131,7 +133,10 @@ def time_generate(stack, batch: int, args, new: int, fetch: str, layout: str = "
     ex = info.get("experts", {})
     fetched = ex.get("fetched", [])[1:]   # decode steps (step 0 is the prefill)
     per_layer = [len(e) for s in fetched for _, e in s]
-    return {"batch": batch, "expert_fetch": fetch, "layout": layout, "ttft_s": info["first_token_s"],
+    copies = [c[1] for s in ex.get("copies", [])[1:] for c in s]
+    return {"batch": batch, "expert_fetch": fetch, "layout": ex.get("layout") or layout, "ttft_s": info["first_token_s"],
+            "layout_explanation": ex.get("layout_explanation", ""),
+            "copies_per_layer_mean": statistics.mean(copies) if copies else None,
             "decode_step_s": step, "tokens_per_s": batch / step, "total_s": total,
             "routed_steps": ex.get("routed_steps", []), "choice": ex.get("explanation", ""),
             "experts_per_layer_mean": statistics.mean(per_layer) if per_layer else None,
@@ -151,7 +156,11 @@ def add_floor(row: dict, w: int, per_expert: int, all_experts: int, h2d: float) 
 
 
 def fetch_rates(stack, k: int, h2d: float, reps: int = 10) -> dict:
-    """GB/s of copying ``k`` experts of the first routed layer alone, by each layout of ``ExpertStore``."""
+    """GB/s of bringing ``k`` experts of the first routed layer to the device alone (the same ids for every way,
+    new ones each repetition): ``split_arrays``, one ``jax.device_put`` of one ``pinned_host`` array per expert and
+    weight (``len(names) x k`` copies); ``packed``, one ``jax.device_put`` of ``k`` packed per-expert buffers (the
+    ``"split"`` layout's ``ExpertStore``, on a copy of the layer's experts); ``stacked``, the ``"stacked"``
+    layout's program slicing the stacked arrays. Run while the stack holds its stacked arrays."""
     import jax
     import numpy as np
     from xla_swap.executors.streaming.routed_experts import ExpertStore
@@ -159,24 +168,34 @@ def fetch_rates(stack, k: int, h2d: float, reps: int = 10) -> dict:
     info = routing_info(stack)
     i, (name, e, _) = next(iter(sorted(info.layers.items())))
     params = stack.runtime.host_params[1 + i]
-    names = [n for n in params if n.startswith(name + ".")]
+    names = sorted(n for n in params if n.startswith(name + "."))
     act = stack.runtime.activation_sharding
+    host, dev = params[names[0]].sharding, act.with_memory_kind("device")
+    whole = {n: np.asarray(params[n]) for n in names}
+    arrays = {n: [jax.device_put(whole[n][j], host) for j in range(e)] for n in names}
+    own = {n: jax.device_put(whole[n], host) for n in names}   # the packed store's source (its arrays deleted)
+    del whole
+    packed, stacked = ExpertStore("split", act), ExpertStore("stacked", act)
+    packed.packed(0, own, names)
+    ways = {"split_arrays": lambda ids, ids_dev: jax.device_put([arrays[n][int(j)] for n in names for j in ids], dev),
+            "packed": lambda ids, ids_dev: packed.fetch(0, own, names, ids, ids_dev),
+            "stacked": lambda ids, ids_dev: stacked.fetch(0, params, names, ids, ids_dev)}
+    rng = np.random.default_rng(0)
+    draws = [np.sort(rng.choice(e, k, replace=False)).astype(np.int32) for _ in range(reps + 1)]
+    nbytes = sum(params[n].nbytes for n in names) // e * k
     out = {}
-    for layout in ("stacked", "split"):
-        store = ExpertStore(layout, act)
+    for way, fn in ways.items():
         ts = []
-        rng = np.random.default_rng(0)
-        for r in range(reps + 1):
-            ids = np.sort(rng.choice(e, k, replace=False)).astype(np.int32)
+        for ids in draws:
             ids_dev = jax.device_put(ids, act)
             jax.block_until_ready(ids_dev)
             t = time.perf_counter()
-            jax.block_until_ready(store.fetch(0, params, names, ids, ids_dev))
+            jax.block_until_ready(fn(ids, ids_dev))
             ts.append(time.perf_counter() - t)
-        nbytes = sum(params[n].nbytes for n in names) // e * k
-        s = statistics.median(ts[1:])
-        out[layout] = {"bytes": nbytes, "s": s, "GBps": nbytes / s / 1e9, "of_h2d": nbytes / s / h2d}
-        del store
+        sec = statistics.median(ts[1:])
+        out[way] = {"bytes": nbytes, "s": sec, "GBps": nbytes / sec / 1e9, "of_h2d": nbytes / sec / h2d,
+                    "copies": {"split_arrays": k * len(names), "packed": k, "stacked": None}[way]}
+    del arrays, own, packed, stacked
     return out
 
 
@@ -194,30 +213,31 @@ def run_shape(name: str, args, bw: dict, device: str) -> dict:
                routed_token_limit=routed_token_limit(shape["experts"], shape["k"]))
     rows, errors = res["rows"], res.setdefault("errors", {})
 
-    def row(key, batch, new, fetch, layout="stacked"):   # one row; a failure is recorded, the others still run
+    def row(key, batch, new, fetch, layout):   # one row; a failure is recorded, the others still run
         try:
             rows[key] = time_generate(stack, batch, args, new, fetch, layout)
             add_floor(rows[key], w, per, all_e, h2d)
         except Exception as e:  # noqa: BLE001
             import traceback
             errors[key] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"
-    for key, fetch, layout in (("all_b1", "all", "stacked"), ("routed_b1", "routed", "stacked"),   # one generator
-                               ("auto_b1", "auto", "stacked"), ("routed_split_b1", "routed", "split")):
-        row(key, 1, args.new_tokens, fetch, layout)
-    tps = {k: r["tokens_per_s"] for k, r in rows.items()}
-    if "all_b1" in tps:
-        res["routed_speedup_b1"] = tps.get("routed_b1", float("nan")) / tps["all_b1"]
-        res["routed_split_speedup_b1"] = tps.get("routed_split_b1", float("nan")) / tps["all_b1"]
-        res["routed_tokens_equal_all_b1"] = rows.get("routed_b1", {}).get("tokens") == rows["all_b1"]["tokens"]
-    try:
+    try:   # first: the stack holds its stacked arrays until a "split" generator packs them
         res["fetch"] = fetch_rates(stack, shape["k"], h2d)
     except Exception as e:  # noqa: BLE001
         errors["fetch"] = f"{type(e).__name__}: {e}"
+    for key, fetch, layout in (("routed_b1", "routed", "stacked"), ("all_stacked_b1", "all", "stacked"),
+                               ("all_b1", "all", "auto"), ("auto_b1", "auto", "auto"),   # one switch of layout
+                               ("routed_split_b1", "routed", "split")):
+        row(key, 1, args.new_tokens, fetch, layout)
+    tps = {k: r["tokens_per_s"] for k, r in rows.items()}
+    if "all_b1" in tps:
+        for key in ("routed_b1", "routed_split_b1", "auto_b1"):
+            res[key.replace("_b1", "_speedup_b1")] = tps.get(key, float("nan")) / tps["all_b1"]
+        res["routed_tokens_equal_all_b1"] = {k: rows.get(k, {}).get("tokens") == rows["all_b1"]["tokens"]
+                                             for k in ("routed_b1", "all_stacked_b1", "routed_split_b1", "auto_b1")}
     stop = None
-    layout = "split" if "routed_b1" not in rows else "stacked"
     for b in getattr(args, f"batches_{name}"):   # every expert's step barely grows with the batch: batch 1's stands
         for fetch in ("routed", "all") if args.sweep_all else ("routed",):
-            row(f"{fetch}_b{b}_sweep", b, args.sweep_new_tokens, fetch, layout)
+            row(f"{fetch}_b{b}_sweep", b, args.sweep_new_tokens, fetch, "auto")
         r, a = rows.get(f"routed_b{b}_sweep"), rows.get(f"all_b{b}_sweep", rows.get("all_b1"))
         if stop is None and r and a and r["decode_step_s"] >= a["decode_step_s"]:
             stop = b
@@ -227,7 +247,7 @@ def run_shape(name: str, args, bw: dict, device: str) -> dict:
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=args.new_tokens, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
         res["hf_tokens_equal"] = {k: rows[k]["tokens"] == ref[:, args.prompt:].tolist()
-                                  for k in ("all_b1", "routed_b1", "routed_split_b1", "auto_b1")}
+                                  for k in ("all_b1", "all_stacked_b1", "routed_b1", "routed_split_b1", "auto_b1")}
     for r in rows.values():
         r.pop("tokens", None)
     return res
@@ -237,21 +257,25 @@ def render(data: dict) -> str:
     bw = data["bandwidth"]
     lines = [f"h2d {bw['h2d_GBps']:.1f} GB/s (torch pinned copy: {bw.get('torch_h2d_GBps') or float('nan'):.1f}) "
              f"({data.get('device', '?')})",
-             "| shape | row | batch | decode step s | tokens/s | experts/layer | step GB | floor s | step / floor |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| shape | row | layout | batch | decode step s | tokens/s | experts/layer | copies/layer | step GB | floor s "
+             "| step / floor |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in data["shapes"].items():
         if "skipped" in s:
-            lines.append(f"| {name} | skipped: {s['skipped']} | | | | | | | |")
+            lines.append(f"| {name} | skipped: {s['skipped']} | | | | | | | | | |")
             continue
         for row, r in s["rows"].items():
-            ex = "" if r["experts_per_layer_mean"] is None else f"{r['experts_per_layer_mean']:.1f}"
-            lines.append(f"| {name} | {row} | {r['batch']} | {r['decode_step_s']:.4f} | {r['tokens_per_s']:.2f} | "
-                         f"{ex} | {r['step_bytes'] / 1e9:.2f} | {r['floor_s']:.4f} | {r['ratio_to_floor']:.3f} |")
-        f = s.get("fetch") or {k: {"GBps": float("nan")} for k in ("stacked", "split")}
-        lines.append(f"{name}: routed / all tokens/s at batch 1: {s.get('routed_speedup_b1', float('nan')):.2f} "
-                     f"(split layout {s.get('routed_split_speedup_b1', float('nan')):.2f}); routed stops paying at "
-                     f"batch {s['stops_paying_batch']} (auto's limit {s['routed_token_limit']}); top-k fetch alone: "
-                     f"stacked {f['stacked']['GBps']:.1f} GB/s, split {f['split']['GBps']:.1f} GB/s")
+            ex, cp = (("" if r[c] is None else f"{r[c]:.1f}") for c in ("experts_per_layer_mean", "copies_per_layer_mean"))
+            lines.append(f"| {name} | {row} | {r['layout']} | {r['batch']} | {r['decode_step_s']:.4f} | "
+                         f"{r['tokens_per_s']:.2f} | {ex} | {cp} | {r['step_bytes'] / 1e9:.2f} | {r['floor_s']:.4f} | "
+                         f"{r['ratio_to_floor']:.3f} |")
+        nan = float("nan")
+        f = {k: (s.get("fetch") or {}).get(k, {"GBps": nan}) for k in ("split_arrays", "packed", "stacked")}
+        lines.append(f"{name}: routed / all tokens/s at batch 1: stacked {s.get('routed_speedup_b1', nan):.2f}, split "
+                     f"{s.get('routed_split_speedup_b1', nan):.2f}, auto {s.get('auto_speedup_b1', nan):.2f}; routed "
+                     f"stops paying at batch {s['stops_paying_batch']} (auto's limit {s['routed_token_limit']}); top-k "
+                     f"fetch alone (GB/s): split arrays {f['split_arrays']['GBps']:.1f}, packed {f['packed']['GBps']:.1f}"
+                     f", stacked {f['stacked']['GBps']:.1f}")
         lines += [f"{name} {k}: {v.splitlines()[0]}" for k, v in s.get("errors", {}).items()]
     return "\n".join(lines)
 
@@ -263,7 +287,7 @@ def _ints(text: str) -> list[int]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU, float32 (what the test runs)")
-    ap.add_argument("--shapes", default="mixtral,qwen3")
+    ap.add_argument("--shapes", nargs="+", default=["mixtral,qwen3"], help="qwen3 mixtral (or comma-separated)")
     ap.add_argument("--layers-mixtral", type=int, default=8)
     ap.add_argument("--layers-qwen3", type=int, default=12)
     ap.add_argument("--prompt", type=int, default=32)
@@ -278,7 +302,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "moe_generate_gpu.json"))
     raw = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(raw)
-    shapes = [s for s in args.shapes.split(",") if s]
+    shapes = [s for arg in args.shapes for s in arg.split(",") if s]
     if len(shapes) > 1 and not (args.in_process or args.cpu_smoke):
         return _per_shape(raw, shapes, args.out)
     if args.cpu_smoke:
@@ -290,7 +314,7 @@ def main(argv=None) -> int:
     from xla_swap.executors.host_pool import ensure_host_memory_limit
     data: dict = {"args": vars(args), "shapes": {}}
     need = max(_weight_bytes((SMOKE if args.cpu_smoke else SHAPES)[s], getattr(args, f"layers_{s}")) for s in shapes)
-    data["host_pool_GiB"] = ensure_host_memory_limit(2 * need)   # the split layout's copy of the experts too
+    data["host_pool_GiB"] = ensure_host_memory_limit(int(1.5 * need))   # the weights once, plus transient copies
     cuda = torch.cuda.is_available() and not args.cpu_smoke
     import jax
     data["device"] = str(jax.devices()[0].device_kind)
@@ -299,7 +323,7 @@ def main(argv=None) -> int:
     for s in shapes:
         t = time.perf_counter()
         shape = (SMOKE if args.cpu_smoke else SHAPES)[s]
-        host = 2.2 * _weight_bytes(shape, getattr(args, f"layers_{s}"))   # the stacked weights and the split copy
+        host = 1.5 * _weight_bytes(shape, getattr(args, f"layers_{s}"))   # the weights once (packing: one layer more)
         if host > _host_available():
             data["shapes"][s] = {"skipped": f"needs {host / 1e9:.0f} GB of host memory, "
                                             f"{_host_available() / 1e9:.0f} GB available"}

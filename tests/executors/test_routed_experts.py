@@ -1,7 +1,9 @@
 """The pieces of routed-expert fetching, jax alone: ``split_at`` cuts a trace at its ``experts_call`` into
 halves that compute what the whole computes (an independent branch written after the call lands before
-it), refuses what it cannot cut; ``ExpertStore`` copies exactly the chosen experts' slices of a stacked
-``pinned_host`` weight, in both layouts, and leaves the host array whole."""
+it), refuses what it cannot cut; ``ExpertStore`` copies exactly the chosen experts of a stacked
+``pinned_host`` weight, in both layouts (``"split"``: one packed buffer, one copy, per chosen expert, the
+stacked arrays deleted and put back bit-exact by ``restore``); ``Packing`` round-trips mixed dtypes on the
+device; the layout choice follows the expert size."""
 import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
@@ -10,7 +12,9 @@ import pytest
 from jax.sharding import SingleDeviceSharding
 
 from xla_swap.executors.streaming.jaxpr_split import split_at
+from xla_swap.executors.streaming.expert_store import PACKED, Packing
 from xla_swap.executors.streaming.routed_experts import EXPERTS_CALL, ExpertStore, experts_call
+from xla_swap.planning.routing import SPLIT_MIN_EXPERT_BYTES, choose_expert_layout
 
 E, N, K, D = 6, 5, 2, 4
 
@@ -70,7 +74,7 @@ def test_split_refuses_what_it_cannot_cut():
 
 
 @pytest.mark.parametrize("layout", ["stacked", "split"])
-def test_expert_store_copies_the_chosen_slices(layout):
+def test_expert_store_copies_the_chosen_experts(layout):
     d = jax.devices()[0]
     host = SingleDeviceSharding(d, memory_kind="pinned_host")
     dev = SingleDeviceSharding(d, memory_kind="device")
@@ -78,13 +82,54 @@ def test_expert_store_copies_the_chosen_slices(layout):
     w = {"a": rng.standard_normal((E, 3, 2), np.float32), "b": rng.standard_normal((E, 2), np.float32)}
     params = jax.device_put(w, host)
     store = ExpertStore(layout, dev)
-    ids = np.array([1, 4, 5], np.int32)
-    got = store.fetch(0, params, {"a", "b"}, ids, jax.device_put(ids, dev))
+    per_expert = sum(v.nbytes for v in w.values()) // E
+    for ids in (np.array([1, 4, 5], np.int32), np.array([0], np.int32)):
+        got = store.fetch(0, params, {"a", "b"}, ids, jax.device_put(ids, dev))
+        if layout == "split":   # one packed buffer per chosen expert, unpacked on the device
+            assert set(got) == {PACKED} and len(got[PACKED]) == len(ids)
+            packing = Packing.of(params)
+            rows = [jax.jit(packing.unpack)(b) for b in got[PACKED]]
+            got = {n: [r[n] for r in rows] for n in w}
+            assert store.copies[-1] == (0, len(ids), len(ids) * per_expert)
+        else:
+            assert store.copies[-1] == (0, 2 * len(ids), len(ids) * per_expert)
+        for n in w:
+            assert all(a.sharding.memory_kind == "device" for a in got[n])
+            np.testing.assert_array_equal(np.stack([np.asarray(a) for a in got[n]]), w[n][ids])
+    assert store.host_nbytes() == 0   # each expert held once
+    assert all(v.is_deleted() for v in params.values()) == (layout == "split")
+    holder = [params]
+    store.restore(holder)
+    assert (holder[0] is params) == (layout == "stacked")
     for n in w:
-        v = jnp.stack(got[n]) if isinstance(got[n], list) else got[n]
-        assert all(a.sharding.memory_kind == "device" for a in (got[n] if isinstance(got[n], list) else [v]))
-        np.testing.assert_array_equal(np.asarray(v), w[n][ids])
-        assert params[n].shape[0] == E and params[n].sharding.memory_kind == "pinned_host"
-    assert store.host_nbytes() == (sum(v.nbytes for v in w.values()) if layout == "split" else 0)
+        assert holder[0][n].sharding.memory_kind == "pinned_host"
+        np.testing.assert_array_equal(np.asarray(holder[0][n]), w[n])
     with pytest.raises(ValueError, match="expert layout must be one of"):
         ExpertStore("rows", dev)
+
+
+def test_packing_round_trips_mixed_dtypes_on_the_device():
+    rng = np.random.default_rng(2)
+    w = {"w": rng.standard_normal((E, 4, 3)).astype(jnp.bfloat16), "bias": rng.standard_normal((E, 4), np.float32),
+         "scale": rng.integers(0, 255, (E, 5)).astype(np.uint8)}
+    packing = Packing.of(w)
+    assert packing.dtype == np.uint8 and packing.nbytes == sum(v.nbytes for v in w.values()) // E
+    for e in (0, E - 1):
+        buf = packing.pack({n: v[e] for n, v in w.items()})
+        assert buf.shape == (packing.length,)
+        on_dev = jax.jit(packing.unpack)(jnp.asarray(buf))
+        for n, v in w.items():
+            assert on_dev[n].dtype == v.dtype
+            np.testing.assert_array_equal(np.asarray(on_dev[n]), v[e])
+            np.testing.assert_array_equal(packing.unpack(buf)[n], v[e])
+    same = Packing.of({"a": w["w"], "b": w["w"][:, :2]})
+    assert same.dtype == jnp.bfloat16 and same.offsets == (0, 12)
+
+
+def test_layout_follows_the_expert_size():
+    assert choose_expert_layout(SPLIT_MIN_EXPERT_BYTES) == "split"
+    assert choose_expert_layout(SPLIT_MIN_EXPERT_BYTES - 1) == "stacked"
+    assert choose_expert_layout(9_437_184) == "split"       # Qwen3-30B-A3B: 3 x 2048 x 768 bf16
+    assert choose_expert_layout(1 << 20, min_split=1 << 20) == "split"
+    with pytest.raises(ValueError, match="expert_nbytes must be an int >= 0"):
+        choose_expert_layout(-1)

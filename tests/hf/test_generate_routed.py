@@ -4,15 +4,20 @@ tokens stay ``model.generate``'s.
 For small Mixtral, Qwen3-MoE, GPT-OSS and DeepSeek-V3 models (8 experts, top-2; DeepSeek-V3 with a dense
 first layer, a shared expert and group-limited routing) on a left-padded batch of 3, greedy:
 
-* the tokens equal ``model.generate``'s (Mixtral also with the per-expert ``"split"`` layout and the KV
-  cache in ``pinned_host``);
+* the tokens equal ``model.generate``'s, in every expert layout (``"stacked"``, ``"split"``: one packed buffer
+  per expert, ``"auto"``; Mixtral's split run with the KV cache in ``pinned_host``);
+* the host -> device copies of each layer's experts (``last_generation["experts"]["copies"]``): in the split
+  layout one copy per routed expert, of one expert's bytes each; in the stacked one a slice per weight;
 * the experts copied at each step, per layer (``stack.last_generation["experts"]["fetched"]``, what the
   streamer's expert store copied), equal the set of experts the torch model routed that step's tokens to
   (forward pre-hooks on its experts modules, which the model's router feeds): the decode steps against
   ``model.generate``'s own forwards, the prefill against a torch forward on the stack's padded prompt;
 
 and the choice: ``"auto"`` routes the decode steps of a small batch and streams every expert for the
-prefill and for a large batch; bad arguments are refused before anything runs.
+prefill and for a large batch; ``expert_layout="auto"`` follows the bytes per expert (sizes injected); the
+split layout holds each expert once (the stacked arrays deleted while a generator holds them, streamed whole
+from the packed buffers by ``expert_fetch="all"``) and ``release_generation`` puts the stack's weights back
+bit-exact; bad arguments are refused before anything runs.
 """
 import jax
 import pytest
@@ -103,7 +108,9 @@ def padded_prefill(ids, mask, p_len):
 
 @pytest.mark.parametrize("family,layout,kv", [("mixtral", "stacked", "device"), ("qwen3_moe", "stacked", "device"),
                                               ("gpt_oss", "stacked", "device"), ("deepseek_v3", "stacked", "device"),
-                                              ("mixtral", "split", "host")])
+                                              ("mixtral", "split", "host"), ("qwen3_moe", "split", "device"),
+                                              ("gpt_oss", "split", "device"), ("deepseek_v3", "split", "device"),
+                                              ("qwen3_moe", "auto", "device")])
 def test_routed_tokens_and_fetched_experts_equal_torch(family, layout, kv):
     model = make(family)
     ids, mask = prompts()
@@ -125,6 +132,16 @@ def test_routed_tokens_and_fetched_experts_equal_torch(family, layout, kv):
         model(ids_p, attention_mask=mask_p, position_ids=pos_p)
     assert fetched[0] == prefill.calls[0]
     assert any(len(s) < 8 for step in fetched[1:] for s in step.values())   # fewer than every expert was copied
+    resolved = "stacked" if layout == "auto" else layout   # tiny experts: auto keeps them stacked
+    assert info["layout"] == resolved
+    per_expert = {i: sum(v.nbytes for n, v in stack.runtime.host_params[1 + i].items() if ".experts." in n) // 8
+                  for i in hooks.moe_layers}
+    n_weights = {i: sum(".experts." in n for n in stack.runtime.host_params[1 + i]) for i in hooks.moe_layers}
+    for step_copies, step in zip(info["copies"], fetched):
+        assert [c[0] for c in step_copies] == hooks.moe_layers
+        for layer, n, nbytes in step_copies:
+            assert n == len(step[layer]) * (1 if resolved == "split" else n_weights[layer])
+            assert nbytes == len(step[layer]) * per_expert[layer]
 
 
 def test_auto_routes_small_decode_batches_only():
@@ -145,6 +162,39 @@ def test_auto_routes_small_decode_batches_only():
             assert all(len(e) == 2 for step in info["fetched"][1:] for _, e in step)   # one token: its top-2
         else:
             assert info["routed_steps"] == [False] * NEW and "decode of 6 tokens" in info["explanation"]
+
+
+def test_split_layout_holds_each_expert_once_and_gives_the_weights_back(monkeypatch):
+    """``expert_layout="auto"`` with the size threshold injected at the model's expert size: split. While the
+    generator holds the packed buffers the stacked arrays are deleted (a reader fails loudly), every-expert
+    steps stream the packed buffers, and the tokens stay torch's; ``release_generation`` rebuilds them bit-exact."""
+    from xla_swap.hf import moe_decode
+    from xla_swap.hf.generate import release_generation
+    from xla_swap.planning.routing import choose_expert_layout
+    model = make("qwen3_moe")
+    stack = one_device_stack(model)
+    before = [{n: t.clone() for n, t in d.items()} for d in stack.state_dicts()]
+    monkeypatch.setattr(moe_decode, "choose_expert_layout", lambda n: choose_expert_layout(n, min_split=n))
+    ids, mask = prompts()
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)
+    for fetch in ("all", "routed", "all"):
+        got = stack.generate(ids, mask, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0, expert_fetch=fetch)
+        assert torch.equal(got, ref), fetch
+        info = stack.last_generation["experts"]
+        assert info["layout"] == "split" and "B per expert -> 'split'" in info["layout_explanation"]
+        assert info["routed_steps"] == [fetch == "routed"] * NEW
+    experts = [v for p in stack.runtime.host_params for n, v in p.items() if ".experts." in n]
+    assert experts and all(v.is_deleted() for v in experts)
+    assert stack.generators.current.routed_experts.expert_host_nbytes() == 0
+    with pytest.raises(RuntimeError, match="deleted"):
+        stack.state_dicts()
+    release_generation(stack)
+    after = stack.state_dicts()
+    assert all(torch.equal(after[i][n], t) for i, d in enumerate(before) for n, t in d.items())
+    got = stack.generate(ids, mask, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0, expert_fetch="routed",
+                         expert_layout="stacked")
+    assert torch.equal(got, ref) and stack.last_generation["experts"]["layout"] == "stacked"
 
 
 def test_auto_stops_routing_when_a_step_fetches_most_experts():

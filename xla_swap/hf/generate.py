@@ -254,7 +254,7 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              eos_token_id: int | Sequence[int] | None = FROM_CONFIG, pad_token_id: int | None = FROM_CONFIG,
              seed: int | None = None,
              kv_cache: str = "auto", device_budget_bytes: int | None = None, max_cache_len: int | None = None,
-             prompt_bucket: int = 16, expert_fetch: str = "auto", expert_layout: str = "stacked") -> torch.Tensor:
+             prompt_bucket: int = 16, expert_fetch: str = "auto", expert_layout: str = "auto") -> torch.Tensor:
     """Generate tokens with ``stack`` (built from :func:`xla_swap.causal_lm_stages`), as ``model.generate``.
 
     See the module docstring for the design and how ``kv_cache="auto"`` places the cache.
@@ -280,7 +280,7 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
       prompt_bucket: prompts are left-padded to a multiple of it (one prefill executable per bucket).
       expert_fetch, expert_layout: mixture-of-experts layers: ``"auto"``, ``"routed"`` (copy only the experts a
         step's tokens were routed to) or ``"all"``; the routed slices cut from the stacked ``pinned_host`` weights
-        (``"stacked"``) or a per-expert copy (``"split"``); :mod:`xla_swap.hf.moe_decode`,
+        (``"stacked"``), a buffer per expert (``"split"``) or by size (``"auto"``); :mod:`xla_swap.hf.moe_decode`,
         ``docs/how-to/mixture-of-experts-serving.md``.
 
     Returns: int64 ``[batch, prompt + n]`` CPU tensor: ``input_ids`` and the ``n <= max_new_tokens``
@@ -338,6 +338,7 @@ def _run(stack, ids_cpu: torch.Tensor, mask: torch.Tensor, sampling: tuple, stop
     max_new_tokens)``, ``placement`` ``(kv_cache, device_budget_bytes, expert_layout)``."""
     (eos, pad, seed), (p_len, cache_len, max_new_tokens) = stops, lengths
     kv_cache, device_budget_bytes, expert_layout = placement
+    expert_layout = plan.resolve_layout(stack, expert_layout)
     with stack.torch_precision():
         stack.runtime.release_prefetched()   # the streamer prefetches its own first stages
         gen = stack.generators.get(stack, ids_cpu.shape[0], cache_len, kv_cache, device_budget_bytes, plan.routing,

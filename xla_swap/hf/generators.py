@@ -38,12 +38,14 @@ class Generator:
       batch, cache_len: the decode shapes; kv_cache: ``"auto"`` / ``"device"`` / ``"host"``; budget: bytes or
         ``None`` (``xla_swap.hf.generate``'s module docstring says how ``"auto"`` places the cache).
       routing, expert_layout: the routed-experts fetch (:mod:`xla_swap.hf.moe_decode`) or ``None``.
+      expert_store: an ``ExpertStore`` a previous generator of the stack held (its packed experts are kept when
+        the layout agrees), or ``None``.
 
     Raises: ValueError naming the stage that fails to trace with a KV cache.
     """
 
     def __init__(self, stack, batch: int, cache_len: int, kv_cache: str, budget: int | None, routing=None,
-                 expert_layout: str = "stacked"):
+                 expert_layout: str = "auto", expert_store=None):
         rt = stack.runtime
         self.batch, self.cache_len = batch, cache_len
         self.runtime = rt   # (not the stack: no reference cycle through the stack's Generators)
@@ -63,10 +65,15 @@ class Generator:
         #: with ``routing``, the routed-experts fetch the streamer runs its stages by (``RoutedExperts``,
         #: :mod:`xla_swap.hf.moe_decode`), else ``None`` (every expert streamed with its layer).
         self.routed_experts = None if routing is None else RoutedExperts(
-            routed_specs(stack, routing, self._stage_fns), expert_layout)
+            routed_specs(stack, routing, self._stage_fns), expert_layout, store=expert_store)
         self.streamer = StatefulStreamer(self._stage_fns, rt.host_params, rt.device_shardings, **kw,
                                          stage_calls=self.routed_experts)
         self._select_exes: dict = {}
+
+    def close(self) -> None:
+        """Give the stack its weights back as they were (the ``"split"`` expert layout's stacked arrays rebuilt)."""
+        if self.routed_experts is not None:
+            self.routed_experts.close(self.streamer)
 
     def _cache_avals(self, stack) -> list:
         """Per stage, the shape and dtype of its KV cache (``None`` for the first and last): a trace of
@@ -223,15 +230,22 @@ class Generators:
         self._last = info
 
     def get(self, stack, batch: int, cache_len: int, kv_cache: str, budget, routing=None,
-            expert_layout: str = "stacked") -> Generator:
+            expert_layout: str = "auto") -> Generator:
         """The generator for these shapes of ``stack`` (arguments as :class:`Generator`'s), built when the
-        shapes, placement, matmul precision or the stack's runtime changed."""
+        shapes, placement, matmul precision, expert layout or the stack's runtime changed (the previous one's
+        expert store handed over on the same runtime, else closed)."""
         rt = stack.runtime
         key = (batch, cache_len, kv_cache, budget, stack.matmul_precision, id(rt), routing is not None, expert_layout)
         gen = self._by_key.get(key)
         if gen is None or gen.runtime is not rt:
+            old, store = self.current, None
             self._by_key.clear()
-            gen = Generator(stack, batch, cache_len, kv_cache, budget, routing, expert_layout)
+            if old is not None and old.routed_experts is not None:
+                if old.runtime is rt and routing is not None:
+                    store = old.routed_experts.expert_store
+                else:
+                    old.close()
+            gen = Generator(stack, batch, cache_len, kv_cache, budget, routing, expert_layout, store)
             self._by_key[key] = gen
         return gen
 
@@ -242,5 +256,8 @@ class Generators:
 
     def release(self) -> None:
         """Drop the generator kept: its KV cache (device or ``pinned_host``), the weights prefetched for the next
-        step and the decode executables. The next ``generate`` builds them again."""
+        step and the decode executables; the stack's weights as they were (:meth:`Generator.close`). The next
+        ``generate`` builds them again."""
+        for gen in self._by_key.values():
+            gen.close()
         self._by_key.clear()

@@ -12,6 +12,9 @@ them with, and the choice per call between that and streaming every expert.
   weights ``[m, ...]`` and each token's expert ids mapped to their slot (``searchsorted`` in the
   ascending fetched ids). Every routed expert is fetched (padding rows too), so the result is the
   model's, as with every expert on the device.
+* **Layout** (:func:`resolve_layout`, ``generate(expert_layout=...)``): ``"stacked"``, ``"split"`` (one packed
+  ``pinned_host`` buffer per expert, each expert held once) or ``"auto"``:
+  :func:`xla_swap.planning.routing.choose_expert_layout` on the largest routable layer's bytes per expert.
 * **Choice** (:func:`choose_fetch`, ``generate(expert_fetch=...)``): ``"routed"``, ``"all"``, or ``"auto"``:
   routed for the prefill and the decode steps while their token counts (``batch x`` bucketed prompt,
   ``batch``) are expected to reach at most :data:`xla_swap.planning.routing.ROUTED_MAX_FRACTION` of a
@@ -32,11 +35,12 @@ import torch
 
 from xla_swap.executors.streaming.routed_experts import LAYOUTS, RoutedSpec, experts_call
 from xla_swap.hf.moe import experts_modules, form_function, traced_arrays, traced_form, traced_form_as
-from xla_swap.planning.routing import ROUTED_MAX_FRACTION, expected_distinct_experts, routed_pays, routed_token_limit
+from xla_swap.planning.routing import (ROUTED_MAX_FRACTION, choose_expert_layout, expected_distinct_experts,
+                                       routed_pays, routed_token_limit)
 from xla_swap.stack.torch_bridge import module_fn
 
 __all__ = ["MARKER", "FETCHES", "RoutingInfo", "routing_info", "routed_specs", "choose_fetch", "still_routed",
-           "routed_batch", "step_bytes", "FetchPlan", "check_fetch_args"]
+           "routed_batch", "step_bytes", "FetchPlan", "check_fetch_args", "resolve_layout"]
 
 #: the name of the marker experts implementation in ``transformers``' ``ExpertsInterface``.
 MARKER = "xla_swap_experts_call"
@@ -216,6 +220,15 @@ class FetchPlan:
         self.routed_steps: list[bool] = []
         #: per step run, ``[(layer index, expert ids), ...]`` it copied (empty for a whole step).
         self.fetched: list[list[tuple[int, tuple[int, ...]]]] = []
+        #: per step run, ``[(layer index, arrays copied host -> device, bytes), ...]`` of its expert fetches.
+        self.copies: list[list[tuple[int, int, int]]] = []
+        #: the expert layout the call ran with, and why (:func:`resolve_layout`; set by :meth:`resolve_layout`).
+        self.layout: tuple[str, str] | None = None
+
+    def resolve_layout(self, stack, expert_layout: str) -> str:
+        """The layout ``expert_layout`` stands for on ``stack`` (:func:`resolve_layout`), kept in :attr:`layout`."""
+        self.layout = resolve_layout(stack, self.info, expert_layout)
+        return self.layout[0]
 
     def before_step(self, experts, step: int) -> None:
         """Set ``experts.routed`` (a ``RoutedExperts``) for step ``step``."""
@@ -230,10 +243,26 @@ class FetchPlan:
     def after_step(self, experts) -> None:
         """Record what the step just run fetched (``experts``: the ``RoutedExperts`` it ran by)."""
         self.fetched.append([(stage - 1, ids) for stage, ids in experts.expert_fetches])
+        self.copies.append([(stage - 1, n, b) for stage, n, b in experts.expert_copies])
 
     def summary(self) -> dict:
-        """``{"routed_steps", "fetched", "explanation"}`` for ``stack.last_generation["experts"]``."""
-        return dict(routed_steps=list(self.routed_steps), fetched=list(self.fetched), explanation=self.explanation)
+        """``{"routed_steps", "fetched", "copies", "explanation", "layout", "layout_explanation"}`` for
+        ``stack.last_generation["experts"]``."""
+        layout, why = self.layout or (None, "")
+        return dict(routed_steps=list(self.routed_steps), fetched=list(self.fetched), copies=list(self.copies),
+                    explanation=self.explanation, layout=layout, layout_explanation=why)
+
+
+def resolve_layout(stack, info: RoutingInfo, expert_layout: str) -> tuple[str, str]:
+    """``(layout, why)``: ``expert_layout`` itself unless ``"auto"``; then ``"split"`` or ``"stacked"`` by the
+    bytes of one expert of the routable layers (the largest), or ``"stacked"`` when none can route."""
+    if expert_layout != "auto":
+        return expert_layout, f"expert_layout={expert_layout!r} given"
+    if info.reason is not None:
+        return "stacked", "expert_layout='auto': no routed fetching, 'stacked' (nothing to split)"
+    per = max(nb // info.layers[i][1] for i, nb in _expert_nbytes(stack, info).items())
+    layout = choose_expert_layout(int(per))
+    return layout, f"expert_layout='auto': {per} B per expert -> {layout!r}"
 
 
 def routed_batch(stack, info: RoutingInfo, budget: int, per_seq: int, batch_all: int, max_batch: int) -> tuple:

@@ -11,17 +11,29 @@ token count that passes (Mixtral's 8 experts top-2: 5 tokens; Qwen3-30B-A3B's 12
 256 top-8: 50). Real routing is not uniform (tokens of one prompt share experts), so ``generate`` also
 reads the distinct experts each routed step fetched and stops routing when they pass that fraction.
 
+:func:`choose_expert_layout` picks how the fetched experts are held in ``pinned_host``: ``"split"`` (one
+packed buffer per expert, one copy-engine transfer each, with a fixed cost per copy) from
+:data:`SPLIT_MIN_EXPERT_BYTES` per expert, else ``"stacked"`` (slices read by a program on the device).
+
 Imports nothing beyond the standard library.
 """
 from __future__ import annotations
 
 import math
 
-__all__ = ["ROUTED_MAX_FRACTION", "expected_distinct_experts", "routed_pays", "routed_token_limit", "expert_bucket"]
+__all__ = ["ROUTED_MAX_FRACTION", "expected_distinct_experts", "routed_pays", "routed_token_limit", "expert_bucket",
+           "SPLIT_MIN_EXPERT_BYTES", "choose_expert_layout"]
 
 #: routed fetching is chosen while the expected distinct experts are at most this fraction of ``E``: the
 #: saved bytes (at least a fifth of the experts') must outweigh a host round trip per layer.
 ROUTED_MAX_FRACTION = 0.8
+
+#: bytes of one expert's weights (one layer) from which ``"split"`` copies beat ``"stacked"`` slices. From
+#: one H200 (``benchmarks/results/moe_generate_gpu``): per-array ``jax.device_put`` copies cost a fixed
+#: ~69 us each (16 arrays, 75.5 MB, at 30.0 GB/s against h2d 53.5 GB/s), the stacked slices read at
+#: 34.7 GB/s at that size; a copy of ``s`` bytes wins when ``69 us + s / 53.5 < s / 34.7``: ``s > 6.8 MB``,
+#: rounded up to 8 MiB (Mixtral-8x7B's 352 MB experts and Qwen3-30B-A3B's 9.4 MB ones are split).
+SPLIT_MIN_EXPERT_BYTES = 8 << 20
 
 
 def _check(num_experts: int, k: int) -> None:
@@ -80,3 +92,15 @@ def expert_bucket(distinct: int, k: int, num_experts: int) -> int:
     while slots < distinct:
         slots *= 2
     return min(slots, num_experts)
+
+
+def choose_expert_layout(expert_nbytes: int, min_split: int = SPLIT_MIN_EXPERT_BYTES) -> str:
+    """``"split"`` when one expert's weights (``expert_nbytes`` bytes, the largest layer's) reach ``min_split``
+    bytes, else ``"stacked"``.
+
+    Raises: ValueError: ``expert_nbytes`` or ``min_split`` not an int >= 0.
+    """
+    for name, v in (("expert_nbytes", expert_nbytes), ("min_split", min_split)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+    return "split" if expert_nbytes >= min_split else "stacked"

@@ -5,23 +5,25 @@ A layer given a :class:`RoutedSpec` is traced once per input signature with its 
 :data:`EXPERTS_CALL` (``experts_call(hidden [N, D], index int [N, k], weights [N, k]) -> [N, D]``) and
 split there (:func:`xla_swap.executors.streaming.jaxpr_split.split_at`):
 
-1. **before** (attention, router, shared experts: the layer's weights less its experts, streamed
-   ``prefetch_depth`` stages ahead as every stage's are) runs and returns the call's inputs;
-2. the host reads ``index`` (``N k`` int32: the one device -> host read of the layer; the weights of
-   the stages ahead were dispatched before it), takes the distinct experts ``ids`` (ascending), and
-   :class:`ExpertStore` copies those experts' slices of the stacked ``[E, ...]`` weights to the device;
-3. **after** computes the experts on the ``m`` fetched slices (``RoutedSpec.experts_fn``) and the rest
-   of the layer (the residual add, ...); it is compiled per bucket of ``m``
+1. **before** (attention, router, shared experts: the layer's weights less its experts) runs and returns
+   the call's inputs;
+2. the host reads ``index`` (``N k`` int32: the one device -> host read of the layer), takes the distinct
+   experts ``ids`` (ascending), and the :class:`~xla_swap.executors.streaming.expert_store.ExpertStore`
+   copies those experts to the device; right behind them, the weights less the experts of the routed stages
+   up to ``prefetch_depth`` ahead (cyclically: the next run's first ones too) are copied, so that the link
+   stays busy while the experts compute, the next layer's router runs and the host waits on its routing
+   (the streamer itself moves nothing for a routed stage);
+3. **after** computes the experts on the ``m`` fetched ones (``RoutedSpec.experts_fn``; packed buffers
+   unpacked there) and the rest of the layer (the residual add, ...); it is compiled per bucket of ``m``
    (:func:`xla_swap.planning.routing.expert_bucket`: ``k``, ``2k``, ``4k``, ... up to ``E``), the spare
    slots repeating the last fetched expert (no copy) with no token routed to them.
 
-Expert weights stay whole in ``pinned_host``: layout ``"stacked"`` slices them inside one jitted program
-per weight shape and ``m`` (dynamic slices of the host arrays moved to the device: no extra host memory; on
-XLA:GPU a fusion reads the host slices on the compute stream), layout ``"split"`` keeps a second copy as
-one ``pinned_host`` array per expert (built on first use: the experts' bytes once more in host memory)
-and copies the chosen ones with one ``jax.device_put`` (the copy engines, as whole stages are moved).
-``RoutedExperts.routed`` switches a call between this and the whole layer (every expert streamed with
-its stage, one executable); both give the layer's own result. One device only.
+Expert layouts (``expert_layout``): ``"stacked"``, ``"split"`` (one packed ``pinned_host`` buffer per
+expert, the stacked arrays deleted: each expert held once; :meth:`RoutedExperts.close` puts them back), or
+``"auto"`` (:func:`xla_swap.planning.routing.choose_expert_layout` by the size of one expert).
+``RoutedExperts.routed`` switches a call between this and the whole layer (every expert streamed with its
+stage, one executable; in the ``"split"`` layout the ``E`` packed buffers are streamed and unpacked in it);
+both give the layer's own result. One device only.
 
 The module imports only numpy and jax (no torch).
 """
@@ -36,15 +38,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from .decode import StageCalls
-from xla_swap.planning.routing import expert_bucket
+from xla_swap.planning.routing import choose_expert_layout, expert_bucket
+
+from .expert_store import PACKED, STORE_LAYOUTS, ExpertStore, Packing
 
 from .jaxpr_split import JaxprSplit, split_at
 from ..pytrees import DEVICE_KIND, aval_key
 
 __all__ = ["EXPERTS_CALL", "experts_call", "RoutedSpec", "ExpertStore", "RoutedExperts", "LAYOUTS"]
 
-#: the expert-weight layouts of :class:`ExpertStore`.
-LAYOUTS = ("stacked", "split")
+#: the expert-weight layouts :class:`RoutedExperts` takes (``"auto"`` resolves to one of ``STORE_LAYOUTS``).
+LAYOUTS = ("auto",) + STORE_LAYOUTS
 
 #: the marker that stands for a layer's experts while it is traced for routed fetching.
 EXPERTS_CALL = jcore.Primitive("xla_swap_experts_call")
@@ -91,6 +95,7 @@ class _Program:
     after: Callable
     out_tree: Any
     k: int          # experts per token (the routing's last axis)
+    whole: Callable  # () -> the compiled whole stage on the E packed buffers ("split" layout, not routed)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -100,68 +105,6 @@ class _Pending:
     outs: list
 
 
-class ExpertStore:
-    """Copies the chosen experts' slices of stacked ``pinned_host`` weights to the device.
-
-    Args:
-      layout: ``"stacked"`` or ``"split"`` (module docstring).
-      device_sharding: where the slices go (memory kind ``device``).
-
-    Raises: ValueError: an unknown ``layout``.
-    """
-
-    def __init__(self, layout: str, device_sharding):
-        if layout not in LAYOUTS:
-            raise ValueError(f"expert layout must be one of {LAYOUTS}, got {layout!r}")
-        self.layout = layout
-        self._dev = device_sharding.with_memory_kind(DEVICE_KIND)
-        self._slicers: dict = {}
-        self._parts: dict[int, tuple[dict, dict]] = {}   # stage -> (its source params, per-expert arrays)
-
-    def fetch(self, stage: int, params: dict, names, ids: np.ndarray, ids_dev) -> dict:
-        """``{name: [m device arrays]}``: expert ``ids[j]``'s slice of each weight ``params[name]`` (stage
-        ``stage``'s ``pinned_host`` weights, stacked on axis 0), asynchronous. ``ids_dev``: ``ids`` on the device.
-        Raises RuntimeError (``"stacked"``) when the slicing program does not compile on the platform."""
-        names = sorted(names)
-        m = len(ids)
-        if self.layout == "split":
-            parts = self._split(stage, params, names)
-            got = jax.device_put([parts[n][int(e)] for n in names for e in ids], self._dev)
-            return {n: list(got[j * m:(j + 1) * m]) for j, n in enumerate(names)}
-        w = {n: params[n] for n in names}
-        key = (aval_key(w), m, tuple(str(v.sharding) for v in w.values()))
-        slicer = self._slicers.get(key)
-        if slicer is None:   # one program per count: dynamic slices of the host arrays, each moved to the device
-            dev = self._dev
-
-            def take(w, ids):
-                return {n: [jax.device_put(jax.lax.dynamic_index_in_dim(v, ids[j], keepdims=False), dev)
-                            for j in range(m)] for n, v in w.items()}
-            try:
-                slicer = jax.jit(take, out_shardings=dev).lower(w, ids_dev).compile()
-            except Exception as e:  # noqa: BLE001 - re-raised naming the other layout
-                raise RuntimeError(f"slicing experts out of the stacked pinned_host weights does not compile here "
-                                   f"({type(e).__name__}: {e}); expert_layout='split' copies whole per-expert "
-                                   "arrays instead") from e
-            self._slicers[key] = slicer
-        return slicer(w, ids_dev)
-
-    def _split(self, stage: int, params: dict, names: list) -> dict:
-        src, parts = self._parts.get(stage, (None, None))
-        if src is not params:
-            parts = {}
-            for n in names:
-                whole = np.asarray(params[n])   # a host copy of one weight at a time
-                parts[n] = [jax.device_put(whole[e], params[n].sharding) for e in range(whole.shape[0])]
-                del whole
-            self._parts[stage] = (params, parts)
-        return parts
-
-    def host_nbytes(self) -> int:
-        """Bytes of the per-expert copies held in ``pinned_host`` (``"split"``; 0 for ``"stacked"``)."""
-        return int(sum(a.nbytes for _, parts in self._parts.values() for arrs in parts.values() for a in arrs))
-
-
 class RoutedExperts(StageCalls):
     """How a :class:`StatefulStreamer`'s mixture-of-experts stages fetch only their routed experts: pass one
     as its ``stage_calls``.
@@ -169,29 +112,42 @@ class RoutedExperts(StageCalls):
     Args:
       routed_specs: ``{stage: RoutedSpec}``: stages (with state, not ``resident``) that can run by routed
         experts; stages given the same spec object share executables.
-      expert_layout: ``"stacked"`` (default) or ``"split"`` (:class:`ExpertStore`).
+      expert_layout: ``"auto"`` (default: :func:`xla_swap.planning.routing.choose_expert_layout` on the
+        largest routed stage's bytes per expert, when attached), ``"stacked"`` or ``"split"`` (module docstring).
+      store: an :class:`ExpertStore` to hold the experts (one a previous instance on the same weights left,
+        :attr:`expert_store`): kept when its layout is the one resolved, else its weights put back (default: a new one).
 
     :attr:`routed` (default ``False``) chooses, per run of the streamer, whether those stages fetch their
-    routed experts or stream whole (as :class:`StageCalls` runs them); :attr:`expert_fetches` lists what
-    the last run copied.
+    routed experts or stream whole; :attr:`expert_fetches` and :attr:`expert_copies` list what the last run
+    copied. :meth:`close` puts the ``"split"`` layout's stacked weights back.
 
     Raises: ValueError: an unknown ``expert_layout``; from the streamer's constructor (:meth:`attach`): its
       ``activation_sharding`` spans several devices; a stage of ``routed_specs`` out of range, without
       state or resident.
     """
 
-    def __init__(self, routed_specs: dict, expert_layout: str = "stacked"):
+    def __init__(self, routed_specs: dict, expert_layout: str = "auto", store: ExpertStore | None = None):
         if expert_layout not in LAYOUTS:
             raise ValueError(f"expert layout must be one of {LAYOUTS}, got {expert_layout!r}")
+        if store is not None and not isinstance(store, ExpertStore):
+            raise TypeError(f"store must be an ExpertStore or None, got {type(store).__name__}")
         self._specs: dict[int, RoutedSpec] = dict(routed_specs)
         self._layout = expert_layout
-        self._store: ExpertStore | None = None   # made by attach(), on the streamer's device
-        self._views: dict[int, tuple] = {}
+        self._given = store
+        self._store: ExpertStore | None = None   # set by attach(), on the streamer's device
+        self._views: dict[int, tuple] = {}       # stage -> (host params, its weights less experts, shardings)
+        self._whole: dict[int, tuple] = {}       # stage -> (host params, "split" whole weights, shardings)
+        self._empty: dict[int, tuple] = {}       # stage -> (host params, {}): what the streamer moves when routed
+        self._ahead: dict[int, tuple] = {}       # stage -> (host params, device weights less experts)
         self._programs: dict = {}
         #: whether the next run fetches only the routed experts of the routed stages.
         self.routed: bool = False
         #: the expert copies of the last run: ``(stage, expert ids)`` per routed stage, in order.
         self.expert_fetches: list[tuple[int, tuple[int, ...]]] = []
+        #: per routed stage of the last run: ``(stage, arrays copied host -> device, bytes)``.
+        self.expert_copies: list[tuple[int, int, int]] = []
+        #: why the layout is what it is.
+        self.layout_explanation: str = f"expert_layout={expert_layout!r} given"
 
     @property
     def routed_stages(self) -> tuple[int, ...]:
@@ -200,45 +156,102 @@ class RoutedExperts(StageCalls):
 
     @property
     def expert_layout(self) -> str:
-        """``"stacked"`` or ``"split"`` (:class:`ExpertStore`)."""
+        """``"stacked"`` or ``"split"`` (``"auto"`` until :meth:`attach` resolves it)."""
         return self._layout
 
+    @property
+    def expert_store(self) -> ExpertStore | None:
+        """The :class:`ExpertStore` holding the experts (``None`` before :meth:`attach`)."""
+        return self._store
+
     def expert_host_nbytes(self) -> int:
-        """Bytes of ``pinned_host`` held beyond the stages' weights (the ``"split"`` layout's copies)."""
+        """Bytes of ``pinned_host`` held beyond the stages' weights (0: the ``"split"`` layout replaces them)."""
         return 0 if self._store is None else self._store.host_nbytes()
 
     def attach(self, streamer) -> None:
-        """Take ``streamer`` (its device holds the fetched experts); raise ValueError unless it runs on one device
-        and every routed stage has state and streams."""
+        """Take ``streamer`` (its device holds the fetched experts) and resolve ``"auto"``; raise ValueError unless
+        it runs on one device and every routed stage has state and streams."""
         if len(streamer.activation_sharding.device_set) != 1:
             raise ValueError("routed experts run on one device; activation_sharding spans "
                              f"{len(streamer.activation_sharding.device_set)}")
         for i in self._specs:
             if not 0 <= i < streamer.num_stages or streamer.state_avals[i] is None or streamer.resident[i]:
                 raise ValueError(f"routed_specs: stage {i} must be a stage with state, streamed (not resident)")
-        self._store = ExpertStore(self._layout, streamer.activation_sharding)
+        if self._layout == "auto":
+            per = max((sum(streamer.host_params[i][n].nbytes for n in s.expert_names) // s.num_experts
+                       for i, s in self._specs.items()), default=0)
+            self._layout = choose_expert_layout(int(per))
+            self.layout_explanation = f"expert_layout='auto': {per} B per expert -> {self._layout!r}"
+        given, self._given = self._given, None
+        if given is not None and given.layout != self._layout:
+            given.restore(streamer.host_params)
+            given = None
+        self._store = ExpertStore(self._layout, streamer.activation_sharding) if given is None else given
+
+    def close(self, streamer) -> None:
+        """Put the stacked expert weights back into ``streamer.host_params`` (``"split"``: rebuilt from the packed
+        buffers) and drop the weights copied ahead; a later run packs again."""
+        if self._store is not None:
+            self._store.restore(streamer.host_params)
+        self._views, self._whole, self._empty, self._ahead = {}, {}, {}, {}
 
     def start(self, streamer) -> None:
-        """A run begins: :attr:`expert_fetches` starts empty."""
-        self.expert_fetches = []
+        """A run begins: :attr:`expert_fetches` starts empty; routed, the first stages' weights less experts are
+        copied (unless the last run left them)."""
+        self.expert_fetches, self.expert_copies = [], []
+        if not self.routed:
+            self._ahead = {}
+        else:
+            self._prefetch(streamer, range(streamer.prefetch_depth + 1))
+
+    def _active(self, i: int) -> bool:
+        """Whether stage ``i`` runs by this class's steps (routed, or whole from the ``"split"`` layout)."""
+        return i in self._specs and (self.routed or self._layout == "split")
 
     def weights(self, streamer, i: int) -> tuple[Any, Any]:
-        """A routed stage's weights less its experts (those are fetched by id); other stages' as they are."""
-        if not (self.routed and i in self._specs):
+        """What the streamer copies for stage ``i``: nothing for a routed stage (this class copies its weights
+        less experts behind the experts), a ``"split"`` stage's weights less experts and its ``E`` packed
+        buffers when it runs whole; other stages' weights as they are."""
+        if not self._active(i):
             return super().weights(streamer, i)
+        src = streamer.host_params[i]
+        if self.routed:
+            got = self._empty.get(i)
+            if got is None or got[0] is not src:
+                got = self._empty[i] = (src, {}, {})
+            return got[1], got[2]
+        got = self._whole.get(i)
+        if got is None or got[0] is not src:
+            p, sh = self._rest(streamer, i)
+            bufs = self._store.packed(i, src, self._specs[i].expert_names)
+            got = self._whole[i] = (src, {**p, PACKED: list(bufs)},
+                                    {**sh, PACKED: [streamer.state_sharding] * len(bufs)})
+        return got[1], got[2]
+
+    def _rest(self, streamer, i: int) -> tuple[dict, dict]:
+        """Stage ``i``'s host weights less its experts and their device shardings (cached per weights dict)."""
         src = streamer.host_params[i]
         view = self._views.get(i)
         if view is None or view[0] is not src:
             names = self._specs[i].expert_names
             sh = streamer.device_shardings[i]
-            view = (src, {n: v for n, v in src.items() if n not in names},
-                    {n: v for n, v in sh.items() if n not in names})
-            self._views[i] = view
+            view = self._views[i] = (src, {n: v for n, v in src.items() if n not in names},
+                                     {n: v for n, v in sh.items() if n not in names})
         return view[1], view[2]
 
+    def _prefetch(self, streamer, stages) -> None:
+        """Copy the weights less experts of the routed ``stages`` not already on the device."""
+        for j in stages:
+            if j in self._specs:
+                src = streamer.host_params[j]
+                held = self._ahead.get(j)
+                if held is None or held[0] is not src:
+                    self._ahead[j] = (src, jax.device_put(*self._rest(streamer, j)))
+
     def executable(self, streamer, sig, i: int):
-        """A routed stage's two-part program for ``sig`` (traced, split at the experts, cached); else the stage's own."""
-        if not (self.routed and i in self._specs):
+        """A routed stage's two-part program for ``sig`` (traced, split at the experts, cached); a ``"split"``
+        stage run whole: that program on every packed expert, in one executable; else the stage's own."""
+        if not self._active(i):
             return super().executable(streamer, sig, i)
         in_aval = sig.chain[i]
         spec = self._specs[i]
@@ -248,17 +261,22 @@ class RoutedExperts(StageCalls):
         if prog is None:
             prog = self._program(streamer, i, spec, pav, in_aval)
             self._programs[key] = prog
-        return prog
+        return prog if self.routed else prog.whole()
 
     def call(self, streamer, i: int, exe, p, x, states: dict):
-        """A routed stage dispatched up to its routing (the first executable); others as :class:`StageCalls` does."""
+        """A routed stage dispatched up to its routing (the first executable, on its weights copied ahead); others
+        as :class:`StageCalls` does."""
         if not isinstance(exe, _Program):
             return super().call(streamer, i, exe, p, x, states)
-        return _Pending(exe, exe.before(p, streamer.take_state(i, states), x))
+        held = self._ahead.pop(i, None)
+        if held is None or held[0] is not streamer.host_params[i]:
+            held = (None, jax.device_put(*self._rest(streamer, i)))
+        return _Pending(exe, exe.before(held[1], streamer.take_state(i, states), x))
 
     def output(self, streamer, i: int, y):
         """A routed stage finished: its routing read, the routed experts copied in, the second executable run,
-        its state put back; other stages' outputs as they are."""
+        the next routed stages' weights less experts copied behind the experts, its state put back; other
+        stages' outputs as they are."""
         if not isinstance(y, _Pending):
             return y
         prog, outs = y.program, y.outs
@@ -269,12 +287,14 @@ class RoutedExperts(StageCalls):
         self.expert_fetches.append((i, tuple(int(e) for e in ids)))
         ids_dev = jax.device_put(ids, streamer.state_sharding)
         w = self._store.fetch(i, streamer.host_params[i], prog.spec.expert_names, ids, ids_dev)
+        self.expert_copies.append(self._store.copies[-1])
         slots = expert_bucket(len(ids), prog.k, prog.spec.num_experts)   # spare slots: the last expert again, no token
         w = {n: v + [v[-1]] * (slots - len(ids)) for n, v in w.items()}
         if slots > len(ids):
             ids_dev = jax.device_put(np.concatenate([ids, np.full(slots - len(ids), prog.spec.num_experts, np.int32)]),
                                      streamer.state_sharding)
         late = prog.after(w, ids_dev, tuple(marker_in), tuple(boundary))
+        self._prefetch(streamer, [(i + d) % streamer.num_stages for d in range(1, streamer.prefetch_depth + 1)])
         flat = sp.assemble(outs[sp.n_marker_in + sp.n_boundary:], late)
         out, s = jax.tree_util.tree_unflatten(prog.out_tree, flat)
         streamer.put_state(i, s)
@@ -291,21 +311,40 @@ class RoutedExperts(StageCalls):
         except Exception as e:  # noqa: BLE001 - re-raised with the stage named
             raise ValueError(f"stage {i} cannot run by routed experts: {type(e).__name__}: {e}") from e
         names = spec.expert_names
-        before_fn = jcore.jaxpr_as_fun(split.before)
-        after_fn = jcore.jaxpr_as_fun(split.after)
+        before_fn, after_fn = jcore.jaxpr_as_fun(split.before), jcore.jaxpr_as_fun(split.after)
+        packing = Packing.of({n: pav[n] for n in names})
+        out_tree = jax.tree_util.tree_structure(out_shape)
 
         def before(p, s, x):
             flat = jax.tree_util.tree_leaves(({**p, **{n: _Hole() for n in names}}, s, x))
             return before_fn(*[flat[k] for k in split.kept])
 
         def after(w, ids, marker_in, boundary):
+            if PACKED in w:   # packed buffers -> {name: [m arrays]}, on the device
+                parts = [packing.unpack(b) for b in w[PACKED]]
+                w = {n: [q[n] for q in parts] for n in packing.names}
             return after_fn(spec.experts_fn(w, ids, *marker_in), *boundary)
+
+        def whole(p, s, x):   # every expert, from its packed buffer: the layer's own result in one executable
+            outs = before({n: v for n, v in p.items() if n != PACKED}, s, x)
+            n_in, n_b = split.n_marker_in, split.n_boundary
+            late = after({PACKED: p[PACKED]}, jnp.arange(spec.num_experts, dtype=jnp.int32), tuple(outs[:n_in]),
+                         tuple(outs[n_in:n_in + n_b]))
+            return jax.tree_util.tree_unflatten(out_tree, split.assemble(outs[n_in + n_b:], late))
 
         dev, act, state_sh = streamer.device_shardings[i], streamer.activation_sharding, streamer.state_sharding
         spec_of = lambda av, sh: jax.tree_util.tree_map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), av)
         pspec = {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=dev[n]) for n, v in pav.items() if n not in names}
-        exe = jax.jit(before, out_shardings=state_sh, donate_argnums=(1,)).lower(
-            pspec, spec_of(sav, state_sh), spec_of(in_aval, act)).compile()
-        return _Program(split, spec, exe, jax.jit(after, out_shardings=state_sh),
-                        jax.tree_util.tree_structure(out_shape), int(split.before.out_avals[1].shape[-1]))
+        args = (spec_of(sav, state_sh), spec_of(in_aval, act))
+        exe = jax.jit(before, out_shardings=state_sh, donate_argnums=(1,)).lower(pspec, *args).compile()
+        packed = [jax.ShapeDtypeStruct((packing.length,), packing.dtype, sharding=state_sh)] * spec.num_experts
+        whole_exe: list = []
+
+        def compiled_whole():
+            if not whole_exe:
+                whole_exe.append(jax.jit(whole, out_shardings=(act, state_sh), donate_argnums=(1,)).lower(
+                    {**pspec, PACKED: packed}, *args).compile())
+            return whole_exe[0]
+        return _Program(split, spec, exe, jax.jit(after, out_shardings=state_sh), out_tree,
+                        int(split.before.out_avals[1].shape[-1]), compiled_whole)
