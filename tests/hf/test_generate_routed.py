@@ -167,7 +167,8 @@ def test_auto_routes_small_decode_batches_only():
 def test_split_layout_holds_each_expert_once_and_gives_the_weights_back(monkeypatch):
     """``expert_layout="auto"`` with the size threshold injected at the model's expert size: split. While the
     generator holds the packed buffers the stacked arrays are deleted (a reader fails loudly), every-expert
-    steps stream the packed buffers, and the tokens stay torch's; ``release_generation`` rebuilds them bit-exact."""
+    steps stream the packed buffers, and the tokens stay torch's; the stack's own readers (``state_dicts``) and
+    ``release_generation`` rebuild them bit-exact."""
     from xla_swap.hf import moe_decode
     from xla_swap.hf.generate import release_generation
     from xla_swap.planning.routing import choose_expert_layout
@@ -187,14 +188,44 @@ def test_split_layout_holds_each_expert_once_and_gives_the_weights_back(monkeypa
     experts = [v for p in stack.runtime.host_params for n, v in p.items() if ".experts." in n]
     assert experts and all(v.is_deleted() for v in experts)
     assert stack.generators.current.routed_experts.expert_host_nbytes() == 0
-    with pytest.raises(RuntimeError, match="deleted"):
-        stack.state_dicts()
+    after = stack.state_dicts()   # the stack's own readers put the stacked arrays back first
+    assert all(torch.equal(after[i][n], t) for i, d in enumerate(before) for n, t in d.items())
+    assert not any(v.is_deleted() for p in stack.runtime.host_params for n, v in p.items() if ".experts." in n)
+    got = stack.generate(ids, mask, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0, expert_fetch="routed")
+    assert torch.equal(got, ref) and stack.generators.current.routed_experts.expert_host_nbytes() == 0   # packed again
     release_generation(stack)
     after = stack.state_dicts()
     assert all(torch.equal(after[i][n], t) for i, d in enumerate(before) for n, t in d.items())
     got = stack.generate(ids, mask, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0, expert_fetch="routed",
                          expert_layout="stacked")
     assert torch.equal(got, ref) and stack.last_generation["experts"]["layout"] == "stacked"
+
+
+def test_training_after_split_generation_equals_training_without_it(monkeypatch):
+    """A ``train_step`` after a ``"split"``-layout ``generate`` (experts packed, stacked arrays deleted) puts the
+    weights back first: its loss and the updated weights equal a stack's that never generated, and a
+    ``generate`` after it serves the updated experts (tokens of the reference stack's)."""
+    from xla_swap.hf import moe_decode
+    from xla_swap.planning.routing import choose_expert_layout
+    monkeypatch.setattr(moe_decode, "choose_expert_layout", lambda n: choose_expert_layout(n, min_split=n))
+    stacks = []
+    for _ in range(2):
+        model = make("qwen3_moe")
+        first, layers, last = xla_swap.causal_lm_stages(model)
+        stacks.append(xla_swap.SwappedStack(
+            layers, first=first, last=last, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+            loss_fn=lambda out, y: torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)),
+            parallel=xla_swap.ParallelConfig(devices=jax.devices()[:1])))
+    ids, mask = prompts()
+    gen = dict(max_new_tokens=NEW, eos_token_id=None, pad_token_id=0, expert_fetch="routed")
+    stacks[0].generate(ids, mask, **gen)
+    assert stacks[0].last_generation["experts"]["layout"] == "split"
+    losses = [float(s.train_step(ids[:, :-1], ids[:, 1:])) for s in stacks]
+    assert losses[0] == losses[1]
+    after = [s.state_dicts() for s in stacks]
+    assert all(torch.equal(after[0][i][n], t) for i, d in enumerate(after[1]) for n, t in d.items())
+    got = [s.generate(ids, mask, **gen) for s in stacks]
+    assert torch.equal(got[0], got[1])
 
 
 def test_auto_stops_routing_when_a_step_fetches_most_experts():

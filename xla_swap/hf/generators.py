@@ -254,10 +254,16 @@ class Generators:
         """The generator kept (the last call's), or ``None``."""
         return next(iter(self._by_key.values()), None)
 
+    def give_back(self) -> None:
+        """Put the stack's weights back in its own form where a generator packed them (the ``"split"`` expert
+        layout's stacked arrays rebuilt, :meth:`Generator.close`); the generators stay, and their next run
+        packs again from the weights then current."""
+        for gen in self._by_key.values():
+            gen.close()
+
     def release(self) -> None:
         """Drop the generator kept: its KV cache (device or ``pinned_host``), the weights prefetched for the next
         step and the decode executables; the stack's weights as they were (:meth:`Generator.close`). The next
         ``generate`` builds them again."""
-        for gen in self._by_key.values():
-            gen.close()
+        self.give_back()
         self._by_key.clear()

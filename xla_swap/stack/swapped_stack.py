@@ -300,6 +300,12 @@ class SwappedStack:
         with jax.default_matmul_precision(p):
             yield
 
+    def _whole_runtime(self) -> StreamingRuntime:
+        """``runtime``, every stage's weights in the stack's own form: expert weights a generator packed (the
+        ``"split"`` expert layout) put back first (:meth:`xla_swap.hf.generators.Generators.give_back`)."""
+        self.generators.give_back()
+        return self.runtime
+
     # ------------------------------------------------------------------ serving
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         """Run the stack on ``inputs``; returns a torch tensor.
@@ -323,6 +329,7 @@ class SwappedStack:
             as torch's embedding raises; the message names the tensor, the value and the range.
           ValueError: a stage fails to trace (the message names it).
         """
+        self.generators.give_back()
         with self.torch_precision():
             self._maybe_autotune(tuple(inputs), training=False)
             x = self._carry_in(inputs)
@@ -401,6 +408,7 @@ class SwappedStack:
             ``accumulate_grads``, a parameter on the meta device (no ``.grad`` to add to).
         """
         loss_fn = self.trainer.checked_loss(loss_fn, accumulate)
+        self.generators.give_back()
         with self.torch_precision():
             inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
             x = self._carry_in(inputs)   # token ids checked, dtypes, the trace: nothing changes yet
@@ -450,6 +458,7 @@ class SwappedStack:
         unchanged after one): :meth:`xla_swap.stack.budget.Autotuner.choose`.
         """
         self.autotuner.check_call(calibration)
+        self.generators.give_back()
         x = self._carry_in(inputs if isinstance(inputs, (tuple, list)) else (inputs,))
         with self.torch_precision():
             # the stack drops its old runtime: the new one takes its weights and moments, no copy
@@ -483,25 +492,25 @@ class SwappedStack:
         ``{"model": {fqn: weight}, "optim": {"state": {fqn: {"step", "exp_avg", "exp_avg_sq"}},
         "param_groups": [...]}}``, the form of ``torch.distributed.checkpoint.state_dict.get_state_dict``.
         Names, dtypes and errors: :meth:`xla_swap.stack.checkpoint.Checkpointer.state_dict`."""
-        return self.checkpointer.state_dict(self.runtime)
+        return self.checkpointer.state_dict(self._whole_runtime())
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore the training state from a :meth:`state_dict` (of this stack or another built the same
         way), everything checked before anything changes: :meth:`xla_swap.stack.checkpoint.Checkpointer.load_state_dict`."""
-        self.checkpointer.load_state_dict(self.runtime, state_dict)
+        self.checkpointer.load_state_dict(self._whole_runtime(), state_dict)
 
     def save_checkpoint(self, path, *, extra: dict | None = None) -> None:
         """Write :meth:`state_dict` as a ``torch.distributed.checkpoint`` checkpoint into the folder ``path``,
         streaming one shard at a time; ``extra``: ``None`` or ``{str: picklable}`` saved beside it (with several
         jax processes every process calls it). Keys, memory and errors:
         :meth:`xla_swap.stack.checkpoint.Checkpointer.save`."""
-        self.checkpointer.save(self.runtime, path, extra=extra)
+        self.checkpointer.save(self._whole_runtime(), path, extra=extra)
 
     def load_checkpoint(self, path) -> dict:
         """Restore the training state from a :meth:`save_checkpoint` folder (of any number of processes and
         devices), one stage at a time; returns its ``extra`` dict (``{}`` without one). Errors:
         :meth:`xla_swap.stack.checkpoint.Checkpointer.load`."""
-        return self.checkpointer.load(self.runtime, path)
+        return self.checkpointer.load(self._whole_runtime(), path)
 
     # ------------------------------------------------------------------ weights
     def state_dicts(self) -> list[dict[str, torch.Tensor]]:
@@ -510,7 +519,7 @@ class SwappedStack:
         With several processes every process must call it (the sharded weights are gathered).
         """
         return [{n: self.layout.torch_layout(i, n, to_torch(p[n])) for n in names}
-                for i, (p, names) in enumerate(zip(self.runtime.host_params, self.trainable_names))]
+                for i, (p, names) in enumerate(zip(self._whole_runtime().host_params, self.trainable_names))]
 
     def sync_modules(self) -> None:
         """Copy the current (trained) weights into the ``nn.Module`` parameters, in place.

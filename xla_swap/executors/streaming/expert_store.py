@@ -13,7 +13,8 @@ in one of two layouts:
   ``m`` host -> device copies on the copy engines, as whole stages move. The receiving program unpacks
   them on the device (:meth:`Packing.unpack`: static slices and reshapes). :meth:`ExpertStore.restore`
   rebuilds the stacked arrays (bit-exact) and puts them back into the stage's weights; until then any
-  other reader of those arrays fails loudly (``RuntimeError: Array has been deleted``).
+  other reader of those arrays fails loudly (``RuntimeError: Array has been deleted``); the torch stack's
+  entry points call it first (``xla_swap.hf.generators.Generators.give_back``).
 
 The module imports only numpy and jax (no torch).
 """
