@@ -148,7 +148,7 @@ class CausalLMFirst(torch.nn.Module):
 
     def index_input_bounds(self) -> dict[int, tuple[str, int]]:
         """``{0: ("input_ids", num_embeddings)}``: the input holding token ids and their range, which
-        ``SwappedStack`` checks before running (:func:`xla_swap.stack.index_checks.token_id_bounds`)."""
+        ``SwappedStack`` checks before running (:func:`xla_swap.stack.checks.token_id_bounds`)."""
         return {0: ("input_ids", self._rows)}
 
     def captures(self, record: list, stop: bool, fill=None, taint: bool = False) -> torch.nn.ModuleList:

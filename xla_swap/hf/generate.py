@@ -52,7 +52,7 @@ import torch
 
 from xla_swap.distributed import gather_ints, gather_prompts, per_rank_batches
 from xla_swap.hf.causal_lm import CausalLMFirst, CausalLMLast
-from xla_swap.stack.index_checks import check_index_range, token_id_bounds
+from xla_swap.stack.checks import check_index_range, token_id_bounds
 from xla_swap.hf.refusals import refuse_longrope_generation
 from xla_swap.hf.generators import Generator, Generators, memory_stats
 from xla_swap.hf.kv_cache import kv_cache_bytes
@@ -296,7 +296,7 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
       TypeError: ``stack`` not built from ``causal_lm_stages``; ``input_ids`` not an integer
         ``[batch, seq]`` tensor; ``do_sample`` not a bool; ``seed`` not an int.
       IndexError: an id outside ``[0, num_embeddings)`` of the input embedding, as torch's embedding
-        raises (:func:`xla_swap.stack.index_checks.check_index_range`: the message names ``input_ids``, the
+        raises (:func:`xla_swap.stack.checks.check_index_range`: the message names ``input_ids``, the
         value and the range).
       ValueError: ``attention_mask`` of another shape, not 0/1, right
         padded or with an empty row; ``max_new_tokens < 1``; ``temperature <= 0``; ``top_k < 1``;

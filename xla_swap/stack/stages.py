@@ -2,7 +2,7 @@
 Hugging Face adapters (``xla_swap.hf``, ``xla_swap.hf.generate``).
 
 * **Tensors.** :func:`stage_tensors`: a stage's buffers and parameters, from the module or a
-  ``weights`` source (checked); :func:`meta_tensor` finds a tensor without values.
+  ``weights`` source (checked).
 * **Layout.** :func:`linear_weights`: the ``nn.Linear`` weights held transposed (``[in, out]``);
   :func:`embedding_padding_rows`: the rows that get no gradient.
 * **Sharing.** :func:`layer_groups`: layers that compute the same thing (:func:`program_key`) share
@@ -33,7 +33,7 @@ from xla_swap.stack.mixed_precision import is_float
 from xla_swap.stack.torch_bridge import inputs_to_jax, module_fn, to_numpy
 
 __all__ = ["linear_weights", "embedding_padding_rows", "stage_signature", "layer_selection", "TIED", "split_carry",
-           "meta_tensor", "stage_tensors", "tied_parameters", "stage_avals", "program_key", "attribute_key",
+           "stage_tensors", "tied_parameters", "stage_avals", "program_key", "attribute_key",
            "attribute_keys", "layer_groups", "example_carry", "stage_functions", "host_stages",
            "StageLayout"]
 
@@ -101,15 +101,6 @@ def split_carry(out, stage: str):
         raise TypeError(f"{stage} must return a tensor or (tensor, dict of layer keyword tensors), "
                         f"got a {type(out).__name__} of length {len(out)}")
     return out, {}
-
-
-def meta_tensor(modules, names) -> str | None:
-    """The name (``stage.tensor``) of the first parameter or buffer of ``modules`` on the meta device, or ``None``."""
-    for stage, m in zip(names, modules):
-        for n, t in list(m.named_parameters()) + list(m.named_buffers()):
-            if t.is_meta:
-                return f"{stage}.{n}"
-    return None
 
 
 def stage_tensors(stage: str, mod: torch.nn.Module, pnames: list, weights) -> dict:

@@ -58,7 +58,7 @@ from xla_swap.hf.generate import generate
 from xla_swap.hf.generators import Generators
 from xla_swap.hf.causal_lm import causal_lm_stages  # noqa: F401  (re-exported: the entry point's splitter)
 from xla_swap.hf.refusals import describe_failure
-from xla_swap.stack.index_checks import token_id_bounds
+from xla_swap.stack.checks import token_id_bounds
 from xla_swap.stack.mixed_precision import cast_floats, check_mixed_precision, stage_functions_in
 from xla_swap.planning import InfeasibleBudgetError
 from xla_swap.planning.optimizer import AdamW
@@ -325,7 +325,7 @@ class SwappedStack:
             dtype (an ``int32`` or ``float16`` hidden state into ``float32`` layers shared by
             several stages): the message names ``inputs[i]``, the dtype got and the one expected.
           IndexError: a token id outside the input embedding's rows (``first`` a
-            ``causal_lm_stages`` first stage or an ``nn.Embedding``: :mod:`xla_swap.stack.index_checks`),
+            ``causal_lm_stages`` first stage or an ``nn.Embedding``: :mod:`xla_swap.stack.checks`),
             as torch's embedding raises; the message names the tensor, the value and the range.
           ValueError: a stage fails to trace (the message names it).
         """
@@ -400,7 +400,7 @@ class SwappedStack:
             flattened) are class indices; the ignore index is ``-100`` unless ``loss_fn`` has an
             ``ignore_index`` (``nn.CrossEntropyLoss(ignore_index=...)``, a ``functools.partial``'s
             keyword, an attribute set on the function; ``None``: no target checked). Float targets and
-            other shapes are not checked (:mod:`xla_swap.stack.index_checks`).
+            other shapes are not checked (:mod:`xla_swap.stack.checks`).
           ValueError: the loss is not a floating scalar; a stage fails to trace; ``lr < 0``; the
             torch optimizer's groups hold other parameters than at construction, or an option
             the update does not implement (``AdamW.groups_from_torch``); ``accumulate=True``

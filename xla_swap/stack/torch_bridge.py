@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from xla_swap.stack.index_checks import check_index_range
+from xla_swap.stack.checks import check_index_range
 
 __all__ = ["torch_matmul_precision", "to_numpy", "to_torch", "inputs_to_jax", "tensor_pieces", "tensor_to_sharding",
            "output_to_torch", "local_to_global", "rank_rows_to_torch", "module_fn", "torch_fn", "torch_dtype"]
@@ -322,7 +322,7 @@ def inputs_to_jax(x, what: str, placement: Callable | None = None, bounds: dict 
     it. CUDA tensors (on any local GPU) are laid out so (:func:`tensor_to_sharding`; without ``placement``
     they stay on their own GPU); CPU tensors become numpy arrays (the runtime copies them to the devices).
     ``bounds``: ``{position: (name, size[, ignore_index[, what]])}``: the tensor at that position (0 for a
-    lone tensor) is checked by :func:`xla_swap.stack.index_checks.check_index_range` (module docstring there: cost).
+    lone tensor) is checked by :func:`xla_swap.stack.checks.check_index_range` (module docstring there: cost).
     ``per_rank`` (per-rank batches, :mod:`xla_swap.distributed`; needs ``placement``): ``x`` is this
     process's batch; each tensor becomes its rows of the global array (:func:`local_to_global`), placed
     as ``placement`` places the global avals. A collective: every process calls it (every process's

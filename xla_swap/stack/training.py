@@ -19,10 +19,11 @@ import torch
 
 from xla_swap.distributed import per_rank_batches, world_size
 from xla_swap.executors.pytrees import check_input_dtypes, tree_aval
-from xla_swap.stack.index_checks import class_target_bounds
+from xla_swap.stack.checks import class_target_bounds
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.stack.config import TrainingConfig
-from xla_swap.stack.stages import StageLayout, meta_tensor
+from xla_swap.stack.stages import StageLayout
+from xla_swap.stack.checks import meta_tensor
 from xla_swap.stack.torch_bridge import inputs_to_jax, to_torch, torch_fn
 
 __all__ = ["Trainer", "torch_param_groups", "MAX_LOSS_FUNCTIONS", "loss_key"]
@@ -213,7 +214,7 @@ class Trainer:
 
     def targets_in(self, runtime, targets, x, loss_fn: Callable) -> tuple:
         """``targets`` as jax / numpy arrays (a tuple), checked before any state changes: dtypes, and the
-        class indices among them (:func:`xla_swap.stack.index_checks.class_target_bounds`, ``C`` the last
+        class indices among them (:func:`xla_swap.stack.checks.class_target_bounds`, ``C`` the last
         dimension of the output ``runtime`` gives for input ``x``; IndexError naming the target)."""
         if targets is None or (isinstance(targets, tuple) and not targets):
             return ()

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from xla_swap.stack.index_checks import check_index_range, class_target_bounds, loss_ignore_index, token_id_bounds
+from xla_swap.stack.checks import check_index_range, class_target_bounds, loss_ignore_index, token_id_bounds
 from xla_swap.stack import SwappedStack, causal_lm_stages
 from xla_swap.stack.config import ParallelConfig
 
@@ -196,7 +196,7 @@ def test_the_loss_ignore_index_is_read_from_the_loss():
 
 
 def test_which_tensors_are_checked():
-    """The rules of ``xla_swap.stack.index_checks`` on torch tensors alone (no stack)."""
+    """The rules of ``xla_swap.stack.checks`` on torch tensors alone (no stack)."""
     t = torch.tensor([[0, 5], [-100, 7]])
     assert check_index_range(t, "labels", 8, -100) == (0, 7)
     with pytest.raises(IndexError, match=r"labels holds 7, outside \[0, 7\) and is not the ignore index -100"):
