@@ -129,7 +129,8 @@ def test_packing_round_trips_mixed_dtypes_on_the_device():
 def test_layout_follows_the_expert_size():
     assert choose_expert_layout(SPLIT_MIN_EXPERT_BYTES) == "split"
     assert choose_expert_layout(SPLIT_MIN_EXPERT_BYTES - 1) == "stacked"
-    assert choose_expert_layout(9_437_184) == "split"       # Qwen3-30B-A3B: 3 x 2048 x 768 bf16
+    assert choose_expert_layout(9_437_184) == "stacked"     # Qwen3-30B-A3B: 3 x 2048 x 768 bf16
+    assert choose_expert_layout(352_321_536) == "split"     # Mixtral-8x7B: 3 x 4096 x 14336 bf16
     assert choose_expert_layout(1 << 20, min_split=1 << 20) == "split"
     with pytest.raises(ValueError, match="expert_nbytes must be an int >= 0"):
         choose_expert_layout(-1)

@@ -28,12 +28,12 @@ __all__ = ["ROUTED_MAX_FRACTION", "expected_distinct_experts", "routed_pays", "r
 #: saved bytes (at least a fifth of the experts') must outweigh a host round trip per layer.
 ROUTED_MAX_FRACTION = 0.8
 
-#: bytes of one expert's weights (one layer) from which ``"split"`` copies beat ``"stacked"`` slices. From
-#: one H200 (``benchmarks/results/moe_generate_gpu``): per-array ``jax.device_put`` copies cost a fixed
-#: ~69 us each (16 arrays, 75.5 MB, at 30.0 GB/s against h2d 53.5 GB/s), the stacked slices read at
-#: 34.7 GB/s at that size; a copy of ``s`` bytes wins when ``69 us + s / 53.5 < s / 34.7``: ``s > 6.8 MB``,
-#: rounded up to 8 MiB (Mixtral-8x7B's 352 MB experts and Qwen3-30B-A3B's 9.4 MB ones are split).
-SPLIT_MIN_EXPERT_BYTES = 8 << 20
+#: bytes of one expert's weights (one layer) from which ``"split"`` beats ``"stacked"`` in a decode step. From
+#: one H200 (``benchmarks/results/moe_generate_gpu``, routed decode at batch 1, step over the routed-bytes
+#: floor): Qwen3-30B-A3B's 9.4 MB experts 1.19 stacked against 1.48 split, Mixtral-8x7B's 352 MB experts
+#: 1.04 split against 1.15 stacked. The threshold sits near the two sizes' geometric mean (57.5 MB),
+#: rounded to 64 MiB; no size between them was measured.
+SPLIT_MIN_EXPERT_BYTES = 64 << 20
 
 
 def _check(num_experts: int, k: int) -> None:
