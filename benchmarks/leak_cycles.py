@@ -10,7 +10,7 @@ heap that malloc keeps for reuse (a one-off arena growth of the raw RSS is not a
 RSS and its slope are recorded too, and per cycle the Python heap's block count and the entries of
 jax's in-memory caches (``xla_swap._compat.jax.tracing_cache_entries``): they tell a leak of Python
 objects or of jax cache entries from native memory; where it can be read (CPython 3.11 with libpython's
-symbols, ``leak_interned.interned_table_reader``), the size of CPython's interned-string table, whose
+symbols, ``interned_table.interned_table_reader``), the size of CPython's interned-string table, whose
 one-time rebuild at twice its slots is a ~0.9 MiB RSS step with no string more alive (see
 ``benchmarks/results/leak_cycles/README.md``). Two settings make the samples count memory in use
 (both recorded in the JSON, both can be turned off): glibc's trim and mmap thresholds are fixed at
@@ -247,7 +247,7 @@ def run_case(case: str, cycles: int, settle_interned: bool = True) -> dict:
     """``cycles`` build / call / drop cycles of ``case``; RSS (and device memory) after each.
 
     ``settle_interned``: after the first cycle's samples, have CPython rebuild its interned-string
-    table at the size it keeps for the strings live then (``leak_interned.settle_interned_table``),
+    table at the size it keeps for the strings live then (``interned_table.settle_interned_table``),
     so that its one-time growth falls between the first and the second sample, not at an arbitrary
     cycle (``interned_settle``: the strings it took, the table before and after, the trimmed RSS
     before and after; ``None`` when off).
@@ -269,7 +269,7 @@ def run_case(case: str, cycles: int, settle_interned: bool = True) -> dict:
     """
     import jax
     build, call = _make(case)
-    from leak_interned import interned_table_reader, settle_interned_table
+    from interned_table import interned_table_reader, settle_interned_table
     try:
         interned = interned_table_reader()
     except RuntimeError:
