@@ -35,7 +35,7 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
-from .decode import StageCalls
+from .stateful_streamer import StageCalls
 from xla_swap.planning.routing import expert_bucket
 
 from .jaxpr_split import JaxprSplit, split_at
