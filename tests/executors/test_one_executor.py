@@ -1,0 +1,99 @@
+"""One executor: every pass of a ``StreamingRuntime`` call (forward, backward, the separate update pass) and a
+``StatefulStreamer`` run (a decode step's forward, its KV cache in device memory or fetched from
+``pinned_host``) runs through ``executor.execute_pass``, and the events each pass performed there are that
+pass's events of the call's schedule: together, its ``executed_events`` and ``schedule.events()``."""
+import jax
+import numpy as np
+import pytest
+
+from streaming_cases import layer, loss_fn, make_input, make_params
+from xla_swap.executors import StreamingRuntime
+from xla_swap.executors.streaming import calls, executor, stateful_streamer
+from xla_swap.executors.streaming.stateful_streamer import StatefulStreamer
+from xla_swap.planning import AdamW
+
+
+@pytest.fixture
+def passes(monkeypatch):
+    """``[(pass_name, events performed by that execute_pass call)]`` of every pass run while the test runs."""
+    seen = []
+
+    def recording(schedule, pass_name, program, weights, *, executed, **kw):
+        start = len(executed)
+        executor.execute_pass(schedule, pass_name, program, weights, executed=executed, **kw)
+        seen.append((pass_name, executed[start:]))
+
+    monkeypatch.setattr(calls, "execute_pass", recording)
+    monkeypatch.setattr(stateful_streamer, "execute_pass", recording)
+    return seen
+
+
+def _by_pass(events):
+    """``events`` split into ``[(pass_name, its events)]``, in order."""
+    out = []
+    for e in events:
+        if not out or out[-1][0] != e[0]:
+            out.append((e[0], []))
+        out[-1][1].append(e)
+    return out
+
+
+def _decode_streamer(on_host: bool):
+    """Three stages of a toy KV cache (``y = x + tanh(sum of cached x @ wk)``, state ``k`` of 4 rows) and a head."""
+    dev = jax.devices()[0]
+    host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    dsh = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+    rng = np.random.default_rng(0)
+    params = [{"wk": rng.standard_normal((8, 8)).astype(np.float32) * 0.3} for _ in range(3)]
+    params.append({"w": rng.standard_normal((8, 3)).astype(np.float32)})
+
+    def cached(p, s, x):
+        k = jax.lax.dynamic_update_slice_in_dim(s["k"], x @ p["wk"], s["n"], axis=0)
+        return x + jax.numpy.tanh(k.sum(0, keepdims=True)), {"k": k, "n": s["n"] + 1}
+
+    sav = {"k": jax.ShapeDtypeStruct((4, 8), np.float32), "n": jax.ShapeDtypeStruct((), np.int32)}
+    st = StatefulStreamer([cached] * 3 + [lambda p, x: x @ p["w"]], [jax.device_put(p, host) for p in params],
+                          [jax.tree_util.tree_map(lambda _: dsh, p) for p in params], state_avals=[sav] * 3 + [None],
+                          activation_sharding=dsh, state_on_host=on_host, prefetch_depth=2)
+    return st, params
+
+
+@pytest.mark.parametrize("on_host", [False, True])
+def test_decode_runs_its_schedule_through_the_executor(passes, on_host):
+    """Each run is one forward pass of the executor, whose events are the schedule's (cold, then steady: the
+    carried stages taken; the host KV cache fetched beside each stage's weights); values as a plain loop."""
+    st, params = _decode_streamer(on_host)
+    states = [{"k": np.zeros((4, 8), np.float32), "n": 0} for _ in range(3)]
+    for call in range(3):
+        x = np.random.default_rng(call).standard_normal((1, 8)).astype(np.float32)
+        expect = st.schedule()
+        passes.clear()
+        got = np.asarray(st.run(x))
+        assert st.last_schedule == expect
+        assert passes == [("forward", list(expect.events()))]
+        assert st.executed_events == list(expect.events())
+        assert any(e[2] == "fetch_state" for e in st.executed_events) == on_host
+        assert any(e[2] == "take" for e in st.executed_events) == (call > 0)
+        for i in range(3):                               # the reference: the same stages in numpy
+            k = states[i]["k"].copy()
+            k[states[i]["n"]] = (x @ params[i]["wk"])[0]
+            states[i] = {"k": k, "n": states[i]["n"] + 1}
+            x = x + np.tanh(k.sum(0, keepdims=True))
+        np.testing.assert_allclose(got, x @ params[-1]["w"], rtol=1e-5, atol=1e-5)
+
+
+def test_runtime_passes_run_through_the_executor(passes):
+    """A forward, a fused-update step and a clipped step (with its separate update pass): each pass of each
+    call runs through the executor, in the schedule's order, with the schedule's events."""
+    rt = StreamingRuntime(layer, make_params(4), prefetch_depth=2, optimizer=AdamW(lr=1e-2))
+    x = make_input()
+    for kw, names in ((None, ["forward"]), ({}, ["forward", "backward"]),
+                      (dict(max_grad_norm=0.5), ["forward", "backward", "update"])):
+        passes.clear()
+        if kw is None:
+            rt.forward(x)
+        else:
+            rt.train_step(x, loss_fn, **kw)
+        assert [p for p, _ in passes] == names == [pro.pass_name for pro in rt.last_schedule.prologues]
+        assert passes == _by_pass(rt.executed_events)
+        assert rt.executed_events == list(rt.last_schedule.events())
