@@ -30,7 +30,8 @@ from xla_swap.planning.prefetch import EVENT_KINDS, PrefetchSchedule, ScheduleSt
 __all__ = ["execute_pass", "PassProgram", "WeightSource", "StageWeights", "FetchedState", "ActivationMover"]
 
 #: the events of a step before its own stage's release, and the release (performed after the residency count).
-_BEFORE_RELEASE, _RELEASE = EVENT_KINDS[:-1], EVENT_KINDS[-1:]
+_RELEASE = ("release",)
+_BEFORE_RELEASE = tuple(k for k in EVENT_KINDS if k not in _RELEASE)
 
 
 class PassProgram(Protocol):
