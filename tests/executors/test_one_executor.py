@@ -1,7 +1,9 @@
 """One executor: every pass of a ``StreamingRuntime`` call (forward, backward, the separate update pass) and a
 ``StatefulStreamer`` run (a decode step's forward, its KV cache in device memory or fetched from
 ``pinned_host``) runs through ``executor.execute_pass``, and the events each pass performed there are that
-pass's events of the call's schedule: together, its ``executed_events`` and ``schedule.events()``."""
+pass's events of the call's schedule: together, its ``executed_events`` and ``schedule.events()``. The host's
+dispatch order per step (the stage's executable, the throttle wait, then the copies ahead), on which the overlap
+of copies and compute depends, is checked for a decode run and a forward."""
 import jax
 import numpy as np
 import pytest
@@ -97,3 +99,75 @@ def test_runtime_passes_run_through_the_executor(passes):
         assert [p for p, _ in passes] == names == [pro.pass_name for pro in rt.last_schedule.prologues]
         assert passes == _by_pass(rt.executed_events)
         assert rt.executed_events == list(rt.last_schedule.events())
+
+
+@pytest.fixture
+def dispatches(monkeypatch):
+    """The host's dispatch order while the test runs: ``("exe",)`` per executable call, ``("block",)`` per
+    ``jax.block_until_ready`` and ``("put", arg)`` per ``jax.device_put`` (``arg`` the object copied)."""
+    log = []
+    put, block, call = jax.device_put, jax.block_until_ready, jax.stages.Compiled.__call__
+
+    def logged_put(x, *a, **kw):
+        log.append(("put", x))
+        return put(x, *a, **kw)
+
+    def logged_block(x):
+        log.append(("block",))
+        return block(x)
+
+    def logged_call(self, *a, **kw):
+        log.append(("exe",))
+        return call(self, *a, **kw)
+
+    monkeypatch.setattr(jax, "device_put", logged_put)
+    monkeypatch.setattr(jax, "block_until_ready", logged_block)
+    monkeypatch.setattr(jax.stages.Compiled, "__call__", logged_call)
+    return log
+
+
+def _weight_order(log, host_params):
+    """``log`` with the copies of stage weights as ``("put", stage)`` and every other copy left out."""
+    out = []
+    for e in log:
+        if e[0] != "put":
+            out.append(e)
+        else:
+            out += [("put", j) for j, p in enumerate(host_params) if e[1] is p]
+    return out
+
+
+def _expected_order(sched, throttle: bool):
+    """The prologue's weight copies, then per step: the stage's executable, the throttle wait, the step's copies
+    (for the next call, then for this one, as ``EVENT_KINDS`` orders them)."""
+    out = [("put", j) for j in sched.prologues[0].fetch]
+    for s in sched.pass_steps("forward"):
+        out += [("exe",)] + [("block",)] * throttle + [("put", j) for j in s.fetch_next + s.fetch]
+    return out
+
+
+@pytest.mark.parametrize("on_host", [False, True])
+def test_decode_dispatch_order(dispatches, on_host):
+    """A decode run dispatches stage ``i``, waits for stage ``i-1``, then issues the copies ``k`` stages ahead (the
+    order that lets copies overlap compute), cold and steady."""
+    st, _ = _decode_streamer(on_host)
+    for call in range(3):
+        sched = st.schedule()
+        dispatches.clear()
+        st.run(np.ones((1, 8), np.float32))
+        assert _weight_order(dispatches, st.host_params) == _expected_order(sched, throttle=True), call
+
+
+@pytest.mark.parametrize("throttle", [False, True])
+def test_forward_dispatch_order(dispatches, throttle):
+    """A runtime forward dispatches in the same order (the wait only with ``throttle``), cold and steady."""
+    rt = StreamingRuntime(layer, make_params(4), prefetch_depth=2, throttle=throttle)
+    x = make_input()
+    rt.forward(x)   # compiled
+    rt.release_prefetched()
+    for steady in (False, True):
+        sched = rt.schedule(False, steady_state=steady)
+        dispatches.clear()
+        rt.forward(x)
+        assert rt.last_schedule == sched
+        assert _weight_order(dispatches, rt.host_params) == _expected_order(sched, throttle), steady
