@@ -10,7 +10,9 @@ on the source by ``test_package_shape``:
 * no class has more than one base other than exceptions, warnings, protocols and ``Generic``
   (``multiple_bases``: a class holds its parts and calls them; it is not assembled from mixins);
 * no circle of top-level imports (``import_cycles``);
-* no attribute read through ``self`` in one module that only other modules set (``attributes_set_elsewhere``).
+* no attribute read through ``self`` in one module that only other modules set (``attributes_set_elsewhere``);
+* no ``for`` statement over a schedule's steps (``x.steps``, ``x.timeline``, ``x.pass_steps(...)``) outside
+  the streaming runtime's one executor (``schedule_step_loops``).
 """
 from __future__ import annotations
 
@@ -270,4 +272,29 @@ def attributes_set_elsewhere(paths, root: pathlib.Path = ROOT) -> list[str]:
             if n in setters:
                 others = ", ".join(sorted(str(o.relative_to(root)) for o in setters[n]))
                 found.append(f"{p.relative_to(root)} self.{n} (set in {others})")
+    return found
+
+
+#: the one module that loops over a ``PrefetchSchedule``'s steps (every pass runs through it).
+EXECUTOR_MODULE = PACKAGE / "executors" / "streaming" / "executor.py"
+
+#: what a loop over a schedule's steps iterates: ``x.steps``, ``x.timeline`` or ``x.pass_steps(...)``.
+_STEP_ATTRIBUTES = ("steps", "timeline")
+
+
+def _iterates_schedule_steps(node: ast.expr) -> bool:
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "pass_steps":
+        return True
+    return isinstance(node, ast.Attribute) and node.attr in _STEP_ATTRIBUTES
+
+
+def schedule_step_loops(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
+    """``"file:line for target in iter"`` for every ``for`` statement of ``path`` over a schedule's steps
+    (``x.steps``, ``x.timeline``, ``x.pass_steps(...)``; comprehensions that read the schedule as data are
+    not loops that execute it)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, (ast.For, ast.AsyncFor)) and _iterates_schedule_steps(node.iter):
+            found.append(f"{path.relative_to(root)}:{node.lineno} for {ast.unparse(node.target)} in "
+                         f"{ast.unparse(node.iter)}")
     return found

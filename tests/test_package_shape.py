@@ -1,11 +1,12 @@
 """Every module of ``xla_swap/`` holds the shape rules of ``shape_rules`` (no module over 600 lines, no
 function over 80, no module docstring over 40, no private name of another module imported, no run of six
-code lines written twice; no class of several bases but exceptions, protocols and ``Generic``)."""
+code lines written twice; no class of several bases but exceptions, protocols and ``Generic``; no loop over a
+schedule's steps outside the streaming runtime's one executor)."""
 from __future__ import annotations
 
-from shape_rules import (MAX_FUNCTION_LINES, MAX_MODULE_DOCSTRING_LINES, MAX_MODULE_LINES, PACKAGE,
+from shape_rules import (EXECUTOR_MODULE, MAX_FUNCTION_LINES, MAX_MODULE_DOCSTRING_LINES, MAX_MODULE_LINES, PACKAGE,
                          attributes_set_elsewhere, import_cycles, multiple_bases, private_attribute_reads,
-                         private_imports, repeated_blocks, shape_violations)
+                         private_imports, repeated_blocks, schedule_step_loops, shape_violations)
 
 # The private reads of another object's attributes that remain: each is to
 # become a documented public property / method of the owning class; the test fails on any read not listed
@@ -159,3 +160,28 @@ def test_elsewhere_rule_flags_a_read_of_state_another_file_sets(tmp_path):
     files = sorted(tmp_path.glob("*.py"))
     assert attributes_set_elsewhere(files, root=tmp_path) == ["child.py self.slot (set in base.py)",
                                                               "child.py self.table (set in base.py)"]
+
+
+def test_only_the_executor_loops_over_schedule_steps():
+    """One executor: every pass of the streaming runtime and of the decode streamer runs through
+    ``executors/streaming/executor.py``, the only module with a loop over a schedule's steps (and it has one)."""
+    assert schedule_step_loops(EXECUTOR_MODULE), "the executor's loop over a pass's steps is gone"
+    bad = [v for p in _modules() if p != EXECUTOR_MODULE for v in schedule_step_loops(p)]
+    assert not bad, "run the pass through executor.execute_pass, not a loop of your own:\n" + "\n".join(bad)
+
+
+def test_step_loop_rule_flags_a_planted_loop(tmp_path):
+    """``for`` over ``.steps``, ``.timeline`` or ``.pass_steps(...)`` is flagged, also nested; a comprehension
+    over them and a loop over other names are not."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("for s in sched.steps: pass\n"
+                     "live = [s.live for s in sched.steps]\n"
+                     "def run(self):\n"
+                     "    for step in self.schedule.pass_steps('update'):\n"
+                     "        pass\n"
+                     "    for s in call.schedule.timeline: pass\n"
+                     "    for i in range(3): pass\n"
+                     "    for s in steps: pass\n")
+    assert schedule_step_loops(probe, root=tmp_path) == [
+        "probe.py:1 for s in sched.steps", "probe.py:4 for step in self.schedule.pass_steps('update')",
+        "probe.py:6 for s in call.schedule.timeline"]

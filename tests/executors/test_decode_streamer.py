@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xla_swap.executors.streaming.decode import StatefulStreamer, state_nbytes
+from xla_swap.executors.streaming.stateful_streamer import StatefulStreamer, state_nbytes
 from xla_swap.planning.prefetch import PrefetchSchedule
 
 D, L, N = 8, 6, 5

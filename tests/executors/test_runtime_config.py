@@ -13,7 +13,7 @@ from streaming_cases import layer, loss_fn, make_input, make_params
 from xla_swap.executors import StreamingRuntime
 from xla_swap.executors.streaming.compilation import ExeKey, StageKey
 from xla_swap.executors.streaming.config import BackwardMode, RuntimeConfig
-from xla_swap.executors.streaming.decode import StatefulStreamer
+from xla_swap.executors.streaming.stateful_streamer import StatefulStreamer
 from xla_swap.planning import AdamW
 
 

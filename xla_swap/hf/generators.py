@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from xla_swap.distributed import gather_ints
-from xla_swap.executors.streaming.decode import StatefulStreamer, state_nbytes
+from xla_swap.executors.streaming.stateful_streamer import StatefulStreamer, state_nbytes
 from xla_swap.executors.streaming.routed_experts import RoutedExperts
 from xla_swap.hf.kv_cache import OFFSET, DecodeFirst, LayerKV, layer_kwargs
 from xla_swap.stack.mixed_precision import stage_functions_in

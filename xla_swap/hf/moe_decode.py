@@ -145,7 +145,7 @@ class _FetchedExperts(torch.nn.Module):
 
 def routed_specs(stack, info: RoutingInfo, stage_fns: list) -> dict:
     """``{stage: RoutedSpec}`` for the routable layers of ``info``, from the decode stage functions
-    ``stage_fns`` (:class:`~xla_swap.executors.streaming.decode.StatefulStreamer`'s form; layers sharing one function
+    ``stage_fns`` (:class:`~xla_swap.executors.streaming.stateful_streamer.StatefulStreamer`'s form; layers sharing one function
     share one spec). Registers :data:`MARKER` in ``transformers``' ``ExpertsInterface``."""
     from transformers.integrations.moe import ExpertsInterface
     ExpertsInterface.register(MARKER, marker_experts_forward)

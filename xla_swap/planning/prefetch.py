@@ -1,8 +1,8 @@
 """The prefetch schedule of the streaming runtime, as data: which stage's weights move when, and the live set.
 
-Pure Python (no torch, no jax): the one description of a ``StreamingRuntime`` call, which its loop
-executes event by event (``RuntimeLoop``: ``executed_events`` records them), the planner times
-(its rows are the steps) and the memory model sums (``max_live_stages``).
+Pure Python (no torch, no jax): the one description of a ``StreamingRuntime`` call, which the
+streaming executor (``executors.streaming.executor``) performs event by event (``executed_events``
+records them), the planner times (its rows are the steps) and the memory model sums (``max_live_stages``).
 ``tests/executors/test_schedule_residency.py`` checks the runtime's measured residency against it,
 ``tests/executors/test_schedule_one_object.py`` its executed events.
 

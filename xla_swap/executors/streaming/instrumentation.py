@@ -103,13 +103,13 @@ class RuntimeInspector:
     """The read-only views of a streaming runtime: memory reports, the compiled executables' memory and
     HLO, and a stage's planner ``LayerCost``.
 
-    Args: the runtime's ``config``, ``store``, ``compiler``, ``layout``, ``residency`` and ``executor``
+    Args: the runtime's ``config``, ``store``, ``compiler``, ``layout``, ``residency`` and ``calls``
       (for its ``schedule``).
     """
 
-    def __init__(self, config, store, compiler, layout, residency, executor):
+    def __init__(self, config, store, compiler, layout, residency, calls):
         self.config, self.store, self.compiler = config, store, compiler
-        self.layout, self.residency, self.executor = layout, residency, executor
+        self.layout, self.residency, self.calls = layout, residency, calls
 
     def memory_report(self, training: bool = False) -> MemoryReport:
         """Device and host memory of this runtime, per device: compiled, predicted by the schedule, measured.
@@ -127,7 +127,7 @@ class RuntimeInspector:
 
         Raises: TypeError: ``training`` is not a bool.
         """
-        sched = self.executor.schedule(training)
+        sched = self.calls.schedule(training)
         c, store = self.config, self.store
         n = c.num_stages
         weights = [device_nbytes(p) for p in store.host_params]

@@ -14,10 +14,10 @@ from .. import optim as _optim
 from .compilation import StageCompiler
 from .config import RuntimeConfig
 from .instrumentation import ResidencyTracker, RuntimeInspector
-from .loop import StreamExecutor
+from .calls import RuntimeCalls
 from .placement import ActivationLayout
 from .stage_store import StageStore, stage_layouts
-from .update_pass import OptimizerSteps
+from .optimizer_steps import OptimizerSteps
 from ..pytrees import DEVICE_KIND, HOST_KIND
 
 __all__ = ["RuntimeParts"]
@@ -27,7 +27,7 @@ __all__ = ["RuntimeParts"]
 class RuntimeParts:
     """One runtime's parts, each owning its own state: its ``config`` (``RuntimeConfig``), ``layout``
     (``ActivationLayout``), ``steps`` (``OptimizerSteps``), ``store`` (``StageStore``), ``compiler``
-    (``StageCompiler``), ``residency`` (``ResidencyTracker``), ``executor`` (``StreamExecutor``) and
+    (``StageCompiler``), ``residency`` (``ResidencyTracker``), ``calls`` (``RuntimeCalls``) and
     ``inspector`` (``RuntimeInspector``)."""
 
     config: RuntimeConfig
@@ -36,7 +36,7 @@ class RuntimeParts:
     store: StageStore
     compiler: StageCompiler
     residency: ResidencyTracker
-    executor: StreamExecutor
+    calls: RuntimeCalls
     inspector: RuntimeInspector
 
     @classmethod
@@ -61,9 +61,9 @@ class RuntimeParts:
         compiler = StageCompiler(fns, store, layout, remat=c.remat, max_signatures=c.max_signatures,
                                  num_groups=steps.num_groups)
         residency = ResidencyTracker(c.track_residency, c.resident)
-        executor = StreamExecutor(c, store, compiler, layout, residency, steps)
-        return cls(c, layout, steps, store, compiler, residency, executor,
-                   RuntimeInspector(c, store, compiler, layout, residency, executor))
+        calls = RuntimeCalls(c, store, compiler, layout, residency, steps)
+        return cls(c, layout, steps, store, compiler, residency, calls,
+                   RuntimeInspector(c, store, compiler, layout, residency, calls))
 
     def reconfigured(self, config: RuntimeConfig, *, own_params: bool) -> "RuntimeParts":
         """New parts over the same stages under ``config``: the same stage functions, activation layout,

@@ -37,7 +37,7 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
-from .decode import StageCalls
+from .stateful_streamer import StageCalls
 from xla_swap.planning.routing import choose_expert_layout, expert_bucket
 
 from .expert_store import PACKED, STORE_LAYOUTS, ExpertStore, Packing

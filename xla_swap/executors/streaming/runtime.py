@@ -47,13 +47,13 @@ from .config import (DEFAULT_MAX_SIGNATURES, BackwardMode, RuntimeConfig, check_
                      remat_from_policy)
 from .forwarding import Forwarded
 from .instrumentation import ResidencyTracker, RuntimeInspector
-from .loop import StreamExecutor
+from .calls import RuntimeCalls
 from .parts import RuntimeParts
 from .placement import (ActivationLayout, activation_shardings, check_placement_args, flatten_stage_params,
                         leaf_sharding_rule, leaf_shardings, num_stages_of)
 from .stage_store import StageStore
 from ..trace import StageEvent, TraceRecorder
-from .update_pass import OptimizerSteps
+from .optimizer_steps import OptimizerSteps
 from ..pytrees import stage_fns, tree_nbytes
 
 __all__ = ["StreamingRuntime", "StageEvent", "TraceRecorder", "tree_nbytes", "DEFAULT_MAX_SIGNATURES",
@@ -285,11 +285,11 @@ class StreamingRuntime:
         self.trace = trace
 
     def _adopt(self, parts: RuntimeParts) -> None:
-        """Hold ``parts``: each part is the attribute of its name (``config``, ``store``, ``executor``, ...)."""
+        """Hold ``parts``: each part is the attribute of its name (``config``, ``store``, ``calls``, ...)."""
         #: the runtime's parts, made together (``RuntimeParts``).
         self.parts: RuntimeParts = parts
         self.config, self.layout, self.steps, self.store = parts.config, parts.layout, parts.steps, parts.store
-        self.compiler, self.residency, self.executor = parts.compiler, parts.residency, parts.executor
+        self.compiler, self.residency, self.calls = parts.compiler, parts.residency, parts.calls
         self.inspector = parts.inspector
 
     def reconfigured(self, *, own_params: bool = False, **settings) -> "StreamingRuntime":
@@ -375,12 +375,12 @@ class StreamingRuntime:
     _sigs = Forwarded("compiler", "sigs", of=StageCompiler)
     _loss_jits = Forwarded("compiler", "loss_jits", of=StageCompiler)
     _loss_shapes = Forwarded("compiler", "loss_shapes", of=StageCompiler)
-    # the calls (StreamExecutor) and what they leave to read
-    schedule = Forwarded("executor", of=StreamExecutor)
-    last_schedule = Forwarded("executor", of=StreamExecutor)
-    executed_events = Forwarded("executor", of=StreamExecutor)
-    offloaded_activation_nbytes = Forwarded("executor", of=StreamExecutor)
-    residual_nbytes = Forwarded("executor", of=StreamExecutor)
+    # the calls (RuntimeCalls) and what they leave to read
+    schedule = Forwarded("calls", of=RuntimeCalls)
+    last_schedule = Forwarded("calls", of=RuntimeCalls)
+    executed_events = Forwarded("calls", of=RuntimeCalls)
+    offloaded_activation_nbytes = Forwarded("calls", of=RuntimeCalls)
+    residual_nbytes = Forwarded("calls", of=RuntimeCalls)
     max_resident_stages = Forwarded("residency", of=ResidencyTracker)
     residency_trace = Forwarded("residency", of=ResidencyTracker)
     resident_stages = Forwarded("residency", of=ResidencyTracker)
@@ -509,7 +509,7 @@ class StreamingRuntime:
             trace (message names the stage).
         """
         check_trace(trace)
-        return self.executor.run(h, train=False, recorder=trace if trace is not None else self.trace)[0]
+        return self.calls.run(h, train=False, recorder=trace if trace is not None else self.trace)[0]
 
     __call__ = forward
 
@@ -586,10 +586,10 @@ class StreamingRuntime:
         mode = BackwardMode.GRADS if hyper is None else (BackwardMode.ACCUM if separate_update else BackwardMode.UPDATE)
         if mode is BackwardMode.ACCUM and not accumulate:  # compile the update pass before anything moves
             self.compiler.update_exes(self.config.donate)
-        out = self.executor.run(h, train=True, recorder=trace if trace is not None else self.trace, loss_exe=loss_exe,
-                                cotangent=cotangent, loss_args=loss_args, mode=mode, update_pass=mode is
-                                BackwardMode.ACCUM and not accumulate, hyper=hyper if mode is BackwardMode.UPDATE else None)
-        self.executor.finish_step(mode, accumulate, hyper, max_grad_norm, skip_nonfinite)
+        out = self.calls.run(h, train=True, recorder=trace if trace is not None else self.trace, loss_exe=loss_exe,
+                             cotangent=cotangent, loss_args=loss_args, mode=mode, update_pass=mode is
+                             BackwardMode.ACCUM and not accumulate, hyper=hyper if mode is BackwardMode.UPDATE else None)
+        self.calls.finish_step(mode, accumulate, hyper, max_grad_norm, skip_nonfinite)
         return out
 
     def _train_loss_exe(self, h, loss_fn, cotangent, loss_args):

@@ -13,7 +13,10 @@ layer's KV cache) lives either
   ``pinned_host`` once the stage has run (the activation offload of training, applied to the
   cache). The link then carries ``2 x state bytes`` per stage and call beyond the weights.
 
-Both placements run the same executables on the same values: they give equal results.
+Both placements run the same executables on the same values: they give equal results. A run is the
+forward pass of its ``PrefetchSchedule``, run by the streaming runtime's one executor
+(``executor.execute_pass``); the KV cache in ``pinned_host`` is per-stage state it fetches
+(``fetch_state``) beside the weights.
 
 The module imports only numpy and jax (no torch).
 """
@@ -25,10 +28,10 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from xla_swap.planning.prefetch import EVENT_KINDS, PrefetchSchedule, ScheduleStep
+from xla_swap.planning.prefetch import PrefetchSchedule, ScheduleStep
 
 from .config import check_max_signatures, check_prefetch_depth
-from .loop import perform_events
+from .executor import FetchedState, StageWeights, execute_pass
 from .signatures import ExeKey, Signature, SignatureCache, StageKey, distinct_ids
 from ..pytrees import DEVICE_KIND, HOST_KIND, aval_key, param_key, tree_aval
 from .stage_programs import gathered
@@ -225,8 +228,8 @@ class StatefulStreamer:
     def run(self, x):
         """Run every stage once on ``x`` (a pytree of arrays); the states are updated in place.
 
-        Executes :meth:`schedule` event by event (``executed_events`` records them; ``last_schedule``
-        is the object executed).
+        The executor (``executor.execute_pass``) runs :meth:`schedule`'s forward pass event by event
+        (``executed_events`` records them; ``last_schedule`` is the object executed).
 
         Returns the last stage's output (device memory, ``activation_sharding``; asynchronous).
 
@@ -242,20 +245,15 @@ class StatefulStreamer:
         x = jax.device_put(x, self.activation_sharding)
         sched = self.schedule()
         self.last_schedule, self.executed_events = sched, []
-        weights: dict[int, Any] = {}   # stage -> its device weights, for this call or kept for the next
-        states: dict[int, Any] = {}    # stage -> its host state brought to the device
-        nxt: dict[int, tuple[Any, Any]] = {}
-        self._execute(sched.prologues[0], weights, states, nxt)
-        for step in sched.steps:
-            i = step.stage
-            p = calls.weights(self, i)[0] if self.resident[i] else weights[i]
-            y = calls.call(self, i, exes[i], p, x, states)
-            jax.block_until_ready(x)   # stage i-1 done: its weights' (and state's) memory is free
-            del p
-            self._execute(step, weights, states, nxt)
-            x = calls.output(self, i, y)
-        self._carry = nxt
-        return x
+        states = FetchedState(lambda j: jax.device_put(self.states[j], self.state_sharding))
+        weights = StageWeights(_StreamedWeights(self, self._carry))
+        program = _DecodeProgram(self, exes, x, states)
+        del x
+        # throttled: stage i-1 is done before stage i+k's copies, its weights' (and state's) memory is free
+        execute_pass(sched, "forward", program, weights, executed=self.executed_events, states=(states,),
+                     throttle=True)
+        self._carry = weights.next_call
+        return program.x
 
     def take_state(self, i: int, states: dict):
         """Stage ``i``'s state on the device (fetched from ``pinned_host`` into ``states``, or in place), given up
@@ -278,28 +276,6 @@ class StatefulStreamer:
                                       lambda: self._compile(i, sig.chain[i]))
 
     # ---------------------------------------------------------------- internals
-    def _execute(self, step: ScheduleStep, weights: dict, states: dict, nxt: dict) -> None:
-        """Perform ``step``'s events in ``EVENT_KINDS`` order and record them in ``executed_events``
-        (``loop.perform_events``, as the runtime's executor does)."""
-        perform_events(step, EVENT_KINDS, lambda kind, j: self._event(kind, j, weights, states, nxt),
-                       self.executed_events)
-
-    def _event(self, kind: str, j: int, weights: dict, states: dict, nxt: dict) -> None:
-        """One forward event for stage ``j``: its host state or weights copied in, its weights taken from the
-        previous call, kept for the next one, or released."""
-        if kind == "fetch_state":
-            states[j] = jax.device_put(self.states[j], self.state_sharding)
-        elif kind in ("fetch", "fetch_next"):
-            weights[j] = jax.device_put(*self.stage_calls.weights(self, j))
-        elif kind == "take":
-            weights[j] = self._carry.pop(j)[1]
-        elif kind == "keep_next":
-            nxt[j] = (self.stage_calls.weights(self, j)[0], weights[j])
-        elif kind == "release":
-            del weights[j]
-        else:
-            raise AssertionError(f"a forward step has no {kind} event")
-
     def _signature(self, x) -> Signature:
         """The cached :class:`Signature` of ``x`` (its stages' input avals, ``chain``), or a new one traced."""
         return self._cache.signature(tree_aval(x, "x"), self._trace_chain)
@@ -335,3 +311,50 @@ class StatefulStreamer:
             return jax.jit(lambda p, x: f(p, x), out_shardings=act).lower(pspec, xspec).compile()
         return jax.jit(lambda p, s, x: f(p, s, x), out_shardings=(act, self.state_sharding),
                        donate_argnums=(1,)).lower(pspec, spec(sav, self.state_sharding), xspec).compile()
+
+
+class _StreamedWeights:
+    """A streamer's stage weights as a run's ``WeightSource``: as its ``stage_calls`` streams them, ``carry``
+    (stage -> ``(host weights, device copy)``) what the previous run left on the device."""
+
+    def __init__(self, streamer: StatefulStreamer, carry: dict):
+        self.streamer, self.carry = streamer, carry
+
+    def resident(self, j: int) -> bool:
+        """Whether stage ``j``'s weights are in device memory for good."""
+        return self.streamer.resident[j]
+
+    def host(self, j: int):
+        """Stage ``j``'s weights as its stage calls stream them (``StageCalls.weights``)."""
+        return self.streamer.stage_calls.weights(self.streamer, j)[0]
+
+    def copy(self, j: int, pass_name: str):
+        """Start copying stage ``j``'s weights to the device; returns the copy."""
+        return jax.device_put(*self.streamer.stage_calls.weights(self.streamer, j))
+
+    def take(self, j: int):
+        """Stage ``j``'s copy the previous run left, or ``None``."""
+        return self.carry.pop(j, (None, None))[1]
+
+
+class _DecodeProgram:
+    """A run's forward as a ``PassProgram``: stage ``i`` dispatched by the streamer's stage calls on ``x``, the
+    previous stage's output (``exes``: per stage, its executable; ``states``: the host states brought in)."""
+
+    def __init__(self, streamer: StatefulStreamer, exes: list, x, states: FetchedState):
+        self.streamer, self.exes, self.x, self.states = streamer, exes, x, states
+        self.y = None
+
+    def dispatch(self, step: ScheduleStep, p) -> None:
+        """Dispatch the step's stage (``StageCalls.call``) on weights ``p``; its state updated in place."""
+        i = step.stage
+        self.y = self.streamer.stage_calls.call(self.streamer, i, self.exes[i], p, self.x, self.states.arrays)
+
+    def throttle_on(self):
+        """The stage's input: stage ``i-1`` done."""
+        return self.x
+
+    def finish(self, step: ScheduleStep) -> None:
+        """The stage's output (``StageCalls.output``, once the step's copies are issued) is the next input."""
+        self.x = self.streamer.stage_calls.output(self.streamer, step.stage, self.y)
+        self.y = None

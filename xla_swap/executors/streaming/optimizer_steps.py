@@ -1,7 +1,7 @@
 """A streaming runtime's optimizer progress: the parameter groups, the step count, each step's
 hyperparameter rows, and the figures of the last update (gradient norm, skipped or not) with the
 clip coefficient of the separate update pass (``train_step`` with ``max_grad_norm`` or
-``skip_nonfinite``), whose events the runtime's ``StreamExecutor`` executes.
+``skip_nonfinite``), whose events the executor (``executor.execute_pass``) performs.
 
 Imports only jax (no torch).
 """
