@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from xla_swap.executors.streaming.runtime import StreamingRuntime, remat_from_policy
+from xla_swap.executors.streaming.config import RuntimeConfig, config_from_policy
+from xla_swap.executors.streaming.runtime import StreamingRuntime
 from xla_swap.planning.policy import OffloadPolicy
 from xla_swap.stack.config import check_calibration_arg
 
@@ -53,22 +54,21 @@ def resident_for_budget(stage_params: list[dict], trainable: list, optimizer, bu
 
 
 def build_runtime(fns: list, stage_params: list, updated: list, policy: OffloadPolicy, budget_bytes: int | None,
-                  autotune: bool, common: dict) -> StreamingRuntime:
-    """The ``StreamingRuntime`` of the stages: ``policy``'s, or with ``budget_bytes`` the residency
+                  autotune: bool, config: RuntimeConfig, common: dict) -> StreamingRuntime:
+    """The ``StreamingRuntime`` of the stages under ``config`` with the fields ``policy`` decides
+    (``config_from_policy``); with ``budget_bytes`` the residency
     :func:`xla_swap.stack.budget.resident_for_budget` gives (every stage streamed until the first call
-    chooses, with ``autotune``). Raises ValueError for a budget below the streaming window."""
-    if budget_bytes is None:
-        return StreamingRuntime.from_policy(fns, stage_params, policy, **common)
-    optimizer = common["optimizer"]
-    k = policy.prefetch_depth
-    resident = resident_for_budget(stage_params, updated, optimizer[0] if isinstance(optimizer, list) else optimizer,
-                                   budget_bytes, k)   # raises below the streaming window, before anything is built
-    if autotune:   # stream everything until the first call chooses (the least device memory)
-        resident = [False] * len(stage_params)
-    return StreamingRuntime(fns, stage_params, prefetch_depth=k, resident=resident,
-                            grads_to_host=policy.grads == "host",
-                            optimizer_state_on_host=policy.optimizer_state == "host",
-                            remat=remat_from_policy(policy), **common)
+    chooses, with ``autotune``). ``common``: the constructor's other keywords (``placement``, ``optimizer``,
+    ...). Raises ValueError for a budget below the streaming window."""
+    config = config_from_policy(policy, len(stage_params), config)
+    if budget_bytes is not None:
+        optimizer = common["optimizer"]
+        resident = resident_for_budget(stage_params, updated, optimizer[0] if isinstance(optimizer, list)
+                                       else optimizer, budget_bytes, policy.prefetch_depth)   # raises below the window
+        if autotune:   # stream everything until the first call chooses (the least device memory)
+            resident = [False] * len(stage_params)
+        config = config.replace(resident=resident)
+    return StreamingRuntime(fns, stage_params, config, **common)
 
 
 class Autotuner:

@@ -16,6 +16,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from xla_swap.executors.streaming.placement import Placement
+
 __all__ = ["SHARD_RULES", "check_shard", "partition_spec", "StageSharding"]
 
 #: the named rules of ``shard`` (besides a callable).
@@ -75,14 +77,14 @@ class StageSharding:
             return jax.sharding.SingleDeviceSharding(self.devices[0], memory_kind="pinned_host")
         return NamedSharding(self.mesh, self.spec(stage, name, shape), memory_kind="pinned_host")
 
-    def runtime_kwargs(self, data_parallel: bool) -> dict:
-        """The placement keywords of ``StreamingRuntime``: ``device`` on one device; else ``sharding``
+    def runtime_placement(self, data_parallel: bool) -> Placement:
+        """The ``StreamingRuntime``'s ``Placement``: ``device`` on one device; else ``sharding``
         (``(stage, path, leaf) -> NamedSharding`` of a weight on the device), a replicated
         ``activation_sharding`` and ``batch_axis`` (``"d"`` with ``data_parallel``)."""
         if self.mesh is None:
-            return dict(device=self.devices[0])
+            return Placement(device=self.devices[0])
 
         def sharding(stage, path, leaf):
             return NamedSharding(self.mesh, self.spec(stage, path[0].key, leaf.shape))
-        return dict(sharding=sharding, activation_sharding=NamedSharding(self.mesh, PartitionSpec()),
-                    batch_axis="d" if data_parallel else None)
+        return Placement(sharding=sharding, activation_sharding=NamedSharding(self.mesh, PartitionSpec()),
+                         batch_axis="d" if data_parallel else None)

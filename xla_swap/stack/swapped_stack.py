@@ -53,7 +53,7 @@ import torch
 from xla_swap.stack.budget import Autotuner, build_runtime
 from xla_swap.stack.checkpoint import Checkpointer, model_parameter_names
 from xla_swap.distributed import per_rank_batches
-from xla_swap.executors.streaming.runtime import StreamingRuntime
+from xla_swap.executors.streaming.runtime import RuntimeConfig, StreamingRuntime
 from xla_swap.hf.generate import generate
 from xla_swap.hf.generators import Generators
 from xla_swap.hf.causal_lm import causal_lm_stages  # noqa: F401  (re-exported: the entry point's splitter)
@@ -220,14 +220,15 @@ class SwappedStack:
         self.data_parallel: bool = parallel.splits_batch() and placement.mesh is not None
 
         # ---- the runtime and the parts that use it ----
+        config = RuntimeConfig(track_residency=False, max_signatures=compilation.max_signatures,
+                               offload_activations=training.offload_activations,
+                               max_grad_norm=training.max_grad_norm, skip_nonfinite=training.skip_nonfinite)
         common = dict(optimizer=optimizer, trainable=lambda i, path: path[0].key in updated[i], own_params=True,
                       group_of=lambda i, path: groups[i][path[0].key],
-                      track_residency=False, max_signatures=compilation.max_signatures,
-                      offload_activations=training.offload_activations, max_grad_norm=training.max_grad_norm,
-                      skip_nonfinite=training.skip_nonfinite, **placement.runtime_kwargs(self.data_parallel))
+                      placement=placement.runtime_placement(self.data_parallel))
         #: the :class:`~xla_swap.executors.StreamingRuntime` that runs the stages.
         self.runtime: StreamingRuntime = build_runtime(fns, stage_params, updated, policy, budget_bytes,
-                                                       autotune.enabled, common)
+                                                       autotune.enabled, config, common)
         #: the policy in force (``budget_bytes`` given: ``params`` reads "host", see ``runtime.resident``;
         #: ``remat`` and ``prefetch_depth`` follow ``autotune``'s choice).
         self.policy: OffloadPolicy = policy

@@ -1,10 +1,11 @@
-"""Placement of a streaming runtime's arrays: the checks of the placement arguments, the shardings and
-memory kinds of the weights, and the :class:`ActivationLayout` of the activations.
+"""Placement of a streaming runtime's arrays: where they go (:class:`Placement`, checked once), the shardings
+and memory kinds of the weights, and the :class:`ActivationLayout` of the activations.
 
 Imports only jax (no torch).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence
 
 import jax
@@ -15,8 +16,8 @@ from ..pytrees import (DEVICE_KIND, HOST_KIND, as_aval, check_input_dtypes, chec
                        leaf_name)
 from .stage_store import zeros_where_they_live
 
-__all__ = ["ActivationLayout", "activation_shardings", "check_placement_args", "flatten_stage_params",
-           "leaf_sharding_rule", "leaf_shardings", "num_stages_of", "zeros_where_they_live"]
+__all__ = ["ActivationLayout", "Placement", "activation_shardings", "check_placement_args", "checked_placement",
+           "flatten_stage_params", "leaf_sharding_rule", "leaf_shardings", "num_stages_of", "zeros_where_they_live"]
 
 
 def num_stages_of(stage_params) -> int:
@@ -75,6 +76,50 @@ def check_placement_args(device, sharding, activation_sharding, batch_axis) -> N
     if activation_sharding is not None and not isinstance(activation_sharding, Sharding):
         raise TypeError(f"activation_sharding must be a jax.sharding.Sharding, "
                         f"got {type(activation_sharding).__name__}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where a ``StreamingRuntime`` puts its stages' weights and activations; checked once, here. ``None``
+    (the runtime's default) is ``Placement()``: every stage on ``jax.devices()[0]``.
+
+    Attributes:
+      device: a ``jax.Device`` holding every stage (default ``jax.devices()[0]``). Not together
+        with ``sharding``.
+      sharding: for several devices: a ``jax.sharding.Sharding`` used for every parameter leaf, or a
+        callable ``(stage_index, leaf_path, leaf) -> Sharding``. Its memory kind is ignored: the
+        runtime uses ``pinned_host`` for the resident copy and ``device`` for the streamed copy.
+      activation_sharding: sharding of ``h`` between stages (memory kind ``device``). Default:
+        ``device`` itself, or for a ``NamedSharding`` the same mesh fully replicated. Required when
+        ``sharding`` is a callable or another Sharding type.
+      batch_axis: data parallelism: the name of a mesh axis of ``activation_sharding`` (a
+        ``NamedSharding``) to split the activations' leading (batch or token) dimension over. Every
+        activation leaf whose leading dimension is a multiple of that axis' size is sharded on it;
+        other leaves (scalars, an attention mask of batch 1) keep ``activation_sharding``. With
+        weights sharded over the same axis (``sharding``) this is FSDP / ZeRO-3. Default ``None``.
+
+    Raises (at construction): ValueError: both ``device`` and ``sharding``; TypeError: ``device`` not a
+      ``jax.Device``, ``sharding`` neither a ``Sharding`` nor callable, ``activation_sharding`` not a
+      ``Sharding``, ``batch_axis`` not a str. The runtime raises ValueError for a device without
+      ``pinned_host`` memory, a missing ``activation_sharding`` and a ``batch_axis`` not in its mesh.
+    """
+
+    device: jax.Device | None = None
+    sharding: Sharding | Callable | None = None
+    activation_sharding: Sharding | None = None
+    batch_axis: str | None = None
+
+    def __post_init__(self):
+        check_placement_args(self.device, self.sharding, self.activation_sharding, self.batch_axis)
+
+
+def checked_placement(placement) -> Placement:
+    """``placement``, or ``Placement()`` for ``None``; TypeError naming ``placement`` otherwise."""
+    if placement is None:
+        return Placement()
+    if not isinstance(placement, Placement):
+        raise TypeError(f"placement must be an xla_swap.executors.Placement or None, got {type(placement).__name__}")
+    return placement
 
 
 def leaf_sharding_rule(device, sharding) -> tuple[Sharding | None, Callable]:

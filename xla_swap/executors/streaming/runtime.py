@@ -44,20 +44,20 @@ from xla_swap.planning.policy import OffloadPolicy
 from .. import optim as _optim
 from .compilation import MAX_LOSS_FNS, Signature, StageCompiler
 from .config import (DEFAULT_MAX_SIGNATURES, BackwardMode, RuntimeConfig, check_flag, check_trace, check_train_args,
-                     remat_from_policy)
+                     checked_config, config_from_policy, remat_from_policy)
 from .forwarding import Forwarded
 from .instrumentation import ResidencyTracker, RuntimeInspector
 from .calls import RuntimeCalls
 from .parts import RuntimeParts
-from .placement import (ActivationLayout, activation_shardings, check_placement_args, flatten_stage_params,
+from .placement import (ActivationLayout, Placement, activation_shardings, checked_placement, flatten_stage_params,
                         leaf_sharding_rule, leaf_shardings, num_stages_of)
 from .stage_store import StageStore
 from ..trace import StageEvent, TraceRecorder
 from .optimizer_steps import OptimizerSteps
 from ..pytrees import stage_fns, tree_nbytes
 
-__all__ = ["StreamingRuntime", "StageEvent", "TraceRecorder", "tree_nbytes", "DEFAULT_MAX_SIGNATURES",
-           "MAX_LOSS_FNS", "Signature", "remat_from_policy"]
+__all__ = ["StreamingRuntime", "RuntimeConfig", "Placement", "StageEvent", "TraceRecorder", "tree_nbytes",
+           "DEFAULT_MAX_SIGNATURES", "MAX_LOSS_FNS", "Signature", "remat_from_policy"]
 
 
 class StreamingRuntime:
@@ -80,64 +80,15 @@ class StreamingRuntime:
         buffer (a leaf that already is a jax array with the target ``pinned_host`` sharding
         is used as is, without a copy, unless ``optimizer`` is given). Integer and bool
         leaves are constants: they get no gradient and no update.
-      prefetch_depth: k >= 1: how many stages ahead weights are transferred. While stage i
-        computes, stages i+1..i+k are being copied in; at most k+1 stages' weights are held
-        on the device. k >= L holds every stage.
-      device: a ``jax.Device`` holding every stage (default ``jax.devices()[0]``). Not
-        together with ``sharding``.
-      sharding: for several devices: a ``jax.sharding.Sharding`` used for every parameter
-        leaf, or a callable ``(stage_index, leaf_path, leaf) -> Sharding``. Its memory
-        kind is ignored: the runtime uses ``pinned_host`` for the resident copy and
-        ``device`` for the streamed copy.
-      activation_sharding: sharding of ``h`` between stages (memory kind ``device``).
-        Default: ``device`` itself, or for a ``NamedSharding`` the same mesh fully
-        replicated. Required when ``sharding`` is a callable or another Sharding type.
-      batch_axis: data parallelism: the name of a mesh axis of ``activation_sharding`` (a
-        ``NamedSharding``) to split the activations' leading (batch or token) dimension
-        over. Every activation leaf (stage inputs and outputs, kept inputs, cotangents)
-        whose leading dimension is a multiple of that axis' size is sharded on it; other
-        leaves (scalars, an attention mask of batch 1) keep ``activation_sharding``. With
-        weights sharded over the same axis (``sharding``) this is FSDP / ZeRO-3: each
-        device pulls its own weight shard from host memory and XLA all-gathers the stage's
-        weights on the device. Default ``None``: activations as ``activation_sharding``.
-      donate: donate buffers the runtime owns to the backward executables: a stage's
-        streamed device weights (their memory then holds that stage's parameter
-        gradients or updated weights) and the output cotangent (when it has the stage
-        input's shape and dtype). The user's arrays are never donated. Off for a call
-        that is traced (``trace``).
-      own_params: the leaves of ``stage_params`` become the runtime's: a leaf that already is a
-        jax array placed where the runtime keeps it (``pinned_host``, or device memory for a
-        ``resident`` stage, with the leaf's sharding) is used as is even with an ``optimizer``
-        (which otherwise copies it, so that its updates never touch the caller's arrays). The
-        caller must not use those arrays afterwards. A caller that places each stage in
-        ``pinned_host`` as it reads it (``SwappedStack``) thus holds the weights once, not twice.
-        The same holds for the arrays of a given ``optimizer_state``. Default ``False``.
-      max_grad_norm, skip_nonfinite: with ``optimizer``: what ``train_step``'s keywords of these names do
-        for one step, for every update (a step's own value takes precedence). Default ``None``, ``False``.
-      throttle: bound device memory for real, not only the runtime's references: after
-        dispatching stage i's computation, the host waits until stage i-1's computation
-        (forward) or the copy of stage i+1's gradients to host (backward) is complete
-        before issuing the next weight transfer. The device is never idle for it (stage
-        i is already queued). ``False`` lets the host run ahead.
-      track_residency: after each stage, count the stages whose runtime-created device
-        buffers are alive (``jax.live_arrays()``); see ``max_resident_stages``. Costs a scan
-        of all live arrays per stage; turn off for timing.
-      trace: a ``TraceRecorder`` (``xla_swap.executors.TraceRecorder``) that records every
-        call's transfers and computations as ``StageEvent`` s (seconds since the call's start);
-        ``forward`` / ``train_step`` also take one per call. ``None`` (default): no tracing.
-        A traced call does not donate buffers.
-      remat: what ``train_step`` keeps from each stage's forward for its backward.
-        ``True`` (default): only the stage input; the backward recomputes the stage's
-        forward. ``False``: every residual of ``jax.vjp(stage_fn)`` except the stage's
-        weights and input. A ``jax.checkpoint_policies`` policy: the residuals that
-        ``jax.checkpoint(stage_fn, policy=remat)`` saves. The saved residuals stay in
-        device memory (``residual_nbytes`` has the bytes kept per stage).
-      resident: per stage, ``True`` keeps that stage's weights (and optimizer state) in
-        device memory for good: it is never transferred (partial residency). Default: no
-        stage resident.
-      grads_to_host: ``True`` (default) sends each stage's parameter gradients to
-        ``pinned_host`` as soon as its backward produced them; ``False`` returns them in
-        device memory (they then add up on the device). Unused with ``optimizer``.
+      config: a :class:`~xla_swap.executors.RuntimeConfig`: how the runtime moves and keeps its arrays
+        (``prefetch_depth``, ``resident``, ``remat``, ``offload_activations``, ``grads_to_host``,
+        ``optimizer_state_on_host``, ``donate``, ``throttle``, ``track_residency``,
+        ``prefetch_next_call``, ``max_signatures``, ``max_grad_norm``, ``skip_nonfinite``; its
+        docstring documents each). Default ``None``: ``RuntimeConfig()``. Its ``num_stages`` may be
+        left ``None`` (filled from ``stage_params``); ``config`` reads the filled-in one.
+      placement: a :class:`~xla_swap.executors.Placement`: ``device``, or ``sharding``,
+        ``activation_sharding`` and ``batch_axis`` for several devices. Default ``None``: every stage
+        on ``jax.devices()[0]``.
       optimizer: an ``xla_swap.planning.AdamW``, or a sequence of them (one per parameter group,
         equal ``state_dtype``; ``group_of`` assigns the leaves): ``train_step`` then applies the update
         per stage on the device right after the stage's backward (weights and moments
@@ -147,42 +98,28 @@ class StreamingRuntime:
         configurations; every one of their hyperparameters (lr, weight decay, betas, eps) is a
         traced input of the update, read at each ``train_step``: assign new configurations (a
         schedule) between steps without a recompile.
-      optimizer_state_on_host: where the moments live between steps: ``pinned_host``
-        (default, streamed with the weights) or device memory.
       optimizer_state: with ``optimizer``, the initial moments instead of zeros: per stage a
         list of ``(m, v)`` pairs, one per trainable leaf, as ``optimizer_state`` holds them
         (numpy or jax arrays, any memory; e.g. another runtime's). They are copied into place
         (never aliased or donated); no zero state is allocated first, so carrying a state over
         (``xla_swap.executors.streaming.calibrate.reconfigure``) does not hold it twice in device memory.
-      group_of: with ``optimizer``: ``(stage_index, leaf_path) -> int``, the parameter group
-        (index into ``param_groups``) of each trainable leaf (default: every leaf in group 0).
       trainable: ``(stage_index, leaf_path) -> bool``: which floating leaves get gradients and
         the optimizer's update (default: all). The others (frozen weights, e.g. a LoRA model's
         base, or a rotary frequency buffer) are constants of every vjp: no gradient of theirs is
         computed or returned, and an update never sends them back to host memory.
-      max_signatures: how many input signatures (structure, shapes, dtypes of ``h``) keep
-        their compiled executables; the least recently used is dropped beyond it (a bounded
-        cache: serving several batch sizes and sequence lengths with one runtime).
-      offload_activations: in ``train_step``, send each stage's kept input (and, with
-        ``remat`` other than ``True``, its saved residuals) to ``pinned_host`` once the stage
-        has been dispatched, and bring it back ``prefetch_depth`` stages ahead in the backward,
-        next to the weights (activation offload; the last k+1 stages keep theirs on the device).
-        Device memory for kept activations drops from L stages to about 2k+1.
-      prefetch_next_call: treat the schedule as cyclic across calls (default ``True``): a
-        ``forward`` keeps streaming at its tail and leaves the first ``min(k, L)`` stages'
-        weights in device memory for the next call; a ``train_step`` leaves them there
-        from its backward (with ``optimizer``, the updated weights it just computed; without
-        one, the streamed copy its backward used, which is then not donated). The next call
-        (``forward`` or ``train_step``) starts computing at once instead of waiting for
-        stage 0's transfer, and in a serving or training loop the link and the device never
-        idle at a call boundary. A ``train_step``'s backward keeps stage k's weights too
-        (its backward's copy, or the updated weights), in the window slot that stage -1 would
-        have used, so the next forward starts with k+1 stages and a training step moves
-        2L-2k-2 stages of weights in (the last k+1 stay on the device at the turn from forward to
-        backward). The live set during a call stays at k+1 stages; between calls up to k
-        (k+1 after a ``train_step``) stages' weights stay in device memory (``prefetched_stages``,
-        ``release_prefetched()``). A carried stage is used only while ``host_params[i]`` is
-        the same object it was copied from (replacing it invalidates the copy).
+      group_of: with ``optimizer``: ``(stage_index, leaf_path) -> int``, the parameter group
+        (index into ``param_groups``) of each trainable leaf (default: every leaf in group 0).
+      trace: a ``TraceRecorder`` (``xla_swap.executors.TraceRecorder``) that records every
+        call's transfers and computations as ``StageEvent`` s (seconds since the call's start);
+        ``forward`` / ``train_step`` also take one per call. ``None`` (default): no tracing.
+        A traced call does not donate buffers.
+      own_params: the leaves of ``stage_params`` become the runtime's: a leaf that already is a
+        jax array placed where the runtime keeps it (``pinned_host``, or device memory for a
+        ``resident`` stage, with the leaf's sharding) is used as is even with an ``optimizer``
+        (which otherwise copies it, so that its updates never touch the caller's arrays). The
+        caller must not use those arrays afterwards. A caller that places each stage in
+        ``pinned_host`` as it reads it (``SwappedStack``) thus holds the weights once, not twice.
+        The same holds for the arrays of a given ``optimizer_state``. Default ``False``.
 
     Device memory (bytes), with S = the largest stage's weight bytes (``stage_nbytes``). Which
       stage's weights are on the device at each step is ``schedule(training)`` (an
@@ -200,58 +137,41 @@ class StreamingRuntime:
     Raises:
       TypeError: ``stage_fn`` (or an element) is not callable; a parameter leaf is not an
         array, or has a dtype jax would narrow (``float64``/``complex128``, or a 64-bit integer
-        array with values beyond 32 bits, with ``jax_enable_x64`` off); ``device``/``sharding``/``activation_sharding`` has the wrong type;
-        ``prefetch_depth`` is not an int; a flag is not a bool; ``trace`` is not a
-        ``TraceRecorder``; ``remat`` is neither a
-        bool nor callable; ``optimizer`` is not an ``AdamW`` (or a sequence of them);
+        array with values beyond 32 bits, with ``jax_enable_x64`` off); ``config`` not a
+        ``RuntimeConfig``; ``placement`` not a ``Placement``; ``own_params`` not a bool; ``trace`` is
+        not a ``TraceRecorder``; ``optimizer`` is not an ``AdamW`` (or a sequence of them);
         ``trainable`` or ``group_of`` not callable.
-      ValueError: ``prefetch_depth < 1``; ``stage_params`` is empty or not a sequence;
-        the number of stage functions differs from the number of stages; with one shared
+      ValueError: ``stage_params`` is empty or not a sequence; ``config.num_stages`` given and not
+        the number of stages (the message names both); ``config.resident`` of another length; the
+        number of stage functions differs from the number of stages; with one shared
         ``stage_fn``, a stage's params differ from stage 0's in structure, shape or dtype
-        (the message names the stage and leaf); both ``device`` and ``sharding`` are
-        given; the device has no ``pinned_host`` memory; ``activation_sharding`` is
-        needed but missing; ``resident`` has the wrong length; ``max_signatures < 1``;
-        ``batch_axis`` is not an axis of ``activation_sharding``'s mesh; ``optimizer_state``
-        given without ``optimizer``, or not one list of ``(m, v)`` pairs per stage of the
-        trainable leaves' shapes and the optimizer's state dtype (the message names the stage);
-        ``group_of`` returns no valid group index (the message names the stage and leaf);
-        parameter groups with different ``state_dtype``; ``max_grad_norm`` not a finite number > 0,
-        or given without ``optimizer``.
+        (the message names the stage and leaf); the device has no ``pinned_host`` memory;
+        ``activation_sharding`` is needed but missing; ``batch_axis`` is not an axis of
+        ``activation_sharding``'s mesh; ``optimizer_state`` given without ``optimizer``, or not one
+        list of ``(m, v)`` pairs per stage of the trainable leaves' shapes and the optimizer's state
+        dtype (the message names the stage); ``group_of`` returns no valid group index (the message
+        names the stage and leaf); parameter groups with different ``state_dtype``;
+        ``config.max_grad_norm`` or ``config.skip_nonfinite`` without ``optimizer``. The settings'
+        own errors are raised when the ``RuntimeConfig`` / ``Placement`` is made.
     """
 
     def __init__(
         self,
         stage_fn: Callable | Sequence[Callable],
         stage_params: Sequence[Any],
+        config: RuntimeConfig | None = None,
         *,
-        prefetch_depth: int = 1,
-        device: jax.Device | None = None,
-        sharding: Sharding | Callable | None = None,
-        activation_sharding: Sharding | None = None,
-        batch_axis: str | None = None,
-        donate: bool = True,
-        throttle: bool = True,
-        track_residency: bool = True,
-        trace: TraceRecorder | None = None,
-        remat: bool | Callable = True,
-        resident: Sequence[bool] | None = None,
-        grads_to_host: bool = True,
+        placement: Placement | None = None,
         optimizer: AdamW | Sequence[AdamW] | None = None,
-        optimizer_state_on_host: bool = True,
         optimizer_state: Sequence | None = None,
         trainable: Callable | None = None,
         group_of: Callable | None = None,
-        max_signatures: int = DEFAULT_MAX_SIGNATURES,
-        offload_activations: bool = False,
-        prefetch_next_call: bool = True,
+        trace: TraceRecorder | None = None,
         own_params: bool = False,
-        max_grad_norm: float | None = None,
-        skip_nonfinite: bool = False,
     ):
         # validation first: no state changes before all of it passed
-        for name, flag in (("donate", donate), ("throttle", throttle), ("track_residency", track_residency),
-                           ("own_params", own_params)):
-            check_flag(name, flag)
+        config, placement = checked_config(config), checked_placement(placement)
+        check_flag("own_params", own_params)
         check_trace(trace)
         groups = _optim.check_optimizer(optimizer)
         if group_of is not None and not callable(group_of):
@@ -260,33 +180,28 @@ class StreamingRuntime:
             raise TypeError(f"trainable must be a callable (stage_index, leaf_path) -> bool, "
                             f"got {type(trainable).__name__}")
         n = num_stages_of(stage_params)
-        #: the settings fixed at construction (a frozen ``RuntimeConfig``).
-        self.config: RuntimeConfig = RuntimeConfig(
-            n, prefetch_depth, resident, remat, offload_activations=offload_activations, grads_to_host=grads_to_host,
-            optimizer_state_on_host=optimizer_state_on_host, donate=donate, throttle=throttle,
-            track_residency=track_residency, prefetch_next_call=prefetch_next_call, max_signatures=max_signatures,
-            max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite)
-        if self.config.needs_norm and groups is None:
+        config = config.for_stages(n)
+        if config.needs_norm and groups is None:
             raise ValueError("max_grad_norm and skip_nonfinite need an optimizer; without one the gradients are "
                              "returned (clip them yourself)")
         fns, shared = stage_fns(stage_fn, n)
         flat = flatten_stage_params(stage_params, shared)
-        check_placement_args(device, sharding, activation_sharding, batch_axis)
-        base, leaf_sharding = leaf_sharding_rule(device, sharding)
-        act, batch_sh = activation_shardings(base, sharding, activation_sharding, batch_axis)
-        host_sh, dev_sh, train_mask, group_idx = leaf_shardings(flat, leaf_sharding, self.config.resident, trainable,
+        base, leaf_sharding = leaf_sharding_rule(placement.device, placement.sharding)
+        act, batch_sh = activation_shardings(base, placement.sharding, placement.activation_sharding,
+                                             placement.batch_axis)
+        host_sh, dev_sh, train_mask, group_idx = leaf_shardings(flat, leaf_sharding, config.resident, trainable,
                                                                 groups, group_of)
         avals = [jax.tree_util.tree_unflatten(td, [jax.ShapeDtypeStruct(x.shape, x.dtype) for _, x in leaves])
                  for leaves, td in flat]
-        self._adopt(RuntimeParts.build(self.config, fns, stage_params, avals, (host_sh, dev_sh, train_mask, group_idx),
-                                       ActivationLayout(act, batch_axis, batch_sh), groups, optimizer_state,
+        self._adopt(RuntimeParts.build(config, fns, stage_params, avals, (host_sh, dev_sh, train_mask, group_idx),
+                                       ActivationLayout(act, placement.batch_axis, batch_sh), groups, optimizer_state,
                                        own_params=own_params))
         #: the ``TraceRecorder`` every call records into (``None``: no tracing).
         self.trace = trace
 
     def _adopt(self, parts: RuntimeParts) -> None:
         """Hold ``parts``: each part is the attribute of its name (``config``, ``store``, ``calls``, ...)."""
-        #: the runtime's parts, made together (``RuntimeParts``).
+        #: the runtime's parts, made together (``RuntimeParts``); ``config`` is its frozen ``RuntimeConfig``.
         self.parts: RuntimeParts = parts
         self.config, self.layout, self.steps, self.store = parts.config, parts.layout, parts.steps, parts.store
         self.compiler, self.residency, self.calls = parts.compiler, parts.residency, parts.calls
@@ -422,47 +337,35 @@ class StreamingRuntime:
         return [lay.groups for lay in self.store.layouts]
 
     @classmethod
-    def from_policy(cls, stage_fn, stage_params, policy: OffloadPolicy, *, optimizer: AdamW | None = None,
+    def from_policy(cls, stage_fn, stage_params, policy: OffloadPolicy, config: RuntimeConfig | None = None,
                     **kwargs) -> "StreamingRuntime":
         """A runtime that applies ``policy`` (the planner's ``Plan.policy`` or one written by hand).
 
-        The policy's fields map as follows: ``params="host"`` streams every stage,
-        ``"device"`` keeps every stage resident; ``grads`` -> ``grads_to_host``;
-        ``optimizer_state`` -> ``optimizer_state_on_host``; ``prefetch_depth``;
-        ``remat`` and ``activations``: ``remat=True`` recomputes each stage in the
+        The policy decides ``config``'s ``prefetch_depth``, ``resident`` (``params="host"`` streams
+        every stage, ``"device"`` keeps every stage resident), ``grads_to_host``,
+        ``optimizer_state_on_host`` and ``remat`` (``remat=True`` recomputes each stage in the
         backward, keeping the activations named ``"device"`` in ``policy.activations``
         (``jax.ad_checkpoint.checkpoint_name``) through
-        ``jax.checkpoint_policies.save_only_these_names``; ``remat=False`` keeps every
-        residual.
+        ``jax.checkpoint_policies.save_only_these_names``; ``remat=False`` keeps every residual):
+        ``xla_swap.executors.streaming.config.config_from_policy``.
 
         Args:
           stage_fn, stage_params: as for the constructor.
           policy: an ``xla_swap.planning.OffloadPolicy``.
-          optimizer: an ``xla_swap.planning.AdamW`` or ``None``.
-          **kwargs: the other constructor arguments (``device``, ``sharding``, ...); those
-            the policy decides may not be given.
+          config: the other settings (a ``RuntimeConfig`` whose policy-decided fields keep their defaults).
+          **kwargs: the constructor's keywords (``placement``, ``optimizer``, ...).
 
         Raises:
-          TypeError: ``policy`` is not an ``OffloadPolicy``.
+          TypeError: ``policy`` is not an ``OffloadPolicy``; ``config`` not a ``RuntimeConfig``.
           ValueError: ``policy.activations`` offloads names to the host (kept in device
-            memory by this runtime: not supported here); a keyword the policy decides is
-            also given; the constructor's errors.
+            memory by this runtime: not supported here); ``config`` sets a field the policy decides;
+            the constructor's errors.
         """
-        if not isinstance(policy, OffloadPolicy):
-            raise TypeError(f"policy must be an xla_swap.planning.OffloadPolicy, got {type(policy).__name__}")
-        decided = {"prefetch_depth", "resident", "grads_to_host", "optimizer_state_on_host", "remat"}
-        clash = sorted(decided & set(kwargs))
-        if clash:
-            raise ValueError(f"{', '.join(clash)}: decided by the policy; change the policy instead")
         try:
             n = len(stage_params)
         except TypeError:
             n = None
-        resident = None if n is None or policy.params == "host" else [True] * n
-        return cls(stage_fn, stage_params, prefetch_depth=policy.prefetch_depth, resident=resident,
-                   grads_to_host=policy.grads == "host", optimizer=optimizer,
-                   optimizer_state_on_host=policy.optimizer_state == "host", remat=remat_from_policy(policy),
-                   **kwargs)
+        return cls(stage_fn, stage_params, config_from_policy(policy, n, config), **kwargs)
 
     # ------------------------------------------------------------------ public API
     @property
