@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xla_swap.executors import StreamingRuntime
+from xla_swap.executors import RuntimeConfig, StreamingRuntime
 
 
 def layer(w, h):
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     params = [{"a": np.asarray(jax.random.normal(jax.random.fold_in(key, 2 * i), (args.d, args.f), jnp.bfloat16) * 0.02),
                "b": np.asarray(jax.random.normal(jax.random.fold_in(key, 2 * i + 1), (args.f, args.d), jnp.bfloat16) * 0.02)}
               for i in range(args.layers)]
-    rt = StreamingRuntime(layer, params, prefetch_depth=2)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2))
     x = jax.random.normal(key, (args.tokens, args.d), jnp.bfloat16)
 
     def in_use():

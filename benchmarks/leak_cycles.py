@@ -171,7 +171,7 @@ def _mse(out, t):
 def _runtime_case(train: bool):
     """``(build, call)`` of a small ``StreamingRuntime`` (with ``AdamW`` when ``train``)."""
     import jax
-    from xla_swap.executors import StreamingRuntime
+    from xla_swap.executors import RuntimeConfig, StreamingRuntime
     from xla_swap.planning import AdamW
     rng = np.random.default_rng(0)
     params = [{"a": rng.standard_normal((32, 64), np.float32) * 0.1,
@@ -180,7 +180,7 @@ def _runtime_case(train: bool):
     t = rng.standard_normal((16, 32), np.float32)
 
     def build():
-        return StreamingRuntime(_layer, params, prefetch_depth=2, track_residency=False,
+        return StreamingRuntime(_layer, params, RuntimeConfig(prefetch_depth=2, track_residency=False),
                                 optimizer=AdamW(lr=1e-3) if train else None)
 
     def call(rt):

@@ -153,7 +153,7 @@ def measure(n: int, D: int, F: int, L: int, tokens, shardings=SHARDINGS, reps: i
     import torch
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from xla_swap.executors import StreamingRuntime
+    from xla_swap.executors import Placement, RuntimeConfig, StreamingRuntime
     from xla_swap.planning import OffloadPolicy
     from xla_swap.stack import SwappedStack
     from xla_swap.stack.config import ParallelConfig, TrainingConfig
@@ -271,8 +271,10 @@ def measure(n: int, D: int, F: int, L: int, tokens, shardings=SHARDINGS, reps: i
 
     wj = [{"a": _rand(rng, (D, F), np_dt), "b": _rand(rng, (F, D), np_dt)} for _ in range(L)]
     mesh1 = NamedSharding(Mesh(np.array(devs[:1]), ("d",)), PartitionSpec())
-    rt_plain = StreamingRuntime(stage_jax, wj, prefetch_depth=k, device=devs[0], track_residency=False)
-    rt_mesh = StreamingRuntime(stage_jax, wj, prefetch_depth=k, sharding=mesh1, track_residency=False)
+    rt_plain = StreamingRuntime(stage_jax, wj, RuntimeConfig(prefetch_depth=k, track_residency=False),
+                                placement=Placement(device=devs[0]))
+    rt_mesh = StreamingRuntime(stage_jax, wj, RuntimeConfig(prefetch_depth=k, track_residency=False),
+                               placement=Placement(sharding=mesh1))
     del wj
     for T in tokens:
         xp, xm = jax.device_put(xs_np[T], devs[0]), jax.device_put(xs_np[T], mesh1)

@@ -182,7 +182,7 @@ def measure_shape(D, F, L, T, reps, k=2, window=1):
     import jax.numpy as jnp
     import torch
 
-    from xla_swap.executors import StreamingRuntime
+    from xla_swap.executors import RuntimeConfig, StreamingRuntime
     from xla_swap.planning import AdamW, OffloadPolicy
     from xla_swap.stack.swapped_stack import DEFAULT_POLICY
     from xla_swap.stack import SwappedStack
@@ -241,21 +241,23 @@ def measure_shape(D, F, L, T, reps, k=2, window=1):
     # pool the streamed rows grow stays allocated; at the end the process was killed for host memory)
     dev = jax.devices()[0]
     x_dev = jax.device_put(x_np, dev)
-    rt = StreamingRuntime(stage_jax, wj, prefetch_depth=k, track_residency=False, resident=[True] * L,
-                          grads_to_host=False)
+    rt = StreamingRuntime(stage_jax, wj,
+                          RuntimeConfig(prefetch_depth=k, track_residency=False, resident=[True] * L,
+                                        grads_to_host=False))
     rows["ondev_fwd"] = timed(lambda: rt.forward(x_dev))
     rows["ondev_train"] = timed(lambda: rt.train_step(x_dev, jloss)[::2])
     note("ondev_train")
     rt = None  # free its buffers before the next row
     gc.collect()
-    rt = StreamingRuntime(stage_jax, wj, prefetch_depth=k, track_residency=False, resident=[True] * L,
-                          optimizer=AdamW(lr=1e-5), optimizer_state_on_host=False)
+    rt = StreamingRuntime(stage_jax, wj,
+                          RuntimeConfig(prefetch_depth=k, track_residency=False, resident=[True] * L,
+                                        optimizer_state_on_host=False), optimizer=AdamW(lr=1e-5))
     rows["ondev_adamw"] = timed(lambda: (rt.train_step(x_dev, jloss)[0], rt.host_params, rt.optimizer_state))
     note("ondev_adamw")
     rt = None  # free its buffers before the next row
     gc.collect()
     # ---- bandwidths: move the weights themselves ----
-    rt = StreamingRuntime(stage_jax, wj, prefetch_depth=k, track_residency=False)
+    rt = StreamingRuntime(stage_jax, wj, RuntimeConfig(prefetch_depth=k, track_residency=False))
     dev = jax.devices()[0]
     res["bw"] = _link(measure_bandwidth(rt.host_params))
 
@@ -312,7 +314,8 @@ def measure_shape(D, F, L, T, reps, k=2, window=1):
     st = None  # free its buffers before the next row
     gc.collect()
     # the same calls with a non-cyclic schedule: every call streams stage 0 first (what the cycle saves)
-    rt = StreamingRuntime(stage_jax, wj, prefetch_depth=k, track_residency=False, prefetch_next_call=False)
+    rt = StreamingRuntime(stage_jax, wj,
+                          RuntimeConfig(prefetch_depth=k, track_residency=False, prefetch_next_call=False))
     rows["jax_fwd_nocarry"] = timed(lambda: rt.forward(x_dev))
     rows["jax_train_nocarry"] = timed(lambda: rt.train_step(x_dev, jloss)[::2])
     note("jax_train_nocarry")

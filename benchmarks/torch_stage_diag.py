@@ -62,7 +62,7 @@ def main(argv=None):
     import jax.numpy as jnp
     import torch
 
-    from xla_swap.executors import StreamingRuntime, TraceRecorder
+    from xla_swap.executors import RuntimeConfig, StreamingRuntime, TraceRecorder
     from xla_swap.planning import OffloadPolicy
     import dataclasses
 
@@ -111,8 +111,8 @@ def main(argv=None):
 
     def runtime_of(name, resident):
         if name == "jax":
-            return StreamingRuntime(stage_jax, wj, prefetch_depth=k, track_residency=False,
-                                    resident=[resident] * L), x_dev
+            return StreamingRuntime(stage_jax, wj,
+                                    RuntimeConfig(prefetch_depth=k, track_residency=False, resident=[resident] * L)), x_dev
         mods = [(Linear if name == "torch" else Transposed)(w) for w in wt]
         kw = dict(budget_bytes=10 ** 15, autotune=AutotuneConfig(enabled=False),
                   policy=dataclasses.replace(DEFAULT_POLICY, prefetch_depth=k)) if resident else dict(policy=pol)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xla_swap.executors import StreamingRuntime
+from xla_swap.executors import RuntimeConfig, StreamingRuntime
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -43,7 +43,7 @@ def run(steps: int, fresh_closure: bool) -> dict:
     rng = np.random.default_rng(0)
     params = [{"a": rng.standard_normal((32, 64), np.float32) * 0.1,
                "b": rng.standard_normal((64, 32), np.float32) * 0.1} for _ in range(4)]
-    rt = StreamingRuntime(layer, params, prefetch_depth=2, track_residency=False)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2, track_residency=False))
     x = rng.standard_normal((16, 32), np.float32)
     targets = [rng.standard_normal((16, 32), np.float32) for _ in range(4)]
 

@@ -252,13 +252,14 @@ def _build_torch_xla_lowered(wl: Workload, v: Variant, spec: RunSpec, tokens: in
 
 
 def _build_streaming(wl: Workload, v: Variant, spec: RunSpec, tokens: int, x, ct, artifact) -> Program:
-    from xla_swap.executors import StreamingRuntime
+    from xla_swap.executors import Placement, RuntimeConfig, StreamingRuntime
 
     chunks = spec.chunk_plan(tokens) if v.chunked else (1, 1)
     fns, sp = chunked_stages(wl, wl.host_weights(), chunks) if v.chunked else (wl.layer, wl.host_weights())
     remat = wl.jax.checkpoint_policies.dots_with_no_batch_dims_saveable if v.saved else True
-    rt = StreamingRuntime(fns, sp, prefetch_depth=v.prefetch_depth, device=wl.dev, throttle=v.throttle,
-                          track_residency=False, remat=remat)
+    rt = StreamingRuntime(fns, sp,
+                          RuntimeConfig(prefetch_depth=v.prefetch_depth, throttle=v.throttle, track_residency=False,
+                                        remat=remat), placement=Placement(device=wl.dev))
     if v.train:
         def call(trace=None):
             return rt.train_step(x, cotangent=ct, trace=trace)

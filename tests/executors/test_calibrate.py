@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from streaming_cases import check_close, count_runtime_builds, forbid_clock, layer, loss_fn, mono_loss, stacked
-from xla_swap.executors import StreamingRuntime, TraceRecorder
+from xla_swap.executors import RuntimeConfig, StreamingRuntime, TraceRecorder
 from xla_swap.executors.streaming.calibrate import (Calibration, autotune, calibrate, calibration_from_figures, measure_link,
                                                     peak_bytes_in_use, reconfigure, runtime_signature)
 from xla_swap.planning import AdamW, InfeasibleBudgetError, Link
@@ -23,7 +23,7 @@ from xla_swap.planning.chooser import ChoiceCache, choose_schedule, evaluate_cho
 
 
 def test_calibration_figures_positive_finite(params, x):
-    rt = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=AdamW(lr=1e-3))
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2), optimizer=AdamW(lr=1e-3))
     cal = calibrate(rt, x, reps=2)
     assert isinstance(cal, Calibration) and cal.groups == (tuple(range(8)),)   # one shared executable
     for v in (cal.link.h2d_gbps, cal.link.d2h_gbps, cal.link.both_gbps, *cal.forward_s, *cal.backward_s,
@@ -56,7 +56,7 @@ FWD_S, BWD_S = 1e-3, 2.5e-3
 
 
 def test_chosen_residency_is_applied_and_never_transferred(params, x, monkeypatch):
-    rt = StreamingRuntime(layer, params, prefetch_depth=2)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2))
     cal = calibration_from_figures(rt, x, link=SLOW_LINK, forward_s=FWD_S, backward_s=BWD_S)
     forbid_clock(monkeypatch)                                               # the choice reads no clock
     costs = list(cal.costs)
@@ -96,7 +96,7 @@ def test_choices_follow_the_injected_figures_and_read_no_clock(params, x, monkey
     injected figures alone: a slow link keeps stages resident, a link far faster than the compute
     streams with nothing resident (the same budget); each choice is choose_schedule's for its figures,
     a given calibration is never answered from the cache, and a callable calibration is called."""
-    rt = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=AdamW(lr=1e-3))
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2), optimizer=AdamW(lr=1e-3))
     slow = calibration_from_figures(rt, x, link=SLOW_LINK, forward_s=FWD_S, backward_s=BWD_S)
     fast_link = Link(h2d_gbps=1e6, d2h_gbps=1e6, both_gbps=2e6)
     fast = calibration_from_figures(rt, x, link=fast_link, forward_s=[FWD_S] * 8, backward_s=BWD_S)
@@ -130,7 +130,7 @@ def test_choices_follow_the_injected_figures_and_read_no_clock(params, x, monkey
 def test_calibration_from_figures_has_the_runtimes_bytes(params, x):
     """The injected calibration carries the given times and the bytes calibrate() reads; bad figures
     are refused naming the argument, before anything is compiled."""
-    rt = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=AdamW(lr=1e-3))
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2), optimizer=AdamW(lr=1e-3))
     measured = calibrate(rt, x, reps=1)
     fwd = [1e-3 * (i + 1) for i in range(8)]
     cal = calibration_from_figures(rt, x, link=SLOW_LINK, forward_s=fwd, backward_s=[3 * f for f in fwd])
@@ -173,14 +173,15 @@ def test_schedule_equals_reference(params, x, resident, offload, moments_on_host
     """AdamW steps with a schedule (residency, activation offload, moments on the device) equal the
     same steps with every stage resident, and without an optimizer the gradients equal jax.grad."""
     opt = AdamW(lr=1e-2, weight_decay=0.1)
-    base = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt)
+    base = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2), optimizer=opt)
     cal = calibration_from_figures(base, x, link=SLOW_LINK, forward_s=FWD_S, backward_s=BWD_S)
     choice = evaluate_choice(list(cal.costs), cal.link, prefetch_depth=2, resident=resident,
                              offload_activations=offload, optimizer_state_on_host=moments_on_host)
     rt = reconfigure(base, choice)
     assert rt.offload_activations == offload and rt.resident == tuple(resident)
-    ref = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt, resident=[True] * 8,
-                           optimizer_state_on_host=False)
+    ref = StreamingRuntime(layer, params,
+                           RuntimeConfig(prefetch_depth=2, resident=[True] * 8, optimizer_state_on_host=False),
+                           optimizer=opt)
     for _ in range(3):
         got, want = rt.train_step(x, loss_fn)[0], ref.train_step(x, loss_fn)[0]
         check_close(got, want, rtol=1e-5)
@@ -191,7 +192,7 @@ def test_schedule_equals_reference(params, x, resident, offload, moments_on_host
             check_close(p[name], q[name], rtol=1e-5, atol=1e-6)
     assert rt.step == ref.step == 3
     # without an optimizer: gradients against the monolithic jax reference
-    plain = reconfigure(StreamingRuntime(layer, params, prefetch_depth=2), choice)
+    plain = reconfigure(StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2)), choice)
     _check_grads_against_jax(plain, params, x)
 
 
@@ -202,7 +203,7 @@ def test_remat_or_residual_offload_chosen_per_link_and_run(params, x, monkeypatc
     those bytes to pinned_host); with a slow link it keeps remat. The no-remat AdamW steps equal the
     remat=True steps in values and weights, and without an optimizer its gradients equal jax.grad."""
     opt = AdamW(lr=1e-2, weight_decay=0.1)
-    rt = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2), optimizer=opt)
     rich = calibration_from_figures(rt, x, link=Link(h2d_gbps=1e3, d2h_gbps=1e3, both_gbps=2e3),
                                     forward_s=FWD_S, backward_s=3 * FWD_S)
     poor = calibration_from_figures(rt, x, link=SLOW_LINK, forward_s=FWD_S, backward_s=3 * FWD_S)
@@ -220,14 +221,14 @@ def test_remat_or_residual_offload_chosen_per_link_and_run(params, x, monkeypatc
     # a checkpoint policy's figures are that policy's: it is kept, never replaced by a bool
     policy = jax.checkpoint_policies.dots_saveable
     monkeypatch.undo()
-    rt_pol = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt, remat=policy)
+    rt_pol = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2, remat=policy), optimizer=opt)
     pol = calibration_from_figures(rt_pol, x, link=rich.link, forward_s=FWD_S, backward_s=3 * FWD_S)
     forbid_clock(monkeypatch)
     rt_pol2, c_pol = autotune(rt_pol, x, 2 * budget, cache=ChoiceCache(), calibration=pol)
     assert not c_pol.remat and rt_pol2.remat is policy and reconfigure(rt_pol, c_pol).remat is policy
     assert reconfigure(rt_pol, c_poor).remat is True                        # a choice to recompute: True
     monkeypatch.undo()                                                      # the steps below trace
-    ref = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt)  # remat=True, nothing offloaded
+    ref = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2), optimizer=opt)  # remat=True, nothing offloaded
     k = c_rich.prefetch_depth
     offloaded = sum(c.carry_bytes + c.intermediate_bytes for c in costs[:8 - k - 1])   # the last k+1 stay
     for _ in range(3):
@@ -238,15 +239,15 @@ def test_remat_or_residual_offload_chosen_per_link_and_run(params, x, monkeypatc
     for p, q in zip(rt_rich.host_params, ref.host_params):
         for name in ("a", "b"):
             check_close(p[name], q[name], rtol=1e-5, atol=1e-6)
-    plain = reconfigure(StreamingRuntime(layer, params, prefetch_depth=2), c_rich)
+    plain = reconfigure(StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2)), c_rich)
     assert plain.remat is False
     _check_grads_against_jax(plain, params, x)
 
 
 def test_reconfigure_carries_optimizer_state(params, x):
     opt = AdamW(lr=1e-2)
-    a = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt)
-    b = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt)
+    a = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2), optimizer=opt)
+    b = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2), optimizer=opt)
     a.train_step(x, loss_fn)
     b.train_step(x, loss_fn)
     cal = calibration_from_figures(a, x, link=SLOW_LINK, forward_s=FWD_S, backward_s=BWD_S)
@@ -267,9 +268,10 @@ def test_reconfigure_carries_optimizer_state(params, x):
 
 def test_optimizer_state_argument(params, x):
     opt = AdamW(lr=1e-2)
-    a = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt)
+    a = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2), optimizer=opt)
     a.train_step(x, loss_fn)
-    b = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt, optimizer_state=a.optimizer_state)
+    b = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2), optimizer=opt,
+                         optimizer_state=a.optimizer_state)
     for sa, sb in zip(a.optimizer_state, b.optimizer_state):
         for pa, pb in zip(sa, sb):
             assert pa[0] is not pb[0]
@@ -278,16 +280,17 @@ def test_optimizer_state_argument(params, x):
     bad = [list(s) for s in a.optimizer_state]
     bad[3] = bad[3][:-1]
     with pytest.raises(ValueError, match=r"optimizer_state\[3\]"):
-        StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt, optimizer_state=bad)
+        StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2), optimizer=opt, optimizer_state=bad)
     with pytest.raises(ValueError, match="one list of \\(m, v\\) pairs per stage"):
-        StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt, optimizer_state=a.optimizer_state[:2])
+        StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2), optimizer=opt,
+                         optimizer_state=a.optimizer_state[:2])
     with pytest.raises(ValueError, match="without an optimizer"):
-        StreamingRuntime(layer, params, prefetch_depth=2, optimizer_state=a.optimizer_state)
+        StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2), optimizer_state=a.optimizer_state)
     a.train_step(x, loss_fn)                                           # the failed calls changed nothing
 
 
 def test_bad_arguments_leave_the_runtime_usable(params, x):
-    rt = StreamingRuntime(layer, params, prefetch_depth=2)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2))
     with pytest.raises(TypeError, match="runtime"):
         calibrate("rt", x)
     with pytest.raises(ValueError, match="reps"):
@@ -309,7 +312,7 @@ def test_one_runtime_built_per_choice(params, x, monkeypatch):
     """Choosing builds no runtime; ``autotune`` builds exactly one, the runtime that runs the choice
     (the calibration reads the runtime given, it builds none); a choice the runtime already runs,
     or a cached one, builds none; ``reconfigure`` builds one."""
-    rt = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=AdamW(lr=1e-3))
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2), optimizer=AdamW(lr=1e-3))
     cal = calibration_from_figures(rt, x, link=SLOW_LINK, forward_s=FWD_S, backward_s=BWD_S)
     stream = evaluate_choice(list(cal.costs), SLOW_LINK, prefetch_depth=2)
     full = evaluate_choice(list(cal.costs), SLOW_LINK, prefetch_depth=2, resident=[True] * 8)
@@ -329,7 +332,7 @@ def test_one_runtime_built_per_choice(params, x, monkeypatch):
 
 
 def test_costs_for_a_forward_take_the_forward_temporaries(params, x):
-    rt = StreamingRuntime(layer, params, prefetch_depth=2)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2))
     cal = calibrate(rt, x, reps=1)
     assert len(cal.forward_temp_bytes) == 8 and all(isinstance(t, int) and t > 0 for t in cal.forward_temp_bytes)
     assert cal.costs_for(True) == list(cal.costs)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from streaming_cases import L, check_close, chunk_stages, layer, mono_forward, stacked
-from xla_swap.executors import InGraphRuntime, MemoryReport, StreamingRuntime
+from xla_swap.executors import InGraphRuntime, MemoryReport, RuntimeConfig, StreamingRuntime
 
 
 def test_forward_matches_monolithic(params, x):
@@ -38,7 +38,7 @@ def test_forward_matches_monolithic(params, x):
 def test_shares_streaming_host_buffers_and_chunked_stages(params, x):
     """The pinned_host buffers of a StreamingRuntime are used as they are; pytree carry works."""
     fns, sp = chunk_stages(params, 2)
-    srt = StreamingRuntime(fns, sp, prefetch_depth=2)
+    srt = StreamingRuntime(fns, sp, RuntimeConfig(prefetch_depth=2))
     rt = InGraphRuntime(fns, srt.host_params)
     assert all(a is b for a, b in zip(jax.tree_util.tree_leaves(rt.host_params),
                                       jax.tree_util.tree_leaves(srt.host_params)))

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from streaming_cases import check_close, layer, loss_fn
-from xla_swap.executors import StreamingRuntime, optim
+from xla_swap.executors import RuntimeConfig, StreamingRuntime, optim
 from xla_swap.executors.streaming.compilation import Signature
 from xla_swap.planning import AdamW
 
 
 def test_views_describe_the_runtime(params, x):
-    shared = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=AdamW(lr=1e-3),
+    shared = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2), optimizer=AdamW(lr=1e-3),
                               trainable=lambda i, path: jax.tree_util.keystr(path) != "['b']" or i % 2 == 0)
     assert shared.stage_fns == (layer,) * len(params) and shared.stage_fn_ids == (0,) * len(params)
     for i, p in enumerate(shared.host_params):
@@ -42,7 +42,7 @@ def test_views_describe_the_runtime(params, x):
 
 
 def test_stage_executables_compute_the_stage(params, x):
-    rt = StreamingRuntime(layer, params, prefetch_depth=2, remat=False)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2, remat=False))
     sig = rt.signature(x)
     i = 3
     p = jax.device_put(rt.host_params[i], rt.device_shardings[i])

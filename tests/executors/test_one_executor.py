@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from streaming_cases import layer, loss_fn, make_input, make_params
-from xla_swap.executors import StreamingRuntime
+from xla_swap.executors import RuntimeConfig, StreamingRuntime
 from xla_swap.executors.streaming import calls, executor, stateful_streamer
 from xla_swap.executors.streaming.stateful_streamer import StatefulStreamer
 from xla_swap.planning import AdamW
@@ -87,7 +87,7 @@ def test_decode_runs_its_schedule_through_the_executor(passes, on_host):
 def test_runtime_passes_run_through_the_executor(passes):
     """A forward, a fused-update step and a clipped step (with its separate update pass): each pass of each
     call runs through the executor, in the schedule's order, with the schedule's events."""
-    rt = StreamingRuntime(layer, make_params(4), prefetch_depth=2, optimizer=AdamW(lr=1e-2))
+    rt = StreamingRuntime(layer, make_params(4), RuntimeConfig(prefetch_depth=2), optimizer=AdamW(lr=1e-2))
     x = make_input()
     for kw, names in ((None, ["forward"]), ({}, ["forward", "backward"]),
                       (dict(max_grad_norm=0.5), ["forward", "backward", "update"])):
@@ -161,7 +161,7 @@ def test_decode_dispatch_order(dispatches, on_host):
 @pytest.mark.parametrize("throttle", [False, True])
 def test_forward_dispatch_order(dispatches, throttle):
     """A runtime forward dispatches in the same order (the wait only with ``throttle``), cold and steady."""
-    rt = StreamingRuntime(layer, make_params(4), prefetch_depth=2, throttle=throttle)
+    rt = StreamingRuntime(layer, make_params(4), RuntimeConfig(prefetch_depth=2, throttle=throttle))
     x = make_input()
     rt.forward(x)   # compiled
     rt.release_prefetched()

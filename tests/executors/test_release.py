@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from xla_swap._compat.jax import tracing_cache_entries
-from xla_swap.executors import StreamingRuntime
+from xla_swap.executors import RuntimeConfig, StreamingRuntime
 from xla_swap.executors.streaming.runtime import MAX_LOSS_FNS
 from xla_swap.planning import AdamW
 
@@ -38,9 +38,9 @@ def _params(n=3):
 X = np.random.default_rng(1).standard_normal((4, 8)).astype(np.float32)
 
 
-def _cycle(params, **kw) -> list:
+def _cycle(params, optimizer=None, **kw) -> list:
     """Build, call (forward and train_step) and drop a runtime; weak references to what it made."""
-    rt = StreamingRuntime(layer, params, prefetch_depth=1, **kw)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=1, **kw), optimizer=optimizer)
     jax.block_until_ready(rt.forward(X))
     jax.block_until_ready(rt.train_step(X, mse, loss_args=(X,))[0])
     made = ([rt] + list(rt._traced_fns) + list(rt._loss_jits.values())
@@ -77,7 +77,7 @@ def test_jax_caches_do_not_grow_over_construct_call_drop_cycles(kw):
 def test_a_runtime_traces_its_own_wrappers_of_the_stage_functions():
     params = _params()
     other = lambda p, h: layer(p, h)  # noqa: E731
-    rt = StreamingRuntime([layer, other, layer], params, prefetch_depth=1)
+    rt = StreamingRuntime([layer, other, layer], params, RuntimeConfig(prefetch_depth=1))
     assert rt._fns == [layer, other, layer]                 # the caller's functions, as given
     w = rt._traced_fns
     assert w[0] is w[2] and w[0] is not w[1] and w[0] is not layer and w[0].__wrapped__ is layer
@@ -88,11 +88,11 @@ def test_a_runtime_traces_its_own_wrappers_of_the_stage_functions():
         ref = layer(p, ref)
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-6, atol=1e-6)
     assert rt.num_executables == 2                          # one per distinct function, as before
-    assert StreamingRuntime(layer, params, prefetch_depth=1)._traced_fns[0] is not w[0]  # per runtime
+    assert StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=1))._traced_fns[0] is not w[0]  # per runtime
 
 
 def test_loss_cache_stays_bounded_over_fresh_closures():
-    rt = StreamingRuntime(layer, _params(2), prefetch_depth=1)
+    rt = StreamingRuntime(layer, _params(2), RuntimeConfig(prefetch_depth=1))
     with pytest.warns(UserWarning, match="distinct loss_fn"):
         for s in range(MAX_LOSS_FNS + 3):
             rt.train_step(X, lambda o, s=s: jnp.mean(o ** 2) * (1 + s))

@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from xla_swap.executors import InGraphRuntime, PjrtExecutor, StreamingRuntime  # noqa: E402
+from xla_swap.executors import InGraphRuntime, PjrtExecutor, Placement, RuntimeConfig, StreamingRuntime  # noqa: E402
 from xla_swap.planning import AdamW  # noqa: E402
 from xla_swap.stack import SwappedStack  # noqa: E402
 from xla_swap.stack.config import ParallelConfig
@@ -47,14 +47,14 @@ def _entry_points(params, x, mods):
     return {
         "StreamingRuntime.stage_fn": lambda a: StreamingRuntime(a, params),
         "StreamingRuntime.stage_params": lambda a: StreamingRuntime(layer, a),
-        "StreamingRuntime.prefetch_depth": lambda a: StreamingRuntime(layer, params, prefetch_depth=a),
-        "StreamingRuntime.device": lambda a: StreamingRuntime(layer, params, device=a),
-        "StreamingRuntime.sharding": lambda a: StreamingRuntime(layer, params, sharding=a),
-        "StreamingRuntime.remat": lambda a: StreamingRuntime(layer, params, remat=a),
-        "StreamingRuntime.resident": lambda a: StreamingRuntime(layer, params, resident=a),
+        "StreamingRuntime.prefetch_depth": lambda a: StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=a)),
+        "StreamingRuntime.device": lambda a: StreamingRuntime(layer, params, placement=Placement(device=a)),
+        "StreamingRuntime.sharding": lambda a: StreamingRuntime(layer, params, placement=Placement(sharding=a)),
+        "StreamingRuntime.remat": lambda a: StreamingRuntime(layer, params, RuntimeConfig(remat=a)),
+        "StreamingRuntime.resident": lambda a: StreamingRuntime(layer, params, RuntimeConfig(resident=a)),
         "StreamingRuntime.optimizer": lambda a: StreamingRuntime(layer, params, optimizer=a),
         "StreamingRuntime.trainable": lambda a: StreamingRuntime(layer, params, trainable=a),
-        "StreamingRuntime.max_signatures": lambda a: StreamingRuntime(layer, params, max_signatures=a),
+        "StreamingRuntime.max_signatures": lambda a: StreamingRuntime(layer, params, RuntimeConfig(max_signatures=a)),
         "StreamingRuntime.from_policy": lambda a: StreamingRuntime.from_policy(layer, params, a),
         "forward.h": lambda a: rt.forward(a),
         "train_step.loss_fn": lambda a: rt.train_step(x, a),

@@ -14,16 +14,17 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from streaming_cases import D, F, L, check_close, layer, make_input
-from xla_swap.executors import StreamingRuntime
+from xla_swap.executors import Placement, RuntimeConfig, StreamingRuntime
 
 pytestmark = pytest.mark.spmd
 
 
-def _runtimes(num_devices, params, **kw):
+def _runtimes(num_devices, params, optimizer=None, **kw):
     mesh = Mesh(np.array(jax.devices()[:num_devices]), ("x",))
-    ref = StreamingRuntime(layer, params, device=jax.devices()[0], **kw)
-    rt = StreamingRuntime(layer, params, sharding=NamedSharding(mesh, P("x", None)),
-                          activation_sharding=NamedSharding(mesh, P()), batch_axis="x", **kw)
+    ref = StreamingRuntime(layer, params, RuntimeConfig(**kw), placement=Placement(device=jax.devices()[0]),
+                           optimizer=optimizer)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(**kw), optimizer=optimizer, placement=Placement(
+        sharding=NamedSharding(mesh, P("x", None)), activation_sharding=NamedSharding(mesh, P()), batch_axis="x"))
     return ref, rt
 
 
@@ -107,7 +108,7 @@ def test_split_and_unsplit_signatures_side_by_side(num_devices, params):
 
 
 def test_one_device_and_no_batch_axis_never_replicate(params):
-    rt = StreamingRuntime(layer, params[:2], device=jax.devices()[-1])
+    rt = StreamingRuntime(layer, params[:2], placement=Placement(device=jax.devices()[-1]))
     a = jax.ShapeDtypeStruct((3, D), np.float32)
     assert not rt.runs_replicated(a)
     assert rt.input_sharding_of(a) == rt.loss_args_sharding_of(a, (a,))[0] == rt.activation_sharding

@@ -19,8 +19,9 @@ from xla_swap.planning import AdamW
 
 def test_the_runtime_reads_its_settings_from_one_frozen_config():
     params = make_params(n=3)
-    rt = StreamingRuntime(layer, params, prefetch_depth=2, remat=False, resident=[False, True, False],
-                          offload_activations=True, max_signatures=3)
+    rt = StreamingRuntime(layer, params,
+                          RuntimeConfig(prefetch_depth=2, remat=False, resident=[False, True, False],
+                                        offload_activations=True, max_signatures=3))
     c = rt.config
     assert isinstance(c, RuntimeConfig)
     assert (c.num_stages, c.prefetch_depth, c.resident, c.remat, c.offload_activations, c.max_signatures) == \
@@ -50,9 +51,9 @@ def test_the_runtime_reads_its_settings_from_one_frozen_config():
 def test_the_config_checks_every_setting_once(kwargs, exc, match):
     """The config refuses a bad setting with the message the runtime gives: the runtime's check is this one."""
     with pytest.raises(exc, match=match):
-        RuntimeConfig(3, **kwargs)
+        RuntimeConfig(num_stages=3, **kwargs)
     with pytest.raises(exc, match=match):
-        StreamingRuntime(layer, make_params(n=3), optimizer=AdamW(lr=1e-2), **kwargs)
+        StreamingRuntime(layer, make_params(n=3), RuntimeConfig(**kwargs), optimizer=AdamW(lr=1e-2))
 
 
 @pytest.mark.parametrize("depth, exc", [(0, ValueError), (1.5, TypeError)])
@@ -62,7 +63,7 @@ def test_the_decode_streamer_checks_prefetch_depth_as_the_runtime_does(depth, ex
         StatefulStreamer([layer] * 2, rt.host_params, rt.device_shardings, state_avals=[None, None],
                          activation_sharding=rt.activation_sharding, prefetch_depth=depth)
     with pytest.raises(exc) as config_err:
-        RuntimeConfig(2, prefetch_depth=depth)
+        RuntimeConfig(num_stages=2, prefetch_depth=depth)
     assert str(streamer_err.value) == str(config_err.value)
 
 
@@ -70,7 +71,7 @@ def test_max_grad_norm_given_at_construction_clips_every_update():
     """A runtime built with ``max_grad_norm`` updates as one given it per step (same weights, moments and
     norm, to the bit), and the clip acts: the weights differ from an unclipped runtime's."""
     params, x = make_params(n=3), make_input()
-    built = StreamingRuntime(layer, params, optimizer=AdamW(lr=1e-2), max_grad_norm=0.05)
+    built = StreamingRuntime(layer, params, RuntimeConfig(max_grad_norm=0.05), optimizer=AdamW(lr=1e-2))
     per_step = StreamingRuntime(layer, params, optimizer=AdamW(lr=1e-2))
     unclipped = StreamingRuntime(layer, params, optimizer=AdamW(lr=1e-2))
     for _ in range(2):
@@ -92,7 +93,7 @@ def test_max_grad_norm_given_at_construction_clips_every_update():
 @pytest.mark.parametrize("setting", [{"max_grad_norm": 1.0}, {"skip_nonfinite": True}])
 def test_the_norm_settings_at_construction_need_an_optimizer(setting):
     with pytest.raises(ValueError, match="max_grad_norm and skip_nonfinite need an optimizer"):
-        StreamingRuntime(layer, make_params(n=2), **setting)
+        StreamingRuntime(layer, make_params(n=2), RuntimeConfig(**setting))
 
 
 def test_skip_nonfinite_given_at_construction_skips_every_nonfinite_update():
@@ -100,7 +101,7 @@ def test_skip_nonfinite_given_at_construction_skips_every_nonfinite_update():
     moments and step unchanged), runs the update pass on finite ones, and a step's ``False`` overrides it."""
     params, x = make_params(n=3), make_input()
     nan_loss = lambda out: jnp.sum(out) * jnp.nan   # noqa: E731 - every gradient nan
-    built = StreamingRuntime(layer, params, optimizer=AdamW(lr=1e-2), skip_nonfinite=True)
+    built = StreamingRuntime(layer, params, RuntimeConfig(skip_nonfinite=True), optimizer=AdamW(lr=1e-2))
     assert built.config.needs_norm and built.skip_nonfinite
     before = [np.asarray(a) for a in jax.tree_util.tree_leaves(built.host_params + built.optimizer_state)]
     built.train_step(x, nan_loss)
@@ -134,7 +135,7 @@ def test_the_decode_streamer_keeps_its_executables_as_the_runtime_does():
     executables with it (the cache stays bounded); a signature traced again compiles again, with the
     same results."""
     from xla_swap.executors.streaming.signatures import SignatureCache
-    rt = StreamingRuntime(layer, make_params(n=3), max_signatures=1)
+    rt = StreamingRuntime(layer, make_params(n=3), RuntimeConfig(max_signatures=1))
     st = StatefulStreamer([layer] * 3, rt.host_params, rt.device_shardings, state_avals=[None] * 3,
                           activation_sharding=rt.activation_sharding, max_signatures=1)
     assert isinstance(rt.compiler.cache, SignatureCache)
@@ -175,7 +176,7 @@ def test_reconfigured_is_the_same_stages_under_another_config():
     """``reconfigured(**settings)``: the config with those settings changed, the same weights, moments and
     step count placed where the new config keeps them, and training goes on as on the runtime it came from."""
     params, x = make_params(n=3), make_input()
-    rt = StreamingRuntime(layer, params, optimizer=AdamW(lr=1e-2), max_grad_norm=10.0)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(max_grad_norm=10.0), optimizer=AdamW(lr=1e-2))
     rt.train_step(x, loss_fn)
     new = rt.reconfigured(prefetch_depth=2, resident=[True, False, False], optimizer_state_on_host=False)
     assert new.config == rt.config.replace(prefetch_depth=2, resident=(True, False, False),

@@ -15,7 +15,7 @@ import pytest
 
 from streaming_cases import SCHEDULE_SHAPES as SHAPES
 from streaming_cases import check_close, layer, loss_fn, make_input, make_params, mono_forward, mono_loss, stacked
-from xla_swap.executors import StreamingRuntime
+from xla_swap.executors import RuntimeConfig, StreamingRuntime
 from xla_swap.planning import AdamW, LayerCost, OffloadPolicy
 from xla_swap.planning.memory import device_memory
 from xla_swap.planning.rows import offloaded_rows, phase_rows
@@ -32,7 +32,7 @@ def _ids(case):
 
 def _runtime(params, **kw):
     opt = kw.pop("optimizer", False)
-    return StreamingRuntime(layer, params, optimizer=AdamW(lr=1e-2) if opt else None, **kw)
+    return StreamingRuntime(layer, params, RuntimeConfig(**kw), optimizer=AdamW(lr=1e-2) if opt else None)
 
 
 def _call(rt, x, training):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from streaming_cases import check_close, layer, loss_fn, make_input, make_params, mono_forward, stacked
-from xla_swap.executors import MemoryReport, StreamingRuntime
+from xla_swap.executors import MemoryReport, Placement, RuntimeConfig, StreamingRuntime
 from xla_swap.planning import PrefetchSchedule
 
 CASES = [  # (L, k, resident)
@@ -43,7 +43,7 @@ def _predicted(sched: PrefetchSchedule):
 @pytest.mark.parametrize("n,k,resident", CASES)
 def test_measured_residency_is_the_schedules_live_set(n, k, resident, training):
     params, x = make_params(n), make_input()
-    rt = StreamingRuntime(layer, params, prefetch_depth=k, resident=resident)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=k, resident=resident))
     ref = mono_forward(stacked(params), x)
     for steady in (False, True, True):
         rt.reset_stats()
@@ -64,7 +64,7 @@ def test_measured_residency_is_the_schedules_live_set(n, k, resident, training):
 @pytest.mark.parametrize("training", [False, True], ids=["forward", "train_step"])
 def test_without_prefetch_next_call_every_call_is_cold(training):
     n, k = 5, 2
-    rt = StreamingRuntime(layer, make_params(n), prefetch_depth=k, prefetch_next_call=False)
+    rt = StreamingRuntime(layer, make_params(n), RuntimeConfig(prefetch_depth=k, prefetch_next_call=False))
     x = make_input()
     for _ in range(2):
         rt.reset_stats()
@@ -78,7 +78,7 @@ def test_without_prefetch_next_call_every_call_is_cold(training):
 
 def test_release_prefetched_makes_the_next_call_cold():
     n, k = 4, 1
-    rt = StreamingRuntime(layer, make_params(n), prefetch_depth=k)
+    rt = StreamingRuntime(layer, make_params(n), RuntimeConfig(prefetch_depth=k))
     x = make_input()
     _run(rt, x, True)
     rt.release_prefetched()
@@ -88,7 +88,7 @@ def test_release_prefetched_makes_the_next_call_cold():
 
 
 def test_schedule_argument_errors_leave_the_runtime_usable():
-    rt = StreamingRuntime(layer, make_params(2), prefetch_depth=1)
+    rt = StreamingRuntime(layer, make_params(2), RuntimeConfig(prefetch_depth=1))
     with pytest.raises(TypeError, match="training"):
         rt.schedule("yes")
     with pytest.raises(TypeError, match="steady_state"):
@@ -103,7 +103,7 @@ def test_memory_report_predicted_matches_measured(training):
     n, k = 5, 2
     params, x = make_params(n), make_input()
     resident = (False, False, False, False, True)
-    rt = StreamingRuntime(layer, params, prefetch_depth=k, resident=resident)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=k, resident=resident))
     before = rt.memory_report(training)
     assert isinstance(before, MemoryReport) and before.executor == "streaming"
     assert before.split_source == "none" and before.device_total_bytes == 0      # nothing compiled yet
@@ -119,7 +119,7 @@ def test_memory_report_predicted_matches_measured(training):
     # the largest stage executable takes at least one stage's weights and its input, in device memory
     assert rep.device_argument_bytes >= stage + x.nbytes and rep.host_argument_bytes == 0
     assert rep.parameter_memory_spaces == ()
-    off = StreamingRuntime(layer, params, prefetch_depth=k, track_residency=False).memory_report()
+    off = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=k, track_residency=False)).memory_report()
     assert off.measured_live_stages is None
     with pytest.raises(TypeError, match="training"):
         rt.memory_report("yes")
@@ -130,9 +130,10 @@ def test_memory_report_is_per_device_under_sharding():
     nd = len(jax.devices())
     params = make_params(3, f=8 * nd)
     mesh = Mesh(np.array(jax.devices()), ("x",))
-    rt = StreamingRuntime(layer, params, prefetch_depth=1, sharding=lambda i, path, leaf: NamedSharding(
-        mesh, P(None, "x") if "a" in jax.tree_util.keystr(path) else P("x", None)),
-        activation_sharding=NamedSharding(mesh, P()))
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=1), placement=Placement(
+        sharding=lambda i, path, leaf: NamedSharding(mesh, P(None, "x") if "a" in jax.tree_util.keystr(path)
+                                                     else P("x", None)),
+        activation_sharding=NamedSharding(mesh, P())))
     rep = rt.memory_report()
     stage = params[0]["a"].nbytes + params[0]["b"].nbytes
     assert rep.num_devices == nd

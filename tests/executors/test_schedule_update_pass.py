@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from streaming_cases import SCHEDULE_SHAPES as SHAPES, check_close, layer, loss_fn, make_input, make_params
-from xla_swap.executors import StreamingRuntime
+from xla_swap.executors import RuntimeConfig, StreamingRuntime
 from xla_swap.planning import AdamW, LayerCost, OffloadPolicy, PrefetchSchedule
 from xla_swap.planning.memory import device_memory
 from xla_swap.planning.rows import offloaded_rows
@@ -28,7 +28,7 @@ def _ids(case):
 
 
 def _runtime(params, **kw):
-    return StreamingRuntime(layer, params, optimizer=AdamW(lr=1e-2), **kw)
+    return StreamingRuntime(layer, params, RuntimeConfig(**kw), optimizer=AdamW(lr=1e-2))
 
 
 def _calls(option):

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from streaming_cases import (D, F, L, T, check_close, chunk_stages, layer, live_device_arrays, loss_fn, make_input,
                              make_params, mono_forward, mono_loss, stacked)
-from xla_swap.executors import StageEvent, StreamingRuntime, TraceRecorder, tree_nbytes
+from xla_swap.executors import Placement, RuntimeConfig, StageEvent, StreamingRuntime, TraceRecorder, tree_nbytes
 
 
 def mesh_sharding(num_devices):
@@ -36,7 +36,7 @@ def mesh_activation(num_devices):
 # ---------------------------------------------------------------------------- correctness
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_forward_matches_monolithic(params, x, k):
-    rt = StreamingRuntime(layer, params, prefetch_depth=k)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=k))
     y = rt.forward(x)
     check_close(y, mono_forward(stacked(params), x))
     assert y.sharding.memory_kind == "device"
@@ -49,7 +49,7 @@ def test_forward_matches_monolithic(params, x, k):
 def test_train_step_matches_grad(params, x, k):
     stack = stacked(params)
     ref_loss, (ref_gp, ref_gx) = jax.value_and_grad(mono_loss, argnums=(0, 1))(stack, x)
-    rt = StreamingRuntime(layer, params, prefetch_depth=k)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=k))
     loss, gx, grads = rt.train_step(x, loss_fn)
     check_close(loss, ref_loss, rtol=1e-5)
     check_close(gx, ref_gx, rtol=1e-5)
@@ -70,7 +70,7 @@ def test_train_step_with_cotangent_keeps_user_arrays(params, x):
     ct = np.random.default_rng(5).standard_normal((T, D)).astype(np.float32)
     out_ref, vjp = jax.vjp(mono_forward, stack, x)
     ref_gp, ref_gx = vjp(ct)
-    rt = StreamingRuntime(layer, params, prefetch_depth=2, donate=True)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2, donate=True))
     x_dev = jax.device_put(x, rt.activation_sharding)
     ct_dev = jax.device_put(ct, rt.activation_sharding)
     out, gx, grads = rt.train_step(x_dev, cotangent=ct_dev)
@@ -86,8 +86,9 @@ def test_sharded_weights_over_mesh(num_devices, params, x):
     if num_devices == 1:
         pytest.skip("needs more than one device")
     k = 2
-    rt = StreamingRuntime(layer, params, prefetch_depth=k, sharding=mesh_sharding(num_devices),
-                          activation_sharding=mesh_activation(num_devices))
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=k),
+                          placement=Placement(sharding=mesh_sharding(num_devices),
+                                              activation_sharding=mesh_activation(num_devices)))
     assert rt.host_params[0]["a"].sharding.spec == P(None, "x")
     assert rt.host_params[0]["a"].sharding.memory_kind == "pinned_host"
     y = rt.forward(x)
@@ -112,12 +113,11 @@ def test_data_parallel_batch_axis(num_devices, params, x, remat, offload, opt):
     if num_devices == 1 or T % num_devices:
         pytest.skip("needs several devices dividing T")
     mesh = Mesh(np.array(jax.devices()[:num_devices]), ("x",))
-    kw = dict(prefetch_depth=2, remat=remat, offload_activations=offload)
-    if opt:
-        kw["optimizer"] = AdamW(lr=1e-2)
-    ref = StreamingRuntime(layer, params, device=jax.devices()[0], **kw)
-    rt = StreamingRuntime(layer, params, sharding=NamedSharding(mesh, P("x", None)),
-                          activation_sharding=NamedSharding(mesh, P()), batch_axis="x", **kw)
+    config = RuntimeConfig(prefetch_depth=2, remat=remat, offload_activations=offload)
+    kw = dict(optimizer=AdamW(lr=1e-2) if opt else None)
+    ref = StreamingRuntime(layer, params, config, placement=Placement(device=jax.devices()[0]), **kw)
+    rt = StreamingRuntime(layer, params, config, placement=Placement(sharding=NamedSharding(mesh, P("x", None)),
+                          activation_sharding=NamedSharding(mesh, P()), batch_axis="x"), **kw)
     assert rt.host_params[0]["a"].sharding.spec == P("x", None)
     assert rt.host_params[0]["a"].sharding.memory_kind == "pinned_host"
     y = rt.forward(x)
@@ -144,15 +144,15 @@ def test_data_parallel_batch_axis(num_devices, params, x, remat, offload, opt):
 def test_batch_axis_checked(params):
     mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
     with pytest.raises(ValueError, match="batch_axis='y'"):
-        StreamingRuntime(layer, params, sharding=NamedSharding(mesh, P()), batch_axis="y")
+        StreamingRuntime(layer, params, placement=Placement(sharding=NamedSharding(mesh, P()), batch_axis="y"))
     with pytest.raises(TypeError, match="batch_axis"):
-        StreamingRuntime(layer, params, sharding=NamedSharding(mesh, P()), batch_axis=0)
+        StreamingRuntime(layer, params, placement=Placement(sharding=NamedSharding(mesh, P()), batch_axis=0))
 
 
 def test_named_sharding_default_activation(num_devices, params, x):
     """A plain NamedSharding for every leaf; activation sharding defaults to replicated."""
     mesh = Mesh(np.array(jax.devices()[:num_devices]), ("x",))
-    rt = StreamingRuntime(layer, params, sharding=NamedSharding(mesh, P()))
+    rt = StreamingRuntime(layer, params, placement=Placement(sharding=NamedSharding(mesh, P())))
     assert rt.activation_sharding.spec == P()
     check_close(rt.forward(x), mono_forward(stacked(params), x), rtol=1e-5, atol=1e-5)
 
@@ -172,7 +172,7 @@ def test_different_stage_functions():
             h = f(p, h)
         return h
 
-    rt = StreamingRuntime(fns, ps, prefetch_depth=1)
+    rt = StreamingRuntime(fns, ps, RuntimeConfig(prefetch_depth=1))
     y = rt.forward(x)
     assert y.shape == (T, 3)
     check_close(y, jax.jit(ref)(x), rtol=1e-5, atol=1e-5)
@@ -198,7 +198,7 @@ def test_loss_args_and_throttle_off(params, x):
 
     ref = jax.value_and_grad(lambda s, h: mse(mono_forward(s, h), target), argnums=(0, 1))
     ref_loss, (ref_gp, ref_gx) = ref(stacked(params), x)
-    rt = StreamingRuntime(layer, params, prefetch_depth=2, throttle=False)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2, throttle=False))
     loss, gx, grads = rt.train_step(x, mse, loss_args=(target,))
     check_close(loss, ref_loss, rtol=1e-5)
     check_close(gx, ref_gx, rtol=1e-5, atol=1e-6)
@@ -208,7 +208,7 @@ def test_loss_args_and_throttle_off(params, x):
 # ---------------------------------------------------------------------------- residency
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_residency_bounded_and_prefetching(params, x, k):
-    rt = StreamingRuntime(layer, params, prefetch_depth=k)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=k))
     rt.forward(x).block_until_ready()
     fwd = [r for (pname, _, r) in rt.residency_trace]
     assert len(fwd) == L
@@ -230,13 +230,13 @@ def test_residency_bounded_and_prefetching(params, x, k):
 
 
 def test_prefetch_deeper_than_stack(params, x):
-    rt = StreamingRuntime(layer, params[:3], prefetch_depth=5)
+    rt = StreamingRuntime(layer, params[:3], RuntimeConfig(prefetch_depth=5))
     check_close(rt.forward(x), mono_forward(stacked(params[:3]), x))
     assert rt.max_resident_stages == 3
 
 
 def test_no_leak_over_100_forward_calls(params, x):
-    rt = StreamingRuntime(layer, params, prefetch_depth=2)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2))
     rt.forward(x).block_until_ready()
     before = live_device_arrays()
     for _ in range(100):
@@ -249,7 +249,7 @@ def test_no_leak_over_100_forward_calls(params, x):
 
 
 def test_no_leak_train_step(params, x):
-    rt = StreamingRuntime(layer, params, prefetch_depth=1)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=1))
     jax.block_until_ready(rt.train_step(x, loss_fn))
     before = live_device_arrays()
     for _ in range(10):
@@ -260,7 +260,7 @@ def test_no_leak_train_step(params, x):
 # ---------------------------------------------------------------------------- trace
 def test_trace_events(params, x):
     rec = TraceRecorder()
-    rt = StreamingRuntime(layer, params, prefetch_depth=2, trace=rec)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2), trace=rec)
     rt.train_step(x, loss_fn)
     assert not rec.recording and rec.t0 <= time.perf_counter()
     ev = rec.events
@@ -312,8 +312,10 @@ def test_executable_memory_and_sizes(params, x):
     ({"activation_sharding": "x"}, TypeError, "activation_sharding"),
 ])
 def test_bad_constructor_arguments(params, kwargs, exc, match):
+    placed = ("device", "sharding", "activation_sharding")
     with pytest.raises(exc, match=match):
-        StreamingRuntime(layer, params, **kwargs)
+        StreamingRuntime(layer, params, RuntimeConfig(**{k: v for k, v in kwargs.items() if k not in placed}),
+                         placement=Placement(**{k: v for k, v in kwargs.items() if k in placed}))
 
 
 def test_bad_stage_lists(params):
@@ -330,11 +332,12 @@ def test_bad_stage_lists(params):
     with pytest.raises(TypeError, match=r"stage_params\[1\]\['a'\]: expected an array"):
         StreamingRuntime(layer, [params[0], {"a": 1.0, "b": params[0]["b"]}])
     with pytest.raises(ValueError, match="device or sharding"):
-        StreamingRuntime(layer, params, device=jax.devices()[0],
-                         sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        StreamingRuntime(layer, params,
+                         placement=Placement(device=jax.devices()[0],
+                                             sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])))
     with pytest.raises(ValueError, match="activation_sharding is required"):
-        StreamingRuntime(layer, params, sharding=lambda i, path, leaf: jax.sharding.SingleDeviceSharding(
-            jax.devices()[0]))
+        StreamingRuntime(layer, params, placement=Placement(
+            sharding=lambda i, path, leaf: jax.sharding.SingleDeviceSharding(jax.devices()[0])))
 
 
 def test_mismatched_params_with_shared_fn(params):
@@ -355,7 +358,7 @@ def test_mismatched_params_with_shared_fn(params):
 
 
 def test_bad_call_inputs_raise_before_state_change(params, x):
-    rt = StreamingRuntime(layer, params, prefetch_depth=2)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2))
     rt.forward(x).block_until_ready()
     trace, peak, nexe = list(rt.residency_trace), rt.max_resident_stages, rt.num_executables
     before = live_device_arrays()
@@ -394,7 +397,7 @@ def test_bfloat16_train_step():
     """bf16 weights and activations (as in the GPU benchmark): train_step accepts them."""
     ps = [jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), p) for p in make_params(4)]
     xb = jnp.asarray(make_input(), jnp.bfloat16)
-    rt = StreamingRuntime(layer, ps, prefetch_depth=1)
+    rt = StreamingRuntime(layer, ps, RuntimeConfig(prefetch_depth=1))
     ref_loss, (ref_gp, ref_gx) = jax.value_and_grad(
         lambda s, h: jnp.sum(jnp.sin(mono_forward(s, h).astype(jnp.float32))), argnums=(0, 1))(stacked(ps), xb)
     loss, gx, grads = rt.train_step(xb, lambda o: jnp.sum(jnp.sin(o.astype(jnp.float32))))
@@ -409,7 +412,7 @@ def test_bfloat16_train_step():
 def test_pytree_carry_chunked_layers(params, x, k):
     """Layers split into 4 column-chunk stages with a (x, partial sum) carry: forward and grads match."""
     fns, sp = chunk_stages(params, 4)
-    rt = StreamingRuntime(fns, sp, prefetch_depth=k)
+    rt = StreamingRuntime(fns, sp, RuntimeConfig(prefetch_depth=k))
     y, y2 = rt.forward((x, x))
     check_close(y, mono_forward(stacked(params), x), rtol=1e-5, atol=1e-5)
     check_close(y2, y, rtol=0, atol=0)
@@ -440,7 +443,7 @@ def test_train_step_saved_residuals(params, x, remat, k):
     """remat=False / a checkpoint policy: same loss and gradients, residuals kept instead of recompute."""
     stack = stacked(params)
     ref_loss, (ref_gp, ref_gx) = jax.value_and_grad(mono_loss, argnums=(0, 1))(stack, x)
-    rt = StreamingRuntime(layer, params, prefetch_depth=k, remat=remat)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=k, remat=remat))
     loss, gx, grads = rt.train_step(x, loss_fn)
     check_close(loss, ref_loss, rtol=1e-5)
     check_close(gx, ref_gx, rtol=1e-5, atol=1e-5)
@@ -462,4 +465,4 @@ def test_train_step_saved_residuals(params, x, remat, k):
 
 def test_remat_argument_checked(params):
     with pytest.raises(TypeError, match="remat must be a bool or a jax.checkpoint_policies policy"):
-        StreamingRuntime(layer, params, remat="dots")
+        StreamingRuntime(layer, params, RuntimeConfig(remat="dots"))

@@ -14,7 +14,7 @@ import pytest
 
 from xla_swap.executors import TraceRecorder
 from xla_swap.executors.streaming.runtime import MAX_LOSS_FNS
-from xla_swap.executors.streaming import StreamingRuntime
+from xla_swap.executors.streaming import RuntimeConfig, StreamingRuntime
 from xla_swap.planning import AdamW, OffloadPolicy
 
 L, D, F, T = 4, 16, 32, 8
@@ -61,7 +61,7 @@ def numpy_adamw(params, grads, state, step, opt: AdamW):
 
 def test_several_input_shapes_bounded_cache():
     params, x = make_params(), make_input()
-    rt = StreamingRuntime(layer, params, prefetch_depth=2, max_signatures=2)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2, max_signatures=2))
     ref = jax.jit(lambda x: jax.tree_util.tree_reduce(lambda h, p: layer(p, h), params, x,
                                                       is_leaf=lambda n: isinstance(n, dict)))
     for t in (8, 4, 8, 2):  # 8 is reused, 2 evicts the least recently used signature (4)
@@ -91,7 +91,7 @@ def test_integer_leaves_are_constants():
         return jnp.sum(jnp.sin(h))
 
     pos = np.arange(T, dtype=np.int32)
-    rt = StreamingRuntime(stage, sp, prefetch_depth=2)
+    rt = StreamingRuntime(stage, sp, RuntimeConfig(prefetch_depth=2))
     loss, (gx, gpos), grads = rt.train_step((x, pos), lambda out: jnp.sum(jnp.sin(out[0])))
     floats = [{"a": p["a"], "b": p["b"]} for p in sp]
     ref_val, (ref_gp, ref_gx) = jax.value_and_grad(
@@ -108,8 +108,8 @@ def test_adamw_update_matches_numpy_reference(remat, k, on_host):
     params, x = make_params(), make_input()
     target = make_input(seed=7)
     opt = AdamW(lr=1e-2, weight_decay=0.1)
-    rt = StreamingRuntime(layer, params, prefetch_depth=k, remat=remat, optimizer=opt,
-                          optimizer_state_on_host=on_host)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=k, remat=remat, optimizer_state_on_host=on_host),
+                          optimizer=opt)
     ref_p = [[np.float64(p["a"]), np.float64(p["b"])] for p in params]
     ref_s = [[(np.zeros((D, F)), np.zeros((D, F))), (np.zeros((F, D)), np.zeros((F, D)))] for _ in params]
     grad = jax.jit(jax.grad(ref_loss))
@@ -153,7 +153,7 @@ def test_resident_stages_and_from_policy():
     with pytest.raises(ValueError, match="activations offloads"):
         StreamingRuntime.from_policy(layer, params, OffloadPolicy(params="host", activations={"a": "host"}))
     with pytest.raises(ValueError, match="prefetch_depth: decided by the policy"):
-        StreamingRuntime.from_policy(layer, params, host, prefetch_depth=3)
+        StreamingRuntime.from_policy(layer, params, host, RuntimeConfig(prefetch_depth=3))
     with pytest.raises(TypeError, match="policy must be"):
         StreamingRuntime.from_policy(layer, params, {"params": "host"})
 
@@ -179,7 +179,7 @@ def test_bad_optimizer_arguments():
     with pytest.raises(ValueError, match=r"betas\[1\]"):
         AdamW(betas=(0.9, 1.0))
     with pytest.raises(ValueError, match="resident must be"):
-        StreamingRuntime(layer, params, resident=[True])
+        StreamingRuntime(layer, params, RuntimeConfig(resident=[True]))
     rt = StreamingRuntime(layer, params)
     with pytest.raises(ValueError, match="lr is only used with an optimizer"):
         rt.train_step(make_input(), lambda o: jnp.sum(o), lr=0.1)
@@ -188,7 +188,7 @@ def test_bad_optimizer_arguments():
 def test_layer_cost_from_the_compiled_stage():
     """``layer_cost`` gives the planner a stage's bytes from the runtime itself."""
     params, x = make_params(), make_input()
-    rt = StreamingRuntime(layer, params, remat=False, optimizer=None)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(remat=False), optimizer=None)
     cost = rt.layer_cost(x, 1, flops_per_s=1e9)
     assert cost.param_bytes == cost.grad_bytes == 4 * (D * F + F * D)
     assert cost.carry_bytes == 4 * T * D and cost.optimizer_bytes == 0
@@ -208,8 +208,8 @@ def test_activation_offload_keeps_values_and_gradients(remat, k):
     """Stage inputs (and saved residuals) through pinned_host and back k stages ahead: same loss and gradients."""
     params, x = make_params(), make_input()
     target = make_input(seed=7)
-    ref = StreamingRuntime(layer, params, prefetch_depth=k, remat=remat)
-    off = StreamingRuntime(layer, params, prefetch_depth=k, remat=remat, offload_activations=True)
+    ref = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=k, remat=remat))
+    off = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=k, remat=remat, offload_activations=True))
     l0, gx0, g0 = ref.train_step(x, loss_fn, loss_args=(target,))
     l1, gx1, g1 = off.train_step(x, loss_fn, loss_args=(target,))
     np.testing.assert_array_equal(np.asarray(l1), np.asarray(l0))
@@ -231,8 +231,8 @@ def _h2d(rt, pass_name=None):
 def test_prefetch_next_call_forward_streams_fewer_stages(k):
     """Serving loop: the second call takes its first min(k, L) stages from device memory."""
     params, x = make_params(), make_input()
-    ref = StreamingRuntime(layer, params, prefetch_depth=k, prefetch_next_call=False)
-    rt = StreamingRuntime(layer, params, prefetch_depth=k, trace=TraceRecorder())
+    ref = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=k, prefetch_next_call=False))
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=k), trace=TraceRecorder())
     want = np.asarray(ref.forward(x))
     nc = min(k, L)
     np.testing.assert_array_equal(np.asarray(rt.forward(x)), want)
@@ -250,7 +250,7 @@ def test_prefetch_next_call_forward_streams_fewer_stages(k):
 
 def test_prefetch_next_call_bounds_live_stages():
     k = 2
-    rt = StreamingRuntime(layer, make_params(), prefetch_depth=k)
+    rt = StreamingRuntime(layer, make_params(), RuntimeConfig(prefetch_depth=k))
     x = make_input()
     for _ in range(3):
         jax.block_until_ready(rt.forward(x))
@@ -263,8 +263,8 @@ def test_prefetch_next_call_without_optimizer_matches_reference():
     """train_step -> forward -> train_step: values and gradients equal the non-cyclic runtime."""
     params, x = make_params(), make_input()
     tgt = make_input(seed=3)
-    ref = StreamingRuntime(layer, params, prefetch_depth=2, prefetch_next_call=False)
-    rt = StreamingRuntime(layer, params, prefetch_depth=2, trace=TraceRecorder())
+    ref = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2, prefetch_next_call=False))
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2), trace=TraceRecorder())
     for _ in range(2):
         a, b = ref.train_step(x, loss_fn, loss_args=(tgt,)), rt.train_step(x, loss_fn, loss_args=(tgt,))
         np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
@@ -285,10 +285,11 @@ def test_prefetch_next_call_carries_updated_weights(on_host):
     params, x = make_params(), make_input()
     tgt = make_input(seed=3)
     opt = AdamW(lr=1e-2)
-    ref = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt, optimizer_state_on_host=on_host,
-                           prefetch_next_call=False)
-    rt = StreamingRuntime(layer, params, prefetch_depth=2, optimizer=opt, optimizer_state_on_host=on_host,
-                          trace=TraceRecorder())
+    ref = StreamingRuntime(layer, params,
+                           RuntimeConfig(prefetch_depth=2, optimizer_state_on_host=on_host, prefetch_next_call=False),
+                           optimizer=opt)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2, optimizer_state_on_host=on_host),
+                          optimizer=opt, trace=TraceRecorder())
     for _ in range(3):
         la = ref.train_step(x, loss_fn, loss_args=(tgt,))[0]
         lb = rt.train_step(x, loss_fn, loss_args=(tgt,))[0]
@@ -303,18 +304,18 @@ def test_prefetch_next_call_carries_updated_weights(on_host):
 
 def test_prefetch_next_call_invalidated_by_new_host_params():
     params, x = make_params(), make_input()
-    rt = StreamingRuntime(layer, params, prefetch_depth=2)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2))
     rt.forward(x)
     assert rt.prefetched_stages == [0, 1]
     new = make_params(seed=7)
     rt.host_params[0] = jax.device_put(new[0], jax.tree_util.tree_map(lambda a: a.sharding, rt.host_params[0]))
-    want = StreamingRuntime(layer, [new[0]] + params[1:], prefetch_depth=2).forward(x)
+    want = StreamingRuntime(layer, [new[0]] + params[1:], RuntimeConfig(prefetch_depth=2)).forward(x)
     np.testing.assert_array_equal(np.asarray(rt.forward(x)), np.asarray(want))
 
 
 def test_prefetch_next_call_flag_checked():
     with pytest.raises(TypeError, match="prefetch_next_call"):
-        StreamingRuntime(layer, make_params(), prefetch_next_call=1)
+        StreamingRuntime(layer, make_params(), RuntimeConfig(prefetch_next_call=1))
 
 
 def test_load_stage_resumes_exactly_and_refuses_mismatches():
@@ -323,8 +324,8 @@ def test_load_stage_resumes_exactly_and_refuses_mismatches():
     pending accumulated gradients are refused before anything changes."""
     opt = AdamW(lr=1e-2, weight_decay=0.1)
     x, y = make_input(), make_input(seed=2)
-    a = StreamingRuntime(layer, make_params(), prefetch_depth=1, optimizer=opt)
-    b = StreamingRuntime(layer, make_params(seed=5), prefetch_depth=1, optimizer=opt)
+    a = StreamingRuntime(layer, make_params(), RuntimeConfig(prefetch_depth=1), optimizer=opt)
+    b = StreamingRuntime(layer, make_params(seed=5), RuntimeConfig(prefetch_depth=1), optimizer=opt)
     for _ in range(2):
         a.train_step(x, loss_fn, loss_args=(y,))
     b.train_step(x, loss_fn, loss_args=(y,))   # b's device copies for the next call are stale after the load

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from streaming_cases import L, layer, loss_fn
-from xla_swap.executors import StageEvent, StreamingRuntime, TraceRecorder
+from xla_swap.executors import RuntimeConfig, StageEvent, StreamingRuntime, TraceRecorder
 
 
 def _kinds(rec):
@@ -17,7 +17,7 @@ def _kinds(rec):
 
 
 def test_per_call_recorder_records_that_call_only(params, x):
-    rt = StreamingRuntime(layer, params, prefetch_depth=2, prefetch_next_call=False)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2, prefetch_next_call=False))
     assert rt.trace is None
     rec = TraceRecorder()
     assert rec.events == [] and math.isnan(rec.t0) and not rec.recording
@@ -41,7 +41,7 @@ def test_per_call_recorder_records_that_call_only(params, x):
 
 def test_event_times_are_seconds_since_t0_in_dispatch_order(params, x):
     rec = TraceRecorder()
-    rt = StreamingRuntime(layer, params, prefetch_depth=1, trace=rec)
+    rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=1), trace=rec)
     jax.block_until_ready(rt.train_step(x, loss_fn)[:2])
     ev = rec.events
     assert ev and all(isinstance(e, StageEvent) and e.error is None for e in ev)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from streaming_cases import layer, make_params
-from xla_swap.executors import StreamingRuntime
+from xla_swap.executors import RuntimeConfig, StreamingRuntime
 from xla_swap.executors.streaming.placement import zeros_where_they_live
 from xla_swap.planning import AdamW
 
@@ -30,8 +30,8 @@ def test_zeros_move_nothing_from_the_host(kind):
 @pytest.mark.parametrize("on_host", [False, True])
 def test_runtime_moments_start_at_zero_where_they_live(on_host):
     params = make_params(3)
-    rt = StreamingRuntime(layer, params, optimizer=AdamW(lr=1e-2), optimizer_state_on_host=on_host,
-                          resident=[False, True, False])
+    rt = StreamingRuntime(layer, params, RuntimeConfig(optimizer_state_on_host=on_host, resident=[False, True, False]),
+                          optimizer=AdamW(lr=1e-2))
     for i, state in enumerate(rt.optimizer_state):
         kind = "pinned_host" if on_host and i != 1 else "device"
         for leaf in jax.tree_util.tree_leaves(state):

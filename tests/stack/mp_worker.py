@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from xla_swap.executors import StreamingRuntime  # noqa: E402
+from xla_swap.executors import Placement, RuntimeConfig, StreamingRuntime  # noqa: E402
 from xla_swap.planning import AdamW  # noqa: E402
 from xla_swap.stack import SwappedStack  # noqa: E402
 
@@ -64,8 +64,8 @@ def sharding(i, path, leaf):
     return NamedSharding(mesh, P(None, "d") if "a" in jax.tree_util.keystr(path) else P("d", None))
 
 
-rt = StreamingRuntime(layer, params, sharding=sharding, activation_sharding=NamedSharding(mesh, P()),
-                      prefetch_depth=2, track_residency=False)
+rt = StreamingRuntime(layer, params, RuntimeConfig(prefetch_depth=2, track_residency=False),
+                      placement=Placement(sharding=sharding, activation_sharding=NamedSharding(mesh, P())))
 for p in rt.host_params:
     only_local_shards(p)
 x = rng.standard_normal((4, D)).astype(np.float32)
