@@ -185,3 +185,23 @@ def test_step_loop_rule_flags_a_planted_loop(tmp_path):
     assert schedule_step_loops(probe, root=tmp_path) == [
         "probe.py:1 for s in sched.steps", "probe.py:4 for step in self.schedule.pass_steps('update')",
         "probe.py:6 for s in call.schedule.timeline"]
+
+
+#: The most parameters the streaming runtime's constructor takes: its settings go in the frozen
+#: ``RuntimeConfig`` and ``Placement``, not in keywords of their own.
+MAX_RUNTIME_PARAMETERS = 10
+
+
+def test_the_streaming_runtime_takes_at_most_ten_parameters():
+    """``StreamingRuntime(stage_fn, stage_params, config, *, placement, optimizer, ...)``: at most
+    :data:`MAX_RUNTIME_PARAMETERS` (``self`` not counted), every setting of ``RuntimeConfig`` and ``Placement``
+    reached through those two objects, none a keyword of its own."""
+    import dataclasses
+    import inspect
+
+    from xla_swap.executors import Placement, RuntimeConfig, StreamingRuntime
+    params = inspect.signature(StreamingRuntime).parameters
+    assert len(params) <= MAX_RUNTIME_PARAMETERS, list(params)
+    assert {"config", "placement"} <= set(params)
+    settings = {f.name for cls in (RuntimeConfig, Placement) for f in dataclasses.fields(cls)}
+    assert not settings & set(params), sorted(settings & set(params))
