@@ -93,7 +93,8 @@ class ScheduleChoice:
         return sum(self.resident)
 
     def runtime_kwargs(self) -> dict:
-        """The ``StreamingRuntime`` constructor arguments this schedule decides: ``prefetch_depth``,
+        """The ``RuntimeConfig`` fields this schedule decides (``config.replace(**choice.runtime_kwargs())``,
+        ``runtime.reconfigured(**...)``): ``prefetch_depth``,
         ``resident`` (a list of bools), ``offload_activations``, ``optimizer_state_on_host`` and,
         for a training step, ``remat`` (a bool; a forward does not use it)."""
         kw = {"prefetch_depth": self.prefetch_depth, "resident": list(self.resident),

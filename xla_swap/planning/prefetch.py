@@ -105,14 +105,14 @@ class PrefetchSchedule:
       training: ``False``: a ``forward``; ``True``: a ``train_step`` (forward, then backward).
       resident: per stage, ``True`` when its weights live in device memory for good (never
         fetched, not live); a sequence of ``L`` bools, default none.
-      prefetch_next_call: the cyclic schedule (``StreamingRuntime(prefetch_next_call=...)``): the
+      prefetch_next_call: the cyclic schedule (``RuntimeConfig(prefetch_next_call=...)``): the
         call leaves the next call's first stages in device memory (``carried_out``).
       steady_state: the call follows one of the same kind, so it starts with that call's
         ``carried_out`` in device memory (``carried_in``); ``False``: a cold call (the first of a
         loop). Without ``prefetch_next_call`` both are the same.
       offload_activations: in training, the stage inputs not kept for the backward (all but the
         last ``k+1``) go to host memory after their forward and come back ``k`` stages ahead of
-        their backward (``StreamingRuntime(offload_activations=True)``); no effect in inference.
+        their backward (``RuntimeConfig(offload_activations=True)``); no effect in inference.
       optimizer: the backward copies each stage's optimizer state (moments, accumulated gradients)
         to the device beside its weights (``train_step`` with an optimizer; in an ``accumulate``
         micro-batch or with ``update_pass``, only the accumulated gradients of the micro-batches

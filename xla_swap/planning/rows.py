@@ -25,8 +25,8 @@ __all__ = ["OPTIMIZER_MODES", "Row", "optimizer_modes_of", "schedule_for", "fetc
 #: Where and how the optimizer step runs (docs/reference/planner.md, "Optimizer modes"): ``"device"`` - the
 #: state lives in device memory (``OffloadPolicy.optimizer_state="device"``); ``"streamed"`` - the
 #: state lives in host memory and each layer's state crosses PCIe in the backward, the update runs
-#: on the device right after the layer's backward (``StreamingRuntime(optimizer=...,
-#: optimizer_state_on_host=True)``); ``"host"`` - the gradients go to host memory and the update runs
+#: on the device right after the layer's backward (``StreamingRuntime(..., RuntimeConfig(
+#: optimizer_state_on_host=True), optimizer=...)``); ``"host"`` - the gradients go to host memory and the update runs
 #: on the CPU, bounded by host memory bandwidth (ZeRO-Offload / FSDP2 ``CPUOffloadPolicy``).
 OPTIMIZER_MODES = ("device", "streamed", "host")
 
