@@ -99,3 +99,15 @@ def test_from_policy_sets_the_policy_fields_and_keeps_the_configs_others():
         StreamingRuntime.from_policy(layer, params, policy, RuntimeConfig(prefetch_depth=3, remat=False))
     with pytest.raises(TypeError, match="config must be"):
         StreamingRuntime.from_policy(layer, params, policy, {"track_residency": False})
+
+
+def test_reconfigured_takes_a_config_for_the_same_stages():
+    params, x = make_params(n=3), make_input()
+    rt = StreamingRuntime(layer, params, RuntimeConfig(track_residency=False))
+    again = rt.reconfigured(RuntimeConfig(prefetch_depth=2), remat=False)
+    assert (again.num_stages, again.prefetch_depth, again.remat, again.track_residency) == (3, 2, False, True)
+    np.testing.assert_array_equal(np.asarray(again.forward(x)), np.asarray(rt.forward(x)))
+    with pytest.raises(ValueError, match="config.num_stages=4 but stage_params has 3 stages"):
+        rt.reconfigured(RuntimeConfig(num_stages=4))
+    with pytest.raises(TypeError, match="config must be"):
+        rt.reconfigured({"prefetch_depth": 2})

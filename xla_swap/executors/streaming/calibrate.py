@@ -383,7 +383,8 @@ def reconfigure(runtime: StreamingRuntime, choice: ScheduleChoice, *, own_params
     with no copy; ``runtime`` must not be called afterwards (the new runtime's updates may donate what
     they share). The optimizer state is placed straight into its new place: no zero state is allocated
     first, so a choice with the moments in device memory holds them there once. This is
-    ``runtime.reconfigured(**choice.runtime_kwargs())``: the same stages, another ``RuntimeConfig``.
+    ``runtime.reconfigured(runtime.config.replace(**choice.runtime_kwargs()))``: the same stages, another
+    ``RuntimeConfig``.
 
     Raises: TypeError: ``runtime`` not a ``StreamingRuntime``, ``choice`` not a
       ``ScheduleChoice`` or ``own_params`` not a bool; ValueError: ``choice.resident`` has another
@@ -401,7 +402,7 @@ def reconfigure(runtime: StreamingRuntime, choice: ScheduleChoice, *, own_params
     remat = kw.pop("remat", rt.remat)
     if remat is False and not isinstance(rt.remat, bool):
         remat = rt.remat
-    return rt.reconfigured(own_params=own_params, remat=remat, **kw)
+    return rt.reconfigured(rt.config.replace(remat=remat, **kw), own_params=own_params)
 
 
 def autotune(runtime: StreamingRuntime, h, budget_bytes: int, *, training: bool = True, reps: int = 3,

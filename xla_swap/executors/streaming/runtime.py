@@ -207,23 +207,26 @@ class StreamingRuntime:
         self.compiler, self.residency, self.calls = parts.compiler, parts.residency, parts.calls
         self.inspector = parts.inspector
 
-    def reconfigured(self, *, own_params: bool = False, **settings) -> "StreamingRuntime":
+    def reconfigured(self, config: RuntimeConfig | None = None, *, own_params: bool = False,
+                     **settings) -> "StreamingRuntime":
         """A new runtime over this one's stages under another configuration: the same stage functions,
         current weights and optimizer state (its step count too), shardings, trainable leaves, parameter
-        groups and ``trace``; its ``config`` is this one's with ``settings`` changed (``RuntimeConfig``
-        fields: ``prefetch_depth``, ``resident``, ``remat``, ``offload_activations``, ...).
+        groups and ``trace``; its ``config`` is ``config`` (default: this one's) with ``settings`` changed
+        (``RuntimeConfig`` fields: ``prefetch_depth``, ``resident``, ``remat``, ``offload_activations``, ...).
 
         ``own_params=False``: this runtime is left as it was (the new one holds copies where the
         optimizer updates them); ``True``: the new runtime takes the arrays where they already sit, and this
         one must not be called afterwards.
 
-        Raises: TypeError: an unknown setting, ``own_params`` not a bool; the ``RuntimeConfig`` errors for
-          a bad value; ValueError: accumulated gradients are pending (``grad_acc``: update first).
+        Raises: TypeError: an unknown setting, ``own_params`` not a bool, ``config`` not a ``RuntimeConfig``;
+          the ``RuntimeConfig`` errors for a bad value; ValueError: ``config.num_stages`` not this runtime's;
+          accumulated gradients are pending (``grad_acc``: update first).
         """
         check_flag("own_params", own_params)
         if "num_stages" in settings:
             raise TypeError("num_stages: a reconfigured runtime runs the same stages")
-        parts = self.parts.reconfigured(self.config.replace(**settings), own_params=own_params)
+        config = self.config if config is None else checked_config(config).for_stages(self.num_stages)
+        parts = self.parts.reconfigured(config.replace(**settings), own_params=own_params)
         return type(self).adopting(parts, trace=self.trace)
 
     @classmethod
