@@ -111,3 +111,18 @@ def test_reconfigured_takes_a_config_for_the_same_stages():
         rt.reconfigured(RuntimeConfig(num_stages=4))
     with pytest.raises(TypeError, match="config must be"):
         rt.reconfigured({"prefetch_depth": 2})
+
+
+def test_the_executors_offer_the_two_configs():
+    """``RuntimeConfig`` and ``Placement`` are public names of ``xla_swap.executors`` and of its ``streaming``
+    package, the defining modules' objects; ``xla_swap`` itself stays without them."""
+    import importlib
+
+    import xla_swap
+    from xla_swap import executors
+    from xla_swap.executors.streaming import config, placement
+    streaming = importlib.import_module("xla_swap.executors.streaming")
+    for mod in (executors, streaming):
+        assert {"RuntimeConfig", "Placement"} <= set(mod.__all__)
+        assert mod.RuntimeConfig is config.RuntimeConfig and mod.Placement is placement.Placement
+    assert "RuntimeConfig" not in dir(xla_swap) and "Placement" not in dir(xla_swap)

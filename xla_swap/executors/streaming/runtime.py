@@ -36,7 +36,6 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
-from jax.sharding import Sharding
 
 from xla_swap.planning.optimizer import AdamW
 from xla_swap.planning.policy import OffloadPolicy
