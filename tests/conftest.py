@@ -15,9 +15,17 @@ import sys
 NUM_DEVICES = int(os.environ.get("XLA_SWAP_NUM_DEVICES", "4"))
 os.environ["PJRT_DEVICE"] = "CPU"
 os.environ["CPU_NUM_DEVICES"] = str(NUM_DEVICES)
+#: the XLA flags of every test process (below).
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 _flag = f"--xla_force_host_platform_device_count={NUM_DEVICES}"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+# XLA:CPU without LLVM's costly optimisations: the suite's programs are small, so compiling them costs far
+# more than running them (a third of the CPU time of the model tests). HLO's passes run as before; where
+# XLA_FLAGS sets an optimisation level already, it is kept. Subprocesses inherit XLA_FLAGS (those that set
+# their own device count keep the other flags: ``XLA_FLAGS`` less ``xla_force_host_platform_device_count``).
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " " + FAST_COMPILE_FLAGS
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # jax's persistent compilation cache, shared by every test process of a run (subprocesses inherit it):
