@@ -2,7 +2,8 @@
 
 The device count comes from ``XLA_SWAP_NUM_DEVICES`` (default 4); ``make test`` runs the
 whole suite with 4 devices and the tests marked ``spmd`` again with 1 and 8. jax's persistent
-compilation cache is on, in ``.cache/jax`` (a test that counts compilations turns it off).
+compilation cache is on, in ``.cache/jax`` (a test that counts compilations turns it off), and XLA:CPU
+compiles at LLVM optimisation level 0 (``FAST_COMPILE_FLAGS``; ``XLA_FLAGS`` naming a level keeps its own).
 ``make test`` runs pytest on pytest-xdist workers (``-n auto``): each worker is a process of its own
 that runs this file first, so the devices, the environment and jax's counters are per worker; the
 cache directory is shared by the workers and the subprocesses the tests start. Every test starts from
@@ -15,7 +16,7 @@ import sys
 NUM_DEVICES = int(os.environ.get("XLA_SWAP_NUM_DEVICES", "4"))
 os.environ["PJRT_DEVICE"] = "CPU"
 os.environ["CPU_NUM_DEVICES"] = str(NUM_DEVICES)
-#: the XLA flags of every test process (below).
+#: XLA flags of every test process, and of the subprocesses the tests start (below).
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 _flag = f"--xla_force_host_platform_device_count={NUM_DEVICES}"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
