@@ -38,6 +38,8 @@ export PJRT_DEVICE := CPU
 PYTEST_MAX_WORKERS ?= 4
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt $(PYTEST_MAX_WORKERS) ] && n=$(PYTEST_MAX_WORKERS); echo $$n)
 XDIST := -n $(PYTEST_WORKERS)
+# How many of the four smaller runs of make test run at once: one per worker (1 with PYTEST_WORKERS=0).
+STAGE_JOBS := $(if $(filter 0,$(PYTEST_WORKERS)),1,$(PYTEST_WORKERS))
 export PYTHONUNBUFFERED := 1
 
 .PHONY: demo test test-spmd-1 test-spmd-8 test-jax-only test-transformers-low venv venv-jax venv-tf-low
@@ -83,7 +85,7 @@ demo: venv
 
 test: venv
 	XLA_SWAP_NUM_DEVICES=4 $(PY) -m pytest -q $(XDIST) --dist loadfile --durations=20 tests
-	$(MAKE) --no-print-directory -j$(PYTEST_WORKERS) --output-sync=target STAGE_XDIST= \
+	$(MAKE) --no-print-directory -j$(STAGE_JOBS) --output-sync=target STAGE_XDIST= \
 	  test-spmd-1 test-spmd-8 test-jax-only test-transformers-low
 
 # The tests marked spmd on 1 and on 8 virtual devices. STAGE_XDIST: these runs' workers (make test runs
