@@ -6,9 +6,9 @@
 #                 PYTEST_MAX_WORKERS, default 4; PYTEST_WORKERS=0 runs it in one process), each module
 #                 whole on one worker (--dist loadfile: its module-scoped fixtures, such as the torchrun
 #                 and multiprocess references, built once). The four smaller runs (make test-spmd-1,
-#                 test-spmd-8, test-jax-only, test-transformers-low) then run one after another, one
-#                 process each (each alone keeps about 1.3 cores busy; xdist would add a collection and
-#                 the imports per worker).
+#                 test-spmd-8, test-jax-only, test-transformers-low) then run as many at once as there
+#                 are workers, one process each (each alone keeps about 1.3 cores busy; xdist would add
+#                 a collection and the imports per worker), each run's output printed when it ends.
 # Both create .venv when it is missing (or pyproject.toml changed) and reuse it otherwise.
 #   make test-jax-only - the executor and planner tests in .venv-jax: jax 0.11.2 (the top of the
 #                 tested range, the GPU machine's version) and no torch, torch_xla or torchax, which
@@ -38,6 +38,8 @@ export PJRT_DEVICE := CPU
 PYTEST_MAX_WORKERS ?= 4
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt $(PYTEST_MAX_WORKERS) ] && n=$(PYTEST_MAX_WORKERS); echo $$n)
 XDIST := -n $(PYTEST_WORKERS)
+# How many of the four smaller runs of make test run at once: one per worker (1 with PYTEST_WORKERS=0).
+STAGE_JOBS := $(if $(filter 0,$(PYTEST_WORKERS)),1,$(PYTEST_WORKERS))
 export PYTHONUNBUFFERED := 1
 
 .PHONY: demo test test-spmd-1 test-spmd-8 test-jax-only test-transformers-low venv venv-jax venv-tf-low
@@ -83,10 +85,11 @@ demo: venv
 
 test: venv
 	XLA_SWAP_NUM_DEVICES=4 $(PY) -m pytest -q $(XDIST) --dist loadfile --durations=20 tests
-	$(MAKE) --no-print-directory STAGE_XDIST= test-spmd-1 test-spmd-8 test-jax-only test-transformers-low
+	$(MAKE) --no-print-directory -j$(STAGE_JOBS) --output-sync=target STAGE_XDIST= \
+	  test-spmd-1 test-spmd-8 test-jax-only test-transformers-low
 
 # The tests marked spmd on 1 and on 8 virtual devices. STAGE_XDIST: these runs' workers (make test runs
-# them at once, one process each); alone, one per core.
+# them side by side, one process each); alone, one per core.
 STAGE_XDIST ?= $(XDIST) --dist load
 test-spmd-1 test-spmd-8: test-spmd-%: venv
 	XLA_SWAP_NUM_DEVICES=$* $(PY) -m pytest -q $(STAGE_XDIST) -m spmd tests

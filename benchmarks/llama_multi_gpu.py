@@ -160,9 +160,10 @@ def _env(args, n: int) -> dict:
     on n virtual CPU devices; NVLink multicast off (the device rules)."""
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     env["PYTHONPATH"] = os.pathsep.join([HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    if args.cpu_smoke:
+    if args.cpu_smoke:   # n devices; the environment's other XLA flags kept
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
         env.update(JAX_PLATFORMS="cpu", PJRT_DEVICE="CPU", CUDA_VISIBLE_DEVICES="",
-                   XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+                   XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={n}"]))
     return env
 
 
@@ -190,7 +191,7 @@ def plan(args, n: int, work: str) -> list[dict]:
                 + (["--checkpointing"] if args.anchor_checkpointing else [])))
         if not args.no_torchrun and shape in args.torchrun_shapes and n > 1:
             out = os.path.join(work, f"torchrun_{shape}_rank{{rank}}.json")
-            one_device = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"} if args.cpu_smoke else {}
+            one_device = {"XLA_FLAGS": _env(args, 1)["XLA_FLAGS"]} if args.cpu_smoke else {}
             pieces.append(dict(name=f"torchrun:{shape}", kind="torchrun", shape=shape, out=out, min_s=60,
                                env_extra=one_device, cmd=[
                 py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), me, "--piece",

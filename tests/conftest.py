@@ -2,7 +2,9 @@
 
 The device count comes from ``XLA_SWAP_NUM_DEVICES`` (default 4); ``make test`` runs the
 whole suite with 4 devices and the tests marked ``spmd`` again with 1 and 8. jax's persistent
-compilation cache is on, in ``.cache/jax`` (a test that counts compilations turns it off).
+compilation cache is on, in ``.cache/jax`` (a test that counts compilations turns it off), and XLA:CPU
+compiles at LLVM optimisation level 1 (``FAST_COMPILE_FLAGS``; ``XLA_FLAGS`` naming a level keeps its own);
+torch runs one intra-op thread (``OMP_NUM_THREADS``, unless set).
 ``make test`` runs pytest on pytest-xdist workers (``-n auto``): each worker is a process of its own
 that runs this file first, so the devices, the environment and jax's counters are per worker; the
 cache directory is shared by the workers and the subprocesses the tests start. Every test starts from
@@ -15,10 +17,23 @@ import sys
 NUM_DEVICES = int(os.environ.get("XLA_SWAP_NUM_DEVICES", "4"))
 os.environ["PJRT_DEVICE"] = "CPU"
 os.environ["CPU_NUM_DEVICES"] = str(NUM_DEVICES)
+#: XLA flags of every test process, and of the subprocesses the tests start (below).
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=1 --xla_llvm_disable_expensive_passes=true"
 _flag = f"--xla_force_host_platform_device_count={NUM_DEVICES}"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+# XLA:CPU with LLVM's cheap optimisations only (level 1, the expensive passes off): the suite's programs are
+# small, so compiling them costs more than running them (half of the model tests' time at the default level;
+# level 0 compiles no faster than 1 and runs the decode loops slower). HLO's passes run as before; where
+# XLA_FLAGS sets an optimisation level already, it is kept. Subprocesses inherit XLA_FLAGS (those that set
+# their own device count keep the other flags: ``XLA_FLAGS`` less ``xla_force_host_platform_device_count``).
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " " + FAST_COMPILE_FLAGS
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# One torch intra-op (OpenMP) thread per test process, and per subprocess: ``make test`` runs a pytest-xdist
+# worker per core, and on the suite's tiny tensors torch's threads mostly spin-wait for each other while the
+# other workers hold the cores (with 2 threads a model test file took twice the CPU time and wall time).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # jax's persistent compilation cache, shared by every test process of a run (subprocesses inherit it):
 # the many tests that build the same small models load their executables instead of compiling them

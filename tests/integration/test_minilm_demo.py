@@ -17,7 +17,8 @@ COSINE = "[PASS] min cosine vs sentence-transformers >= 0.9999"
 
 def _run(*args: str) -> str:
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               XLA_FLAGS=" ".join([f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+                                  + ["--xla_force_host_platform_device_count=4"]), JAX_PLATFORMS="cpu",
                TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, str(SCRIPT), *args], env=env, cwd=str(ROOT),
                        capture_output=True, text=True, timeout=300)

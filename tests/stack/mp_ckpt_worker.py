@@ -17,7 +17,8 @@ import sys
 
 pid, nproc, port, tport, ndev = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
 out_path, save_dir, load_dir = sys.argv[6], sys.argv[7], sys.argv[8]
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ndev}"
+os.environ["XLA_FLAGS"] = " ".join([f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+                                   + [f"--xla_force_host_platform_device_count={ndev}"])   # the others kept
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

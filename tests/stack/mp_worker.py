@@ -12,7 +12,8 @@ import os
 import sys
 
 pid, nproc, port, ndev, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ndev}"
+os.environ["XLA_FLAGS"] = " ".join([f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+                                   + [f"--xla_force_host_platform_device_count={ndev}"])   # the others kept
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

@@ -28,7 +28,7 @@ def _free_port() -> int:
 def run_workers(worker: Path, argvs: list, out: Path) -> dict:
     """Start ``worker`` once per argument list (one process each, CPU only), wait for all (300 s), assert that
     every one exited 0 (its log in the message) and return the JSON the workers wrote to ``out``."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}   # XLA_FLAGS: the worker sets the device count
     env["PYTHONPATH"] = str(ROOT)
     env["NPROC"] = "8"   # XLA:CPU's thread pool: with one thread per core a gloo collective can starve a device
     procs = [subprocess.Popen([sys.executable, str(worker), *argv], env=env, stdout=subprocess.PIPE,

@@ -40,7 +40,8 @@ def _env(devices: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "RANK", "WORLD_SIZE")}
     # NPROC: XLA:CPU's thread pool (one thread per core by default); with 2 devices per process on a 2-core
     # machine a collective could wait for a thread another device's later program holds (seen: 2 hangs in 9)
-    env.update(PYTHONPATH=str(ROOT), XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]   # conftest's others
+    env.update(PYTHONPATH=str(ROOT), XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={devices}"]),
                JAX_PLATFORMS="cpu", XLA_SWAP_COORDINATOR_PORT=str(_free_port()), NPROC="8")
     return env
 
