@@ -100,6 +100,27 @@ stack.sync_modules()
 result["stack_losses"] = losses
 result["stack_params"] = [{n: p.detach().numpy().tolist() for n, p in b.named_parameters()} for b in blocks]
 
+# --- transfers.put: memory-kind moves of arrays that span processes, shard by shard (no program traced, no
+# collective), against jax.device_put (which traces a resharding program, or checks a numpy value equal on
+# every process, the first time per shape) ---
+from xla_swap.executors.transfers import put  # noqa: E402
+
+traced = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, secs, **kw: traced.append(event) if event == "/jax/core/compile/jaxpr_trace_duration" else None)
+rows = NamedSharding(mesh, P("d", None))
+on_host, on_dev = rows.with_memory_kind("pinned_host"), rows.with_memory_kind("device")
+w = np.arange(4 * nproc * ndev * 3, dtype=np.float32).reshape(-1, 3)   # a shape nothing has traced
+h = put(w, on_host)
+d = put(h, on_dev)
+back, half = put({"b": d, "c": np.float32(0.5)}, {"b": on_host, "c": NamedSharding(mesh, P())}).values()
+n_put = len(traced)
+ref = jax.device_put(jax.device_put(w * 2, on_host), on_dev)
+result["put"] = {"traced": n_put, "device_put_traced": len(traced) - n_put,
+                 "shardings": [a.sharding == s for a, s in ((h, on_host), (d, on_dev), (back, on_host))],
+                 "equal": [bool(np.array_equal(gather(a), w)) for a in (h, d, back)] + [float(gather(half)) == 0.5,
+                           bool(np.array_equal(gather(ref), w * 2))]}
+
 if pid == 0:
     with open(out_path, "w") as f:
         json.dump(result, f)

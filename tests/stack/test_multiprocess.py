@@ -70,4 +70,10 @@ def test_two_processes_equal_one(tmp_path):
     single = _run(1, 4, tmp_path / "single.json")
     multi = _run(2, 2, tmp_path / "multi.json")
     assert single["stack_losses"][-1] < single["stack_losses"][0]   # it trains
+    put_single, put_multi = single.pop("put"), multi.pop("put")
     _close(multi, single)
+    for got in (put_single, put_multi):   # values and shardings as jax.device_put gives them
+        assert all(got["shardings"]) and all(got["equal"]), got
+    # across processes, jax.device_put traces a program for a move between memory kinds (and checks a numpy
+    # value on every process); transfers.put moves each process's shards on their own devices
+    assert put_multi["device_put_traced"] > 0 and put_multi["traced"] == 0, put_multi

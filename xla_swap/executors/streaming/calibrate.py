@@ -37,6 +37,7 @@ from xla_swap.planning.chooser import CHOICES, ChoiceCache, ScheduleChoice, choo
 from xla_swap.planning.planner import GB, LayerCost, Link
 from xla_swap.planning.units import check_budget_bytes
 
+from ..transfers import put
 from ..pytrees import HOST_KIND, aval_key, probe, split_diff
 from .. import optim as _optim
 from .runtime import StreamingRuntime
@@ -169,13 +170,13 @@ def measure_link(runtime: StreamingRuntime, *, reps: int = 3) -> tuple[Link, dic
     nbytes = runtime.stage_nbytes[i]
     dev_sh = runtime.device_shardings[i]
     host_sh = jax.tree_util.tree_map(lambda s: s.with_memory_kind(HOST_KIND), dev_sh)
-    src = jax.block_until_ready(jax.device_put(runtime.host_params[i], host_sh))
-    on_dev = jax.block_until_ready(jax.device_put(src, dev_sh, may_alias=False))
+    src = jax.block_until_ready(put(runtime.host_params[i], host_sh))
+    on_dev = jax.block_until_ready(put(src, dev_sh, may_alias=False))
     samples: dict[str, list] = {"h2d": [], "d2h": [], "both": []}
-    moves = {"h2d": (lambda: jax.device_put(src, dev_sh, may_alias=False), nbytes),
-             "d2h": (lambda: jax.device_put(on_dev, host_sh, may_alias=False), nbytes),
-             "both": (lambda: (jax.device_put(src, dev_sh, may_alias=False),
-                               jax.device_put(on_dev, host_sh, may_alias=False)), 2 * nbytes)}
+    moves = {"h2d": (lambda: put(src, dev_sh, may_alias=False), nbytes),
+             "d2h": (lambda: put(on_dev, host_sh, may_alias=False), nbytes),
+             "both": (lambda: (put(src, dev_sh, may_alias=False),
+                               put(on_dev, host_sh, may_alias=False)), 2 * nbytes)}
     for name, (move, b) in moves.items():
         _warm_up(move, b)
         for _ in range(reps):
@@ -352,18 +353,18 @@ def _backward_call(rt: StreamingRuntime, sig, i: int):
     """A call of stage ``i``'s backward as ``train_step`` runs it (weights on the device, no donation)."""
     save = rt.remat is not True
     exe = _backward_exe(rt, sig, i)
-    p = jax.device_put(rt.host_params[i], rt.device_shardings[i], may_alias=False)
+    p = put(rt.host_params[i], rt.device_shardings[i], may_alias=False)
     hin, hout = sig.chain[i], sig.chain[i + 1]
-    x = jax.device_put(jax.tree_util.tree_map(probe, hin), rt.activation_sharding_of(hin, sig))
+    x = put(jax.tree_util.tree_map(probe, hin), rt.activation_sharding_of(hin, sig))
     gout = split_diff(hout)[0]
-    g = jax.device_put([probe(a, 1) for a in gout], rt.activation_sharding_of(gout, sig))
+    g = put([probe(a, 1) for a in gout], rt.activation_sharding_of(gout, sig))
     args: tuple = (p, x)
     if save:
         args += (rt.stage_executable(sig, "forward-save", i)(p, x)[1],)
     args += (g,)
     if rt.optimizer is not None:
-        state = jax.device_put(rt.optimizer_state[i], rt.optimizer_state_device_shardings[i], may_alias=False)
-        hyper = jax.device_put(_optim.hyper_rows(rt.param_groups, 1), rt.activation_sharding)
+        state = put(rt.optimizer_state[i], rt.optimizer_state_device_shardings[i], may_alias=False)
+        hyper = put(_optim.hyper_rows(rt.param_groups, 1), rt.activation_sharding)
         args += (state, hyper)
     return lambda: exe(*args)
 

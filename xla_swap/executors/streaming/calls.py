@@ -22,6 +22,7 @@ from xla_swap.planning.prefetch import PrefetchSchedule
 from .config import BackwardMode, RuntimeConfig
 from .executor import FetchedState, StageWeights, execute_pass
 from .passes import BackwardProgram, CallActivations, ForwardProgram, StoreWeights, UpdateProgram
+from ..transfers import put
 from ..pytrees import aval_key, merge_diff, split_diff, tree_aval, tree_nbytes
 
 __all__ = ["RuntimeCalls"]
@@ -143,7 +144,7 @@ class RuntimeCalls:
         self.compiler.warn_replicated(sig)
         hyper_arr = None
         if hyper is not None:
-            hyper_arr = jax.device_put(np.asarray(hyper, np.float32), self.layout.activation_sharding)
+            hyper_arr = put(np.asarray(hyper, np.float32), self.layout.activation_sharding)
         self.residency.start_call()
         self.executed_events = []
         self.last_schedule = sched
@@ -189,8 +190,8 @@ class RuntimeCalls:
             raise RuntimeError(f"the update pass runs the call's schedule's update pass; {sched!r} has none")
         exes = self.compiler.update_exes(self.config.donate)
         act = self.layout.activation_sharding
-        hyper_arr = jax.device_put(np.asarray(hyper, np.float32), act)
-        coef_arr = jax.device_put(np.asarray(coef, np.float32), act)
+        hyper_arr = put(np.asarray(hyper, np.float32), act)
+        coef_arr = put(np.asarray(coef, np.float32), act)
         states, accs = FetchedState(store.state_in), FetchedState(store.acc_in)
         program = UpdateProgram(exes, hyper_arr, coef_arr, states, accs, store, self.residency, recorder)
         execute_pass(sched, "update", program, StageWeights(StoreWeights(store, self.residency, recorder)),
@@ -207,7 +208,7 @@ class RuntimeCalls:
         store = self.store
         store.keep_carried(call.schedule.carried_in)  # a stale copy is dropped
         self.offloaded_activation_nbytes = 0
-        x = jax.device_put(h, self.layout.act(call.sig.chain[0], call.sig.replicated))
+        x = put(h, self.layout.act(call.sig.chain[0], call.sig.replicated))
         forward = ForwardProgram(fwd, x, call.recorder, call.acts)
         del x
         execute_pass(call.schedule, "forward", forward, call.weights, executed=self.executed_events,
@@ -232,15 +233,15 @@ class RuntimeCalls:
         grad_sh = self.layout.act(split_diff(sig.chain[-1])[0], sig.replicated)
         if cotangent is None:   # the targets laid out like the output they meet (a no-op where they are)
             if loss_args:
-                loss_args = jax.device_put(loss_args, self.layout.act(tree_aval(loss_args, "loss_args"),
+                loss_args = put(loss_args, self.layout.act(tree_aval(loss_args, "loss_args"),
                                                                       sig.replicated))
             loss, grad = loss_exe(out, *loss_args)
             if self.layout.batch_sharding is not None:
-                grad = jax.device_put(grad, grad_sh)
+                grad = put(grad, grad_sh)
             return loss, grad
         given = split_diff(cotangent)[0] if aval_key(tree_aval(cotangent, "cotangent")) == \
             aval_key(sig.chain[-1]) else jax.tree_util.tree_leaves(cotangent)
-        return out, jax.device_put(given, grad_sh, may_alias=False)
+        return out, put(given, grad_sh, may_alias=False)
 
     def _stream_backward(self, call: _Call, bwd: list, grad, hyper, mode) -> BackwardProgram:
         """The backward: the schedule's backward prologue, then its backward steps (weights, optimizer

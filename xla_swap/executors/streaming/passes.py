@@ -21,6 +21,7 @@ from xla_swap.planning.prefetch import ScheduleStep
 
 from .config import BackwardMode
 from .executor import FetchedState, StageWeights
+from ..transfers import put
 from ..pytrees import HOST_KIND, tree_nbytes
 from ..trace import StageEvent
 
@@ -82,9 +83,9 @@ class CallActivations:
         """Stage ``i`` is dispatched: send its kept input (and saved residuals) to ``pinned_host``."""
         sig = self.sig
         self.offloaded_nbytes += tree_nbytes(self.inputs[i]) + (tree_nbytes(self.saved[i]) if self.save else 0)
-        self.inputs[i] = jax.device_put(self.inputs[i], self.layout.act_host(sig.chain[i], sig.replicated))
+        self.inputs[i] = put(self.inputs[i], self.layout.act_host(sig.chain[i], sig.replicated))
         if self.save:
-            self.saved[i] = jax.device_put(self.saved[i],
+            self.saved[i] = put(self.saved[i],
                                            [sh.with_memory_kind(HOST_KIND) for sh in self.residual_shardings[i]])
         self.offloaded[i] = True
 
@@ -92,9 +93,9 @@ class CallActivations:
         """Backward: bring stage ``j``'s offloaded input (and saved residuals) back to the device."""
         if self.offloaded[j]:
             sig = self.sig
-            self.inputs[j] = jax.device_put(self.inputs[j], self.layout.act(sig.chain[j], sig.replicated))
+            self.inputs[j] = put(self.inputs[j], self.layout.act(sig.chain[j], sig.replicated))
             if self.save:
-                self.saved[j] = jax.device_put(self.saved[j], self.residual_shardings[j])
+                self.saved[j] = put(self.saved[j], self.residual_shardings[j])
             self.offloaded[j] = False
 
 
@@ -218,13 +219,13 @@ class BackwardProgram:
         if self.mode is BackwardMode.GRADS:
             (grads,) = results
             self.residency.track(grads, i)
-            host = jax.device_put(grads, list(lay.grad_out))
+            host = put(grads, list(lay.grad_out))
             # None at the leaves that get no gradient (integers, frozen weights)
             self.host_grads[i] = self.store.grads_tree(i, host)
             return grads, host
         acc, self.sumsq[i] = results
         self.residency.track(acc, i)
-        self.new_acc[i] = moved = jax.device_put(acc, list(lay.acc_host))
+        self.new_acc[i] = moved = put(acc, list(lay.acc_host))
         return acc, moved
 
 

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
+from ..transfers import put
 from .. import optim as _optim
 from ..pytrees import DEVICE_KIND, HOST_KIND, leaf_name, param_key, tree_nbytes
 
@@ -139,7 +140,7 @@ class StageStore:
         self.resident: tuple[bool, ...] = tuple(resident)
         self.optimizer = optimizer
         #: per-stage pytrees of ``pinned_host`` arrays (device memory for ``resident`` stages): the weights.
-        self.host_params: list = [jax.device_put(p, lay.host_sharding, may_alias=None if own_params
+        self.host_params: list = [put(p, lay.host_sharding, may_alias=None if own_params
                                                  else (False if (copy or r) else None))
                                   for p, lay, r in zip(stage_params, layouts, resident)]
         #: per stage, the optimizer state: ``(m, v)`` pairs, one per trainable leaf (empty without one).
@@ -177,7 +178,7 @@ class StageStore:
             else:
                 states.append(checked_state(optimizer, optimizer_state[i], trained, i))
         place = zeros_where_they_live if optimizer_state is None else \
-            (lambda st, sh: jax.device_put(st, sh, may_alias=None if own_state else False))
+            (lambda st, sh: put(st, sh, may_alias=None if own_state else False))
         self.optimizer_state[:] = [place(st, list(lay.state_host)) for st, lay in zip(states, self.layouts)]
         self.optimizer_state_nbytes = [tree_nbytes(s) for s in self.optimizer_state] or [0] * n
 
@@ -235,9 +236,9 @@ class StageStore:
             state = checked_state(self.optimizer, state, lay.trainable_avals(), stage)
         self.carry.pop(stage, None)
         if params is not None:
-            self.host_params[stage] = jax.device_put(params, lay.host_sharding, may_alias=False)
+            self.host_params[stage] = put(params, lay.host_sharding, may_alias=False)
         if state is not None:
-            self.optimizer_state[stage] = jax.device_put(state, list(lay.state_host), may_alias=False)
+            self.optimizer_state[stage] = put(state, list(lay.state_host), may_alias=False)
 
     def keep_carried(self, stages) -> None:
         """Keep only the copies for the next call of ``stages`` (the others are stale or taken: dropped)."""
@@ -262,15 +263,15 @@ class StageStore:
 
     def weights_in(self, stage: int):
         """Start copying ``stage``'s weights to the device (asynchronous); returns the device copy."""
-        return jax.device_put(self.host_params[stage], self.layouts[stage].device_sharding)
+        return put(self.host_params[stage], self.layouts[stage].device_sharding)
 
     def state_in(self, stage: int):
         """Start copying ``stage``'s moments to the device; returns them."""
-        return jax.device_put(self.optimizer_state[stage], list(self.layouts[stage].state_device))
+        return put(self.optimizer_state[stage], list(self.layouts[stage].state_device))
 
     def acc_in(self, stage: int):
         """Start copying ``stage``'s accumulated gradients to the device; returns them."""
-        return jax.device_put(self.grad_acc[stage], list(self.layouts[stage].acc_device))
+        return put(self.grad_acc[stage], list(self.layouts[stage].acc_device))
 
     def carried(self) -> tuple[int, ...]:
         """The stages whose copy kept for the next call is still valid (its ``host_params`` not replaced)."""
@@ -279,7 +280,7 @@ class StageStore:
     def store_update(self, stage: int, new_p, new_s) -> tuple:
         """Keep an update's new weights and moments (device arrays) where they live; returns them there."""
         self.host_params[stage] = self._updated_host_params(stage, new_p)
-        self.optimizer_state[stage] = jax.device_put(new_s, list(self.layouts[stage].state_host))
+        self.optimizer_state[stage] = put(new_s, list(self.layouts[stage].state_host))
         return self.host_params[stage], self.optimizer_state[stage]
 
     def _updated_host_params(self, stage: int, new_p):
@@ -288,11 +289,11 @@ class StageStore:
         one takes ``new_p``'s (its own, aliased: the update donated them)."""
         lay = self.layouts[stage]
         if self.resident[stage]:
-            return jax.device_put(new_p, lay.host_sharding)
+            return put(new_p, lay.host_sharding)
         old, treedef = jax.tree_util.tree_flatten(self.host_params[stage])
         new, host_sh = jax.tree_util.tree_leaves(new_p), jax.tree_util.tree_leaves(lay.host_sharding)
         sel = lay.trained
-        for j, a in zip(sel, jax.device_put([new[j] for j in sel], [host_sh[j] for j in sel])):
+        for j, a in zip(sel, put([new[j] for j in sel], [host_sh[j] for j in sel])):
             old[j] = a
         return jax.tree_util.tree_unflatten(treedef, old)
 
@@ -318,7 +319,7 @@ def zeros_where_they_live(zeros, shardings):
     def one(z, sh):
         if sh.memory_kind in (DEVICE_KIND, HOST_KIND):
             return _zeros_program(tuple(z.shape), np.dtype(z.dtype), sh)()
-        return jax.device_put(z, sh)
+        return put(z, sh)
     return jax.tree_util.tree_map(one, zeros, shardings)
 
 

@@ -33,6 +33,7 @@ from xla_swap.planning.prefetch import PrefetchSchedule, ScheduleStep
 from .config import check_max_signatures, check_prefetch_depth
 from .executor import FetchedState, StageWeights, execute_pass
 from .signatures import ExeKey, Signature, SignatureCache, StageKey, distinct_ids
+from ..transfers import put
 from ..pytrees import DEVICE_KIND, HOST_KIND, aval_key, param_key, tree_aval
 from .stage_programs import gathered
 
@@ -205,7 +206,7 @@ class StatefulStreamer:
             self.states[i] = None
             sh = self._host_state_sh if self.state_on_host[i] else self.state_sharding
             self.states[i] = jax.tree_util.tree_map(
-                lambda a, sh=sh: jax.device_put(np.zeros(a.shape, a.dtype), sh), av)
+                lambda a, sh=sh: put(np.zeros(a.shape, a.dtype), sh), av)
 
     def release_prefetched(self) -> None:
         """Drop the weights held in device memory for the next call."""
@@ -242,10 +243,10 @@ class StatefulStreamer:
         exes = [calls.executable(self, sig, i) for i in range(self.num_stages)]   # every compile before the first copy
         if any(s is None and a is not None for s, a in zip(self.states, self.state_avals)):
             self.reset_states()
-        x = jax.device_put(x, self.activation_sharding)
+        x = put(x, self.activation_sharding)
         sched = self.schedule()
         self.last_schedule, self.executed_events = sched, []
-        states = FetchedState(lambda j: jax.device_put(self.states[j], self.state_sharding))
+        states = FetchedState(lambda j: put(self.states[j], self.state_sharding))
         weights = StageWeights(_StreamedWeights(self, self._carry))
         program = _DecodeProgram(self, exes, x, states)
         del x
@@ -264,7 +265,7 @@ class StatefulStreamer:
 
     def put_state(self, i: int, s) -> None:
         """Keep stage ``i``'s new state ``s`` where it lives (back to ``pinned_host``, or in place)."""
-        self.states[i] = jax.device_put(s, self._host_state_sh) if self.state_on_host[i] else s
+        self.states[i] = put(s, self._host_state_sh) if self.state_on_host[i] else s
 
     def stage_executable(self, sig: Signature, i: int):
         """Stage ``i``'s own executable for ``sig`` (shared by the stages of equal function, weights, state and
@@ -330,7 +331,7 @@ class _StreamedWeights:
 
     def copy(self, j: int, pass_name: str):
         """Start copying stage ``j``'s weights to the device; returns the copy."""
-        return jax.device_put(*self.streamer.stage_calls.weights(self.streamer, j))
+        return put(*self.streamer.stage_calls.weights(self.streamer, j))
 
     def take(self, j: int):
         """Stage ``j``'s copy the previous run left, or ``None``."""
