@@ -178,8 +178,8 @@ def fetch_rates(stack, k: int, h2d: float, reps: int = 10) -> dict:
     packed, stacked = ExpertStore("split", act), ExpertStore("stacked", act)
     packed.packed(0, own, names)
     ways = {"split_arrays": lambda ids, ids_dev: jax.device_put([arrays[n][int(j)] for n in names for j in ids], dev),
-            "packed": lambda ids, ids_dev: packed.fetch(0, own, names, ids, ids_dev),
-            "stacked": lambda ids, ids_dev: stacked.fetch(0, params, names, ids, ids_dev)}
+            "packed": lambda ids, ids_dev: packed.fetch(0, own, names, ids),
+            "stacked": lambda ids, ids_dev: stacked.fetch(0, params, names, ids)}
     rng = np.random.default_rng(0)
     draws = [np.sort(rng.choice(e, k, replace=False)).astype(np.int32) for _ in range(reps + 1)]
     nbytes = sum(params[n].nbytes for n in names) // e * k
@@ -196,6 +196,29 @@ def fetch_rates(stack, k: int, h2d: float, reps: int = 10) -> dict:
         out[way] = {"bytes": nbytes, "s": sec, "GBps": nbytes / sec / 1e9, "of_h2d": nbytes / sec / h2d,
                     "copies": {"split_arrays": k * len(names), "packed": k, "stacked": None}[way]}
     del arrays, own, packed, stacked
+    return out
+
+
+def profile_routed(stack, args, name: str) -> dict:
+    """A perfetto trace (``--profile-dir``/``NAME_routed_LAYOUT``) of a routed greedy run at batch 1 with
+    ``--profile-tokens`` new tokens per layout (stacked, then split), after one untraced run that compiles;
+    returns each trace's :func:`trace_summary.summarise` and the traced run's decode step."""
+    import jax
+    from trace_summary import load, render, summarise
+    out = {}
+    for layout in ("stacked", "split"):
+        time_generate(stack, 1, args, args.profile_tokens, "routed", layout)
+        where = os.path.join(args.profile_dir, f"{name}_routed_{layout}")
+        opts = jax.profiler.ProfileOptions()
+        opts.python_tracer_level = 0   # Python's own calls untraced: they would slow the host path measured
+        with jax.profiler.trace(where, create_perfetto_trace=True, profiler_options=opts):
+            r = time_generate(stack, 1, args, args.profile_tokens, "routed", layout)
+        try:
+            out[layout] = {"decode_step_s": r["decode_step_s"], "summary": summarise(load(where))}
+            print(f"{name} routed {layout}: decode step {r['decode_step_s']:.4f} s\n"
+                  f"{render(out[layout]['summary'])}", flush=True)
+        except Exception as e:  # noqa: BLE001 - the trace is kept for reading elsewhere
+            out[layout] = {"decode_step_s": r["decode_step_s"], "error": f"{type(e).__name__}: {e}"}
     return out
 
 
@@ -220,14 +243,19 @@ def run_shape(name: str, args, bw: dict, device: str) -> dict:
         except Exception as e:  # noqa: BLE001
             import traceback
             errors[key] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"
+    if args.profile_dir:   # traces of routed decoding at batch 1, each layout, then nothing else
+        res["profiles"] = profile_routed(stack, args, name)
+        return res
     try:   # first: the stack holds its stacked arrays until a "split" generator packs them
-        res["fetch"] = fetch_rates(stack, shape["k"], h2d)
+        if not args.no_fetch_rates:
+            res["fetch"] = fetch_rates(stack, shape["k"], h2d)
     except Exception as e:  # noqa: BLE001
         errors["fetch"] = f"{type(e).__name__}: {e}"
     for key, fetch, layout in (("routed_b1", "routed", "stacked"), ("all_stacked_b1", "all", "stacked"),
                                ("all_b1", "all", "auto"), ("auto_b1", "auto", "auto"),   # one switch of layout
                                ("routed_split_b1", "routed", "split")):
-        row(key, 1, args.new_tokens, fetch, layout)
+        if args.rows is None or key in args.rows:
+            row(key, 1, args.new_tokens, fetch, layout)
     tps = {k: r["tokens_per_s"] for k, r in rows.items()}
     if "all_b1" in tps:
         for key in ("routed_b1", "routed_split_b1", "auto_b1"):
@@ -247,7 +275,8 @@ def run_shape(name: str, args, bw: dict, device: str) -> dict:
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=args.new_tokens, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
         res["hf_tokens_equal"] = {k: rows[k]["tokens"] == ref[:, args.prompt:].tolist()
-                                  for k in ("all_b1", "all_stacked_b1", "routed_b1", "routed_split_b1", "auto_b1")}
+                                  for k in ("all_b1", "all_stacked_b1", "routed_b1", "routed_split_b1", "auto_b1")
+                                  if k in rows}
     for r in rows.values():
         r.pop("tokens", None)
     return res
@@ -273,7 +302,7 @@ def render(data: dict) -> str:
         f = {k: (s.get("fetch") or {}).get(k, {"GBps": nan}) for k in ("split_arrays", "packed", "stacked")}
         lines.append(f"{name}: routed / all tokens/s at batch 1: stacked {s.get('routed_speedup_b1', nan):.2f}, split "
                      f"{s.get('routed_split_speedup_b1', nan):.2f}, auto {s.get('auto_speedup_b1', nan):.2f}; routed "
-                     f"stops paying at batch {s['stops_paying_batch']} (auto's limit {s['routed_token_limit']}); top-k "
+                     f"stops paying at batch {s.get('stops_paying_batch')} (auto's limit {s['routed_token_limit']}); top-k "
                      f"fetch alone (GB/s): split arrays {f['split_arrays']['GBps']:.1f}, packed {f['packed']['GBps']:.1f}"
                      f", stacked {f['stacked']['GBps']:.1f}")
         lines += [f"{name} {k}: {v.splitlines()[0]}" for k, v in s.get("errors", {}).items()]
@@ -299,6 +328,11 @@ def main(argv=None) -> int:
                     help="also stream every expert at each sweep batch (default: batch 1's step is the reference)")
     ap.add_argument("--bw-mib", type=int, default=2048)
     ap.add_argument("--in-process", action="store_true", help="every shape in this process (default: one each)")
+    ap.add_argument("--rows", nargs="*", default=None, help="the batch-1 rows to run (default: routed_b1 "
+                    "all_stacked_b1 all_b1 auto_b1 routed_split_b1)")
+    ap.add_argument("--no-fetch-rates", action="store_true", help="skip the copy rates of one layer's experts")
+    ap.add_argument("--profile-dir", default=None, help="only trace a routed run per layout (jax profiler) there")
+    ap.add_argument("--profile-tokens", type=int, default=6, help="new tokens of each traced run")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "moe_generate_gpu.json"))
     raw = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(raw)

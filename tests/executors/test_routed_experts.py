@@ -84,7 +84,7 @@ def test_expert_store_copies_the_chosen_experts(layout):
     store = ExpertStore(layout, dev)
     per_expert = sum(v.nbytes for v in w.values()) // E
     for ids in (np.array([1, 4, 5], np.int32), np.array([0], np.int32)):
-        got = store.fetch(0, params, {"a", "b"}, ids, jax.device_put(ids, dev))
+        got = store.fetch(0, params, {"a", "b"}, ids)
         if layout == "split":   # one packed buffer per chosen expert, unpacked on the device
             assert set(got) == {PACKED} and len(got[PACKED]) == len(ids)
             packing = Packing.of(params)

@@ -152,10 +152,10 @@ class ExpertStore:
         self._packed[stage] = _Packed(params, packing, bufs, shardings, freed)
         return bufs
 
-    def fetch(self, stage: int, params: dict, names, ids: np.ndarray, ids_dev) -> dict:
+    def fetch(self, stage: int, params: dict, names, ids: np.ndarray) -> dict:
         """The chosen experts on the device, asynchronous: ``{name: [m arrays]}`` (``"stacked"``: expert
         ``ids[j]``'s slice of each ``params[name]``) or ``{PACKED: [m buffers]}`` (``"split"``: expert ``ids[j]``'s
-        packed buffer; :meth:`Packing.unpack` reads it). ``ids_dev``: ``ids`` on the device. Raises
+        packed buffer; :meth:`Packing.unpack` reads it). ``ids``: int32 ``[m]``, ascending. Raises
         RuntimeError (``"stacked"``) when the slicing program does not compile on the platform."""
         m = len(ids)
         if self.layout == "split":
@@ -164,6 +164,7 @@ class ExpertStore:
             self.copies.append((stage, m, int(sum(b.nbytes for b in got))))
             return {PACKED: list(got)}
         w = {n: params[n] for n in sorted(names)}
+        ids_dev = jax.device_put(ids, self._dev)
         key = (aval_key(w), m, tuple(str(v.sharding) for v in w.values()))
         slicer = self._slicers.get(key)
         if slicer is None:   # one program per count: dynamic slices of the host arrays, each moved to the device

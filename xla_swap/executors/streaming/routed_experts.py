@@ -271,7 +271,9 @@ class RoutedExperts(StageCalls):
         held = self._ahead.pop(i, None)
         if held is None or held[0] is not streamer.host_params[i]:
             held = (None, jax.device_put(*self._rest(streamer, i)))
-        return _Pending(exe, exe.before(held[1], streamer.take_state(i, states), x))
+        outs = exe.before(held[1], streamer.take_state(i, states), x)
+        outs[1].copy_to_host_async()   # the routing, on its way to the host while the host goes on
+        return _Pending(exe, outs)
 
     def output(self, streamer, i: int, y):
         """A routed stage finished: its routing read, the routed experts copied in, the second executable run,
@@ -284,16 +286,12 @@ class RoutedExperts(StageCalls):
         marker_in = outs[:sp.n_marker_in]
         boundary = outs[sp.n_marker_in:sp.n_marker_in + sp.n_boundary]
         ids = np.unique(np.asarray(marker_in[1])).astype(np.int32)   # the layer's one device -> host read
+        w = self._store.fetch(i, streamer.host_params[i], prog.spec.expert_names, ids)
         self.expert_fetches.append((i, tuple(int(e) for e in ids)))
-        ids_dev = jax.device_put(ids, streamer.state_sharding)
-        w = self._store.fetch(i, streamer.host_params[i], prog.spec.expert_names, ids, ids_dev)
         self.expert_copies.append(self._store.copies[-1])
         slots = expert_bucket(len(ids), prog.k, prog.spec.num_experts)   # spare slots: the last expert again, no token
         w = {n: v + [v[-1]] * (slots - len(ids)) for n, v in w.items()}
-        if slots > len(ids):
-            ids_dev = jax.device_put(np.concatenate([ids, np.full(slots - len(ids), prog.spec.num_experts, np.int32)]),
-                                     streamer.state_sharding)
-        late = prog.after(w, ids_dev, tuple(marker_in), tuple(boundary))
+        late = prog.after(w, tuple(marker_in), tuple(boundary))
         self._prefetch(streamer, [(i + d) % streamer.num_stages for d in range(1, streamer.prefetch_depth + 1)])
         flat = sp.assemble(outs[sp.n_marker_in + sp.n_boundary:], late)
         out, s = jax.tree_util.tree_unflatten(prog.out_tree, flat)
@@ -319,7 +317,10 @@ class RoutedExperts(StageCalls):
             flat = jax.tree_util.tree_leaves(({**p, **{n: _Hole() for n in names}}, s, x))
             return before_fn(*[flat[k] for k in split.kept])
 
-        def after(w, ids, marker_in, boundary):
+        def after(w, marker_in, boundary, ids=None):
+            if ids is None:   # the host's fetch order: the distinct routed ids ascending, spare slots E
+                slots = len(next(iter(w.values())))
+                ids = jnp.unique(marker_in[1].ravel(), size=slots, fill_value=spec.num_experts).astype(jnp.int32)
             if PACKED in w:   # packed buffers -> {name: [m arrays]}, on the device
                 parts = [packing.unpack(b) for b in w[PACKED]]
                 w = {n: [q[n] for q in parts] for n in packing.names}
@@ -328,8 +329,8 @@ class RoutedExperts(StageCalls):
         def whole(p, s, x):   # every expert, from its packed buffer: the layer's own result in one executable
             outs = before({n: v for n, v in p.items() if n != PACKED}, s, x)
             n_in, n_b = split.n_marker_in, split.n_boundary
-            late = after({PACKED: p[PACKED]}, jnp.arange(spec.num_experts, dtype=jnp.int32), tuple(outs[:n_in]),
-                         tuple(outs[n_in:n_in + n_b]))
+            late = after({PACKED: p[PACKED]}, tuple(outs[:n_in]), tuple(outs[n_in:n_in + n_b]),
+                         jnp.arange(spec.num_experts, dtype=jnp.int32))
             return jax.tree_util.tree_unflatten(out_tree, split.assemble(outs[n_in + n_b:], late))
 
         dev, act, state_sh = streamer.device_shardings[i], streamer.activation_sharding, streamer.state_sharding

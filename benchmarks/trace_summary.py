@@ -1,0 +1,144 @@
+#!/usr/bin/env python
+"""Summarise a jax profiler trace (``jax.profiler.trace(dir, create_perfetto_trace=True)``): per GPU stream
+its busy time and heaviest ops, and for host -> device copies how busy the link was over the window and
+where it idled (with what each stream ran in the longest idle gaps).
+
+    python benchmarks/trace_summary.py DIR_OR_perfetto_trace.json.gz [--gaps 12] [--json out.json]
+
+The trace is Chrome's trace-event JSON (``traceEvents``: ``ph`` ``"X"`` events with ``ts``/``dur`` in
+microseconds, ``"M"`` events naming processes and threads). A copy is an event whose name says
+``memcpy``/``copy`` with ``HtoD``/``H2D``/``HostToDevice`` (``DtoH`` likewise); its bytes are read from
+``args`` where the trace has them.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+
+H2D = re.compile(r"(htod|h2d|hosttodevice)", re.I)
+D2H = re.compile(r"(dtoh|d2h|devicetohost)", re.I)
+COPY = re.compile(r"(memcpy|copy)", re.I)
+
+
+def load(path: str) -> dict:
+    """The trace's JSON from ``path`` (a ``perfetto_trace.json.gz``, or a folder holding one below it)."""
+    if os.path.isdir(path):
+        found = sorted(glob.glob(os.path.join(path, "**", "perfetto_trace.json.gz"), recursive=True))
+        if not found:
+            raise FileNotFoundError(f"no perfetto_trace.json.gz under {path}")
+        path = found[-1]
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        return json.load(f)
+
+
+def union(intervals: list) -> list:
+    """Sorted, merged ``[(start, end)]``."""
+    out: list = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _bytes(ev: dict) -> int | None:
+    args = ev.get("args") or {}
+    for k, v in args.items():
+        if "byte" in k.lower() or k.lower() in ("size", "num_bytes"):
+            try:
+                return int(float(str(v).split()[0]))
+            except ValueError:
+                pass
+    return None
+
+
+def summarise(trace: dict, gaps: int = 12) -> dict:
+    """Streams, copies and the link's idle gaps of ``trace`` (times in microseconds)."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pname, tname = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            pname[e["pid"]] = e.get("args", {}).get("name", "")
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            tname[(e["pid"], e["tid"])] = e.get("args", {}).get("name", "")
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    threads = collections.defaultdict(list)
+    for e in spans:
+        threads[(e["pid"], e["tid"])].append(e)
+    out: dict = {"threads": []}
+    for key, evs in sorted(threads.items(), key=lambda kv: -sum(e["dur"] for e in kv[1])):
+        busy = sum(b - a for a, b in union([(e["ts"], e["ts"] + e["dur"]) for e in evs]))
+        names = collections.Counter()
+        for e in evs:
+            names[e["name"][:80]] += e["dur"]
+        out["threads"].append({"process": pname.get(key[0], str(key[0])), "thread": tname.get(key, str(key[1])),
+                               "events": len(evs), "busy_us": busy, "top": names.most_common(6)})
+    gpu = {k for k, n in pname.items() if "gpu" in n.lower() or "device" in n.lower()}
+    dev = [e for e in spans if e["pid"] in gpu]
+    h2d = [e for e in dev if COPY.search(e["name"]) and H2D.search(e["name"] + json.dumps(e.get("args", {})))]
+    d2h = [e for e in dev if COPY.search(e["name"]) and D2H.search(e["name"] + json.dumps(e.get("args", {})))]
+    out["h2d_events"], out["d2h_events"] = len(h2d), len(d2h)
+    if h2d:
+        busy = union([(e["ts"], e["ts"] + e["dur"]) for e in h2d])
+        t0, t1 = busy[0][0], busy[-1][1]
+        nbytes = [b for b in (_bytes(e) for e in h2d) if b]
+        out["h2d"] = {"window_us": t1 - t0, "busy_us": sum(b - a for a, b in busy),
+                      "bytes": sum(nbytes) if nbytes else None,
+                      "sizes": collections.Counter(nbytes).most_common(8)}
+        out["h2d"]["busy_fraction"] = out["h2d"]["busy_us"] / max(out["h2d"]["window_us"], 1e-9)
+        holes = sorted(((b[0] - a[1], a[1], b[0]) for a, b in zip(busy, busy[1:])), reverse=True)
+        sizes = [g for g, _, _ in holes]
+        out["h2d"]["idle_us"] = sum(sizes)
+        out["h2d"]["idle_histogram_us"] = {f"<{lim}": sum(1 for g in sizes if g < lim) for lim in (10, 50, 100, 300, 1000)}
+        out["h2d"]["idle_over_50us_total"] = sum(g for g in sizes if g >= 50)
+        top = []
+        for g, a, b in holes[:gaps]:
+            during = collections.Counter()
+            for e in dev:
+                if e["ts"] < b and e["ts"] + e["dur"] > a and e not in h2d:
+                    during[f"{tname.get((e['pid'], e['tid']), e['tid'])}: {e['name'][:60]}"] += 1
+            top.append({"gap_us": g, "at_us": a - t0, "during": during.most_common(5)})
+        out["h2d"]["largest_gaps"] = top
+    return out
+
+
+def render(s: dict) -> str:
+    lines = ["| process | thread | events | busy ms | heaviest (ms) |", "|---|---|---|---|---|"]
+    for t in s["threads"][:16]:
+        top = "; ".join(f"{n} {d / 1e3:.2f}" for n, d in t["top"][:3])
+        lines.append(f"| {t['process'][:30]} | {t['thread'][:40]} | {t['events']} | {t['busy_us'] / 1e3:.2f} | {top} |")
+    h = s.get("h2d")
+    lines.append(f"h2d copies {s['h2d_events']}, d2h copies {s['d2h_events']}")
+    if h:
+        gb = f", {h['bytes'] / 1e9:.3f} GB, {h['bytes'] / h['busy_us'] / 1e3:.1f} GB/s while busy" if h["bytes"] else ""
+        lines.append(f"h2d window {h['window_us'] / 1e3:.2f} ms, busy {h['busy_us'] / 1e3:.2f} ms "
+                     f"({h['busy_fraction']:.3f}){gb}; idle {h['idle_us'] / 1e3:.2f} ms, in gaps >= 50 us "
+                     f"{h['idle_over_50us_total'] / 1e3:.2f} ms; gaps {h['idle_histogram_us']}; sizes {h['sizes']}")
+        for g in h["largest_gaps"]:
+            lines.append(f"  gap {g['gap_us']:.0f} us at {g['at_us'] / 1e3:.2f} ms: {g['during']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace")
+    ap.add_argument("--gaps", type=int, default=12)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    s = summarise(load(args.trace), args.gaps)
+    print(render(s))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(s, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
