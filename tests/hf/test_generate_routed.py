@@ -284,3 +284,29 @@ def test_choose_batch_counts_the_routed_bytes():
     assert 2 < batch <= 5 and why.startswith(f"batch {batch}, routed experts")
     with pytest.raises(ValueError, match="expert_fetch must be 'auto' or 'all'"):
         choose_batch(stack, 16, 8, device_budget_bytes=budget, expert_fetch="routed")
+
+
+@pytest.mark.parametrize("family,layout", [("qwen3_moe", "split"), ("mixtral", "stacked")])
+def test_tail_copied_in_blocks_behind_the_experts_equals_torch(monkeypatch, family, layout):
+    """The head's weights (every tail weight, the threshold at 0) copied in row blocks, one share per routed
+    layer, and concatenated on the device: the tokens still equal ``model.generate``'s, and each decode step
+    assembled the head from blocks copied behind the experts."""
+    from xla_swap.executors.streaming import tail_pieces
+    monkeypatch.setattr(tail_pieces, "TAIL_PIECE_MIN_BYTES", 0)
+    model = make(family, num_hidden_layers=5)   # the head's copy is due at layer 5 - prefetch depth
+    ids, mask = prompts()
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)
+    stack = one_device_stack(model)
+    got = stack.generate(ids, mask, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0, expert_fetch="routed",
+                         expert_layout=layout)
+    assert torch.equal(got, ref), (got[:, 7:], ref[:, 7:])
+    info = stack.last_generation["experts"]
+    head, depth = len(stack.runtime.host_params) - 1, stack.runtime.prefetch_depth
+    due = sum(1 for layer in range(5) if 1 + layer < head - depth)   # routed layers read before the head's copy
+    assert due >= 2
+    blocked = sum(1 for a in jax.tree_util.tree_leaves(stack.runtime.host_params[head]) if a.ndim and a.shape[0] > 1)
+    for routed, blocks in zip(info["routed_steps"], info["tail_blocks"]):
+        assert routed and [b[0] for b in blocks] == [head]   # the head, assembled once per step
+        ahead, late = blocks[0][1:]
+        assert (ahead, late) == (due * blocked, 0)   # a block of each weight behind each of those layers' experts

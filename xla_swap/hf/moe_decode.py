@@ -222,6 +222,9 @@ class FetchPlan:
         self.fetched: list[list[tuple[int, tuple[int, ...]]]] = []
         #: per step run, ``[(layer index, arrays copied host -> device, bytes), ...]`` of its expert fetches.
         self.copies: list[list[tuple[int, int, int]]] = []
+        #: per step run, ``[(stage, row blocks copied behind the experts, blocks copied at its turn), ...]`` of the
+        #: tail stages whose weights it copied in blocks (``RoutedExperts.tail``; empty for a whole step).
+        self.tail_blocks: list[list[tuple[int, int, int]]] = []
         #: the expert layout the call ran with, and why (:func:`resolve_layout`; set by :meth:`resolve_layout`).
         self.layout: tuple[str, str] | None = None
 
@@ -244,13 +247,15 @@ class FetchPlan:
         """Record what the step just run fetched (``experts``: the ``RoutedExperts`` it ran by)."""
         self.fetched.append([(stage - 1, ids) for stage, ids in experts.expert_fetches])
         self.copies.append([(stage - 1, n, b) for stage, n, b in experts.expert_copies])
+        self.tail_blocks.append(list(experts.tail.copied))
 
     def summary(self) -> dict:
-        """``{"routed_steps", "fetched", "copies", "explanation", "layout", "layout_explanation"}`` for
-        ``stack.last_generation["experts"]``."""
+        """``{"routed_steps", "fetched", "copies", "tail_blocks", "explanation", "layout", "layout_explanation"}``
+        for ``stack.last_generation["experts"]``."""
         layout, why = self.layout or (None, "")
         return dict(routed_steps=list(self.routed_steps), fetched=list(self.fetched), copies=list(self.copies),
-                    explanation=self.explanation, layout=layout, layout_explanation=why)
+                    tail_blocks=list(self.tail_blocks), explanation=self.explanation, layout=layout,
+                    layout_explanation=why)
 
 
 def resolve_layout(stack, info: RoutingInfo, expert_layout: str) -> tuple[str, str]:

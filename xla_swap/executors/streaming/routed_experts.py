@@ -12,7 +12,8 @@ split there (:func:`xla_swap.executors.streaming.jaxpr_split.split_at`):
    copies those experts to the device; right behind them, the weights less the experts of the routed stages
    up to ``prefetch_depth`` ahead (cyclically: the next run's first ones too) are copied, so that the link
    stays busy while the experts compute, the next layer's router runs and the host waits on its routing
-   (the streamer itself moves nothing for a routed stage);
+   (the streamer itself moves nothing for a routed stage); then a row block of the large weights of the
+   streamed stages after the last routed one (:mod:`~xla_swap.executors.streaming.tail_pieces`);
 3. **after** computes the experts on the ``m`` fetched ones (``RoutedSpec.experts_fn``; packed buffers
    unpacked there) and the rest of the layer (the residual add, ...); it is compiled per bucket of ``m``
    (:func:`xla_swap.planning.routing.expert_bucket`: ``k``, ``2k``, ``4k``, ... up to ``E``), the spare
@@ -43,6 +44,7 @@ from xla_swap.planning.routing import choose_expert_layout, expert_bucket
 from .expert_store import PACKED, STORE_LAYOUTS, ExpertStore, Packing
 
 from .jaxpr_split import JaxprSplit, split_at
+from .tail_pieces import TailPieces
 from ..pytrees import DEVICE_KIND, aval_key
 
 __all__ = ["EXPERTS_CALL", "experts_call", "RoutedSpec", "ExpertStore", "RoutedExperts", "LAYOUTS"]
@@ -116,21 +118,27 @@ class RoutedExperts(StageCalls):
         largest routed stage's bytes per expert, when attached), ``"stacked"`` or ``"split"`` (module docstring).
       store: an :class:`ExpertStore` to hold the experts (one a previous instance on the same weights left,
         :attr:`expert_store`): kept when its layout is the one resolved, else its weights put back (default: a new one).
+      tail_piece_min_bytes: the smallest weight (bytes) of the stages after the last routed one that a routed
+        run copies in row blocks behind the experts (``None``: ``tail_pieces.TAIL_PIECE_MIN_BYTES``, 16 MiB).
 
     :attr:`routed` (default ``False``) chooses, per run of the streamer, whether those stages fetch their
     routed experts or stream whole; :attr:`expert_fetches` and :attr:`expert_copies` list what the last run
     copied. :meth:`close` puts the ``"split"`` layout's stacked weights back.
 
-    Raises: ValueError: an unknown ``expert_layout``; from the streamer's constructor (:meth:`attach`): its
+    Raises: ValueError: an unknown ``expert_layout``; ``tail_piece_min_bytes`` not an int >= 0; from the streamer's constructor (:meth:`attach`): its
       ``activation_sharding`` spans several devices; a stage of ``routed_specs`` out of range, without
       state or resident.
     """
 
-    def __init__(self, routed_specs: dict, expert_layout: str = "auto", store: ExpertStore | None = None):
+    def __init__(self, routed_specs: dict, expert_layout: str = "auto", store: ExpertStore | None = None,
+                 tail_piece_min_bytes: int | None = None):
         if expert_layout not in LAYOUTS:
             raise ValueError(f"expert layout must be one of {LAYOUTS}, got {expert_layout!r}")
         if store is not None and not isinstance(store, ExpertStore):
             raise TypeError(f"store must be an ExpertStore or None, got {type(store).__name__}")
+        #: the weights of the streamed stages after the last routed one, copied in row blocks behind the routed
+        #: layers' experts in a routed run (:mod:`~xla_swap.executors.streaming.tail_pieces`).
+        self.tail = TailPieces(tail_piece_min_bytes)
         self._specs: dict[int, RoutedSpec] = dict(routed_specs)
         self._layout = expert_layout
         self._given = store
@@ -165,8 +173,9 @@ class RoutedExperts(StageCalls):
         return self._store
 
     def expert_host_nbytes(self) -> int:
-        """Bytes of ``pinned_host`` held beyond the stages' weights (0: the ``"split"`` layout replaces them)."""
-        return 0 if self._store is None else self._store.host_nbytes()
+        """Bytes of ``pinned_host`` held beyond the stages' weights: the tail's row blocks (the experts add none:
+        the ``"split"`` layout replaces the stacked arrays)."""
+        return self.tail.host_nbytes() + (0 if self._store is None else self._store.host_nbytes())
 
     def attach(self, streamer) -> None:
         """Take ``streamer`` (its device holds the fetched experts) and resolve ``"auto"``; raise ValueError unless
@@ -194,6 +203,7 @@ class RoutedExperts(StageCalls):
         if self._store is not None:
             self._store.restore(streamer.host_params)
         self._views, self._whole, self._empty, self._ahead = {}, {}, {}, {}
+        self.tail.clear()
 
     def start(self, streamer) -> None:
         """A run begins: :attr:`expert_fetches` starts empty; routed, the first stages' weights less experts are
@@ -201,8 +211,22 @@ class RoutedExperts(StageCalls):
         self.expert_fetches, self.expert_copies = [], []
         if not self.routed:
             self._ahead = {}
+            self.tail.start(streamer.host_params, (), 1, 1)
         else:
             self._prefetch(streamer, range(streamer.prefetch_depth + 1))
+            tail = [j for j in range(max(self._specs) + 1, streamer.num_stages) if not streamer.resident[j]]
+            # one block per routed layer whose routing is read before the first tail stage's copy is due
+            # (the schedule copies stage t at stage t - prefetch_depth's step, before that stage's output)
+            due = min(tail, default=0) - streamer.prefetch_depth
+            calls = sum(1 for r in self._specs if r < due)
+            self.tail.start(streamer.host_params, tail if calls else (), calls, calls)
+
+    def copy(self, streamer, i: int):
+        """Stage ``i``'s weights copied to the device: a tail stage's from the row blocks copied behind the routed
+        layers (the rest now); other stages' as :class:`StageCalls` copies them."""
+        if self.routed and self.tail.holds(i):
+            return self.tail.assemble(i, *self.weights(streamer, i))
+        return super().copy(streamer, i)
 
     def _active(self, i: int) -> bool:
         """Whether stage ``i`` runs by this class's steps (routed, or whole from the ``"split"`` layout)."""
@@ -293,6 +317,7 @@ class RoutedExperts(StageCalls):
         w = {n: v + [v[-1]] * (slots - len(ids)) for n, v in w.items()}
         late = prog.after(w, tuple(marker_in), tuple(boundary))
         self._prefetch(streamer, [(i + d) % streamer.num_stages for d in range(1, streamer.prefetch_depth + 1)])
+        self.tail.dispatch_next(streamer.state_sharding)
         flat = sp.assemble(outs[sp.n_marker_in + sp.n_boundary:], late)
         out, s = jax.tree_util.tree_unflatten(prog.out_tree, flat)
         streamer.put_state(i, s)

@@ -62,6 +62,11 @@ class StageCalls:
         """``(host weights, device shardings)`` stage ``i`` streams: ``host_params[i]`` and its shardings."""
         return streamer.host_params[i], streamer.device_shardings[i]
 
+    def copy(self, streamer: "StatefulStreamer", i: int):
+        """Start copying stage ``i``'s weights to the device (asynchronous); returns the copy: :meth:`weights`
+        put in their device shardings."""
+        return put(*self.weights(streamer, i))
+
     def executable(self, streamer: "StatefulStreamer", sig: Signature, i: int):
         """Stage ``i``'s executable for ``sig``: :meth:`StatefulStreamer.stage_executable`."""
         return streamer.stage_executable(sig, i)
@@ -330,8 +335,8 @@ class _StreamedWeights:
         return self.streamer.stage_calls.weights(self.streamer, j)[0]
 
     def copy(self, j: int, pass_name: str):
-        """Start copying stage ``j``'s weights to the device; returns the copy."""
-        return put(*self.streamer.stage_calls.weights(self.streamer, j))
+        """Start copying stage ``j``'s weights to the device (``StageCalls.copy``); returns the copy."""
+        return self.streamer.stage_calls.copy(self.streamer, j)
 
     def take(self, j: int):
         """Stage ``j``'s copy the previous run left, or ``None``."""
