@@ -6,10 +6,11 @@ layer's copies and the next the link idles while the host reads the routing and 
 executables. The tail's weights are needed only after the last routed layer: copied whole at its turn
 they queue behind nothing and fill none of those idle times. :class:`TailPieces` holds each large tail
 weight as ``pieces`` row blocks in ``pinned_host`` (split along axis 0, built on first use, held beside
-the whole array: the tail's bytes once more in host memory), dispatches one block's copy per routed
-layer right behind its experts (:meth:`dispatch_next`), and at the tail stage's turn copies what is left
-and concatenates the blocks on the device (:meth:`assemble`: one device-to-device copy of the weight).
-The stage gets the same array, bit for bit, in the same device sharding.
+the whole array: the tail's bytes once more in host memory; a weight whose blocks cannot be placed,
+e.g. in a full pinned pool, is copied whole), dispatches one block's copy per routed layer right behind
+its experts (:meth:`dispatch_next`), and at the tail stage's turn copies what is left and concatenates
+the blocks on the device (:meth:`assemble`: one device-to-device copy of the weight). The stage gets the
+same array, bit for bit, in the same device sharding.
 
 The module imports only numpy and jax (no torch).
 """
@@ -62,9 +63,11 @@ class TailPieces:
                     continue
                 held = self._host.get((j, k))
                 if held is None or held[0] is not a:
-                    whole = np.asarray(a)
-                    held = (a, jax.device_put(np.array_split(whole, min(pieces, a.shape[0])), a.sharding))
-                    del whole
+                    try:
+                        held = (a, jax.block_until_ready(jax.device_put(
+                            np.array_split(np.asarray(a), min(pieces, a.shape[0])), a.sharding)))
+                    except Exception:  # noqa: BLE001 - e.g. the pinned pool is full: this weight goes whole
+                        continue
                 keep[(j, k)] = held
                 self._dev[(j, k)] = {}
                 self._queue += [(j, k, b) for b in range(len(held[1]))]
