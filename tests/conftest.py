@@ -3,7 +3,8 @@
 The device count comes from ``XLA_SWAP_NUM_DEVICES`` (default 4); ``make test`` runs the
 whole suite with 4 devices and the tests marked ``spmd`` again with 1 and 8. jax's persistent
 compilation cache is on, in ``.cache/jax`` (a test that counts compilations turns it off), and XLA:CPU
-compiles at LLVM optimisation level 1 (``FAST_COMPILE_FLAGS``; ``XLA_FLAGS`` naming a level keeps its own);
+compiles at LLVM optimisation level 1 (``FAST_COMPILE_FLAGS``; ``XLA_FLAGS`` naming a level keeps its own) and,
+with jaxlib 0.10, with its elemental emitters (``--xla_cpu_use_fusion_emitters=false``);
 torch runs one intra-op thread (``OMP_NUM_THREADS``, unless set).
 ``make test`` runs pytest on pytest-xdist workers (``-n auto``): each worker is a process of its own
 that runs this file first, so the devices, the environment and jax's counters are per worker; the
@@ -29,6 +30,23 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # their own device count keep the other flags: ``XLA_FLAGS`` less ``xla_force_host_platform_device_count``).
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " " + FAST_COMPILE_FLAGS
+
+
+def _jaxlib_before_0_11() -> bool:
+    """Whether the installed jaxlib is older than 0.11 (read from its metadata: jax is not imported yet)."""
+    from importlib import metadata
+    try:
+        major, minor = (int(p) for p in metadata.version("jaxlib").split(".")[:2])
+    except (metadata.PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) < (0, 11)
+
+
+# XLA:CPU's elemental emitters rather than its newer MLIR fusion emitters, where jaxlib still has them (0.10;
+# 0.11 dropped the flag and refuses it, as XLA does any unknown flag): a third less CPU time for the model tests,
+# most of which is compiling. XLA_FLAGS naming the flag keeps its own setting; torch_xla 2.9's XLA accepts it.
+if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"] and _jaxlib_before_0_11():
+    os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # One torch intra-op (OpenMP) thread per test process, and per subprocess: ``make test`` runs a pytest-xdist
 # worker per core, and on the suite's tiny tensors torch's threads mostly spin-wait for each other while the
