@@ -4,7 +4,8 @@ The device count comes from ``XLA_SWAP_NUM_DEVICES`` (default 4); ``make test`` 
 whole suite with 4 devices and the tests marked ``spmd`` again with 1 and 8. jax's persistent
 compilation cache is on, in ``.cache/jax`` (a test that counts compilations turns it off), and XLA:CPU
 compiles at LLVM optimisation level 1 (``FAST_COMPILE_FLAGS``; ``XLA_FLAGS`` naming a level keeps its own) and,
-with jaxlib 0.10, with its elemental emitters (``--xla_cpu_use_fusion_emitters=false``);
+with jaxlib 0.10, with its elemental emitters (``--xla_cpu_use_fusion_emitters=false``); transformers skips torch_xla
+in the subprocesses (``USE_TORCH_XLA=0``);
 torch runs one intra-op thread (``OMP_NUM_THREADS``, unless set).
 ``make test`` runs pytest on pytest-xdist workers (``-n auto``): each worker is a process of its own
 that runs this file first, so the devices, the environment and jax's counters are per worker; the
@@ -53,6 +54,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # other workers hold the cores (with 2 threads a model test file took twice the CPU time and wall time).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# accelerate (which transformers imports) imports torch_xla when it is installed, unless USE_TORCH_XLA is 0:
+# 1.8 CPU-s of every process that imports transformers (torch_xla pulls in torch's inductor and dynamo).
+# The test processes import torch_xla anyway (collecting tests/lowering); the subprocesses the tests start
+# (torchrun ranks, host-RSS measurements, the benchmarks' pieces) then skip it. What uses torch_xla imports it.
+os.environ.setdefault("USE_TORCH_XLA", "0")
 # jax's persistent compilation cache, shared by every test process of a run (subprocesses inherit it):
 # the many tests that build the same small models load their executables instead of compiling them
 # again. Keys hold the program, jax's version, the devices and the flags; `rm -rf .cache/jax` clears it.
