@@ -87,3 +87,19 @@ def seeded_random_state():
     if "torch" in sys.modules:   # the CPU generator (torch.manual_seed also visits every device backend)
         sys.modules["torch"].random.default_generator.manual_seed(0)
     yield
+
+
+#: Modules whose tests start processes of their own or run longest (torchrun ranks, host-RSS measurements,
+#: the examples' training runs): collected first, so that ``make test``'s xdist workers (``--dist loadfile``
+#: hands out modules in collection order) start them early rather than one worker finishing one alone.
+LONG_MODULES = ("stack/test_torchrun.py", "hf/test_load_stack.py", "stack/test_multiprocess_checkpoint.py",
+                "integration/test_train_decoder.py", "stack/test_multiprocess.py", "integration/test_minilm_demo.py",
+                "integration/test_examples.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Move the tests of :data:`LONG_MODULES` to the front, each module's tests in their own order."""
+    def rank(item):
+        path = item.nodeid.split("::", 1)[0]
+        return next((i for i, m in enumerate(LONG_MODULES) if path.endswith(m)), len(LONG_MODULES))
+    items.sort(key=rank)   # stable: every other test keeps its place
