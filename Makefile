@@ -8,7 +8,9 @@
 #                 and multiprocess references, built once). The four smaller runs (make test-spmd-1,
 #                 test-spmd-8, test-jax-only, test-transformers-low) then run as many at once as there
 #                 are workers, one process each (each alone keeps about 1.3 cores busy; xdist would add
-#                 a collection and the imports per worker), each run's output printed when it ends.
+#                 a collection and the imports per worker), each run's output printed when it ends; the
+#                 longest first (spmd on 8 devices; jax-only and transformers-low about as long; spmd on 1
+#                 the shortest), so that the two lanes end about together.
 # Both create .venv when it is missing (or pyproject.toml changed) and reuse it otherwise.
 #   make test-jax-only - the executor and planner tests in .venv-jax: jax 0.11.2 (the top of the
 #                 tested range, the GPU machine's version) and no torch, torch_xla or torchax, which
@@ -86,7 +88,7 @@ demo: venv
 test: venv
 	XLA_SWAP_NUM_DEVICES=4 $(PY) -m pytest -q $(XDIST) --dist loadfile --durations=20 tests
 	$(MAKE) --no-print-directory -j$(STAGE_JOBS) --output-sync=target STAGE_XDIST= \
-	  test-spmd-1 test-spmd-8 test-jax-only test-transformers-low
+	  test-spmd-8 test-jax-only test-transformers-low test-spmd-1
 
 # The tests marked spmd on 1 and on 8 virtual devices. STAGE_XDIST: these runs' workers (make test runs
 # them side by side, one process each); alone, one per core.
