@@ -310,3 +310,12 @@ def test_tail_copied_in_blocks_behind_the_experts_equals_torch(monkeypatch, fami
         assert routed and [b[0] for b in blocks] == [head]   # the head, assembled once per step
         ahead, late = blocks[0][1:]
         assert (ahead, late) == (due * blocked, 0)   # a block of each weight behind each of those layers' experts
+    tail = stack.generators.current.routed_experts.tail
+    held = tail.host_nbytes()
+    assert held == sum(a.nbytes for a in jax.tree_util.tree_leaves(stack.runtime.host_params[head])
+                       if a.ndim and a.shape[0] > 1)   # the blocks: the head's bytes once more
+    whole = stack.generate(ids, mask, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0, expert_fetch="all",
+                           expert_layout=layout)
+    assert torch.equal(whole, ref) and stack.last_generation["experts"]["tail_blocks"] == [[]] * NEW
+    assert stack.generators.current.routed_experts.tail is tail   # the same generator streamed it whole
+    assert tail.host_nbytes() == held   # a run that streams whole keeps the blocks for the next routed one

@@ -53,10 +53,10 @@ class TailPieces:
 
     def start(self, host_params: list, stages, pieces: int, calls: int) -> None:
         """A run begins: the large weights of ``stages`` (indices into ``host_params``, one device) split into
-        ``pieces`` row blocks each (cached while ``host_params[stage]`` holds the same arrays), their copies
-        queued to go out over ``calls`` calls of :meth:`dispatch_next`."""
+        ``pieces`` row blocks each (cached until :meth:`clear`, or until the weight is another array), their
+        copies queued to go out over ``calls`` calls of :meth:`dispatch_next`. A run of no stages (a step that
+        streams whole) keeps the cache."""
         self._queue, self._dev, self.copied = [], {}, []
-        keep = {}
         for j in stages:
             for k, a in enumerate(jax.tree_util.tree_leaves(host_params[j])):
                 if a.ndim == 0 or a.nbytes < self.min_bytes or a.shape[0] < 2:
@@ -68,10 +68,9 @@ class TailPieces:
                             np.array_split(np.asarray(a), min(pieces, a.shape[0])), a.sharding)))
                     except Exception:  # noqa: BLE001 - e.g. the pinned pool is full: this weight goes whole
                         continue
-                keep[(j, k)] = held
+                self._host[(j, k)] = held
                 self._dev[(j, k)] = {}
                 self._queue += [(j, k, b) for b in range(len(held[1]))]
-        self._host = keep
         self._per_call = -(-len(self._queue) // max(calls, 1))
 
     def dispatch_next(self, device_sharding) -> None:
