@@ -125,9 +125,9 @@ class RoutedExperts(StageCalls):
     routed experts or stream whole; :attr:`expert_fetches` and :attr:`expert_copies` list what the last run
     copied. :meth:`close` puts the ``"split"`` layout's stacked weights back.
 
-    Raises: ValueError: an unknown ``expert_layout``; ``tail_piece_min_bytes`` not an int >= 0; from the streamer's constructor (:meth:`attach`): its
-      ``activation_sharding`` spans several devices; a stage of ``routed_specs`` out of range, without
-      state or resident.
+    Raises: ValueError: an unknown ``expert_layout``; ``tail_piece_min_bytes`` not an int >= 0; from the
+      streamer's constructor (:meth:`attach`): its ``activation_sharding`` spans several devices; a stage of
+      ``routed_specs`` out of range, without state or resident.
     """
 
     def __init__(self, routed_specs: dict, expert_layout: str = "auto", store: ExpertStore | None = None,
