@@ -8,7 +8,7 @@ where it idled (with what each stream ran in the longest idle gaps).
 The trace is Chrome's trace-event JSON (``traceEvents``: ``ph`` ``"X"`` events with ``ts``/``dur`` in
 microseconds, ``"M"`` events naming processes and threads). A copy is an event whose name says
 ``memcpy``/``copy`` with ``HtoD``/``H2D``/``HostToDevice`` (``DtoH`` likewise); its bytes are read from
-``args`` where the trace has them.
+``args`` where the trace has them (``memcpy_details``' ``size:``).
 """
 from __future__ import annotations
 
@@ -50,6 +50,9 @@ def union(intervals: list) -> list:
 
 def _bytes(ev: dict) -> int | None:
     args = ev.get("args") or {}
+    found = re.search(r"size:(\d+)", str(args.get("memcpy_details", "")))   # XLA:GPU's CUPTI copies
+    if found:
+        return int(found.group(1))
     for k, v in args.items():
         if "byte" in k.lower() or k.lower() in ("size", "num_bytes"):
             try:

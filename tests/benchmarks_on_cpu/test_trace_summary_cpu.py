@@ -1,0 +1,55 @@
+"""``benchmarks/trace_summary.py``: on a trace in the form jax's profiler writes for a GPU (a device process
+with one thread per stream, copies named ``MemcpyH2D`` with their bytes in ``memcpy_details``), the link's busy
+time is the union of the copies, the idle gaps are what lies between, each gap names the kernels that ran in
+it, and the bytes per copy are read; and on a real trace of the CPU smoke run (no GPU streams) it summarises
+the host threads and finds no copies."""
+import gzip
+import json
+
+import moe_generate_gpu  # benchmarks/ is on pytest's pythonpath
+import trace_summary
+
+
+def _meta(pid, name, tid=None):
+    if tid is None:
+        return {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}}
+    return {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}}
+
+
+def _x(pid, tid, ts, dur, name, size=None):
+    e = {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "name": name}
+    if size is not None:
+        e["args"] = {"memcpy_details": f"kind_src:unknown kind_dst:unknown size:{size} dest:0 async:1"}
+    return e
+
+
+def test_link_busy_time_gaps_and_bytes(tmp_path):
+    events = [_meta(1, "/device:GPU:0"), _meta(1, "Stream #20(MemcpyH2D)", 20), _meta(1, "Stream #21(MemcpyH2D)", 21),
+              _meta(1, "Stream #14(Compute)", 14), _meta(7, "/host:CPU"), _meta(7, "python3", 70),
+              _x(1, 20, 0, 100, "MemcpyH2D", 1000), _x(1, 21, 50, 100, "MemcpyH2D", 3000),   # overlap: 0-150
+              _x(1, 20, 400, 50, "MemcpyH2D", 500),                                           # gap 150-400
+              _x(1, 14, 200, 30, "router_fusion"), _x(1, 14, 500, 30, "late_kernel"),
+              _x(7, 70, 0, 450, "PjitFunction(before)")]
+    path = tmp_path / "perfetto_trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    s = trace_summary.summarise(trace_summary.load(str(tmp_path)))
+    h = s["h2d"]
+    assert s["h2d_events"] == 3 and s["d2h_events"] == 0
+    assert (h["window_us"], h["busy_us"], h["idle_us"], h["bytes"]) == (450, 200, 250, 4500)
+    assert h["largest_gaps"][0]["gap_us"] == 250 and h["largest_gaps"][0]["at_us"] == 150
+    assert [name for name, _ in h["largest_gaps"][0]["during"]] == ["Stream #14(Compute): router_fusion"]
+    threads = {t["thread"]: t for t in s["threads"]}
+    assert threads["python3"]["busy_us"] == 450 and threads["Stream #20(MemcpyH2D)"]["events"] == 2
+    assert "busy 0.20 ms" in trace_summary.render(s)
+
+
+def test_cpu_smoke_profile(tmp_path):
+    out, prof = tmp_path / "moe.json", tmp_path / "prof"
+    assert moe_generate_gpu.main(["--cpu-smoke", "--shapes", "qwen3", "--profile-dir", str(prof),
+                                  "--profile-tokens", "3", "--out", str(out)]) == 0
+    profiles = json.loads(out.read_text())["shapes"]["qwen3"]["profiles"]
+    assert set(profiles) == {"stacked", "split"}
+    for p in profiles.values():
+        assert p["decode_step_s"] > 0 and p["summary"]["h2d_events"] == 0   # no GPU: no copies on streams
+        assert any(t["thread"].startswith("python") for t in p["summary"]["threads"])
