@@ -15,35 +15,17 @@ import json
 import os
 import sys
 
+from mp_common import D, block_class, gather, start_jax
+
 pid, nproc, port, tport, ndev = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
 out_path, save_dir, load_dir = sys.argv[6], sys.argv[7], sys.argv[8]
-os.environ["XLA_FLAGS"] = " ".join([f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-                                   + [f"--xla_force_host_platform_device_count={ndev}"])   # the others kept
-os.environ["JAX_PLATFORMS"] = "cpu"
+jax = start_jax(pid, nproc, port, ndev)
 
-import jax  # noqa: E402
-
-if nproc > 1:
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=nproc, process_id=pid)
-
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
 
 from xla_swap.stack import SwappedStack  # noqa: E402
 
-D, F = 8, 16
-assert len(jax.devices()) == nproc * ndev
-
-
-class Block(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = torch.nn.Linear(D, F), torch.nn.Linear(F, D)
-
-    def forward(self, h):
-        return h + self.down(torch.nn.functional.gelu(self.up(h)))
+Block = block_class()
 
 
 def make_stack(seed):
@@ -51,11 +33,6 @@ def make_stack(seed):
     blocks = [Block() for _ in range(3)]
     opt = torch.optim.AdamW([p for b in blocks for p in b.parameters()], lr=1e-2, weight_decay=0.1)
     return SwappedStack(blocks, optimizer=opt, loss_fn=lambda o, t: ((o - t) ** 2).mean())
-
-
-def gather(a):
-    return np.asarray(multihost_utils.process_allgather(a, tiled=True)) if not a.is_fully_addressable \
-        else np.asarray(a)
 
 
 def state(stack):

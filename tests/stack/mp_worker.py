@@ -8,40 +8,25 @@ Asserts that each process's pinned_host buffers hold only its own devices' shard
 gathered results (process 0) as JSON for the test to compare with the single-process run.
 """
 import json
-import os
 import sys
 
+from mp_common import D, F, block_class, gather, start_jax
+
 pid, nproc, port, ndev, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
-os.environ["XLA_FLAGS"] = " ".join([f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-                                   + [f"--xla_force_host_platform_device_count={ndev}"])   # the others kept
-os.environ["JAX_PLATFORMS"] = "cpu"
-
-import jax  # noqa: E402
-
-if nproc > 1:
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=nproc, process_id=pid)
+jax = start_jax(pid, nproc, port, ndev)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from xla_swap.executors import Placement, RuntimeConfig, StreamingRuntime  # noqa: E402
 from xla_swap.planning import AdamW  # noqa: E402
 from xla_swap.stack import SwappedStack  # noqa: E402
 
-D, F = 8, 16
 devices = jax.devices()
-assert len(devices) == nproc * ndev
 mesh = Mesh(np.array(devices), ("d",))
 local = set(jax.local_devices())
-
-
-def gather(a):
-    return np.asarray(multihost_utils.process_allgather(a, tiled=True)) if not a.is_fully_addressable \
-        else np.asarray(a)
 
 
 def only_local_shards(tree):
@@ -81,13 +66,7 @@ for g in grads:
 torch.manual_seed(0)
 
 
-class Block(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = torch.nn.Linear(D, F), torch.nn.Linear(F, D)
-
-    def forward(self, h):
-        return h + self.down(torch.nn.functional.gelu(self.up(h)))
+Block = block_class()
 
 
 blocks = [Block() for _ in range(3)]
