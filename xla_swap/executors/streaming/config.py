@@ -277,10 +277,16 @@ def config_from_policy(policy: OffloadPolicy, num_stages: int | None, config: Ru
                           optimizer_state_on_host=policy.optimizer_state == "host", remat=remat_from_policy(policy))
 
 
+def given_or_default(value, cls: type, what: str):
+    """``value``, or ``cls()`` for ``None`` (``cls``: a frozen config of ``xla_swap.executors``); TypeError
+    naming ``what`` otherwise."""
+    if value is None:
+        return cls()
+    if not isinstance(value, cls):
+        raise TypeError(f"{what} must be an xla_swap.executors.{cls.__name__} or None, got {type(value).__name__}")
+    return value
+
+
 def checked_config(config) -> RuntimeConfig:
     """``config``, or ``RuntimeConfig()`` for ``None``; TypeError naming ``config`` otherwise."""
-    if config is None:
-        return RuntimeConfig()
-    if not isinstance(config, RuntimeConfig):
-        raise TypeError(f"config must be an xla_swap.executors.RuntimeConfig or None, got {type(config).__name__}")
-    return config
+    return given_or_default(config, RuntimeConfig, "config")

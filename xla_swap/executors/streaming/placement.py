@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSha
 
 from ..pytrees import (DEVICE_KIND, HOST_KIND, as_aval, check_input_dtypes, check_memory_kinds, is_diff,
                        leaf_name)
+from .config import given_or_default
 from .stage_store import zeros_where_they_live
 
 __all__ = ["ActivationLayout", "Placement", "activation_shardings", "check_placement_args", "checked_placement",
@@ -115,11 +116,7 @@ class Placement:
 
 def checked_placement(placement) -> Placement:
     """``placement``, or ``Placement()`` for ``None``; TypeError naming ``placement`` otherwise."""
-    if placement is None:
-        return Placement()
-    if not isinstance(placement, Placement):
-        raise TypeError(f"placement must be an xla_swap.executors.Placement or None, got {type(placement).__name__}")
-    return placement
+    return given_or_default(placement, Placement, "placement")
 
 
 def leaf_sharding_rule(device, sharding) -> tuple[Sharding | None, Callable]:
