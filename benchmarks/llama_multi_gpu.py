@@ -82,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shape-tokens", nargs="*", default=["34b=8192"], help="SHAPE=T1,T2: tokens per GPU of one "
                    "shape instead of --tokens (default 34b=8192: the 9-minute budget)")
     p.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
+    p.add_argument("--prefetch-depth", type=int, default=None, help="our stacks' prefetch depth (default: "
+                   "xla_swap.stack.swapped_stack.DEFAULT_POLICY's)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1, help="untimed steps after the compiling one")
     p.add_argument("--anchors", default="fsdp2,deepspeed", help="comma list of fsdp2, deepspeed ('' none)")
@@ -173,6 +175,8 @@ def plan(args, n: int, work: str) -> list[dict]:
     me, py = os.path.abspath(__file__), sys.executable
     common = ["--seq", str(args.seq), "--reps", str(args.reps), "--warmup", str(args.warmup),
               "--fill-device", "cpu" if args.cpu_smoke else "cuda:0"]
+    if args.prefetch_depth is not None:
+        common += ["--prefetch-depth", str(args.prefetch_depth)]
     if args.compilation_cache:
         common += ["--compilation-cache", args.compilation_cache]
     layers = ["--layers", str(args.layers)] if args.layers else []

@@ -124,20 +124,27 @@ def gemm_rate(dev, m: int = 8192, chain: int = 16, reps: int = 5) -> float:
     return chain * 2.0 * m ** 3 / best
 
 
-def build_stack(shape: dict, devices, fill_device, seed: int = 0):
+def build_stack(shape: dict, devices, fill_device, seed: int = 0, prefetch_depth: int | None = None):
     """``(stack, seconds)``: ``SwappedStack`` over ``causal_lm_stages`` of a meta-device Llama of ``shape``
     (``llama_model.meta_model``), ``torch.optim.AdamW(lr=1e-5)`` over its parameters, loss ``llama_model.ce``,
-    on ``devices``, the layers' values drawn per stage on ``fill_device`` (``generate_gpu.RandomWeights``)."""
+    on ``devices``, the layers' values drawn per stage on ``fill_device`` (``generate_gpu.RandomWeights``);
+    ``xla_swap.stack.swapped_stack.DEFAULT_POLICY``, with ``prefetch_depth`` where given."""
+    import dataclasses
+
     import torch
     import xla_swap
     from generate_gpu import RandomWeights
+    from xla_swap.stack.swapped_stack import DEFAULT_POLICY
     t0 = time.perf_counter()
     model = lm.meta_model(shape, fill_device=fill_device, seed=seed)
     first, layers, last = xla_swap.causal_lm_stages(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    policy = DEFAULT_POLICY
+    if prefetch_depth is not None:
+        policy = dataclasses.replace(policy, prefetch_depth=prefetch_depth)
     stack = xla_swap.SwappedStack(layers, first=first, last=last, optimizer=opt, loss_fn=lm.ce,
                                   parallel=xla_swap.ParallelConfig(devices=devices),
-                                  weights=RandomWeights(fill_device, seed=seed))
+                                  weights=RandomWeights(fill_device, seed=seed), policy=policy)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()   # the stage values drawn on the GPU
     return stack, time.perf_counter() - t0
@@ -188,7 +195,7 @@ def stack_rows(shape: dict, devices, tokens: list[int], args, emit, form: str = 
     passes its own slice of the global batch (``form == "torchrun"``) or the whole of it
     (``"torchrun_global_batch"``, jax's own initialisation)."""
     n = len(devices)
-    stack, build_s = build_stack(shape, devices, args.fill_device, args.seed)
+    stack, build_s = build_stack(shape, devices, args.fill_device, args.seed, args.prefetch_depth)
     counts = lm.param_counts(shape)
     for T in tokens:
         b, s = lm.batch_shape(T, n, args.seq)
@@ -198,7 +205,8 @@ def stack_rows(shape: dict, devices, tokens: list[int], args, emit, form: str = 
             per = b // world
             x, y = x[r * per:(r + 1) * per], y[r * per:(r + 1) * per]
         row = {"form": form, "shape": shape, "n": n, "tokens": T, "b": b, "s": s, "tokens_per_gpu": T // n,
-               "build_s": build_s, "flops": lm.model_flops(shape, b, s, counts), "params": counts}
+               "build_s": build_s, "prefetch_depth": stack.policy.prefetch_depth,
+               "flops": lm.model_flops(shape, b, s, counts), "params": counts}
         try:
             row.update(time_steps(stack, x, y, args.reps, args.warmup))
             row["bytes"] = schedule_bytes(stack)
