@@ -171,3 +171,30 @@ def test_forward_dispatch_order(dispatches, throttle):
         rt.forward(x)
         assert rt.last_schedule == sched
         assert _weight_order(dispatches, rt.host_params) == _expected_order(sched, throttle), steady
+
+
+@pytest.mark.parametrize("which", ["runtime", "decode"])
+def test_warm_calls_build_no_stage_keys(monkeypatch, which):
+    """A call whose input signature ran before finds each stage's executable by stage: it builds no stage key
+    (a walk over the stage's weights, on the host's critical path of every call), compiles nothing, and
+    returns what the first call returned."""
+    from xla_swap.executors.streaming import stage_store
+    if which == "runtime":
+        obj = StreamingRuntime(layer, make_params(4), RuntimeConfig(prefetch_depth=2))
+        x, call = make_input(), obj.forward
+    else:
+        obj, _ = _decode_streamer(on_host=False)
+        x, call = np.ones((1, 8), np.float32), obj.run
+    built, compiled = [], []
+    real_key, real_compile = stage_store.param_key, jax.stages.Lowered.compile
+    monkeypatch.setattr(stage_store, "param_key", lambda *a: built.append(a) or real_key(*a))
+    monkeypatch.setattr(stateful_streamer, "param_key", lambda *a: built.append(a) or real_key(*a))
+    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda *a, **k: compiled.append(a) or real_compile(*a, **k))
+    first = np.asarray(call(x))
+    assert built and compiled   # the first call keys and compiles its stages
+    built.clear()
+    compiled.clear()
+    again = np.asarray(call(x))
+    assert built == [] and compiled == []
+    if which == "runtime":   # a stateless forward: the same output; the decode step advanced its KV cache
+        np.testing.assert_array_equal(again, first)

@@ -198,9 +198,10 @@ class StageCompiler:
     def exe(self, sig: Signature, key: ExeKey, i: int):
         """Stage ``i``'s executable ``key`` for signature ``sig`` (cached per stage, and shared by the
         stages of equal :class:`StageKey`)."""
-        lay = self.store.layouts[i]
-        base = StageKey(self.fn_ids[i], lay.param_key(), aval_key(sig.chain[i]), aval_key(sig.chain[i + 1]))
-        return self.cache.executable(sig, i, key, base, lambda: self._compile(sig, key, i, base))
+        def base_of() -> StageKey:
+            return StageKey(self.fn_ids[i], self.store.layouts[i].param_key(), aval_key(sig.chain[i]),
+                            aval_key(sig.chain[i + 1]))
+        return self.cache.executable(sig, i, key, base_of, lambda base: self._compile(sig, key, i, base))
 
     def _compile(self, sig: Signature, key: ExeKey, i: int, base: StageKey):
         """Compile stage ``i``'s executable ``key`` for ``sig``."""

@@ -104,15 +104,18 @@ class SignatureCache:
         self.last_sig = sig
         return sig
 
-    def executable(self, sig: Signature, stage: int, key: ExeKey, base: StageKey, compile_: Callable[[], Any]):
-        """Stage ``stage``'s executable ``key`` of ``sig``: cached per stage, shared by the stages of equal
-        ``base``, else ``compile_()``."""
+    def executable(self, sig: Signature, stage: int, key: ExeKey, base_of: Callable[[], StageKey],
+                   compile_: Callable[[StageKey], Any]):
+        """Stage ``stage``'s executable ``key`` of ``sig``: cached per stage, else shared by the stages of
+        equal ``base_of()``, else ``compile_(base)``. A call that finds the stage's own entry builds no key
+        (``base_of`` walks the stage's weights: it runs once per stage and signature)."""
         exe = sig.stage_exe.get((key, stage))
         if exe is not None:
             return exe
+        base = base_of()
         exe = sig.compiled.get((base, key))
         if exe is None:
-            exe = compile_()
+            exe = compile_(base)
             sig.compiled[(base, key)] = exe
         sig.stage_exe[(key, stage)] = exe
         return exe

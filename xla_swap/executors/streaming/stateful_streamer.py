@@ -276,10 +276,12 @@ class StatefulStreamer:
         """Stage ``i``'s own executable for ``sig`` (shared by the stages of equal function, weights, state and
         input avals): ``(p, x) -> y``, or ``(p, s, x) -> (y, s)`` with the state donated."""
         sav = self.state_avals[i]
-        base = StageKey(self._fn_ids[i], param_key(self.host_params[i], self.device_shardings[i]),
-                        aval_key(sig.chain[i]), state=() if sav is None else aval_key(sav))
-        return self._cache.executable(sig, i, ExeKey("forward", donate=sav is not None), base,
-                                      lambda: self._compile(i, sig.chain[i]))
+
+        def base_of() -> StageKey:
+            return StageKey(self._fn_ids[i], param_key(self.host_params[i], self.device_shardings[i]),
+                            aval_key(sig.chain[i]), state=() if sav is None else aval_key(sav))
+        return self._cache.executable(sig, i, ExeKey("forward", donate=sav is not None), base_of,
+                                      lambda base: self._compile(i, sig.chain[i]))
 
     # ---------------------------------------------------------------- internals
     def _signature(self, x) -> Signature:
