@@ -319,3 +319,26 @@ def test_tail_copied_in_blocks_behind_the_experts_equals_torch(monkeypatch, fami
     assert torch.equal(whole, ref) and stack.last_generation["experts"]["tail_blocks"] == [[]] * NEW
     assert stack.generators.current.routed_experts.tail is tail   # the same generator streamed it whole
     assert tail.host_nbytes() == held   # a run that streams whole keeps the blocks for the next routed one
+
+
+def test_routed_steps_build_no_program_key_per_token(monkeypatch):
+    """A routed layer's program is looked up by the stage's last signature and weights: the keys built in a
+    generation (walks over the layer's weights) do not grow with the number of tokens, and the tokens equal
+    ``model.generate``'s."""
+    from xla_swap.executors.streaming import routed_experts
+    model = make("qwen3_moe")
+    ids, mask = prompts()
+    stack = one_device_stack(model)
+    keys = []
+    real = routed_experts.aval_key
+    monkeypatch.setattr(routed_experts, "aval_key", lambda t: keys.append(1) or real(t))
+    built = {}
+    for new in (2, 6, 2, 6):
+        keys.clear()
+        got = stack.generate(ids, mask, max_new_tokens=new, eos_token_id=None, pad_token_id=0,
+                             expert_fetch="routed")
+        built.setdefault(new, []).append(len(keys))
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+        assert torch.equal(got, ref)
+    assert built[2][1] == built[6][1] > 0, built   # warm: the same keys for 2 tokens and for 6

@@ -148,6 +148,7 @@ class RoutedExperts(StageCalls):
         self._empty: dict[int, tuple] = {}       # stage -> (host params, {}): what the streamer moves when routed
         self._ahead: dict[int, tuple] = {}       # stage -> (host params, device weights less experts)
         self._programs: dict = {}
+        self._last_program: dict[int, tuple] = {}   # stage -> (signature, host params, program) of its last run
         #: whether the next run fetches only the routed experts of the routed stages.
         self.routed: bool = False
         #: the expert copies of the last run: ``(stage, expert ids)`` per routed stage, in order.
@@ -277,14 +278,19 @@ class RoutedExperts(StageCalls):
         stage run whole: that program on every packed expert, in one executable; else the stage's own."""
         if not self._active(i):
             return super().executable(streamer, sig, i)
-        in_aval = sig.chain[i]
-        spec = self._specs[i]
-        pav = jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), streamer.host_params[i])
-        key = (id(spec), aval_key(pav), aval_key(streamer.state_avals[i]), aval_key(in_aval))
-        prog = self._programs.get(key)
-        if prog is None:
-            prog = self._program(streamer, i, spec, pav, in_aval)
-            self._programs[key] = prog
+        last = self._last_program.get(i)   # the same signature and weights as this stage's last run: no key
+        if last is not None and last[0] is sig and last[1] is streamer.host_params[i]:
+            prog = last[2]
+        else:
+            in_aval = sig.chain[i]
+            spec = self._specs[i]
+            pav = jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), streamer.host_params[i])
+            key = (id(spec), aval_key(pav), aval_key(streamer.state_avals[i]), aval_key(in_aval))
+            prog = self._programs.get(key)
+            if prog is None:
+                prog = self._program(streamer, i, spec, pav, in_aval)
+                self._programs[key] = prog
+            self._last_program[i] = (sig, streamer.host_params[i], prog)
         return prog if self.routed else prog.whole()
 
     def call(self, streamer, i: int, exe, p, x, states: dict):
