@@ -22,6 +22,7 @@ The module imports only numpy and jax (no torch).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -82,6 +83,12 @@ class StageCalls:
     def output(self, streamer: "StatefulStreamer", i: int, y):
         """Stage ``i``'s output as the next stage takes it, once the events after its dispatch ran: ``y``."""
         return y
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(n: int, k: int, resident: tuple, carry: tuple, host_state: tuple) -> PrefetchSchedule:
+    """The decode run's (frozen) schedule, built once per arguments: a step's schedule is the same at every token."""
+    return PrefetchSchedule(n, k, resident=resident, carry=carry, host_state=host_state)
 
 
 class StatefulStreamer:
@@ -228,8 +235,7 @@ class StatefulStreamer:
         stage's weights (``host_state``)."""
         calls = self.stage_calls
         carry = tuple(j for j, (src, _) in sorted(self._carry.items()) if src is calls.weights(self, j)[0])
-        return PrefetchSchedule(self.num_stages, self.prefetch_depth, resident=self.resident, carry=carry,
-                                host_state=self.state_on_host)
+        return _schedule(self.num_stages, self.prefetch_depth, self.resident, carry, self.state_on_host)
 
     def run(self, x):
         """Run every stage once on ``x`` (a pytree of arrays); the states are updated in place.
