@@ -28,39 +28,44 @@ D, F, T = 256, 512, 64
 
 
 class FFN(torch.nn.Module):
-    """``h + b(gelu(a(h)))``, bias-free (``torch_stack``'s layer)."""
+    """``h + down(gelu(up(h)))``, bias-free, hidden ``d``, inner ``f`` (``torch_stack``'s layer)."""
 
-    def __init__(self):
+    def __init__(self, d: int, f: int):
         super().__init__()
-        self.a = torch.nn.Linear(D, F, bias=False)
-        self.b = torch.nn.Linear(F, D, bias=False)
+        self.up, self.down = torch.nn.Linear(d, f, bias=False), torch.nn.Linear(f, d, bias=False)
 
     def forward(self, h):
-        return h + self.b(torch.nn.functional.gelu(self.a(h), approximate="tanh"))
+        return h + self.down(torch.nn.functional.gelu(self.up(h), approximate="tanh"))
 
 
 def build(layers: int):
-    """A ``SwappedStack`` of ``layers`` FFNs on the first jax device."""
+    """``(stack, modules)``: a ``SwappedStack`` of ``layers`` bf16 FFNs on the first jax device, and the FFNs."""
     torch.manual_seed(0)
-    mods = [FFN().to(torch.bfloat16) for _ in range(layers)]
+    mods = [FFN(D, F).to(torch.bfloat16) for _ in range(layers)]
     pol = OffloadPolicy(params="host", grads="host", optimizer_state="host", remat=True, prefetch_depth=2)
     try:
         from xla_swap.stack.config import ParallelConfig, TrainingConfig
     except ImportError:   # a tree from before the configs
-        return SwappedStack(mods, policy=pol, devices=jax.devices()[:1], accumulate_grads=False)
+        return SwappedStack(mods, policy=pol, devices=jax.devices()[:1], accumulate_grads=False), mods
     return SwappedStack(mods, policy=pol, parallel=ParallelConfig(devices=jax.devices()[:1]),
-                        training=TrainingConfig(accumulate_grads=False))
+                        training=TrainingConfig(accumulate_grads=False)), mods
 
 
-def per_call_us(layers: int, windows: int = 7, calls: int = 50) -> float:
+def the_call(st, x):
+    """The timed call: the runtime's ``forward`` on jax array ``x`` [T, D] and its output converted to a torch
+    tensor (``torch_stack``'s ``torch_fwd_out``)."""
+    return st._out(st.runtime.forward((x, {})), None)
+
+
+def per_call_us(layers: int, windows: int = 7, calls: int = 50, warmup: int = 20) -> float:
     """Median microseconds per ``forward`` + output conversion, over ``windows`` windows of ``calls`` calls."""
-    st = build(layers)
+    st, _ = build(layers)
     x = jax.device_put(np.random.default_rng(0).standard_normal((T, D)).astype(jax.numpy.bfloat16))
 
     def call():
-        return st._out(st.runtime.forward((x, {})), None)
+        return the_call(st, x)
 
-    for _ in range(20):
+    for _ in range(warmup):
         call()
     times = []
     for _ in range(windows):
