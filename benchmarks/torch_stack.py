@@ -102,13 +102,16 @@ def _timeit(call, reps, sync=None, window=1):
     return _interleaved({"call": call}, reps, sync or (lambda r: r), window)["call"]
 
 
-def _interleaved(calls: dict, reps: int, sync, window: int = 1) -> dict:
+def _interleaved(calls: dict, reps: int, sync, window: int = 1, mark=None) -> dict:
     """``_timeit`` of several calls at once, alternating window by window, so that drift (clocks,
     the host) hits each alike: one warm-up call each, then ``reps`` rounds of one window per call.
-    ``calls``: ``{name: call}``; returns ``{name: [seconds per call, ...]}``."""
+    ``calls``: ``{name: call}``; ``mark(text)``, where given, is told each warm-up call's end (the
+    first, compiling, call). Returns ``{name: [seconds per call, ...]}``."""
     out = {name: [] for name in calls}
-    for c in calls.values():
+    for name, c in calls.items():
         sync(c())
+        if mark is not None:
+            mark(f"{name} warmed up")
     for _ in range(reps):
         for name, c in calls.items():
             out[name].append(_window(c, sync, window))
@@ -214,6 +217,9 @@ def measure_shape(D, F, L, T, reps, k=2, window=1):
         print(json.dumps({"row": name, "median_s": statistics.median(rows[name]) if name in rows else None,
                           "elapsed_s": round(time.perf_counter() - t_start, 1), **host}), flush=True)
 
+    def mark(what):   # progress between rows: where a slow or stalled run is
+        print(json.dumps({"mark": what, "elapsed_s": round(time.perf_counter() - t_start, 1)}), flush=True)
+
     def stage_jax(w, h):
         return h + jax.nn.gelu(h @ w["a"], approximate=True) @ w["b"]
 
@@ -267,9 +273,12 @@ def measure_shape(D, F, L, T, reps, k=2, window=1):
     pol = OffloadPolicy(params="host", grads="host", optimizer_state="host", remat=True, prefetch_depth=k)
     st = SwappedStack(layers, policy=pol, parallel=ParallelConfig(devices=jax.devices()[:1]),
                       training=TrainingConfig(accumulate_grads=False))
+    mark("torch stack built")
     res["bw_torch_stack"] = _link(measure_bandwidth(st.runtime.host_params))  # its own pinned buffers
+    mark("torch stack's bandwidth measured")
     cuda = torch.cuda.is_available()
     x_c = x_t.cuda() if cuda else x_t
+    mark("torch input on the GPU" if cuda else "torch input on the CPU")
     out_dev = x_c.device if cuda else None  # where the entry point puts its output
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
@@ -289,10 +298,11 @@ def measure_shape(D, F, L, T, reps, k=2, window=1):
     # torch_fwd_rt: the torch stack's runtime called as the JAX row is (jax array in, jax array
     # out): torch_fwd - torch_fwd_rt is the entry point's per-call conversion (DLPack in and out)
     rows.update(_interleaved({"jax_fwd": lambda: rt.forward(x_dev), "torch_fwd": torch_fwd,
-                              "torch_fwd_rt": lambda: st.runtime.forward((x_dev, {}))}, reps, sync_any, window))
+                              "torch_fwd_rt": lambda: st.runtime.forward((x_dev, {}))}, reps, sync_any, window,
+                             mark))
     note("torch_fwd")
     rows.update(_interleaved({"jax_train": lambda: rt.train_step(x_dev, jloss)[::2], "torch_train": torch_train},
-                             reps, sync_any, window))
+                             reps, sync_any, window, mark))
     note("torch_train")
     ref_out = np.asarray(rt.forward(x_dev)).astype(np.float32)
     rt = None  # free its buffers before the next row
