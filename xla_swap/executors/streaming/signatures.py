@@ -108,7 +108,7 @@ class SignatureCache:
                    compile_: Callable[[StageKey], Any]):
         """Stage ``stage``'s executable ``key`` of ``sig``: cached per stage, else shared by the stages of
         equal ``base_of()``, else ``compile_(base)``. A call that finds the stage's own entry builds no key
-        (``base_of`` walks the stage's weights: it runs once per stage and signature)."""
+        (``base_of`` walks the stage's weights: it runs once per stage, ``key`` and signature)."""
         exe = sig.stage_exe.get((key, stage))
         if exe is not None:
             return exe
