@@ -686,7 +686,8 @@ def launch_ranks(argv: list[str], world_size: int, timeout_s: float | None = Non
     to temporary files; rank 0's stdout is echoed to this process' stdout minus its JSON line
     (the caller prints it), every rank's stderr tail to stderr. When a rank exits with an error
     the others get 10 s, then are killed; after ``timeout_s`` seconds (None: no limit) all are.
-    Returns ``{"error": ...}`` when rank 0 printed no JSON line.
+    ``PYTHONFAULTHANDLER=1`` makes a rank that dies of a signal print its Python stack. The result is
+    :func:`rank_verdict`'s.
     """
     import subprocess
     import tempfile
@@ -698,7 +699,7 @@ def launch_ranks(argv: list[str], world_size: int, timeout_s: float | None = Non
     with tempfile.TemporaryDirectory(prefix="anchors_ranks_") as tmp:
         for r in range(world_size):
             env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **_NO_MULTICAST_ENV)
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONFAULTHANDLER="1", **_NO_MULTICAST_ENV)
             env.setdefault("OMP_NUM_THREADS", str(threads))
             out = open(os.path.join(tmp, f"rank{r}.out"), "w+")
             err = open(os.path.join(tmp, f"rank{r}.err"), "w+")
@@ -732,19 +733,41 @@ def launch_ranks(argv: list[str], world_size: int, timeout_s: float | None = Non
     for r, (_, err) in enumerate(texts):
         if err.strip():
             sys.stderr.write(f"--- rank {r} stderr (tail) ---\n{err[-3000:]}\n")
-    lines = texts[0][0].splitlines()
-    json_lines = [ln for ln in lines if ln.startswith("{")]
-    for ln in lines:
+    for ln in texts[0][0].splitlines():
         if not ln.startswith("{"):
             print(ln)
-    codes = [p.returncode for p in procs]
-    if json_lines:
-        res = json.loads(json_lines[-1])
-    else:
-        res = {"anchor": anchor, "world_size": world_size,
-               "error": f"{reason or 'rank 0 printed no result'} (return codes {codes}): {texts[0][1][-2000:]}"}
-    if "error" not in res and (reason or any(codes)):
-        res["error"] = f"{reason or 'a rank failed'} (return codes {codes})"
+    return rank_verdict(texts, [p.returncode for p in procs], reason, anchor=anchor, world_size=world_size)
+
+
+def _last_json(text: str) -> dict | None:
+    lines = [ln for ln in text.splitlines() if ln.startswith("{")]
+    return json.loads(lines[-1]) if lines else None
+
+
+def rank_verdict(texts: list[tuple[str, str]], codes: list[int | None], reason: str | None, *,
+                 anchor: str = "fsdp2", world_size: int | None = None) -> dict:
+    """Rank 0's result from every rank's ``(stdout, stderr)`` and return code (``reason``: why the
+    launcher stopped them, or None).
+
+    Every rank prints its own JSON line after its last barrier and the process group's teardown. When
+    every rank printed one without ``error``, the measurement is whole: return codes other than 0 and
+    a ``reason`` come after it (a rank dying in the interpreter's exit, say) and are reported under
+    ``after_result`` (codes, reason, the failing ranks' stderr tails), not as an error. Otherwise the
+    result gets ``error``, with the return codes and the failing ranks' stderr tails.
+    """
+    world_size = len(texts) if world_size is None else world_size
+    results = [_last_json(out) for out, _ in texts]
+    failing = {r: texts[r][1][-1500:] for r, c in enumerate(codes) if c not in (0, None) or results[r] is None}
+    res = results[0] if results[0] is not None else {"anchor": anchor, "world_size": world_size}
+    if "error" in res:
+        return res
+    whole = all(x is not None and "error" not in x for x in results)
+    if whole and (reason or any(codes)):
+        res["after_result"] = {"return_codes": codes, "reason": reason, "stderr_tail": failing}
+    elif not whole:
+        first = reason or ("rank 0 printed no result" if results[0] is None else "a rank failed")
+        res["error"] = f"{first} (return codes {codes})"
+        res["stderr_tail"] = failing
     return res
 
 
@@ -772,8 +795,8 @@ def main(argv: list[str] | None = None) -> dict:
     """Run one anchor and print its dict as one JSON line on stdout; return the dict.
 
     With ``--world-size N > 1`` this starts the N ranks (:func:`launch_ranks`) unless it is one of
-    them; a rank prints its line only as rank 0. A token count that does not split over the ranks is
-    refused before any rank starts.
+    them; every rank prints its own line (the launcher returns rank 0's). A token count that does not
+    split over the ranks is refused before any rank starts.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -789,8 +812,7 @@ def main(argv: list[str] | None = None) -> dict:
         rank = int(os.environ["RANK"]) if ws > 1 else 0
         res = _run_rank(args, rank)
     sys.stdout.flush()
-    if rank == 0:
-        print(json.dumps(res, default=str), flush=True)
+    print(json.dumps(res, default=str), flush=True)  # a rank's own stdout: launch_ranks reads them all
     return res
 
 

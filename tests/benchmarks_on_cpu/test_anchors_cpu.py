@@ -163,3 +163,32 @@ def test_an_anchors_fields_never_collide_with_the_names_per_tokens_takes():
     params = set(inspect.signature(anchors._per_tokens).parameters) - {"extra"}
     assert not set(kept) & params
     assert kept == {"anchor": "deepspeed", "stage": 3, "setup_s": 1.0}
+
+
+def _line(**kw):
+    return json.dumps({"anchor": "fsdp2", "world_size": 2, **kw}) + "\n"
+
+
+def test_rank_verdict_a_rank_dying_after_its_result_is_reported_not_an_error():
+    """Every rank printed its result (after its last barrier): a rank's SIGABRT afterwards (CI saw -6 in
+    the interpreter's exit) is reported under ``after_result`` with its stderr, and the step time stands."""
+    texts = [(_line(step_s=1.0, rank=0), ""), (_line(step_s=1.1, rank=1), "Fatal Python error: Aborted\n")]
+    res = anchors.rank_verdict(texts, [0, -6], None)
+    assert "error" not in res and res["step_s"] == 1.0
+    assert res["after_result"] == {"return_codes": [0, -6], "reason": None,
+                                   "stderr_tail": {1: "Fatal Python error: Aborted\n"}}
+
+
+def test_rank_verdict_a_rank_without_its_result_is_an_error_with_its_stderr():
+    texts = [(_line(step_s=1.0, rank=0), ""), ("", "Fatal Python error: Aborted\n")]
+    res = anchors.rank_verdict(texts, [0, -6], None)
+    assert res["error"] == "a rank failed (return codes [0, -6])"
+    assert res["stderr_tail"] == {1: "Fatal Python error: Aborted\n"}
+    res = anchors.rank_verdict([("", "boom"), (_line(step_s=1.0), "")], [-9, -9], "timed out after 5 s")
+    assert res["error"] == "timed out after 5 s (return codes [-9, -9])" and res["stderr_tail"][0] == "boom"
+    res = anchors.rank_verdict([(_line(step_s=1.0), ""), (_line(error="ValueError: x"), "tb")], [0, 1], None)
+    assert res["error"].startswith("a rank failed") and 1 in res["stderr_tail"]
+    res = anchors.rank_verdict([(_line(error="ValueError: y"), ""), (_line(step_s=1.0), "")], [1, 0], None)
+    assert res["error"] == "ValueError: y"                          # rank 0's own error stands
+    assert anchors.rank_verdict([(_line(step_s=1.0), ""), (_line(step_s=1.0), "")], [0, 0], None) == \
+        json.loads(_line(step_s=1.0))                                # a clean run is rank 0's line as printed
