@@ -203,15 +203,24 @@ def _init_process_group(device: torch.device, rank: int = 0, world_size: int = 1
     return True
 
 
-def _destroy_process_group(created: bool) -> None:
+def _destroy_process_group(created: bool) -> bool:
     """Every rank meets at a barrier, then the group is destroyed (a rank that tears gloo down while another
-    still sends can abort the process)."""
+    still sends can abort the process). True when the ranks met: every rank ended its measurement."""
     import torch.distributed as dist
 
+    met = False
     if created and dist.is_initialized():
         if dist.get_world_size() > 1:
             dist.barrier()
+            met = True
         dist.destroy_process_group()
+    return met
+
+
+def _end(res: dict | None, created: bool) -> None:
+    """The anchors' teardown: ``res["ranks_met_at_end"] = True`` when the ranks met at the last barrier."""
+    if _destroy_process_group(created) and res is not None:
+        res["ranks_met_at_end"] = True
 
 
 def _sync(device: torch.device) -> None:
@@ -420,6 +429,7 @@ def fsdp2_anchor(workload, tokens, reps: int = 3, *, optimizer: bool = True, dev
     tokens = _tokens_list(tokens, world_size)
     device = _rank_device(device, rank, world_size)
     created = _init_process_group(device, rank, world_size)
+    res = None
     try:
         t_setup = time.perf_counter()
         mesh = init_device_mesh(device.type, (world_size,))
@@ -445,7 +455,7 @@ def fsdp2_anchor(workload, tokens, reps: int = 3, *, optimizer: bool = True, dev
         if world_size > 1:
             import torch.distributed as dist
             barrier = dist.barrier
-        return _per_tokens(
+        res = _per_tokens(
             workload, tokens, reps, device, model, optimizer_step if opt else None, rank=rank,
             world_size=world_size, seed=seed, barrier=barrier,
             clear=None if opt else (lambda: model.zero_grad(set_to_none=True)), anchor="fsdp2",
@@ -453,8 +463,9 @@ def fsdp2_anchor(workload, tokens, reps: int = 3, *, optimizer: bool = True, dev
             optimizer="torch.optim.AdamW(foreach=True)" if opt else None, pin_memory=pin,
             param_device=local.device.type, param_pinned=bool(local.is_pinned()) if pin else False,
             meta_init=meta_init, setup_s=setup_s)
+        return res
     finally:
-        _destroy_process_group(created)
+        _end(res, created)
 
 
 def fsdp2_cpu_offload_step(D: int, F: int, L: int, T: int, reps: int = 3, *, optimizer: bool = True,
@@ -559,7 +570,7 @@ def deepspeed_anchor(workload, tokens, reps: int = 3, *, stage: int = 3, optimiz
     except Exception as e:  # noqa: BLE001 - ImportError or a broken install
         return dict(info, error=f"deepspeed not importable: {type(e).__name__}: {e}")
     info["deepspeed"] = deepspeed.__version__
-    created = False
+    created, res = False, None
     try:
         tokens = _tokens_list(tokens, world_size)
         device = _rank_device(device, rank, world_size)
@@ -591,15 +602,16 @@ def deepspeed_anchor(workload, tokens, reps: int = 3, *, stage: int = 3, optimiz
             barrier = dist.barrier
         # engine.step() also zeroes the gradients
         extra = _passthrough(info)
-        return _per_tokens(workload, tokens, reps, device, engine, engine.step, rank=rank, world_size=world_size,
-                           seed=seed, barrier=barrier, backward=engine.backward, **extra)
+        res = _per_tokens(workload, tokens, reps, device, engine, engine.step, rank=rank, world_size=world_size,
+                          seed=seed, barrier=barrier, backward=engine.backward, **extra)
+        return res
     except Exception as e:  # noqa: BLE001 - report, never raise
         info["error"] = f"{type(e).__name__}: {e}"[-4000:]
         info["traceback"] = traceback.format_exc()[-8000:]
         return info
     finally:
         with contextlib.suppress(Exception):
-            _destroy_process_group(created)
+            _end(res, created)
 
 
 def deepspeed_zero_offload_step(D: int, F: int, L: int, T: int, reps: int = 3, *, stage: int = 3,
@@ -749,11 +761,13 @@ def rank_verdict(texts: list[tuple[str, str]], codes: list[int | None], reason: 
     """Rank 0's result from every rank's ``(stdout, stderr)`` and return code (``reason``: why the
     launcher stopped them, or None).
 
-    Every rank prints its own JSON line after its last barrier and the process group's teardown. When
-    every rank printed one without ``error``, the measurement is whole: return codes other than 0 and
-    a ``reason`` come after it (a rank dying in the interpreter's exit, say) and are reported under
-    ``after_result`` (codes, reason, the failing ranks' stderr tails), not as an error. Otherwise the
-    result gets ``error``, with the return codes and the failing ranks' stderr tails.
+    Every rank prints its own JSON line after its last barrier and the process group's teardown. The
+    measurement is whole when every rank printed one without ``error``, or when rank 0's has
+    ``ranks_met_at_end`` (every rank reached the last barrier, after its timed steps). Then return codes
+    other than 0 and a ``reason`` came after it (a rank dying in the teardown or the interpreter's exit,
+    say) and are reported under ``after_result`` (codes, reason, the failing ranks' stderr tails), not as
+    an error. Otherwise the result gets ``error``, with the return codes and the failing ranks' stderr
+    tails.
     """
     world_size = len(texts) if world_size is None else world_size
     results = [_last_json(out) for out, _ in texts]
@@ -761,7 +775,7 @@ def rank_verdict(texts: list[tuple[str, str]], codes: list[int | None], reason: 
     res = results[0] if results[0] is not None else {"anchor": anchor, "world_size": world_size}
     if "error" in res:
         return res
-    whole = all(x is not None and "error" not in x for x in results)
+    whole = res.get("ranks_met_at_end") is True or all(x is not None and "error" not in x for x in results)
     if whole and (reason or any(codes)):
         res["after_result"] = {"return_codes": codes, "reason": reason, "stderr_tail": failing}
     elif not whole:

@@ -132,6 +132,7 @@ def test_llama_fsdp2_two_ranks_two_token_counts(capsys, restore_env):
     res = anchors.main(["--anchor", "fsdp2", "--llama", "tiny", "--seq", "16", "--tokens", "64", "32",
                         "--reps", "1", "--world-size", "2", "--timeout-s", "120"])
     assert "error" not in res, res
+    assert res["ranks_met_at_end"] is True                                   # the last barrier passed
     assert res["model"] == "llama" and res["shape"]["d"] == 64 and res["seq"] == 16
     assert set(res["by_tokens"]) == {"64", "32"} and res["T"] == 64          # the first T at the top
     for T, r in res["by_tokens"].items():
@@ -192,3 +193,11 @@ def test_rank_verdict_a_rank_without_its_result_is_an_error_with_its_stderr():
     assert res["error"] == "ValueError: y"                          # rank 0's own error stands
     assert anchors.rank_verdict([(_line(step_s=1.0), ""), (_line(step_s=1.0), "")], [0, 0], None) == \
         json.loads(_line(step_s=1.0))                                # a clean run is rank 0's line as printed
+
+
+def test_rank_verdict_rank_0_past_the_last_barrier_makes_the_measurement_whole():
+    """Rank 0 passed the last barrier (``ranks_met_at_end``): rank 1 ended its timed steps, so its death
+    in the teardown, before its own line, is after the result."""
+    texts = [(_line(step_s=1.0, ranks_met_at_end=True), ""), ("", "Fatal Python error: Aborted\n")]
+    res = anchors.rank_verdict(texts, [0, -6], None)
+    assert "error" not in res and res["after_result"]["return_codes"] == [0, -6]
