@@ -103,6 +103,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "row leaves beside its pinned pools for the process and the system; less available: skipped")
     p.add_argument("--largest-anchor-layers", type=int, default=0, help="after the largest row: FSDP2 "
                    "CPUOffloadPolicy (built on the meta device) on this many layers of --largest-shape (0: none)")
+    p.add_argument("--profile-dir", default=None, help="after each single-process row at --profile-tokens, one more "
+                   "step traced (jax profiler) into this folder, its per-GPU split into the row (trace_summary.overlap)")
+    p.add_argument("--profile-tokens", type=int, nargs="*", default=None, help="global token counts to trace "
+                   "(default: every row's)")
     p.add_argument("--budget-s", type=float, default=500, help="wall time for every piece together")
     p.add_argument("--compilation-cache", default=None, help="jax's persistent compilation cache (a folder)")
     p.add_argument("--out-dir", default=None)
@@ -184,9 +188,12 @@ def plan(args, n: int, work: str) -> list[dict]:
     pieces = []
     for shape in args.shapes:
         out = os.path.join(work, f"ours_{shape}.json")
+        profile = ["--profile-dir", args.profile_dir] if args.profile_dir else []
+        if profile and args.profile_tokens:
+            profile += ["--profile-tokens", *map(str, args.profile_tokens)]
         pieces.append(dict(name=f"ours:{shape}", kind="ours", shape=shape, out=out, min_s=60, cmd=[
             py, me, "--piece", "ours", "--shape", shape, *layers, "--gpus", str(n), "--piece-out", out,
-            "--tokens", *map(str, tokens_of(args, shape)), *common]))
+            "--tokens", *map(str, tokens_of(args, shape)), *common, *profile]))
         for a in anchors if shape in (args.anchor_shapes if args.anchor_shapes is not None else args.shapes) else []:
             pieces.append(dict(name=f"{a}:{shape}", kind="anchor", anchor=a, shape=shape, min_s=_ANCHOR_MIN_S[a], cmd=[
                 py, os.path.join(HERE, "anchors.py"), "--anchor", a, "--llama", shape, *layers, "--seq",

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import statistics
 
+import trace_summary
+
 #: step / floor at most (link-bound rows), speed-up at least ``scaling_per_gpu x n`` (compute-bound rows).
 TARGETS = {"link_ratio": 1.10, "scaling_per_gpu": 0.925}
 #: model FLOPs actually computed per model FLOP with remat (the forward recomputed in the backward).
@@ -26,7 +28,7 @@ def row_metrics(row: dict, links: dict) -> dict:
     """
     n, step = row["n"], row.get("step_s")
     out = {k: row.get(k) for k in ("form", "n", "tokens", "b", "s", "tokens_per_gpu", "first_loss", "last_loss",
-                                   "first_step_s", "build_s", "error")}
+                                   "first_step_s", "build_s", "error", "profile")}
     out["step_s"], out["flops"] = step, row["flops"]
     if step is None or "bytes" not in row:
         return out
@@ -232,6 +234,11 @@ def _render_shape(name: str, d: dict, n: int) -> list:
                      f"{_tf(r.get('tflops_per_gpu'))} | {_ms(r.get('host_s'))} | "
                      f"{_ms(r.get('nvlink_s'))} | {_ms(r.get('compute_s'))} | {_ms(r.get('floor_s'))} ({r.get('bound')}) | "
                      f"{_rx(r.get('ratio'), '.3f')} |")
+    for r in d["rows"]:
+        if r.get("profile"):   # a traced step: how each GPU's window splits (trace_summary.overlap)
+            lines += ["", f"Traced step, {r['form']}, {r['n']} GPU(s), {r['tokens']} tokens: "
+                      f"{_ms(r['profile']['step_s'])} ms (`{r['profile']['dir']}`)", "",
+                      trace_summary.render_overlap(r["profile"]["overlap"])]
     if d["anchors"]:
         lines += ["", f"| anchor ({n} ranks) | tokens | step ms | fwd+bwd ms | optimizer ms | ours, one process ms "
                   "| anchor / ours | ours, torchrun ms | anchor / torchrun |", "|---|---|---|---|---|---|---|---|---|"]

@@ -187,6 +187,21 @@ def time_steps(stack, x, y, reps: int, warmup: int) -> dict:
             "step_s": statistics.median(samples) if samples else None, "last_loss": last}
 
 
+def profile_step(stack, x, y, where: str) -> dict:
+    """One more step traced by jax's profiler into ``where`` (a perfetto trace): ``{"dir", "step_s",
+    "overlap"}``, the last being :func:`trace_summary.overlap`'s per-GPU split of the window (compute,
+    collectives and the part of them no compute hides, host copies, idle; microseconds)."""
+    import jax
+    import trace_summary
+    rt = stack.runtime
+    with jax.profiler.trace(where, create_perfetto_trace=True):
+        t = time.perf_counter()
+        stack.train_step(x, y)
+        jax.block_until_ready((rt.host_params, rt.optimizer_state))
+        step_s = time.perf_counter() - t
+    return {"dir": where, "step_s": step_s, "overlap": trace_summary.overlap(trace_summary.load(where))}
+
+
 def stack_rows(shape: dict, devices, tokens: list[int], args, emit, form: str = "single",
                local: tuple | None = None) -> None:
     """Rows of one stack on ``devices`` at each global token count of ``tokens`` (``emit(row)`` each).
@@ -210,6 +225,8 @@ def stack_rows(shape: dict, devices, tokens: list[int], args, emit, form: str = 
         try:
             row.update(time_steps(stack, x, y, args.reps, args.warmup))
             row["bytes"] = schedule_bytes(stack)
+            if getattr(args, "profile_dir", None) and (not args.profile_tokens or T in args.profile_tokens):
+                row["profile"] = profile_step(stack, x, y, os.path.join(args.profile_dir, f"{form}_{n}gpu_{T}"))
         except Exception as e:  # noqa: BLE001 - an out-of-memory row is a result too
             row["error"] = f"{type(e).__name__}: {str(e)[:600]}"
         row["host_memory"] = host_memory()

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Summarise a jax profiler trace (``jax.profiler.trace(dir, create_perfetto_trace=True)``): per GPU stream
 its busy time and heaviest ops, and for host -> device copies how busy the link was over the window and
-where it idled (with what each stream ran in the longest idle gaps).
+where it idled (with what each stream ran in the longest idle gaps); per GPU, how its window splits into
+compute, collectives (and the part of them no compute hides), host copies and idle time (:func:`overlap`).
 
     python benchmarks/trace_summary.py DIR_OR_perfetto_trace.json.gz [--gaps 12] [--json out.json]
 
@@ -112,6 +113,87 @@ def summarise(trace: dict, gaps: int = 12) -> dict:
     return out
 
 
+COLLECTIVE = re.compile(r"(nccl|all-gather|all_gather|allgather|reduce-scatter|reduce_scatter|reducescatter|"
+                        r"all-reduce|all_reduce|allreduce|collective-permute|all-to-all)", re.I)
+
+
+def _measure(intervals: list) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersect(a: list, b: list) -> list:
+    """The intersection of two sorted, merged interval lists."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def overlap(trace: dict, top: int = 6) -> list[dict]:
+    """Per GPU (a device process's ``Stream ...`` threads), how its window splits (microseconds).
+
+    Each kernel is a collective (its name matches NCCL's or XLA's collective names), a host copy
+    (``memcpy``/``copy`` with ``HtoD``/``DtoH``) or compute (the rest, device-to-device copies included).
+    ``window_us``: first start to last end of the GPU's events; ``compute_us`` and ``collective_us``:
+    the unions' lengths; ``collective_exposed_us``: collective time with no compute kernel running;
+    ``idle_us``: time with neither running (the GPU waits on host copies or the host);
+    ``h2d_us``/``d2h_us``: the host copies' unions; ``top_compute``/``top_collective``: the heaviest
+    names with their summed durations."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pname, tname = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            pname[e["pid"]] = e.get("args", {}).get("name", "")
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            tname[(e["pid"], e["tid"])] = e.get("args", {}).get("name", "")
+    out = []
+    for pid, name in sorted(pname.items(), key=lambda kv: kv[1]):
+        if "gpu" not in name.lower():
+            continue
+        evs = [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("pid") == pid
+               and tname.get((pid, e.get("tid")), "").startswith("Stream")]
+        if not evs:
+            continue
+        kinds: dict = collections.defaultdict(list)
+        names: dict = collections.defaultdict(collections.Counter)
+        for e in evs:
+            text = e["name"] + json.dumps(e.get("args", {}))
+            kind = ("collective" if COLLECTIVE.search(e["name"]) else
+                    "h2d" if COPY.search(e["name"]) and H2D.search(text) else
+                    "d2h" if COPY.search(e["name"]) and D2H.search(text) else "compute")
+            kinds[kind].append((e["ts"], e["ts"] + e["dur"]))
+            names[kind][e["name"][:80]] += e["dur"]
+        u = {k: union(v) for k, v in kinds.items()}
+        comp, coll = u.get("compute", []), u.get("collective", [])
+        t0 = min(a for v in u.values() for a, _ in v[:1])
+        t1 = max(v[-1][1] for v in u.values() if v)
+        out.append({"device": name, "window_us": t1 - t0, "compute_us": _measure(comp),
+                    "collective_us": _measure(coll),
+                    "collective_exposed_us": _measure(coll) - _measure(_intersect(coll, comp)),
+                    "idle_us": (t1 - t0) - _measure(union(comp + coll)),
+                    "h2d_us": _measure(u.get("h2d", [])), "d2h_us": _measure(u.get("d2h", [])),
+                    "top_compute": names["compute"].most_common(top),
+                    "top_collective": names["collective"].most_common(top)})
+    return out
+
+
+def render_overlap(rows: list[dict]) -> str:
+    """:func:`overlap`'s rows as a table (milliseconds)."""
+    lines = ["| device | window ms | compute ms | collective ms | exposed ms | idle ms | h2d ms | d2h ms |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['device']} | " + " | ".join(f"{r[k] / 1e3:.2f}" for k in (
+            "window_us", "compute_us", "collective_us", "collective_exposed_us", "idle_us", "h2d_us", "d2h_us"))
+            + " |")
+    return "\n".join(lines)
+
+
 def render(s: dict) -> str:
     lines = ["| process | thread | events | busy ms | heaviest (ms) |", "|---|---|---|---|---|"]
     for t in s["threads"][:16]:
@@ -135,8 +217,11 @@ def main(argv=None) -> int:
     ap.add_argument("--gaps", type=int, default=12)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    s = summarise(load(args.trace), args.gaps)
+    trace = load(args.trace)
+    s = summarise(trace, args.gaps)
+    s["overlap"] = overlap(trace)
     print(render(s))
+    print(render_overlap(s["overlap"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(s, f, indent=1)

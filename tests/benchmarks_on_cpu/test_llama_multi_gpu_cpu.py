@@ -30,6 +30,7 @@ def _rows(a, form, n):
 def test_smoke_run_every_piece(tmp_path, capsys):
     anchors = "fsdp2" if _fsdp2_available() else ""
     assert llama_multi_gpu.main(["--cpu-smoke", "--tokens", "32", "--torchrun-tokens", "32", "--anchors", anchors,
+                                 "--profile-dir", str(tmp_path / "prof"), "--profile-tokens", "64",
                                  "--out-dir", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     data = json.loads((tmp_path / "llama_multi_gpu.json").read_text())
@@ -54,6 +55,10 @@ def test_smoke_run_every_piece(tmp_path, capsys):
     # the same batch and weights on 1 and 2 devices: the same first loss (bf16 sums in another order)
     assert two[32]["first_loss"] == pytest.approx(one[32]["first_loss"], rel=2e-3)
     assert math.isclose(one[32]["first_loss"], math.log(shape["vocab"]), rel_tol=0.05)   # random weights
+    # --profile-tokens 64: only the 2-device row at 64 tokens is traced (a perfetto trace; no GPU streams here)
+    assert [(r["n"], r["tokens"]) for r in raw["ours"]["tiny"]["rows"] if "profile" in r] == [(2, 64)]
+    prof = two[64]["profile"]
+    assert prof["step_s"] > 0 and prof["overlap"] == [] and list((tmp_path / "prof").glob("**/perfetto_trace.json.gz"))
     tr = {r["tokens"]: r for r in a["shapes"]["tiny"]["rows"] if r["form"].startswith("torchrun")}
     assert set(tr) == {64}                                    # 32 tokens per rank, 2 ranks
     assert tr[64]["first_loss"] == pytest.approx(two[64]["first_loss"], rel=2e-3)

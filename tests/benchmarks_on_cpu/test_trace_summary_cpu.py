@@ -53,3 +53,27 @@ def test_cpu_smoke_profile(tmp_path):
     for p in profiles.values():
         assert p["decode_step_s"] > 0 and p["summary"]["h2d_events"] == 0   # no GPU: no copies on streams
         assert any(t["thread"].startswith("python") for t in p["summary"]["threads"])
+
+
+def test_overlap_splits_each_gpus_window():
+    """Two GPUs. GPU 0: compute 0-100 and 150-250, an NCCL all-gather 80-170 (50 us of it under no
+    compute), an H2D copy 250-300 with nothing else running; GPU 1: compute only. XLA's host-side
+    threads and a non-stream thread on the device are not counted."""
+    events = [_meta(1, "/device:GPU:0"), _meta(1, "Stream #14(Compute)", 14), _meta(1, "Stream #30(Nccl)", 30),
+              _meta(1, "Stream #20(MemcpyH2D)", 20), _meta(1, "XLA Ops", 99),
+              _meta(2, "/device:GPU:1"), _meta(2, "Stream #14(Compute)", 14), _meta(7, "/host:CPU"),
+              _meta(7, "python3", 70),
+              _x(1, 14, 0, 100, "loop_gemm_fusion"), _x(1, 14, 150, 100, "cutlass_gemm"),
+              _x(1, 30, 80, 90, "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)"),
+              _x(1, 20, 250, 50, "MemcpyH2D", 4096), _x(1, 99, 0, 300, "all-gather-start.1"),
+              _x(2, 14, 10, 40, "loop_gemm_fusion"), _x(7, 70, 0, 500, "PjitFunction(step)")]
+    rows = trace_summary.overlap({"traceEvents": events})
+    assert [r["device"] for r in rows] == ["/device:GPU:0", "/device:GPU:1"]
+    g0, g1 = rows
+    assert (g0["window_us"], g0["compute_us"], g0["collective_us"]) == (300, 200, 90)
+    assert g0["collective_exposed_us"] == 50 - 0 and g0["idle_us"] == 300 - 250
+    assert (g0["h2d_us"], g0["d2h_us"]) == (50, 0)
+    assert g0["top_collective"][0][0].startswith("ncclDevKernel_AllGather")
+    assert (g1["window_us"], g1["compute_us"], g1["collective_us"], g1["idle_us"]) == (40, 40, 0, 0)
+    table = trace_summary.render_overlap(rows)
+    assert "| /device:GPU:0 | 0.30 | 0.20 | 0.09 | 0.05 | 0.05 | 0.05 | 0.00 |" in table
