@@ -63,15 +63,21 @@ def _bytes(ev: dict) -> int | None:
     return None
 
 
-def summarise(trace: dict, gaps: int = 12) -> dict:
-    """Streams, copies and the link's idle gaps of ``trace`` (times in microseconds)."""
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+def _names(events: list) -> tuple[dict, dict]:
+    """``({pid: process name}, {(pid, tid): thread name})`` from the trace's ``"M"`` events."""
     pname, tname = {}, {}
     for e in events:
         if e.get("ph") == "M" and e.get("name") == "process_name":
             pname[e["pid"]] = e.get("args", {}).get("name", "")
         elif e.get("ph") == "M" and e.get("name") == "thread_name":
             tname[(e["pid"], e["tid"])] = e.get("args", {}).get("name", "")
+    return pname, tname
+
+
+def summarise(trace: dict, gaps: int = 12) -> dict:
+    """Streams, copies and the link's idle gaps of ``trace`` (times in microseconds)."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pname, tname = _names(events)
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
     threads = collections.defaultdict(list)
     for e in spans:
@@ -146,12 +152,7 @@ def overlap(trace: dict, top: int = 6) -> list[dict]:
     ``h2d_us``/``d2h_us``: the host copies' unions; ``top_compute``/``top_collective``: the heaviest
     names with their summed durations."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    pname, tname = {}, {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            pname[e["pid"]] = e.get("args", {}).get("name", "")
-        elif e.get("ph") == "M" and e.get("name") == "thread_name":
-            tname[(e["pid"], e["tid"])] = e.get("args", {}).get("name", "")
+    pname, tname = _names(events)
     out = []
     for pid, name in sorted(pname.items(), key=lambda kv: kv[1]):
         if "gpu" not in name.lower():
