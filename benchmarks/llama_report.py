@@ -117,7 +117,8 @@ def anchor_rows(anchors: dict, shape: str, rows: list, n: int) -> list:
         for T, r in (a.get("by_tokens") or {str(a["T"]): a}).items():
             x = {"anchor": name, "tokens": int(T), "world_size": r.get("world_size"), "step_s": r["step_s"],
                  "forward_backward_s": r["forward_backward_s"], "optimizer_s": r.get("optimizer_s"),
-                 "optimizer": a.get("optimizer"), "peak_device_bytes": r.get("peak_device_bytes")}
+                 "optimizer": a.get("optimizer"), "peak_device_bytes": r.get("peak_device_bytes"),
+                 "exit_after_result": (a.get("after_result") or {}).get("return_codes")}
             for form in ("single", "torchrun", "torchrun_global_batch"):
                 ours = _find(rows, form, n, int(T))
                 if ours:
@@ -251,6 +252,10 @@ def _render_shape(name: str, d: dict, n: int) -> list:
                          f"{_ms(a['forward_backward_s'])} | {_ms(a.get('optimizer_s'))} | {_ms(a.get('ours_single_s'))} | "
                          f"{_rx(a.get('anchor_over_single'))} | {_ms(a.get(f'ours_{tr}_s'))} | "
                          f"{_rx(a.get(f'anchor_over_{tr}'))} |")
+        for a in d["anchors"]:
+            if a.get("exit_after_result"):
+                lines.append(f"- {a['anchor']} at {a['tokens']} tokens: every rank gave its result, then the ranks "
+                             f"exited with codes {a['exit_after_result']} (stderr in the raw JSON's `after_result`)")
     return lines
 
 

@@ -419,6 +419,8 @@ def analyze_anchor(anchor: dict, med: dict, shardings: list, tokens: list) -> di
            "fb_over_xla_swap_train": anchor["forward_backward_s"] / ours["train"],
            "step_over_xla_swap_train": anchor["step_s"] / ours["train"],
            "fwd_over_xla_swap_fwd": anchor["forward_s"] / ours["fwd"]}
+    if anchor.get("after_result"):   # every rank gave its result; a rank's exit after it (anchors.rank_verdict)
+        out["after_result"] = anchor["after_result"]
     return out
 
 
@@ -493,6 +495,9 @@ def render(a: dict) -> str:
                          f"pinned_host); whole step with {x['optimizer']} {_ms(x['step_s'])} ms = "
                          f"{x['step_over_xla_swap_train']:.2f}x that row; forward {_ms(x['forward_s'])} ms = "
                          f"{x['fwd_over_xla_swap_fwd']:.2f}x xla_swap's fwd.")
+            if x.get("after_result"):
+                lines.append(f"(every rank gave its result, then the ranks exited with codes "
+                             f"{x['after_result']['return_codes']}: stderr in the raw JSON)")
     return "\n".join(lines)
 
 

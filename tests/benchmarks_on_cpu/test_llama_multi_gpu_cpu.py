@@ -150,7 +150,11 @@ def test_analyze_floors_speedups_and_targets():
     assert checks == {"fsdp2 / ours at 8192": True, "fsdp2 / ours at 32768": False}
     text = llama_report.render(a)
     assert "**missed**" in text and "| fsdp2 (AdamW) | 8192 |" in text
+    assert "exited with codes" not in text
     json.dumps(a)
+    raw["anchors"]["fsdp2:8b"]["after_result"] = {"return_codes": [0, -6], "reason": None, "stderr_tail": {}}
+    text = llama_report.render(llama_report.analyze(raw))   # a rank's exit after every result: said, not hidden
+    assert "- fsdp2 at 8192 tokens: every rank gave its result, then the ranks exited with codes [0, -6]" in text
 
 
 def test_batch_shape():

@@ -171,6 +171,15 @@ def test_analyze_anchor_error_and_scaling_target_per_gpu():
     assert "fsdp2: not measured (boom)" in multi_gpu.render(a)
 
 
+def test_analyze_anchor_with_a_rank_exit_after_the_result():
+    raw = _raw()
+    assert "after_result" not in multi_gpu.analyze(raw)["anchors"]["fsdp2"]
+    raw["anchors"]["fsdp2"]["after_result"] = {"return_codes": [0, -6], "reason": None, "stderr_tail": {1: "x"}}
+    a = multi_gpu.analyze(raw)
+    assert a["anchors"]["fsdp2"]["after_result"]["return_codes"] == [0, -6]
+    assert "then the ranks exited with codes [0, -6]" in multi_gpu.render(a)
+
+
 def test_tp_spec():
     assert multi_gpu.tp_spec("a.weight", (256, 64)) == ("d", None)
     assert multi_gpu.tp_spec("b.weight", (64, 256)) == (None, "d")
