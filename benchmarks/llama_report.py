@@ -240,6 +240,10 @@ def _render_shape(name: str, d: dict, n: int) -> list:
             lines += ["", f"Traced step, {r['form']}, {r['n']} GPU(s), {r['tokens']} tokens: "
                       f"{_ms(r['profile']['step_s'])} ms (`{r['profile']['dir']}`)", "",
                       trace_summary.render_overlap(r["profile"]["overlap"])]
+            for kind, cs in (r["profile"].get("collectives") or {}).items():
+                what = cs.get("error") if isinstance(cs, dict) else "; ".join(
+                    f"{c['op']} {c['result']} x{c['count']} ({c['bytes'] / 1e6:.3g} MB)" for c in cs[:6]) or "none"
+                lines.append(f"- first decoder layer's {kind} program: {what}")
     if d["anchors"]:
         lines += ["", f"| anchor ({n} ranks) | tokens | step ms | fwd+bwd ms | optimizer ms | ours, one process ms "
                   "| anchor / ours | ours, torchrun ms | anchor / torchrun |", "|---|---|---|---|---|---|---|---|---|"]

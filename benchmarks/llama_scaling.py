@@ -27,6 +27,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -187,10 +188,52 @@ def time_steps(stack, x, y, reps: int, warmup: int) -> dict:
             "step_s": statistics.median(samples) if samples else None, "last_loss": last}
 
 
+_COLLECTIVE = re.compile(r"= (\(?[^=]*?\)?) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
+                         r"(?:-start)?\(")
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
+_ITEMSIZE = {"pred": 1, "bf16": 2}
+
+
+def hlo_collectives(text: str) -> list[dict]:
+    """The collectives of a compiled HLO module's text, grouped: ``[{"op", "result", "count", "bytes"}]``,
+    ``result`` the result type as written (a tuple for a combined collective), ``bytes`` the result's
+    bytes summed over the group (what one device ends with; the bytes on the wire depend on the op and
+    the device count), largest first."""
+    groups: dict = {}
+    for result, op in _COLLECTIVE.findall(text):
+        result = re.sub(r"\{[^}]*\}", "", result).strip()    # layouts
+        nbytes = 0
+        for dtype, dims in _ARRAY.findall(result):
+            size = _ITEMSIZE.get(dtype) or max(1, int(dtype[1:]) // 8)
+            for d in filter(None, dims.split(",")):
+                size *= int(d)
+            nbytes += size
+        g = groups.setdefault((op, result), {"op": op, "result": result, "count": 0, "bytes": 0})
+        g["count"] += 1
+        g["bytes"] += nbytes
+    return sorted(groups.values(), key=lambda g: -g["bytes"])
+
+
+def stage_collectives(stack, stage: int = 1) -> dict:
+    """``{kind: hlo_collectives(...)}`` of stage ``stage``'s compiled ``forward`` and ``backward`` executables
+    for the last call's input signature (compiled again here, donating nothing), or ``{"error": ...}``."""
+    rt = stack.runtime
+    sig = rt.compiler.last_sig
+    out = {}
+    for kind in ("forward", "backward"):
+        try:
+            out[kind] = hlo_collectives(rt.stage_executable(sig, kind, stage).as_text())
+        except Exception as e:  # noqa: BLE001 - a diagnostic: say why, keep the row
+            out[kind] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return out
+
+
 def profile_step(stack, x, y, where: str) -> dict:
     """One more step traced by jax's profiler into ``where`` (a perfetto trace): ``{"dir", "step_s",
-    "overlap"}``, the last being :func:`trace_summary.overlap`'s per-GPU split of the window (compute,
-    collectives and the part of them no compute hides, host copies, idle; microseconds)."""
+    "overlap", "collectives"}``: :func:`trace_summary.overlap`'s per-GPU split of the window (compute,
+    collectives and the part of them no compute hides, host copies, idle; microseconds), and the
+    collectives of the first decoder layer's programs (:func:`stage_collectives`: which ops, dtypes
+    and sizes cross NVLink)."""
     import jax
     import trace_summary
     rt = stack.runtime
@@ -199,7 +242,8 @@ def profile_step(stack, x, y, where: str) -> dict:
         stack.train_step(x, y)
         jax.block_until_ready((rt.host_params, rt.optimizer_state))
         step_s = time.perf_counter() - t
-    return {"dir": where, "step_s": step_s, "overlap": trace_summary.overlap(trace_summary.load(where))}
+    return {"dir": where, "step_s": step_s, "overlap": trace_summary.overlap(trace_summary.load(where)),
+            "collectives": stage_collectives(stack)}
 
 
 def stack_rows(shape: dict, devices, tokens: list[int], args, emit, form: str = "single",

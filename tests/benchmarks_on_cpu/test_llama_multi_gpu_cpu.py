@@ -59,6 +59,8 @@ def test_smoke_run_every_piece(tmp_path, capsys):
     assert [(r["n"], r["tokens"]) for r in raw["ours"]["tiny"]["rows"] if "profile" in r] == [(2, 64)]
     prof = two[64]["profile"]
     assert prof["step_s"] > 0 and prof["overlap"] == [] and list((tmp_path / "prof").glob("**/perfetto_trace.json.gz"))
+    for kind in ("forward", "backward"):   # the layer's weights are split over the 2 devices: gathered
+        assert any(c["op"] == "all-gather" and c["bytes"] > 0 for c in prof["collectives"][kind]), prof["collectives"]
     tr = {r["tokens"]: r for r in a["shapes"]["tiny"]["rows"] if r["form"].startswith("torchrun")}
     assert set(tr) == {64}                                    # 32 tokens per rank, 2 ranks
     assert tr[64]["first_loss"] == pytest.approx(two[64]["first_loss"], rel=2e-3)
@@ -187,3 +189,21 @@ def test_largest_piece_skips_with_the_figures_when_the_host_is_too_small(tmp_pat
     d = json.loads(out.read_text())
     assert "plus 1000000 GB for the process" in d["skipped"] and d["rows"] == []
     assert os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == "7"   # the pool was left as it was
+
+
+def test_hlo_collectives_groups_ops_by_result_type_with_bytes():
+    text = """
+  %all-gather = f32[4096,4096]{0,1} all-gather(%a), channel_id=1, dimensions={1}
+  %all-gather.1 = f32[4096,4096]{0,1} all-gather(%b), channel_id=2, dimensions={1}
+  %ag-start = bf16[8,16]{1,0} all-gather-start(%c), channel_id=3
+  %all-reduce.26 = (f32[4096,128]{1,0}, bf16[4096]{0}) all-reduce(%d, %e), channel_id=4, to_apply=%add
+  %reduce-scatter = bf16[7168,4096]{1,0} reduce-scatter(%f), dimensions={0}
+  %dot = f32[4,4]{1,0} dot(%g, %h)
+"""
+    got = llama_scaling.hlo_collectives(text)
+    assert got == [
+        {"op": "all-gather", "result": "f32[4096,4096]", "count": 2, "bytes": 2 * 4096 * 4096 * 4},
+        {"op": "reduce-scatter", "result": "bf16[7168,4096]", "count": 1, "bytes": 7168 * 4096 * 2},
+        {"op": "all-reduce", "result": "(f32[4096,128], bf16[4096])", "count": 1, "bytes": 4096 * 128 * 4 + 4096 * 2},
+        {"op": "all-gather", "result": "bf16[8,16]", "count": 1, "bytes": 8 * 16 * 2}]
+    assert llama_scaling.hlo_collectives("%dot = f32[4,4]{1,0} dot(%g, %h)") == []
