@@ -200,7 +200,7 @@ def hlo_collectives(text: str) -> list[dict]:
     bytes summed over the group (what one device ends with; the bytes on the wire depend on the op and
     the device count), largest first."""
     groups: dict = {}
-    for result, op in _COLLECTIVE.findall(text):
+    for result, op in _COLLECTIVE.findall(re.sub(r"/\*.*?\*/", "", text)):   # tuples hold /*index=5*/
         result = re.sub(r"\{[^}]*\}", "", result).strip()    # layouts
         nbytes = 0
         for dtype, dims in _ARRAY.findall(result):

@@ -196,7 +196,7 @@ def test_hlo_collectives_groups_ops_by_result_type_with_bytes():
   %all-gather = f32[4096,4096]{0,1} all-gather(%a), channel_id=1, dimensions={1}
   %all-gather.1 = f32[4096,4096]{0,1} all-gather(%b), channel_id=2, dimensions={1}
   %ag-start = bf16[8,16]{1,0} all-gather-start(%c), channel_id=3
-  %all-reduce.26 = (f32[4096,128]{1,0}, bf16[4096]{0}) all-reduce(%d, %e), channel_id=4, to_apply=%add
+  %all-reduce.26 = (f32[4096,128]{1,0}, /*index=1*/bf16[4096]{0}) all-reduce(%d, %e), channel_id=4, to_apply=%add
   %reduce-scatter = bf16[7168,4096]{1,0} reduce-scatter(%f), dimensions={0}
   %dot = f32[4,4]{1,0} dot(%g, %h)
 """
