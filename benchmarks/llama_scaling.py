@@ -216,7 +216,8 @@ def hlo_collectives(text: str) -> list[dict]:
 
 def stage_collectives(stack, stage: int = 1) -> dict:
     """``{kind: hlo_collectives(...)}`` of stage ``stage``'s compiled ``forward`` and ``backward`` executables
-    for the last call's input signature (compiled again here, donating nothing), or ``{"error": ...}``."""
+    for the last call's input signature (compiled again here, donating nothing); a kind that failed to
+    compile maps to ``{"error": ...}``."""
     rt = stack.runtime
     sig = rt.compiler.last_sig
     out = {}

@@ -49,6 +49,11 @@ def union(intervals: list) -> list:
     return out
 
 
+def _measure(intervals: list) -> float:
+    """The summed length of ``intervals`` (sorted, merged)."""
+    return sum(b - a for a, b in intervals)
+
+
 def _bytes(ev: dict) -> int | None:
     args = ev.get("args") or {}
     found = re.search(r"size:(\d+)", str(args.get("memcpy_details", "")))   # XLA:GPU's CUPTI copies
@@ -84,7 +89,7 @@ def summarise(trace: dict, gaps: int = 12) -> dict:
         threads[(e["pid"], e["tid"])].append(e)
     out: dict = {"threads": []}
     for key, evs in sorted(threads.items(), key=lambda kv: -sum(e["dur"] for e in kv[1])):
-        busy = sum(b - a for a, b in union([(e["ts"], e["ts"] + e["dur"]) for e in evs]))
+        busy = _measure(union([(e["ts"], e["ts"] + e["dur"]) for e in evs]))
         names = collections.Counter()
         for e in evs:
             names[e["name"][:80]] += e["dur"]
@@ -99,7 +104,7 @@ def summarise(trace: dict, gaps: int = 12) -> dict:
         busy = union([(e["ts"], e["ts"] + e["dur"]) for e in h2d])
         t0, t1 = busy[0][0], busy[-1][1]
         nbytes = [b for b in (_bytes(e) for e in h2d) if b]
-        out["h2d"] = {"window_us": t1 - t0, "busy_us": sum(b - a for a, b in busy),
+        out["h2d"] = {"window_us": t1 - t0, "busy_us": _measure(busy),
                       "bytes": sum(nbytes) if nbytes else None,
                       "sizes": collections.Counter(nbytes).most_common(8)}
         out["h2d"]["busy_fraction"] = out["h2d"]["busy_us"] / max(out["h2d"]["window_us"], 1e-9)
@@ -121,10 +126,6 @@ def summarise(trace: dict, gaps: int = 12) -> dict:
 
 COLLECTIVE = re.compile(r"(nccl|all-gather|all_gather|allgather|reduce-scatter|reduce_scatter|reducescatter|"
                         r"all-reduce|all_reduce|allreduce|collective-permute|all-to-all)", re.I)
-
-
-def _measure(intervals: list) -> float:
-    return sum(b - a for a, b in intervals)
 
 
 def _intersect(a: list, b: list) -> list:
