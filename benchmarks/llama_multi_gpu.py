@@ -93,6 +93,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--torchrun-shapes", nargs="*", default=["8b"])
     p.add_argument("--torchrun-tokens", type=int, nargs="+", default=[4096, 32768],
                    help="tokens per rank (default 4096: strong scaling at 8192 on 2; 32768: weak)")
+    p.add_argument("--torchrun-pool-headroom", type=float, default=2.0, help="each torchrun rank pins its PJRT "
+                   "pinned pool when jax starts, this factor over its share of weights and moments (0: the pool "
+                   "grows on demand, and its growth stalls the first timed steps by about 1 s: "
+                   "results/four_gpu/run3/pool_stall.md)")
     p.add_argument("--largest", action="store_true", help="also the largest-model row (last)")
     p.add_argument("--largest-shape", default="34b")
     p.add_argument("--largest-layers", type=int, default=48)
@@ -126,6 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         for k, v in _SMOKE.items():
             if getattr(args, k) == p.get_default(k):
                 setattr(args, k, v)
+    if not (args.torchrun_pool_headroom == 0 or args.torchrun_pool_headroom >= 1):
+        p.error(f"--torchrun-pool-headroom: 0 (the pool grows on demand) or a factor >= 1, "
+                f"got {args.torchrun_pool_headroom}")
     bad = [a for a in args.anchors.split(",") if a and a not in ANCHORS]
     if bad:
         p.error(f"--anchors: unknown {bad}; any of {ANCHORS}")
@@ -207,6 +214,7 @@ def plan(args, n: int, work: str) -> list[dict]:
                                env_extra=one_device, cmd=[
                 py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), me, "--piece",
                 "torchrun", "--shape", shape, *layers, "--piece-out", out, "--coordinator-port", str(_free_port()),
+                "--torchrun-pool-headroom", str(args.torchrun_pool_headroom),
                 "--tokens", *map(str, args.torchrun_tokens), *common]))
     if args.largest:
         out = os.path.join(work, "largest.json")

@@ -384,6 +384,8 @@ def piece_torchrun(args) -> int:
     shape = lm.shape_of(args.shape, args.layers)
     w = Writer(args.piece_out.replace("{rank}", str(rank)) if args.piece_out else None,
                piece="torchrun", shape_name=args.shape, shape=shape, rank=rank, world=world)
+    if torch.cuda.is_available() and args.torchrun_pool_headroom:
+        w.set(**pin_pool_at_start(shape, world, args.torchrun_pool_headroom))
     _compilation_cache(args.compilation_cache)
     form = _start_distributed(args)
     import jax
@@ -394,6 +396,17 @@ def piece_torchrun(args) -> int:
     w.set(wall_s=time.perf_counter() - w.t0)
     jax.distributed.shutdown()
     return 0
+
+
+def pin_pool_at_start(shape: dict, world: int, headroom: float) -> dict:
+    """Size this rank's PJRT pinned pool to its share of ``shape``'s bf16 weights and AdamW moments times
+    ``headroom`` and have PJRT pin it when jax starts (``host_pool.ensure_host_memory_limit(...,
+    preallocate=True)``; called before jax's backend starts). Returns the fields the rank records:
+    ``{"host_pool_gib", "host_pool_headroom", "host_pool_preallocated": True}``."""
+    from xla_swap.executors.host_pool import ensure_host_memory_limit
+    share = -(-lm.state_bytes(2 * lm.param_counts(shape)["total"]) // max(1, world))
+    return dict(host_pool_gib=ensure_host_memory_limit(share, headroom=headroom, preallocate=True),
+                host_pool_headroom=headroom, host_pool_preallocated=True)
 
 
 def pools_do_not_fit(state: int, n: int, headroom: float, available: int | None, reserve: int) -> str | None:

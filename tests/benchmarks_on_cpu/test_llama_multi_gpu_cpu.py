@@ -191,6 +191,27 @@ def test_largest_piece_skips_with_the_figures_when_the_host_is_too_small(tmp_pat
     assert os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == "7"   # the pool was left as it was
 
 
+def test_torchrun_ranks_pin_their_share_of_the_state_when_jax_starts(monkeypatch):
+    from xla_swap.executors.host_pool import HOST_MEMORY_LIMIT_ENV, HOST_MEMORY_PREALLOCATE_ENV
+    monkeypatch.delenv(HOST_MEMORY_LIMIT_ENV, raising=False)
+    monkeypatch.delenv(HOST_MEMORY_PREALLOCATE_ENV, raising=False)
+    monkeypatch.setattr("xla_swap._compat.jax.backends_initialized", lambda: False)
+    shape = lm.shape_of("8b", 4)
+    share = lm.state_bytes(2 * lm.param_counts(shape)["total"]) / 4   # 3 x 2.27 GB over 4 ranks
+    got = llama_scaling.pin_pool_at_start(shape, 4, 2.0)
+    assert got == {"host_pool_gib": math.ceil(share * 2 / 2**30), "host_pool_headroom": 2.0,
+                   "host_pool_preallocated": True}
+    assert got["host_pool_gib"] == 4
+    assert os.environ[HOST_MEMORY_LIMIT_ENV] == "4" and os.environ[HOST_MEMORY_PREALLOCATE_ENV] == "true"
+    # the driver passes the factor on to every rank, and refuses one the pool cannot take
+    args = llama_multi_gpu.parse_args(["--gpus", "2", "--shapes", "8b", "--anchors", "", "--torchrun-pool-headroom",
+                                       "1.5"])
+    cmd = next(p["cmd"] for p in llama_multi_gpu.plan(args, 2, "/tmp") if p["kind"] == "torchrun")
+    assert cmd[cmd.index("--torchrun-pool-headroom") + 1] == "1.5"
+    with pytest.raises(SystemExit):
+        llama_multi_gpu.parse_args(["--torchrun-pool-headroom", "0.5"])
+
+
 def test_hlo_collectives_groups_ops_by_result_type_with_bytes():
     text = """
   %all-gather = f32[4096,4096]{0,1} all-gather(%a), channel_id=1, dimensions={1}
