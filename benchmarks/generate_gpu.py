@@ -231,8 +231,10 @@ def _prompt(batch: int, prompt: int, vocab: int):
 
 
 def time_stack(stack, batch: int, prompt: int, new: int, vocab: int, kv_cache: str = "auto") -> dict:
-    """Time to first token, the decode step (median of the intervals between steps) and the tokens of a
-    greedy run of ``new`` tokens, after a 2-token run that compiles the prefill and decode executables."""
+    """Time to first token, the decode step (median of the intervals between steps; ``decode_mean_s``: the
+    decode time over the steps, which holds where the step reads land one step late, see
+    ``xla_swap.hf.generate.generate``'s ``step_done_s``) and the tokens of a greedy run of ``new`` tokens, after
+    a 2-token run that compiles the prefill and decode executables."""
     ids, mask = _prompt(batch, prompt, vocab)
     up = lambda x: -(-x // 64) * 64   # noqa: E731
     kw = dict(eos_token_id=None, kv_cache=kv_cache, max_cache_len=up(up(prompt) + new), prompt_bucket=64)
@@ -244,8 +246,9 @@ def time_stack(stack, batch: int, prompt: int, new: int, vocab: int, kv_cache: s
     done = info["step_done_s"]
     steps = [b - a for a, b in zip(done, done[1:])]
     step = statistics.median(steps) if steps else float("nan")
+    mean = (done[-1] - done[0]) / len(steps) if steps else float("nan")   # exact even where reads land a step late
     return {"batch": batch, "new_tokens": new, "ttft_s": info["first_token_s"], "decode_step_s": step,
-            "decode_steps_s": steps, "total_s": total, "tokens_per_s": batch / step,
+            "decode_mean_s": mean, "decode_steps_s": steps, "total_s": total, "tokens_per_s": batch / step,
             "placement": info["placement"], "placement_why": info["explanation"],
             "kv_cache_bytes": info["kv_cache_bytes"], "tokens": out[:, prompt:].tolist(),
             "hlo": decode_hlo(stack, batch, info["cache_len"])}
