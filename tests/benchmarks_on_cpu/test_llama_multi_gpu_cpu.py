@@ -193,8 +193,9 @@ def test_largest_piece_skips_with_the_figures_when_the_host_is_too_small(tmp_pat
 
 def test_torchrun_ranks_pin_their_share_of_the_state_when_jax_starts(monkeypatch):
     from xla_swap.executors.host_pool import HOST_MEMORY_LIMIT_ENV, HOST_MEMORY_PREALLOCATE_ENV
-    monkeypatch.delenv(HOST_MEMORY_LIMIT_ENV, raising=False)
-    monkeypatch.delenv(HOST_MEMORY_PREALLOCATE_ENV, raising=False)
+    for name in (HOST_MEMORY_LIMIT_ENV, HOST_MEMORY_PREALLOCATE_ENV):   # unset here, and as before once the test ends
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setattr("xla_swap._compat.jax.backends_initialized", lambda: False)
     shape = lm.shape_of("8b", 4)
     share = lm.state_bytes(2 * lm.param_counts(shape)["total"]) / 4   # 3 x 2.27 GB over 4 ranks

@@ -288,14 +288,9 @@ def generate(stack, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
       batches (:mod:`xla_swap.distributed`): this rank's prompts in, its rows out (same batch size on every rank).
       ``stack.last_generation`` holds the placement, its explanation, the KV cache bytes,
       ``first_token_s`` (seconds from the start of the prefill to its token) and ``step_done_s``
-      (seconds from that start, one per step: the prefill's token, then each step's flag as read
-      one step late, after the next step is dispatched; the last, after the last step). Where
-      dispatching a step waits for the device, as a streamed model's does (its weight buffers are
-      reused), a read lands when the next step is nearly done: the first difference then spans two
-      steps and the last almost none (measured on the 70B shape: ``[1.778, 0.814, 0.839, 0.822,
-      0.0001]`` s, ``benchmarks/results/four_gpu/README.md``). The median difference, or
-      ``(step_done_s[-1] - step_done_s[0]) / (len(step_done_s) - 1)``, is the decode step time. For a mixture-of-experts model, ``"experts"``: per step whether it was routed
-      and the ``(layer, expert ids)`` it copied, and why (:class:`xla_swap.hf.moe_decode.FetchPlan`).
+      (per step, seconds to the read of its flag, one step late: use the median difference; a streamed step's
+      first spans two steps, its last none). A mixture-of-experts model adds ``"experts"``: per step whether it
+      was routed, the ``(layer, expert ids)`` it copied and why (:class:`xla_swap.hf.moe_decode.FetchPlan`).
 
     Raises (before anything runs):
       TypeError: ``stack`` not built from ``causal_lm_stages``; ``input_ids`` not an integer
