@@ -2,7 +2,8 @@
 """Summarise a jax profiler trace (``jax.profiler.trace(dir, create_perfetto_trace=True)``): per GPU stream
 its busy time and heaviest ops, and for host -> device copies how busy the link was over the window and
 where it idled (with what each stream ran in the longest idle gaps); per GPU, how its window splits into
-compute, collectives (and the part of them no compute hides), host copies and idle time (:func:`overlap`).
+compute, collectives (and the part of them no compute hides), host copies and idle time (and the part of it
+a host copy runs in), with the longest idle gaps and the kernels around them (:func:`overlap`).
 
     python benchmarks/trace_summary.py DIR_OR_perfetto_trace.json.gz [--gaps 12] [--json out.json]
 
@@ -149,9 +150,10 @@ def overlap(trace: dict, top: int = 6) -> list[dict]:
     (``memcpy``/``copy`` with ``HtoD``/``DtoH``) or compute (the rest, device-to-device copies included).
     ``window_us``: first start to last end of the GPU's events; ``compute_us`` and ``collective_us``:
     the unions' lengths; ``collective_exposed_us``: collective time with no compute kernel running;
-    ``idle_us``: time with neither running (the GPU waits on host copies or the host);
+    ``idle_us``: time with neither running (the GPU waits on host copies or the host), of it
+    ``idle_copying_us`` with a host copy running (waiting on the link; the rest waits on the host);
     ``h2d_us``/``d2h_us``: the host copies' unions; ``top_compute``/``top_collective``: the heaviest
-    names with their summed durations."""
+    names with their summed durations; ``idle_gaps``: the ``top`` longest idle gaps (:func:`_idle_gaps`)."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     pname, tname = _names(events)
     out = []
@@ -164,6 +166,7 @@ def overlap(trace: dict, top: int = 6) -> list[dict]:
             continue
         kinds: dict = collections.defaultdict(list)
         names: dict = collections.defaultdict(collections.Counter)
+        kernels = []   # (start, end, name) of the compute and collective kernels
         for e in evs:
             text = e["name"] + json.dumps(e.get("args", {}))
             kind = ("collective" if COLLECTIVE.search(e["name"]) else
@@ -171,28 +174,61 @@ def overlap(trace: dict, top: int = 6) -> list[dict]:
                     "d2h" if COPY.search(e["name"]) and D2H.search(text) else "compute")
             kinds[kind].append((e["ts"], e["ts"] + e["dur"]))
             names[kind][e["name"][:80]] += e["dur"]
+            if kind in ("compute", "collective"):
+                kernels.append((e["ts"], e["ts"] + e["dur"], e["name"][:80]))
         u = {k: union(v) for k, v in kinds.items()}
         comp, coll = u.get("compute", []), u.get("collective", [])
         t0 = min(a for v in u.values() for a, _ in v[:1])
         t1 = max(v[-1][1] for v in u.values() if v)
+        idle = _complement(union(comp + coll), t0, t1)
+        copies = union(u.get("h2d", []) + u.get("d2h", []))
         out.append({"device": name, "window_us": t1 - t0, "compute_us": _measure(comp),
                     "collective_us": _measure(coll),
                     "collective_exposed_us": _measure(coll) - _measure(_intersect(coll, comp)),
-                    "idle_us": (t1 - t0) - _measure(union(comp + coll)),
+                    "idle_us": _measure(idle), "idle_copying_us": _measure(_intersect(idle, copies)),
                     "h2d_us": _measure(u.get("h2d", [])), "d2h_us": _measure(u.get("d2h", [])),
                     "top_compute": names["compute"].most_common(top),
-                    "top_collective": names["collective"].most_common(top)})
+                    "top_collective": names["collective"].most_common(top),
+                    "idle_gaps": _idle_gaps(idle, kernels, u, t0, top)})
     return out
 
 
+def _complement(busy: list, t0: float, t1: float) -> list:
+    """The parts of ``[t0, t1]`` outside ``busy`` (sorted, merged intervals)."""
+    out, at = [], t0
+    for a, b in busy:
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    return out + ([(at, t1)] if at < t1 else [])
+
+
+def _idle_gaps(idle: list, kernels: list, u: dict, t0: float, top: int) -> list[dict]:
+    """The ``top`` longest of ``idle`` (intervals with no kernel running), each ``{"gap_us", "at_us"`` (from
+    the window's start), ``"before"``/``"after"`` (the kernel that ended at its start / began at its end, or
+    None), ``"h2d_us"``/``"d2h_us"`` (host copies running in it)``}``."""
+    gaps = []
+    for a, b in sorted(idle, key=lambda g: g[0] - g[1])[:top]:
+        before = max((k for k in kernels if k[1] <= a), default=None, key=lambda k: k[1])
+        after = min((k for k in kernels if k[0] >= b), default=None, key=lambda k: k[0])
+        gaps.append({"gap_us": b - a, "at_us": a - t0, "before": before and before[2], "after": after and after[2],
+                     "h2d_us": _measure(_intersect([(a, b)], u.get("h2d", []))),
+                     "d2h_us": _measure(_intersect([(a, b)], u.get("d2h", [])))})
+    return gaps
+
+
 def render_overlap(rows: list[dict]) -> str:
-    """:func:`overlap`'s rows as a table (milliseconds)."""
-    lines = ["| device | window ms | compute ms | collective ms | exposed ms | idle ms | h2d ms | d2h ms |",
-             "|---|---|---|---|---|---|---|---|"]
+    """:func:`overlap`'s rows as a table (milliseconds), then the first device's longest idle gaps."""
+    lines = ["| device | window ms | compute ms | collective ms | exposed ms | idle ms | idle, copying ms | h2d ms "
+             "| d2h ms |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['device']} | " + " | ".join(f"{r[k] / 1e3:.2f}" for k in (
-            "window_us", "compute_us", "collective_us", "collective_exposed_us", "idle_us", "h2d_us", "d2h_us"))
-            + " |")
+        lines.append(f"| {r['device']} | " + " | ".join(f"{r.get(k, float('nan')) / 1e3:.2f}" for k in (
+            "window_us", "compute_us", "collective_us", "collective_exposed_us", "idle_us", "idle_copying_us",
+            "h2d_us", "d2h_us")) + " |")
+    for g in (rows[0].get("idle_gaps") or [] if rows else []):
+        lines.append(f"- {rows[0]['device']} idle {g['gap_us'] / 1e3:.2f} ms at {g['at_us'] / 1e3:.2f} ms "
+                     f"(h2d {g['h2d_us'] / 1e3:.2f}, d2h {g['d2h_us'] / 1e3:.2f}): after `{g['before']}`, "
+                     f"before `{g['after']}`")
     return "\n".join(lines)
 
 

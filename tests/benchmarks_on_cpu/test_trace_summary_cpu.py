@@ -75,5 +75,20 @@ def test_overlap_splits_each_gpus_window():
     assert (g0["h2d_us"], g0["d2h_us"]) == (50, 0)
     assert g0["top_collective"][0][0].startswith("ncclDevKernel_AllGather")
     assert (g1["window_us"], g1["compute_us"], g1["collective_us"], g1["idle_us"]) == (40, 40, 0, 0)
+    assert g0["idle_copying_us"] == 50 and g0["idle_gaps"] == [
+        {"gap_us": 50, "at_us": 250, "before": "cutlass_gemm", "after": None, "h2d_us": 50, "d2h_us": 0}]
     table = trace_summary.render_overlap(rows)
-    assert "| /device:GPU:0 | 0.30 | 0.20 | 0.09 | 0.05 | 0.05 | 0.05 | 0.00 |" in table
+    assert "| /device:GPU:0 | 0.30 | 0.20 | 0.09 | 0.05 | 0.05 | 0.05 | 0.05 | 0.00 |" in table
+    assert "- /device:GPU:0 idle 0.05 ms at 0.25 ms (h2d 0.05, d2h 0.00): after `cutlass_gemm`, before `None`" in table
+
+
+def test_overlap_splits_idle_time_into_waiting_on_the_link_and_on_the_host():
+    """One GPU: compute 0-100, 200-300 and 340-400, a D2H copy 120-150: of the idle 100-200 and 300-340,
+    30 us wait with a host copy running; the longest gap comes first, with the kernels around it."""
+    events = [_meta(1, "/device:GPU:0"), _meta(1, "Stream #14(Compute)", 14), _meta(1, "Stream #21(MemcpyD2H)", 21),
+              _x(1, 14, 0, 100, "layer_fwd"), _x(1, 14, 200, 100, "layer_bwd"), _x(1, 14, 340, 60, "adamw"),
+              _x(1, 21, 120, 30, "MemcpyD2H", 2048)]
+    (g,) = trace_summary.overlap({"traceEvents": events}, top=1)
+    assert (g["idle_us"], g["idle_copying_us"], g["d2h_us"]) == (140, 30, 30)
+    assert g["idle_gaps"] == [{"gap_us": 100, "at_us": 100, "before": "layer_fwd", "after": "layer_bwd",
+                               "h2d_us": 0, "d2h_us": 30}]
