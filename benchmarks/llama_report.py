@@ -1,8 +1,9 @@
 """Analysis and tables of ``llama_multi_gpu.py``: pure functions of its raw JSON (no torch, no jax).
 
 :func:`analyze` turns the pieces' rows into medians, floors, ratios, speed-ups and target checks (the
-formulas are in ``llama_multi_gpu``'s docstring and :func:`row_metrics`); :func:`render` writes the
-markdown tables.
+formulas are in ``llama_multi_gpu``'s docstring and :func:`row_metrics`), and names the rows with a
+stalled step (``stalls``: a sample over :data:`STALL_SPREAD` x the fastest, and whether the median is
+one); :func:`render` writes the markdown tables.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import trace_summary
 TARGETS = {"link_ratio": 1.10, "scaling_per_gpu": 0.925}
 #: model FLOPs actually computed per model FLOP with remat (the forward recomputed in the backward).
 REMAT_FACTOR = 4.0 / 3.0
+#: A row whose slowest sample is over this many times its fastest had a step that stalled (the analysis says so).
+STALL_SPREAD = 1.5
 
 
 def row_metrics(row: dict, links: dict) -> dict:
@@ -30,6 +33,9 @@ def row_metrics(row: dict, links: dict) -> dict:
     out = {k: row.get(k) for k in ("form", "n", "tokens", "b", "s", "tokens_per_gpu", "first_loss", "last_loss",
                                    "first_step_s", "build_s", "error", "profile")}
     out["step_s"], out["flops"] = step, row["flops"]
+    samples = [x for x in row.get("samples") or [] if x]
+    if len(samples) > 1:   # a sample far above the fastest: a step that waited on something once (a stall)
+        out["samples_s"], out["spread"] = samples, max(samples) / min(samples)
     if step is None or "bytes" not in row:
         return out
     out["tflops_per_gpu"] = row["flops"] / step / n / 1e12
@@ -162,8 +168,12 @@ def analyze(raw: dict) -> dict:
     checks += [{"shape": s, "what": f"{a['anchor']} / ours at {a['tokens']}", "value": a["anchor_over_single"],
                 "target": "> 1 (ours faster)", "met": a["anchor_over_single"] > 1}
                for s, d in shapes.items() for a in d["anchors"] if "anchor_over_single" in a]
+    stalls = [dict(shape=s, form=r["form"], n=r["n"], tokens=r["tokens"], samples_s=r["samples_s"],
+                   median_stalled=r["step_s"] is not None and r["step_s"] > STALL_SPREAD * min(r["samples_s"]))
+              for s, d in list(shapes.items()) + [("largest", largest or {"rows": []})] for r in d["rows"]
+              if r.get("spread", 1) > STALL_SPREAD]
     return {"n": n, "tokens_per_gpu": per_gpu, "pieces": raw.get("pieces", {}), "shapes": shapes,
-            "largest": largest, "checks": checks, "wall_s": raw.get("wall_s"), "targets": TARGETS,
+            "largest": largest, "checks": checks, "stalls": stalls, "wall_s": raw.get("wall_s"), "targets": TARGETS,
             "cpu_adam_build": raw.get("cpu_adam_build")}
 
 
@@ -307,6 +317,10 @@ def render(a: dict) -> str:
         value = c.get("value", c.get("speedup") if c.get("bound") == "compute" else c.get("ratio"))
         lines.append(f"- {c['shape']}: {what}: {_x(value, '.3f')}, target {c['target']}: "
                      f"{'met' if c['met'] else '**missed**'}")
+    for t in a.get("stalls", []):
+        lines.append(f"- {t['shape']}: {t['form']} {t['n']} GPU(s) at {t['tokens']} tokens: samples "
+                     f"{', '.join(f'{x:.3f}' for x in t['samples_s'])} s, a step over {STALL_SPREAD}x the fastest "
+                     f"({'**the median is a stalled step**' if t['median_stalled'] else 'the median is not'})")
     return "\n".join(lines)
 
 

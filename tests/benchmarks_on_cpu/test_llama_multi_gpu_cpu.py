@@ -159,6 +159,24 @@ def test_analyze_floors_speedups_and_targets():
     assert "- fsdp2 at 8192 tokens: every rank gave its result, then the ranks exited with codes [0, -6]" in text
 
 
+def test_analysis_names_rows_with_a_stalled_step():
+    """A row with a sample over 1.5x its fastest is listed; whether its median is such a step is said (the
+    4-GPU torchrun row of 2026-11-28: samples 1.221, 1.019, 0.148 s)."""
+    raw = _raw()
+    rows = raw["ours"]["8b"]["rows"]
+    rows[0]["samples"], rows[0]["step_s"] = [1.221, 1.019, 0.148], 1.019
+    rows[1]["samples"], rows[1]["step_s"] = [0.153, 0.100, 0.101], 0.101
+    rows[2]["samples"] = [rows[2]["step_s"]] * 3
+    a = llama_report.analyze(raw)
+    stalls = {(t["n"], t["tokens"]): t for t in a["stalls"]}
+    key0, key1 = (rows[0]["n"], rows[0]["tokens"]), (rows[1]["n"], rows[1]["tokens"])
+    assert set(stalls) == {key0, key1}
+    assert stalls[key0]["median_stalled"] is True and stalls[key1]["median_stalled"] is False
+    text = llama_report.render(a)
+    assert "samples 1.221, 1.019, 0.148 s, a step over 1.5x the fastest (**the median is a stalled step**)" in text
+    assert "samples 0.153, 0.100, 0.101 s, a step over 1.5x the fastest (the median is not)" in text
+
+
 def test_batch_shape():
     assert lm.batch_shape(8192, 2) == (2, 4096) and lm.batch_shape(65536, 2) == (16, 4096)
     assert lm.batch_shape(8192, 4) == (4, 2048)              # fewer sequences than devices: shorter ones
