@@ -109,7 +109,7 @@ def summarise(trace: dict, gaps: int = 12) -> dict:
                       "bytes": sum(nbytes) if nbytes else None,
                       "sizes": collections.Counter(nbytes).most_common(8)}
         out["h2d"]["busy_fraction"] = out["h2d"]["busy_us"] / max(out["h2d"]["window_us"], 1e-9)
-        holes = sorted(((b[0] - a[1], a[1], b[0]) for a, b in zip(busy, busy[1:])), reverse=True)
+        holes = sorted(((b - a, a, b) for a, b in _complement(busy, t0, t1)), reverse=True)
         sizes = [g for g, _, _ in holes]
         out["h2d"]["idle_us"] = sum(sizes)
         out["h2d"]["idle_histogram_us"] = {f"<{lim}": sum(1 for g in sizes if g < lim) for lim in (10, 50, 100, 300, 1000)}
