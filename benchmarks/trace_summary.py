@@ -3,7 +3,8 @@
 its busy time and heaviest ops, and for host -> device copies how busy the link was over the window and
 where it idled (with what each stream ran in the longest idle gaps); per GPU, how its window splits into
 compute, collectives (and the part of them no compute hides), host copies and idle time (and the part of it
-a host copy runs in), with the longest idle gaps and the kernels around them (:func:`overlap`).
+a host copy runs in), with the longest idle gaps and the kernels around them, and the collectives by HLO
+op with the time no compute hides of each (:func:`overlap`).
 
     python benchmarks/trace_summary.py DIR_OR_perfetto_trace.json.gz [--gaps 12] [--json out.json]
 
@@ -153,7 +154,8 @@ def overlap(trace: dict, top: int = 6) -> list[dict]:
     ``idle_us``: time with neither running (the GPU waits on host copies or the host), of it
     ``idle_copying_us`` with a host copy running (waiting on the link; the rest waits on the host);
     ``h2d_us``/``d2h_us``: the host copies' unions; ``top_compute``/``top_collective``: the heaviest
-    names with their summed durations; ``idle_gaps``: the ``top`` longest idle gaps (:func:`_idle_gaps`)."""
+    names with their summed durations; ``exposed_collectives``: the collectives by HLO op, the most exposed
+    first (:func:`_exposed_by_op`); ``idle_gaps``: the ``top`` longest idle gaps (:func:`_idle_gaps`)."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     pname, tname = _names(events)
     out = []
@@ -166,7 +168,7 @@ def overlap(trace: dict, top: int = 6) -> list[dict]:
             continue
         kinds: dict = collections.defaultdict(list)
         names: dict = collections.defaultdict(collections.Counter)
-        kernels = []   # (start, end, name) of the compute and collective kernels
+        kernels, colls = [], []   # (start, end, name) of the compute and collective kernels; the collective events
         for e in evs:
             text = e["name"] + json.dumps(e.get("args", {}))
             kind = ("collective" if COLLECTIVE.search(e["name"]) else
@@ -176,6 +178,8 @@ def overlap(trace: dict, top: int = 6) -> list[dict]:
             names[kind][e["name"][:80]] += e["dur"]
             if kind in ("compute", "collective"):
                 kernels.append((e["ts"], e["ts"] + e["dur"], e["name"][:80]))
+            if kind == "collective":
+                colls.append(e)
         u = {k: union(v) for k, v in kinds.items()}
         comp, coll = u.get("compute", []), u.get("collective", [])
         t0 = min(a for v in u.values() for a, _ in v[:1])
@@ -189,8 +193,26 @@ def overlap(trace: dict, top: int = 6) -> list[dict]:
                     "h2d_us": _measure(u.get("h2d", [])), "d2h_us": _measure(u.get("d2h", [])),
                     "top_compute": names["compute"].most_common(top),
                     "top_collective": names["collective"].most_common(top),
+                    "exposed_collectives": _exposed_by_op(colls, comp, top),
                     "idle_gaps": _idle_gaps(idle, kernels, u, t0, top)})
     return out
+
+
+def _exposed_by_op(colls: list, comp: list, top: int) -> list[dict]:
+    """The collectives of ``colls`` (trace events) grouped by the HLO op that ran them (``args``' ``hlo_module``
+    and ``hlo_op``, as XLA:GPU's traces name them; the kernel's name where absent), the ``top`` with the most
+    time under no compute kernel (``comp``: the compute union) first: ``{"module", "op", "count", "dur_us",
+    "exposed_us"}``. The same op in every layer's program adds up over the layers."""
+    by: dict = {}
+    for e in colls:
+        args = e.get("args") or {}
+        key = (args.get("hlo_module", ""), args.get("hlo_op") or e["name"][:80])
+        g = by.setdefault(key, {"module": key[0], "op": key[1], "count": 0, "dur_us": 0.0, "exposed_us": 0.0})
+        span = [(e["ts"], e["ts"] + e["dur"])]
+        g["count"] += 1
+        g["dur_us"] += e["dur"]
+        g["exposed_us"] += max(0.0, e["dur"] - _measure(_intersect(span, comp)))   # no negative rounding
+    return sorted(by.values(), key=lambda g: -g["exposed_us"])[:top]
 
 
 def _complement(busy: list, t0: float, t1: float) -> list:
@@ -218,13 +240,19 @@ def _idle_gaps(idle: list, kernels: list, u: dict, t0: float, top: int) -> list[
 
 
 def render_overlap(rows: list[dict]) -> str:
-    """:func:`overlap`'s rows as a table (milliseconds), then the first device's longest idle gaps."""
+    """:func:`overlap`'s rows as a table (milliseconds), then per device its collectives with 0.1 % of the window
+    or more under no compute, then the first device's longest idle gaps."""
     lines = ["| device | window ms | compute ms | collective ms | exposed ms | idle ms | idle, copying ms | h2d ms "
              "| d2h ms |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['device']} | " + " | ".join(f"{r.get(k, float('nan')) / 1e3:.2f}" for k in (
             "window_us", "compute_us", "collective_us", "collective_exposed_us", "idle_us", "idle_copying_us",
             "h2d_us", "d2h_us")) + " |")
+    for r in rows:
+        for c in r.get("exposed_collectives") or []:
+            if c["exposed_us"] >= 1e-3 * r["window_us"]:   # 0.1 % of the window or more
+                lines.append(f"- {r['device']} collective `{c['module']}` `{c['op']}`: {c['count']} x, "
+                             f"{c['dur_us'] / 1e3:.2f} ms, {c['exposed_us'] / 1e3:.2f} ms under no compute")
     for g in (rows[0].get("idle_gaps") or [] if rows else []):
         lines.append(f"- {rows[0]['device']} idle {g['gap_us'] / 1e3:.2f} ms at {g['at_us'] / 1e3:.2f} ms "
                      f"(h2d {g['h2d_us'] / 1e3:.2f}, d2h {g['d2h_us'] / 1e3:.2f}): after `{g['before']}`, "

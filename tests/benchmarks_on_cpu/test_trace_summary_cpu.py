@@ -5,6 +5,7 @@ it, and the bytes per copy are read; and on a real trace of the CPU smoke run (n
 the host threads and finds no copies."""
 import gzip
 import json
+import pathlib
 
 import moe_generate_gpu  # benchmarks/ is on pytest's pythonpath
 import trace_summary
@@ -75,11 +76,14 @@ def test_overlap_splits_each_gpus_window():
     assert (g0["h2d_us"], g0["d2h_us"]) == (50, 0)
     assert g0["top_collective"][0][0].startswith("ncclDevKernel_AllGather")
     assert (g1["window_us"], g1["compute_us"], g1["collective_us"], g1["idle_us"]) == (40, 40, 0, 0)
+    assert g0["exposed_collectives"] == [{"module": "", "op": g0["top_collective"][0][0], "count": 1, "dur_us": 90,
+                                          "exposed_us": 50}]   # 80-100 and 150-170 run beside compute
     assert g0["idle_copying_us"] == 50 and g0["idle_gaps"] == [
         {"gap_us": 50, "at_us": 250, "before": "cutlass_gemm", "after": None, "h2d_us": 50, "d2h_us": 0}]
     table = trace_summary.render_overlap(rows)
     assert "| /device:GPU:0 | 0.30 | 0.20 | 0.09 | 0.05 | 0.05 | 0.05 | 0.05 | 0.00 |" in table
     assert "- /device:GPU:0 idle 0.05 ms at 0.25 ms (h2d 0.05, d2h 0.00): after `cutlass_gemm`, before `None`" in table
+    assert "- /device:GPU:0 collective `` `ncclDevKernel_AllGather" in table and "1 x, 0.09 ms, 0.05 ms under no" in table
 
 
 def test_overlap_splits_idle_time_into_waiting_on_the_link_and_on_the_host():
@@ -92,3 +96,28 @@ def test_overlap_splits_idle_time_into_waiting_on_the_link_and_on_the_host():
     assert (g["idle_us"], g["idle_copying_us"], g["d2h_us"]) == (140, 30, 30)
     assert g["idle_gaps"] == [{"gap_us": 100, "at_us": 100, "before": "layer_fwd", "after": "layer_bwd",
                                "h2d_us": 0, "d2h_us": 30}]
+
+
+REAL_TRACE = pathlib.Path(__file__).parents[2] / "benchmarks/results/llama_multi_gpu/h200x2_collective_ab/trace_base.json.gz"
+
+
+def test_overlap_of_a_real_two_gpu_training_step():
+    """A step jax's profiler traced on 2 H200s (an 8-layer HF Llama through ``SwappedStack``, AdamW in
+    ``pinned_host``; ``benchmarks/results/llama_multi_gpu/README.md``): each GPU's window is its compute, its
+    collectives under no compute and its idle time; XLA:GPU names each NCCL kernel's program and HLO op, and the
+    collectives grouped by op add up to every collective kernel, their exposed parts to at least the union's."""
+    trace = trace_summary.load(str(REAL_TRACE))
+    rows = trace_summary.overlap(trace, top=10_000)
+    assert [r["device"] for r in rows] == ["/device:GPU:0", "/device:GPU:1"]
+    for r in rows:
+        parts = r["compute_us"] + r["collective_exposed_us"] + r["idle_us"]
+        assert abs(parts - r["window_us"]) < 1e-6 * r["window_us"]
+        ops = r["exposed_collectives"]
+        assert all(c["module"].startswith("jit_") for c in ops)
+        assert {c["op"].rpartition(".")[0].rstrip(".0123456789") for c in ops} >= {"all-gather", "reduce-scatter"}
+        total = sum(d for _, d in r["top_collective"])
+        assert abs(sum(c["dur_us"] for c in ops) - total) < 1e-6 * total
+        assert all(0 <= c["exposed_us"] <= c["dur_us"] + 1e-9 for c in ops)
+        assert sum(c["exposed_us"] for c in ops) >= r["collective_exposed_us"] - 1e-6
+        assert [c["exposed_us"] for c in ops] == sorted((c["exposed_us"] for c in ops), reverse=True)
+    assert "under no compute" in trace_summary.render_overlap(rows)
