@@ -285,6 +285,18 @@ def collect(piece: dict, log_path: str, n: int):
     return _load(piece["out"])
 
 
+def rows_of(piece: dict, result) -> int:
+    """How many rows a piece's :func:`collect` result holds: its rows (rank 0's under torchrun; one for an
+    anchor's line without ``error``). 0 for a piece stopped before its first row, though its JSON exists."""
+    if not result:
+        return 0
+    if piece["kind"] in ("anchor", "largest_anchor"):
+        return int("error" not in result)
+    if piece["kind"] == "torchrun":
+        return len((result["ranks"][0] or {}).get("rows", []))
+    return len(result.get("rows", []))
+
+
 def start_cpu_adam_build(env: dict, log_path: str):
     """DeepSpeed's CPU Adam JIT build started in the background (a ninja build, minutes on a fresh machine),
     so that the DeepSpeed anchor finds it built; None where DeepSpeed is not installed."""
@@ -329,13 +341,13 @@ def drive(args) -> dict:
         log_path = os.path.join(logs, piece["name"].replace(":", "_") + ".log")
         status = run_cmd(piece["cmd"], dict(env, **piece.get("env_extra", {})), left - 20, log_path)
         result = collect(piece, log_path, n)
-        raw["pieces"][piece["name"]] = dict(status, cmd=" ".join(piece["cmd"]))
+        raw["pieces"][piece["name"]] = dict(status, cmd=" ".join(piece["cmd"]), rows=rows_of(piece, result))
         store = {"ours": raw["ours"], "torchrun": raw["torchrun"], "anchor": raw["anchors"]}.get(piece["kind"])
         if piece["kind"] in ("largest", "largest_anchor"):
             raw[piece["kind"]] = result
         elif result is not None:
             store[piece["name"] if piece["kind"] == "anchor" else piece["shape"]] = result
-        print(json.dumps({"piece": piece["name"], **status, "result": result is not None,
+        print(json.dumps({"piece": piece["name"], **status, "rows": raw["pieces"][piece["name"]]["rows"],
                           "elapsed_s": round(time.perf_counter() - t0, 1)}), flush=True)
         write(raw, args.out_dir)
     if build is not None and build.poll() is None:

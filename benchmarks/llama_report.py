@@ -3,7 +3,8 @@
 :func:`analyze` turns the pieces' rows into medians, floors, ratios, speed-ups and target checks (the
 formulas are in ``llama_multi_gpu``'s docstring and :func:`row_metrics`), and names the rows with a
 stalled step (``stalls``: a sample over :data:`STALL_SPREAD` x the fastest, and whether the median is
-one); :func:`render` writes the markdown tables.
+one) and the host-bound rows below :data:`BELOW_FLOOR` of their floor (``below_floor``: they moved their bytes
+faster than the links were measured to); :func:`render` writes the markdown tables.
 """
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ TARGETS = {"link_ratio": 1.10, "scaling_per_gpu": 0.925}
 REMAT_FACTOR = 4.0 / 3.0
 #: A row whose slowest sample is over this many times its fastest had a step that stalled (the analysis says so).
 STALL_SPREAD = 1.5
+#: A host-bound row below this fraction of its floor moved its bytes faster than the links were measured to: the
+#: analysis names it (its floor, from that measurement, is too high).
+BELOW_FLOOR = 0.95
 
 
 def row_metrics(row: dict, links: dict) -> dict:
@@ -51,6 +55,7 @@ def row_metrics(row: dict, links: dict) -> dict:
     if links.get("gemm_flops"):
         terms["compute"] = row["flops"] * REMAT_FACTOR / (n * links["gemm_flops"])
     out.update({f"{k}_s": v for k, v in terms.items()})
+    out["host_bytes"], out["host_both_rate"] = B["w_in"] + B["w"] + 2 * B["m"] + 2 * B["act"], hl.get("both")
     if "host" in terms and "nvlink" in terms:   # were the two links not to overlap (not the floor: a diagnostic)
         out["host_plus_nvlink_s"] = terms["host"] + terms["nvlink"]
     out["nvlink_bytes_per_gpu"] = 3 * (n - 1) / n * B["weight"]
@@ -172,8 +177,13 @@ def analyze(raw: dict) -> dict:
                    median_stalled=r["step_s"] is not None and r["step_s"] > STALL_SPREAD * min(r["samples_s"]))
               for s, d in list(shapes.items()) + [("largest", largest or {"rows": []})] for r in d["rows"]
               if r.get("spread", 1) > STALL_SPREAD]
+    below = [dict(shape=s, form=r["form"], n=r["n"], tokens=r["tokens"], ratio=r["ratio"], host_bytes=r["host_bytes"],
+                  rate=r["host_bytes"] / r["step_s"], measured_both=r["host_both_rate"])
+             for s, d in list(shapes.items()) + [("largest", largest or {"rows": []})] for r in d["rows"]
+             if r.get("bound") == "host" and r["ratio"] < BELOW_FLOOR and r.get("host_both_rate")]
     return {"n": n, "tokens_per_gpu": per_gpu, "pieces": raw.get("pieces", {}), "shapes": shapes,
-            "largest": largest, "checks": checks, "stalls": stalls, "wall_s": raw.get("wall_s"), "targets": TARGETS,
+            "largest": largest, "checks": checks, "stalls": stalls, "below_floor": below, "wall_s": raw.get("wall_s"),
+            "targets": TARGETS,
             "cpu_adam_build": raw.get("cpu_adam_build")}
 
 
@@ -310,7 +320,7 @@ def render(a: dict) -> str:
     lines += ["", "Pieces: " + "; ".join(
         f"{k} {v['skipped']}" if "skipped" in v else
         f"{k} {v['wall_s']:.0f} s{' (timed out)' if v.get('timed_out') else ''}{' rc ' + str(v['rc']) if v.get('rc') else ''}"
-        for k, v in a["pieces"].items())]
+        f"{', no row' if v.get('rows') == 0 else ''}" for k, v in a["pieces"].items())]
     lines += ["", "Checks:"]
     for c in a["checks"]:
         what = c.get("what") or f"{c['form']} {c['kind']} scaling at {c['tokens']} tokens ({c['bound']}-bound)"
@@ -321,6 +331,11 @@ def render(a: dict) -> str:
         lines.append(f"- {t['shape']}: {t['form']} {t['n']} GPU(s) at {t['tokens']} tokens: samples "
                      f"{', '.join(f'{x:.3f}' for x in t['samples_s'])} s, a step over {STALL_SPREAD}x the fastest "
                      f"({'**the median is a stalled step**' if t['median_stalled'] else 'the median is not'})")
+    for b in a.get("below_floor", []):
+        lines.append(f"- {b['shape']}: {b['form']} {b['n']} GPU(s) at {b['tokens']} tokens: {b['ratio']:.3f} of its host "
+                     f"floor: the step moved {b['host_bytes'] / 1e9:.1f} GB over the host links at "
+                     f"{b['rate'] / 1e9:.1f} GB/s, above the {b['measured_both'] / 1e9:.1f} GB/s measured for both "
+                     "directions at once: this row's floor is too high")
     return "\n".join(lines)
 
 

@@ -177,6 +177,42 @@ def test_analysis_names_rows_with_a_stalled_step():
     assert "samples 0.153, 0.100, 0.101 s, a step over 1.5x the fastest (the median is not)" in text
 
 
+def test_analysis_names_host_bound_rows_below_their_floor():
+    """A host-bound row under 0.95 of its floor moved its bytes faster than the both-directions rate measured
+    for its GPUs: the analysis names it with the rate it reached (the 4-GPU rows of 2026-11-28 at 32 layers:
+    0.83-0.86 of a floor from 143.7 GB/s)."""
+    raw = _raw()
+    GB = 1e9
+    for r in raw["ours"]["8b"]["rows"]:
+        if (r["n"], r["tokens"]) == (2, 8192):
+            r["step_s"] = 0.07                     # 11 GB over the host links: 157 GB/s, the floor 11/140 s
+    a = llama_report.analyze(raw)
+    (b,) = a["below_floor"]
+    assert (b["n"], b["tokens"], b["form"]) == (2, 8192, "single")
+    assert b["ratio"] == pytest.approx(0.07 / (11 / 140)) and b["rate"] == pytest.approx(11 * GB / 0.07)
+    assert b["measured_both"] == 140 * GB
+    assert ("- 8b: single 2 GPU(s) at 8192 tokens: 0.891 of its host floor: the step moved 11.0 GB over the host "
+            "links at 157.1 GB/s, above the 140.0 GB/s measured for both directions at once") in llama_report.render(a)
+    assert llama_report.analyze(_raw())["below_floor"] == []
+
+
+def test_pieces_stopped_before_their_first_row_are_named():
+    """A piece's JSON is written before its first row (the 4-GPU torchrun piece of 2026-11-28 stopped by the
+    budget while its ranks built): the driver counts its rows, and the report says it gave none."""
+    ranks = [{"piece": "torchrun", "rank": r, "rows": []} for r in range(2)]
+    assert llama_multi_gpu.rows_of({"kind": "torchrun"}, {"ranks": ranks}) == 0
+    ranks[0]["rows"] = [{"tokens": 8192}, {"tokens": 65536}]
+    assert llama_multi_gpu.rows_of({"kind": "torchrun"}, {"ranks": ranks}) == 2
+    assert llama_multi_gpu.rows_of({"kind": "ours"}, {"rows": [{}]}) == 1
+    assert llama_multi_gpu.rows_of({"kind": "ours"}, None) == 0
+    assert llama_multi_gpu.rows_of({"kind": "anchor"}, {"anchor": "fsdp2", "error": "x"}) == 0
+    assert llama_multi_gpu.rows_of({"kind": "anchor"}, {"anchor": "fsdp2", "step_s": 0.5}) == 1
+    raw = dict(_raw(), pieces={"ours:8b": {"rc": 0, "wall_s": 192.0, "timed_out": False, "rows": 6},
+                               "torchrun:8b": {"rc": -9, "wall_s": 183.0, "timed_out": True, "rows": 0}})
+    text = llama_report.render(llama_report.analyze(raw))
+    assert "Pieces: ours:8b 192 s; torchrun:8b 183 s (timed out) rc -9, no row" in text
+
+
 def test_batch_shape():
     assert lm.batch_shape(8192, 2) == (2, 4096) and lm.batch_shape(65536, 2) == (16, 4096)
     assert lm.batch_shape(8192, 4) == (4, 2048)              # fewer sequences than devices: shorter ones
