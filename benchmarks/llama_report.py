@@ -90,7 +90,9 @@ def _find(rows: list, form: str, n: int, tokens: int) -> dict | None:
 
 def scaling(rows: list, n: int, per_gpu: list, forms: list) -> list:
     """Strong (T global on 1 and n GPUs) and weak (T per GPU: T on 1, nT on n) speed-ups per form, with the
-    n-GPU row's bound and the target that applies: speed-up where compute-bound, step / floor otherwise."""
+    n-GPU row's bound and the target that applies: speed-up where compute-bound, step / floor otherwise.
+    ``over_one_gpu``: the n-GPU step over one GPU's at the same tokens per GPU (where that row ran), what
+    spreading the step costs beside the smaller per-GPU batch of strong scaling (None without that row)."""
     out = []
     for form in forms:
         for kind in ("strong", "weak"):
@@ -105,6 +107,8 @@ def scaling(rows: list, n: int, per_gpu: list, forms: list) -> list:
                      "tflops_1": one.get("tflops_per_gpu"), "tflops_n": many.get("tflops_per_gpu"),
                      "first_loss_1": one.get("first_loss"), "first_loss_n": many.get("first_loss"),
                      "bound": many.get("bound"), "ratio": many.get("ratio"), "floor_s": many.get("floor_s")}
+                same = _find(rows, "single", 1, many["tokens_per_gpu"])   # one GPU at this row's tokens per GPU
+                s["over_one_gpu"] = many["step_s"] / same["step_s"] if same else None
                 if many.get("bound") == "compute":
                     s.update(target=f">= {TARGETS['scaling_per_gpu'] * n:.2f}x speed-up",
                              met=speedup >= TARGETS["scaling_per_gpu"] * n)
@@ -232,14 +236,16 @@ def _render_shape(name: str, d: dict, n: int) -> list:
              f"{sh.get('layers')} layers, vocab {sh.get('vocab')}, {p / 1e9 if p else 0:.2f} B parameters, "
              f"W = {_gb(d.get('weight_bytes'))} ({d.get('device_kind')})", "", _links_line(d["links"]), "",
              "| form | scaling | tokens / GPU | global tokens | 1 GPU ms | n GPUs ms | speed-up | TFLOP/s per GPU "
-             "(1 / n) | n-GPU floor ms (bound) | step / floor | first loss 1 / n | target |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(1 / n) | n-GPU floor ms (bound) | step / floor | step / 1 GPU's at the same tokens per GPU | "
+             "first loss 1 / n | target |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in d["scaling"]:
         tgt = f"{s['target']}: {'met' if s['met'] else '**missed**'}" if "met" in s else "-"
         loss = f"{_x(s['first_loss_1'], '.4f')} / {_x(s['first_loss_n'], '.4f')}" if s["kind"] == "strong" else "-"
         lines.append(f"| {s['form']} | {s['kind']} | {s['tokens_per_gpu']} | {s['tokens']} | {_ms(s['step_1_s'])} | "
                      f"{_ms(s['step_n_s'])} | {s['speedup']:.2f}x | {_tf(s['tflops_1'])} / {_tf(s['tflops_n'])} | "
-                     f"{_ms(s['floor_s'])} ({s['bound']}) | {_rx(s['ratio'], '.3f')} | {loss} | {tgt} |")
+                     f"{_ms(s['floor_s'])} ({s['bound']}) | {_rx(s['ratio'], '.3f')} | "
+                     f"{_rx(s.get('over_one_gpu'), '.3f')} | {loss} | {tgt} |")
     lines += ["", "First losses: the same batch on the same weights only at the first token count; each later count "
               "trains the model the earlier counts left, and n GPUs may have run more counts than 1.",
               "", "| form | GPUs | tokens | b x s | step ms | first step s | first loss | TFLOP/s per GPU | host ms | "

@@ -145,6 +145,10 @@ def test_analyze_floors_speedups_and_targets():
     assert sc[("strong", 8192)]["met"] == (0.17 / host <= 1.10)              # host-bound: judged by its floor
     assert sc[("weak", 65536)]["met"] == (2 * 1.00 / 1.02 >= 1.85)           # compute-bound: by its speed-up
     assert sc[("weak", 65536)]["met"] is True
+    # against one GPU at the same tokens per GPU: weak rows always have that row; strong ones here do not (4096, 16384)
+    assert sc[("weak", 65536)]["over_one_gpu"] == pytest.approx(1.02 / 1.00)
+    assert sc[("weak", 16384)]["over_one_gpu"] == pytest.approx(0.30 / 0.30)
+    assert sc[("strong", 8192)]["over_one_gpu"] is None and sc[("strong", 32768)]["over_one_gpu"] is None
     x = {t["tokens"]: t for t in a["shapes"]["8b"]["anchors"]}
     assert x[8192]["anchor_over_single"] == pytest.approx(0.5 / 0.17)
     assert x[32768]["anchor_over_single"] == pytest.approx(0.4 / 0.52)
@@ -152,6 +156,7 @@ def test_analyze_floors_speedups_and_targets():
     assert checks == {"fsdp2 / ours at 8192": True, "fsdp2 / ours at 32768": False}
     text = llama_report.render(a)
     assert "**missed**" in text and "| fsdp2 (AdamW) | 8192 |" in text
+    assert "| single | weak | 32768 | 65536 | 1000.0 | 1020.0 | 1.96x |" in text and "| 1.020x |" in text
     assert "exited with codes" not in text
     json.dumps(a)
     raw["anchors"]["fsdp2:8b"]["after_result"] = {"return_codes": [0, -6], "reason": None, "stderr_tail": {}}
