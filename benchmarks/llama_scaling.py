@@ -256,6 +256,7 @@ def stack_rows(shape: dict, devices, tokens: list[int], args, emit, form: str = 
     (``"torchrun_global_batch"``, jax's own initialisation)."""
     n = len(devices)
     stack, build_s = build_stack(shape, devices, args.fill_device, args.seed, args.prefetch_depth)
+    print(json.dumps({"built": form, "n": n, "build_s": round(build_s, 1)}), flush=True)   # a stopped piece's progress
     counts = lm.param_counts(shape)
     for T in tokens:
         b, s = lm.batch_shape(T, n, args.seq)
@@ -283,7 +284,7 @@ def stack_rows(shape: dict, devices, tokens: list[int], args, emit, form: str = 
 
 class Writer:
     """The piece's JSON (``path``; nothing written without one), rewritten after every change, and one
-    line per row on stdout."""
+    line per row and per :meth:`set` on stdout, with the seconds since the piece began (``elapsed_s``)."""
 
     def __init__(self, path: str | None, **head):
         self.path, self.data = path, dict(head, rows=[])
@@ -292,7 +293,7 @@ class Writer:
 
     def set(self, **kw) -> None:
         self.data.update(kw)
-        print(json.dumps({k: v for k, v in kw.items()}, default=str)[:2000], flush=True)
+        print(json.dumps(dict(kw, elapsed_s=round(time.perf_counter() - self.t0, 1)), default=str)[:2000], flush=True)
         self.save()
 
     def row(self, row: dict) -> None:

@@ -88,12 +88,16 @@ def test_pieces_skipped_past_the_budget(tmp_path, capsys):
 
 
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 virtual devices")
-def test_largest_piece(tmp_path):
+def test_largest_piece(tmp_path, capsys):
     out = tmp_path / "largest.json"
     args = llama_multi_gpu.parse_args(["--piece", "largest", "--shape", "tiny", "--layers", "3", "--gpus", "2",
                                        "--tokens", "32", "--seq", "16", "--reps", "1", "--warmup", "0",
                                        "--piece-out", str(out), "--largest-host-reserve-gb", "1"])
     assert llama_scaling.run_piece(args) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    built = [x for x in lines if "built" in x]   # the build is said before the first row: a stopped piece's progress
+    assert built and built[0]["n"] == 2 and built[0]["build_s"] >= 0
+    assert all("elapsed_s" in x for x in lines if "host_pool_gib" in x or "wall_s" in x)
     d = json.loads(out.read_text())
     counts = lm.param_counts(lm.shape_of("tiny", 3))
     assert d["weight_bytes"] == 2 * counts["total"] and d["state_bytes"] == 3 * d["weight_bytes"]
