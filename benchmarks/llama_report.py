@@ -177,14 +177,13 @@ def analyze(raw: dict) -> dict:
     checks += [{"shape": s, "what": f"{a['anchor']} / ours at {a['tokens']}", "value": a["anchor_over_single"],
                 "target": "> 1 (ours faster)", "met": a["anchor_over_single"] > 1}
                for s, d in shapes.items() for a in d["anchors"] if "anchor_over_single" in a]
+    every = [(s, r) for s, d in list(shapes.items()) + [("largest", largest or {"rows": []})] for r in d["rows"]]
     stalls = [dict(shape=s, form=r["form"], n=r["n"], tokens=r["tokens"], samples_s=r["samples_s"],
                    median_stalled=r["step_s"] is not None and r["step_s"] > STALL_SPREAD * min(r["samples_s"]))
-              for s, d in list(shapes.items()) + [("largest", largest or {"rows": []})] for r in d["rows"]
-              if r.get("spread", 1) > STALL_SPREAD]
+              for s, r in every if r.get("spread", 1) > STALL_SPREAD]
     below = [dict(shape=s, form=r["form"], n=r["n"], tokens=r["tokens"], ratio=r["ratio"], host_bytes=r["host_bytes"],
                   rate=r["host_bytes"] / r["step_s"], measured_both=r["host_both_rate"])
-             for s, d in list(shapes.items()) + [("largest", largest or {"rows": []})] for r in d["rows"]
-             if r.get("bound") == "host" and r["ratio"] < BELOW_FLOOR and r.get("host_both_rate")]
+             for s, r in every if r.get("bound") == "host" and r["ratio"] < BELOW_FLOOR and r.get("host_both_rate")]
     return {"n": n, "tokens_per_gpu": per_gpu, "pieces": raw.get("pieces", {}), "shapes": shapes,
             "largest": largest, "checks": checks, "stalls": stalls, "below_floor": below, "wall_s": raw.get("wall_s"),
             "targets": TARGETS,

@@ -16,6 +16,7 @@ microseconds, ``"M"`` events naming processes and threads). A copy is an event w
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import glob
 import gzip
@@ -204,14 +205,16 @@ def _exposed_by_op(colls: list, comp: list, top: int) -> list[dict]:
     time under no compute kernel (``comp``: the compute union) first: ``{"module", "op", "count", "dur_us",
     "exposed_us"}``. The same op in every layer's program adds up over the layers."""
     by: dict = {}
+    ends = [b for _, b in comp]
     for e in colls:
         args = e.get("args") or {}
         key = (args.get("hlo_module", ""), args.get("hlo_op") or e["name"][:80])
         g = by.setdefault(key, {"module": key[0], "op": key[1], "count": 0, "dur_us": 0.0, "exposed_us": 0.0})
-        span = [(e["ts"], e["ts"] + e["dur"])]
+        a, b = e["ts"], e["ts"] + e["dur"]
+        near = comp[bisect.bisect_right(ends, a):bisect.bisect_left(ends, b) + 1]   # the intervals that can meet it
         g["count"] += 1
         g["dur_us"] += e["dur"]
-        g["exposed_us"] += max(0.0, e["dur"] - _measure(_intersect(span, comp)))   # no negative rounding
+        g["exposed_us"] += max(0.0, e["dur"] - _measure(_intersect([(a, b)], near)))   # no negative rounding
     return sorted(by.values(), key=lambda g: -g["exposed_us"])[:top]
 
 
