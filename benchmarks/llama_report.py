@@ -45,17 +45,18 @@ def row_metrics(row: dict, links: dict) -> dict:
     out["tflops_per_gpu"] = row["flops"] / step / n / 1e12
     hl = links.get("host_link", {}).get("n" if n > 1 else "1") or {}
     B = row["bytes"]
+    moved = B["w_in"] + B["w"] + 2 * B["m"] + 2 * B["act"]   # both directions together
     terms = {}
     if hl:
         terms["host"] = max((B["w_in"] + B["m"] + B["act"]) / hl["h2d"], (B["w"] + B["m"] + B["act"]) / hl["d2h"],
-                            (B["w_in"] + B["w"] + 2 * B["m"] + 2 * B["act"]) / hl["both"])
+                            moved / hl["both"])
     nv = (links.get("nvlink") or {}).get("per_gpu")
     if n > 1 and nv:
         terms["nvlink"] = 3 * (n - 1) / n * B["weight"] / nv
     if links.get("gemm_flops"):
         terms["compute"] = row["flops"] * REMAT_FACTOR / (n * links["gemm_flops"])
     out.update({f"{k}_s": v for k, v in terms.items()})
-    out["host_bytes"], out["host_both_rate"] = B["w_in"] + B["w"] + 2 * B["m"] + 2 * B["act"], hl.get("both")
+    out["host_bytes"], out["host_both_rate"] = moved, hl.get("both")
     if "host" in terms and "nvlink" in terms:   # were the two links not to overlap (not the floor: a diagnostic)
         out["host_plus_nvlink_s"] = terms["host"] + terms["nvlink"]
     out["nvlink_bytes_per_gpu"] = 3 * (n - 1) / n * B["weight"]
