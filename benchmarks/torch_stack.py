@@ -135,6 +135,12 @@ def measure_bandwidth(host_params, reps: int = 3) -> dict:
     or not). ``h2d``: every array to device memory with the same sharding (each device pulls its
     own shards, all at once), W / seconds; ``d2h``: a device copy back to ``pinned_host``, W /
     seconds; ``both``: the two at once, 2W / seconds. W = the arrays' total (logical) bytes.
+
+    ``both`` dispatches the two directions alternately, one array per ``jax.device_put`` call (array
+    k in, then its device copy out, then k+1 ...). Each direction as one list call leaves the other
+    waiting behind it: on one H200 that reads 83 GB/s, against 100 GB/s alternating
+    (``benchmarks/copy_order.py``; docs/explanation/measured-facts.md, section 4), and the
+    runtime's own steps move faster than the lower figure.
     """
     import jax
 
@@ -143,6 +149,13 @@ def measure_bandwidth(host_params, reps: int = 3) -> dict:
     hsh = [a.sharding for a in leaves]
     dsh = [s.with_memory_kind("device") for s in hsh]
     on_dev = jax.block_until_ready(jax.device_put(leaves, dsh))
+
+    def both_ways():
+        moved = []
+        for a, d, to_dev, to_host in zip(leaves, on_dev, dsh, hsh):
+            moved += [jax.device_put(a, to_dev), jax.device_put(d, to_host)]
+        return moved
+
     h2d, d2h, both = [], [], []
     for _ in range(reps):
         t = time.perf_counter()
@@ -152,7 +165,7 @@ def measure_bandwidth(host_params, reps: int = 3) -> dict:
         jax.block_until_ready(jax.device_put(on_dev, hsh))
         d2h.append(W / (time.perf_counter() - t))
         t = time.perf_counter()
-        jax.block_until_ready((jax.device_put(leaves, dsh), jax.device_put(on_dev, hsh)))
+        jax.block_until_ready(both_ways())
         both.append(2 * W / (time.perf_counter() - t))
     del on_dev
     return {"h2d": max(h2d), "d2h": max(d2h), "both": max(both), "bytes": W}
