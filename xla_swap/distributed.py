@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 __all__ = ["initialize", "per_rank_batches", "rank", "world_size", "local_rank", "gather_ints", "gather_prompts",
-           "check_ranks_agree", "COORDINATOR_PORT_ENV"]
+           "check_ranks_agree", "value_crc", "check_ranks_hold_the_same", "COORDINATOR_PORT_ENV"]
 
 #: the environment variable that sets jax's coordinator port (default ``MASTER_PORT + 1``).
 COORDINATOR_PORT_ENV = "XLA_SWAP_COORDINATOR_PORT"
@@ -217,6 +217,37 @@ def check_ranks_agree(what: str, key) -> None:
     if other:
         raise ValueError(f"{what}: every rank must pass the same shapes and dtypes (per-rank batches of one "
                          f"size); rank {rank()} passes {key}, rank(s) {other} pass others")
+
+
+def value_crc(a: np.ndarray) -> int:
+    """CRC-32 of a numpy array's shape, dtype and bytes (C order): what :func:`check_ranks_hold_the_same`
+    compares. ``zlib.crc32`` runs at about 2 GB/s on one core."""
+    a = np.ascontiguousarray(a)
+    head = zlib.crc32(repr((a.shape, str(a.dtype))).encode())
+    return zlib.crc32(a.reshape(-1).view(np.uint8), head)
+
+
+def check_ranks_hold_the_same(what: str, names: Sequence[str], crcs: Sequence[int]) -> None:
+    """Check that every process holds the same values under ``names``, given this process's CRC of each
+    (:func:`value_crc`, in ``names`` order): the names compared first (:func:`check_ranks_agree`), then
+    the CRCs against process 0's (:func:`gather_ints`). A collective: every process calls it. One
+    process: nothing to compare.
+
+    Raises: ValueError on every process: the processes name other values, or a value differs, naming the
+      first name that differs, the ranks whose value differs from rank 0's and the count of such names.
+    """
+    if jax.process_count() == 1:
+        return
+    if len(names) != len(crcs):
+        raise ValueError(f"{what}: {len(names)} names and {len(crcs)} CRCs")
+    check_ranks_agree(what, tuple(names))
+    rows = gather_ints(list(crcs))
+    differ = [j for j in range(len(names)) if np.any(rows[:, j] != rows[0, j])]
+    if differ:
+        ranks = sorted({p for j in differ for p in range(len(rows)) if rows[p, j] != rows[0, j]})
+        raise ValueError(f"{what}: rank(s) {ranks} hold other values than rank 0 for {names[differ[0]]} "
+                         f"({len(differ)} of {len(names)} differ). Every rank must build the same model: "
+                         f"the same checkpoint, or the same seed before building it")
 
 
 def gather_prompts(check, input_ids, attention_mask, max_new_tokens: int, do_sample: bool, seed) -> tuple:

@@ -10,8 +10,9 @@ another order, and the q/k projections, whose gradients at initialisation are ti
 the ranks' forward rows concatenated in rank order are the reference's (<= 1e-6; also a batch of one
 row per rank, which runs replicated through the gathered path), and greedy ``generate`` gives the
 reference's tokens exactly, with equal prompt lengths and with a shorter prompt on the last rank
-(the reference left-pads it). Ranks passing other shapes, or one rank refusing its input, raise on
-every rank (the worker checks). Plus ``initialize()``'s refusals, which start nothing.
+(the reference left-pads it). Ranks passing other shapes, one rank refusing its input, or ranks building
+from other weights raise on every rank, and building gathers no whole array from every process (the
+worker checks). Plus ``initialize()``'s refusals, which start nothing, and the CRC the ranks compare.
 """
 import json
 import os
@@ -154,3 +155,20 @@ def test_initialize_refuses_a_non_bool_process_group(monkeypatch):
     with pytest.raises(TypeError, match="process_group must be a bool"):
         xd.initialize(process_group="gloo")
     assert not xd.per_rank_batches()
+
+
+def test_value_crc_tells_values_shapes_and_dtypes_apart(monkeypatch):
+    import ml_dtypes
+
+    from xla_swap.distributed import check_ranks_hold_the_same, value_crc
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    assert value_crc(a) == value_crc(a.copy()) == value_crc(np.asfortranarray(a))   # C-order bytes
+    b = a.copy()
+    b[2, 3] += 1
+    assert len({value_crc(a), value_crc(b), value_crc(a.reshape(4, 3)), value_crc(a.astype(np.float64)),
+                value_crc(a.astype(ml_dtypes.bfloat16))}) == 5
+    check_ranks_hold_the_same("weights", ["x"], [value_crc(a)])   # one process: nothing to compare
+    import jax
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match="1 names and 2 CRCs"):   # refused before any exchange
+        check_ranks_hold_the_same("weights", ["x"], [1, 2])

@@ -12,7 +12,9 @@ moments, ``sync_modules``, greedy ``generate`` (same prompt lengths, and a short
 rank). Each rank passes its own rows of one global batch and writes what it got back to
 ``OUT_DIR/rank{r}.json``. Asserted here: each process pins only its own devices' shards of the split
 weights and moments; the forward of a row per rank warns that it runs replicated; ranks passing other
-shapes, and a token id out of range on rank 0 (IndexError there), raise on every rank.
+shapes, a token id out of range on rank 0 (IndexError there), and a stack built from weights that differ
+on the last rank, raise on every rank; building places each process's own slices without gathering any
+whole array from every process.
 """
 import faulthandler
 import json
@@ -61,8 +63,14 @@ cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden
 torch.manual_seed(0)
 model = LlamaForCausalLM(cfg).float().eval()
 first, layers, last = causal_lm_stages(model)
+from jax.experimental import multihost_utils  # noqa: E402
+whole_array_checks, assert_equal = [], multihost_utils.assert_equal
+multihost_utils.assert_equal = lambda *a, **k: (whole_array_checks.append(1), assert_equal(*a, **k))[1]
 stack = SwappedStack(layers, first=first, last=last, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
                      loss_fn=ce)
+multihost_utils.assert_equal = assert_equal
+# each process placed its own slices of the weights: no array was gathered whole from every process to check it
+assert not whole_array_checks, len(whole_array_checks)
 split = [a for tree in (stack.runtime.host_params, stack.runtime.optimizer_state)
          for a in jax.tree_util.tree_leaves(tree) if not a.sharding.is_fully_replicated]
 assert len(split) > 10 and all(a.sharding.memory_kind == "pinned_host" for a in split)
@@ -110,6 +118,18 @@ if per_rank:   # refusals raise on every rank (none is left waiting in a collect
         raise AssertionError("a token id out of range ran")
     except (IndexError if r == 0 else ValueError) as e:
         assert ("input_ids" if r == 0 else "rank(s) [0] refused") in str(e), e
+    # ranks that read other weights are refused at construction, on every rank, the tensor named
+    other = LlamaForCausalLM(cfg).float().eval()
+    other.load_state_dict(model.state_dict())
+    if r == n - 1:
+        with torch.no_grad():
+            other.model.layers[1].mlp.up_proj.weight.add_(1.0)
+    f2, l2, t2 = causal_lm_stages(other)
+    try:
+        SwappedStack(l2, first=f2, last=t2, optimizer=torch.optim.AdamW(other.parameters()), loss_fn=ce)
+        raise AssertionError("ranks holding other weights built a stack")
+    except ValueError as e:
+        assert f"rank(s) [{n - 1}]" in str(e) and "layers[1].mlp.up_proj.weight" in str(e), e
     res["refusals"] = "checked"
 
 with open(os.path.join(sys.argv[1], f"rank{r}.json"), "w") as f:

@@ -27,7 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from xla_swap.distributed import check_ranks_hold_the_same, value_crc
 from xla_swap.executors.pytrees import check_input_dtypes
+from xla_swap.executors.transfers import put
 from xla_swap.hf.refusals import describe_failure
 from xla_swap.stack.mixed_precision import is_float
 from xla_swap.stack.torch_bridge import inputs_to_jax, module_fn, to_numpy
@@ -323,6 +325,11 @@ def host_stages(names: list[str], modules: list[torch.nn.Module], transposed: li
     """Every stage's buffers and parameters copied into ``pinned_host``, one stage at a time (never
     through the device; copies: the modules' storage is not aliased).
 
+    With several processes (``torchrun``) each process places only its own devices' slices of every
+    array (``xla_swap.executors.transfers.put``), and the processes then compare a CRC-32 of every
+    array they read (``xla_swap.distributed.check_ranks_hold_the_same``): one exchange of a few bytes
+    per array, where ``jax.device_put`` would gather each whole array from every process to check it.
+
     Returns: ``(params, trainable, updated, groups)``, each a list with one entry per stage:
     ``{name: jax.Array}`` in ``pinned_host`` (buffers first), the parameter names (ordered), the
     names with ``requires_grad`` (a set), ``{name: torch param_group index}``.
@@ -339,9 +346,11 @@ def host_stages(names: list[str], modules: list[torch.nn.Module], transposed: li
 
     Raises: the errors of :func:`stage_tensors`; TypeError for a ``float64`` tensor with x64 off
       (``check_input_dtypes``); ValueError naming the tensor: a floating parameter that is not
-      float32 with ``compute_dtype``.
+      float32 with ``compute_dtype``; ValueError on every process: the processes read other values
+      (the first differing tensor named).
     """
     stage_params, trainable, updated, groups = [], [], [], []
+    several, held = jax.process_count() > 1, []
     for i, (name, m, stage_transposed) in enumerate(zip(names, modules, transposed)):
         pnames = [n for n, _ in m.named_parameters() if not (name == "last" and n in tied)]
         tensors = stage_tensors(name, m, pnames, weights)
@@ -353,11 +362,14 @@ def host_stages(names: list[str], modules: list[torch.nn.Module], transposed: li
                 if is_float(arrays[n].dtype) and arrays[n].dtype != np.float32:
                     raise ValueError(f"mp_policy.param_dtype keeps float32 master weights: weights gives "
                                      f"{name}.{n} as {arrays[n].dtype}; give float32 tensors")
-        # each stage is placed in pinned_host as soon as it is read and handed to the runtime as its own
+        # each stage is placed in pinned_host as soon as it is read and handed to the runtime as its own;
+        # with several processes each places its own devices' slices (``put``: no collective per array)
         placed = {}
         for n in list(arrays):
             a = arrays.pop(n)
-            placed[n] = jax.device_put(a, host_sharding(i, n, a.shape), may_alias=False)
+            if several:
+                held.append((f"{name}.{n}", value_crc(a)))
+            placed[n] = put(a, host_sharding(i, n, a.shape), may_alias=False)
             del a
         trainable.append(pnames)  # ordered: every process must gather in the same order
         # the optimizer updates what torch's would: parameters with requires_grad (frozen ones get no .grad)
@@ -365,6 +377,7 @@ def host_stages(names: list[str], modules: list[torch.nn.Module], transposed: li
         groups.append({n: group_of.get(id(p), 0) for n, p in m.named_parameters()})
         stage_params.append({**{n: placed[n] for n in placed if n not in pnames},
                              **{n: placed[n] for n in pnames}})
+    check_ranks_hold_the_same("the stages' weights", [h[0] for h in held], [h[1] for h in held])
     return stage_params, trainable, updated, groups
 
 
