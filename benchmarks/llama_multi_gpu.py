@@ -82,6 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shape-tokens", nargs="*", default=["34b=8192"], help="SHAPE=T1,T2: tokens per GPU of one "
                    "shape instead of --tokens (default 34b=8192: the 9-minute budget)")
     p.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
+    p.add_argument("--shard", choices=["fsdp", "major"], default="fsdp", help="how our stacks split the weights over "
+                   "the GPUs: the package's default rule (fsdp), or every 2-D weight on the first dimension of the "
+                   "layout it is held in (major; llama_scaling.major_dim_rule), an A/B of the collectives' layouts")
     p.add_argument("--prefetch-depth", type=int, default=None, help="our stacks' prefetch depth (default: "
                    "xla_swap.stack.swapped_stack.DEFAULT_POLICY's)")
     p.add_argument("--reps", type=int, default=3)
@@ -188,6 +191,8 @@ def plan(args, n: int, work: str) -> list[dict]:
               "--fill-device", "cpu" if args.cpu_smoke else "cuda:0"]
     if args.prefetch_depth is not None:
         common += ["--prefetch-depth", str(args.prefetch_depth)]
+    if args.shard != "fsdp":
+        common += ["--shard", args.shard]
     if args.compilation_cache:
         common += ["--compilation-cache", args.compilation_cache]
     layers = ["--layers", str(args.layers)] if args.layers else []

@@ -127,11 +127,25 @@ def gemm_rate(dev, m: int = 8192, chain: int = 16, reps: int = 5) -> float:
     return chain * 2.0 * m ** 3 / best
 
 
-def build_stack(shape: dict, devices, fill_device, seed: int = 0, prefetch_depth: int | None = None):
+def major_dim_rule(name: str, shape: tuple) -> tuple:
+    """``ParallelConfig(shard=...)`` for ``--shard major``: every 2-D weight of the Llama split on the first
+    (major) dimension of the layout it is held in, 1-D weights replicated. The stack holds an ``nn.Linear``
+    weight as ``[in, out]`` (its spec is given in torch's ``[out, in]`` and reversed), so those split on
+    torch's dim 1; the embedding is held as torch's ``[vocab, D]`` and splits on dim 0. The package's
+    ``"fsdp"`` rule takes the largest dimension instead, which for ``gate_proj``, ``up_proj`` and
+    ``lm_head`` (held ``[D, F]`` and ``[D, vocab]``) is the minor one."""
+    if len(shape) != 2:
+        return ()
+    return ("d", None) if "embed" in name else (None, "d")
+
+
+def build_stack(shape: dict, devices, fill_device, seed: int = 0, prefetch_depth: int | None = None,
+                shard: str = "fsdp"):
     """``(stack, seconds)``: ``SwappedStack`` over ``causal_lm_stages`` of a meta-device Llama of ``shape``
     (``llama_model.meta_model``), ``torch.optim.AdamW(lr=1e-5)`` over its parameters, loss ``llama_model.ce``,
     on ``devices``, the layers' values drawn per stage on ``fill_device`` (``generate_gpu.RandomWeights``);
-    ``xla_swap.stack.swapped_stack.DEFAULT_POLICY``, with ``prefetch_depth`` where given."""
+    ``xla_swap.stack.swapped_stack.DEFAULT_POLICY``, with ``prefetch_depth`` where given; the weights split
+    by ``shard``: ``"fsdp"`` (the package's rule) or ``"major"`` (:func:`major_dim_rule`)."""
     import dataclasses
 
     import torch
@@ -146,7 +160,8 @@ def build_stack(shape: dict, devices, fill_device, seed: int = 0, prefetch_depth
     if prefetch_depth is not None:
         policy = dataclasses.replace(policy, prefetch_depth=prefetch_depth)
     stack = xla_swap.SwappedStack(layers, first=first, last=last, optimizer=opt, loss_fn=lm.ce,
-                                  parallel=xla_swap.ParallelConfig(devices=devices),
+                                  parallel=xla_swap.ParallelConfig(
+                                      devices=devices, shard=major_dim_rule if shard == "major" else shard),
                                   weights=RandomWeights(fill_device, seed=seed), policy=policy)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()   # the stage values drawn on the GPU
@@ -257,7 +272,8 @@ def stack_rows(shape: dict, devices, tokens: list[int], args, emit, form: str = 
     passes its own slice of the global batch (``form == "torchrun"``) or the whole of it
     (``"torchrun_global_batch"``, jax's own initialisation)."""
     n = len(devices)
-    stack, build_s = build_stack(shape, devices, args.fill_device, args.seed, args.prefetch_depth)
+    shard = getattr(args, "shard", "fsdp")
+    stack, build_s = build_stack(shape, devices, args.fill_device, args.seed, args.prefetch_depth, shard)
     print(json.dumps({"built": form, "n": n, "build_s": round(build_s, 1)}), flush=True)   # a stopped piece's progress
     counts = lm.param_counts(shape)
     for T in tokens:
@@ -268,7 +284,7 @@ def stack_rows(shape: dict, devices, tokens: list[int], args, emit, form: str = 
             per = b // world
             x, y = x[r * per:(r + 1) * per], y[r * per:(r + 1) * per]
         row = {"form": form, "shape": shape, "n": n, "tokens": T, "b": b, "s": s, "tokens_per_gpu": T // n,
-               "build_s": build_s, "prefetch_depth": stack.policy.prefetch_depth,
+               "build_s": build_s, "prefetch_depth": stack.policy.prefetch_depth, "shard": shard,
                "flops": lm.model_flops(shape, b, s, counts), "params": counts}
         try:
             row.update(time_steps(stack, x, y, args.reps, args.warmup))

@@ -6,6 +6,7 @@ import math
 import os
 
 import jax
+import numpy as np
 import pytest
 
 import llama_model as lm
@@ -292,3 +293,25 @@ def test_hlo_collectives_groups_ops_by_result_type_with_bytes():
         {"op": "all-reduce", "result": "(f32[4096,128], bf16[4096])", "count": 1, "bytes": 4096 * 128 * 4 + 4096 * 2},
         {"op": "all-gather", "result": "bf16[8,16]", "count": 1, "bytes": 8 * 16 * 2}]
     assert llama_scaling.hlo_collectives("%dot = f32[4,4]{1,0} dot(%g, %h)") == []
+
+
+def test_the_major_dimension_rule_splits_held_layouts_on_dim_0_and_trains_alike():
+    """``--shard major`` (the A/B of the collectives' layouts): every 2-D weight split on dim 0 of the layout
+    it is held in, and the same losses and updated weights as the package's ``"fsdp"`` rule."""
+    shape = lm.shape_of("tiny")
+    devs = jax.devices()[:2]
+    x, y = lm.batch(2, 16, shape["vocab"], seed=1)
+    got = {}
+    for rule in ("fsdp", "major"):
+        stack, _ = llama_scaling.build_stack(shape, devs, "cpu", shard=rule)
+        specs = [tuple(a.sharding.spec) for p in stack.runtime.host_params for a in jax.tree_util.tree_leaves(p)
+                 if a.ndim == 2]
+        got[rule] = ([float(stack.train_step(x, y)) for _ in range(2)], specs,
+                     [np.asarray(a, np.float32) for p in stack.runtime.host_params
+                      for a in jax.tree_util.tree_leaves(p)])
+    assert all(s[0] == "d" for s in got["major"][1]), got["major"][1]
+    assert any(s[0] != "d" for s in got["fsdp"][1])   # the largest-dimension rule splits some on dim 1
+    # bf16 weights: the two layouts sum the dots in other orders
+    np.testing.assert_allclose(got["major"][0], got["fsdp"][0], rtol=1e-3)
+    for a, b in zip(got["major"][2], got["fsdp"][2]):
+        np.testing.assert_allclose(a, b, rtol=2e-2, atol=1e-4)
