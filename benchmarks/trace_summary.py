@@ -4,7 +4,8 @@ its busy time and heaviest ops, and for host -> device copies how busy the link 
 where it idled (with what each stream ran in the longest idle gaps); per GPU, how its window splits into
 compute, collectives (and the part of them no compute hides), host copies and idle time (and the part of it
 a host copy runs in), with the longest idle gaps and the kernels around them, and the collectives by HLO
-op with the time no compute hides of each (:func:`overlap`).
+op with the time no compute hides of each (:func:`overlap`); per GPU, its compute kernels by kind (GEMM,
+attention, transpose, other) with the heaviest transposes (:func:`compute_kinds`).
 
     python benchmarks/trace_summary.py DIR_OR_perfetto_trace.json.gz [--gaps 12] [--json out.json]
 
@@ -242,6 +243,48 @@ def _idle_gaps(idle: list, kernels: list, u: dict, t0: float, top: int) -> list[
     return gaps
 
 
+#: the kinds of compute kernel :func:`compute_kinds` sums, matched on the kernel's name in this order.
+KERNEL_KINDS = (("attention", re.compile(r"(sdpa|flash|fmha|cudnn)", re.I)),
+                ("gemm", re.compile(r"(nvjet|gemm|cutlass|cublas)", re.I)),
+                ("transpose", re.compile(r"transpose", re.I)))
+
+
+def compute_kinds(trace: dict, top: int = 8) -> list[dict]:
+    """Per GPU, its compute kernels' summed durations by kind (microseconds): ``gemm_us``, ``attention_us``,
+    ``transpose_us`` (:data:`KERNEL_KINDS`), ``other_us`` (the rest but host copies and collectives, as
+    :func:`overlap` splits them), ``total_us`` (their sum: durations added, not a union) and
+    ``transposes``: the ``top`` heaviest transposes as ``{"module", "name", "us", "count"}`` (the kernel's
+    HLO module from its ``args``)."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pname, tname = _names(events)
+    out = []
+    for pid, name in sorted(pname.items(), key=lambda kv: kv[1]):
+        if "gpu" not in name.lower():
+            continue
+        sums: dict = collections.Counter()
+        tr: dict = collections.defaultdict(lambda: [0.0, 0])
+        for e in events:
+            if e.get("ph") != "X" or "dur" not in e or e.get("pid") != pid \
+                    or not tname.get((pid, e.get("tid")), "").startswith("Stream"):
+                continue
+            if COLLECTIVE.search(e["name"]) or COPY.search(e["name"]):
+                continue
+            kind = next((k for k, rx in KERNEL_KINDS if rx.search(e["name"])), "other")
+            sums[kind] += e["dur"]
+            if kind == "transpose":
+                key = (e.get("args", {}).get("hlo_module", "?"), re.sub(r"_\d+$", "", e["name"]))
+                tr[key][0] += e["dur"]
+                tr[key][1] += 1
+        if not sums:
+            continue
+        row = {"device": name, **{f"{k}_us": sums[k] for k in ("gemm", "attention", "transpose", "other")},
+               "total_us": sum(sums.values())}
+        row["transposes"] = [{"module": m, "name": n, "us": us, "count": c}
+                             for (m, n), (us, c) in sorted(tr.items(), key=lambda kv: -kv[1][0])[:top]]
+        out.append(row)
+    return out
+
+
 def render_overlap(rows: list[dict]) -> str:
     """:func:`overlap`'s rows as a table (milliseconds), then per device its collectives with 0.1 % of the window
     or more under no compute, then the first device's longest idle gaps."""
@@ -289,8 +332,12 @@ def main(argv=None) -> int:
     trace = load(args.trace)
     s = summarise(trace, args.gaps)
     s["overlap"] = overlap(trace)
+    s["compute_kinds"] = compute_kinds(trace)
     print(render(s))
     print(render_overlap(s["overlap"]))
+    for r in s["compute_kinds"]:
+        print(f"- {r['device']} compute by kind (ms): " + ", ".join(
+            f"{k} {r[k + '_us'] / 1e3:.1f}" for k in ("gemm", "attention", "transpose", "other", "total")))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(s, f, indent=1)

@@ -7,6 +7,8 @@ import gzip
 import json
 import pathlib
 
+import pytest
+
 import moe_generate_gpu  # benchmarks/ is on pytest's pythonpath
 import trace_summary
 
@@ -121,3 +123,31 @@ def test_overlap_of_a_real_two_gpu_training_step():
         assert sum(c["exposed_us"] for c in ops) >= r["collective_exposed_us"] - 1e-6
         assert [c["exposed_us"] for c in ops] == sorted((c["exposed_us"] for c in ops), reverse=True)
     assert "under no compute" in trace_summary.render_overlap(rows)
+
+
+ONE_GPU_TRACE = pathlib.Path(__file__).parents[2] / \
+    "benchmarks/results/llama_multi_gpu/h200_one_gpu_decomposition/trace_1gpu_l8_16384.json.gz"
+
+
+def test_compute_kinds_split_every_compute_kernel_of_real_steps():
+    """The same 8-layer step at 16384 tokens per GPU traced on one H200 and on 2: per GPU the kinds add up to
+    the compute kernels' summed durations (every kernel on a stream, less collectives and host copies), and the
+    transposes are named by program. Only the 2-GPU programs run transposes."""
+    for path, gpus in ((ONE_GPU_TRACE, 1), (REAL_TRACE, 2)):
+        trace = trace_summary.load(str(path))
+        rows = trace_summary.compute_kinds(trace, top=10_000)
+        assert len(rows) == gpus
+        events = trace["traceEvents"]
+        for r in rows:
+            pid = next(e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                       and e["args"]["name"] == r["device"])
+            tname = {e["tid"]: e["args"]["name"] for e in events
+                     if e.get("ph") == "M" and e.get("name") == "thread_name" and e["pid"] == pid}
+            total = sum(e["dur"] for e in events if e.get("ph") == "X" and e.get("pid") == pid and "dur" in e
+                        and tname.get(e.get("tid"), "").startswith("Stream")
+                        and not trace_summary.COLLECTIVE.search(e["name"]) and not trace_summary.COPY.search(e["name"]))
+            assert r["total_us"] == pytest.approx(total)
+            assert r["total_us"] == pytest.approx(sum(r[k + "_us"] for k in ("gemm", "attention", "transpose", "other")))
+            assert r["gemm_us"] > r["attention_us"] > 0
+            assert sum(t["us"] for t in r["transposes"]) == pytest.approx(r["transpose_us"])
+            assert (r["transpose_us"] > 0) == (gpus == 2)
