@@ -146,6 +146,33 @@ def _intersect(a: list, b: list) -> list:
     return out
 
 
+def _kernel_kind(e: dict) -> str:
+    """``"collective"``, ``"h2d"``, ``"d2h"`` or ``"compute"`` (the rest, device-to-device copies included)."""
+    if COLLECTIVE.search(e["name"]):
+        return "collective"
+    if COPY.search(e["name"]):
+        text = e["name"] + json.dumps(e.get("args", {}))
+        if H2D.search(text):
+            return "h2d"
+        if D2H.search(text):
+            return "d2h"
+    return "compute"
+
+
+def _gpu_streams(trace: dict):
+    """``(device name, its kernels)`` per GPU process, in name order: the complete events (``ph`` ``"X"``)
+    of its ``Stream ...`` threads; GPUs with none are left out."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pname, tname = _names(events)
+    for pid, name in sorted(pname.items(), key=lambda kv: kv[1]):
+        if "gpu" not in name.lower():
+            continue
+        evs = [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("pid") == pid
+               and tname.get((pid, e.get("tid")), "").startswith("Stream")]
+        if evs:
+            yield name, evs
+
+
 def overlap(trace: dict, top: int = 6) -> list[dict]:
     """Per GPU (a device process's ``Stream ...`` threads), how its window splits (microseconds).
 
@@ -158,24 +185,13 @@ def overlap(trace: dict, top: int = 6) -> list[dict]:
     ``h2d_us``/``d2h_us``: the host copies' unions; ``top_compute``/``top_collective``: the heaviest
     names with their summed durations; ``exposed_collectives``: the collectives by HLO op, the most exposed
     first (:func:`_exposed_by_op`); ``idle_gaps``: the ``top`` longest idle gaps (:func:`_idle_gaps`)."""
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    pname, tname = _names(events)
     out = []
-    for pid, name in sorted(pname.items(), key=lambda kv: kv[1]):
-        if "gpu" not in name.lower():
-            continue
-        evs = [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("pid") == pid
-               and tname.get((pid, e.get("tid")), "").startswith("Stream")]
-        if not evs:
-            continue
+    for name, evs in _gpu_streams(trace):
         kinds: dict = collections.defaultdict(list)
         names: dict = collections.defaultdict(collections.Counter)
         kernels, colls = [], []   # (start, end, name) of the compute and collective kernels; the collective events
         for e in evs:
-            text = e["name"] + json.dumps(e.get("args", {}))
-            kind = ("collective" if COLLECTIVE.search(e["name"]) else
-                    "h2d" if COPY.search(e["name"]) and H2D.search(text) else
-                    "d2h" if COPY.search(e["name"]) and D2H.search(text) else "compute")
+            kind = _kernel_kind(e)
             kinds[kind].append((e["ts"], e["ts"] + e["dur"]))
             names[kind][e["name"][:80]] += e["dur"]
             if kind in ("compute", "collective"):
@@ -251,23 +267,16 @@ KERNEL_KINDS = (("attention", re.compile(r"(sdpa|flash|fmha|cudnn)", re.I)),
 
 def compute_kinds(trace: dict, top: int = 8) -> list[dict]:
     """Per GPU, its compute kernels' summed durations by kind (microseconds): ``gemm_us``, ``attention_us``,
-    ``transpose_us`` (:data:`KERNEL_KINDS`), ``other_us`` (the rest but host copies and collectives, as
-    :func:`overlap` splits them), ``total_us`` (their sum: durations added, not a union) and
+    ``transpose_us`` (:data:`KERNEL_KINDS`), ``other_us`` (the rest of what :func:`overlap` counts as
+    compute: device-to-device copies included), ``total_us`` (their sum: durations added, not a union) and
     ``transposes``: the ``top`` heaviest transposes as ``{"module", "name", "us", "count"}`` (the kernel's
     HLO module from its ``args``)."""
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    pname, tname = _names(events)
     out = []
-    for pid, name in sorted(pname.items(), key=lambda kv: kv[1]):
-        if "gpu" not in name.lower():
-            continue
+    for name, evs in _gpu_streams(trace):
         sums: dict = collections.Counter()
         tr: dict = collections.defaultdict(lambda: [0.0, 0])
-        for e in events:
-            if e.get("ph") != "X" or "dur" not in e or e.get("pid") != pid \
-                    or not tname.get((pid, e.get("tid")), "").startswith("Stream"):
-                continue
-            if COLLECTIVE.search(e["name"]) or COPY.search(e["name"]):
+        for e in evs:
+            if _kernel_kind(e) != "compute":
                 continue
             kind = next((k for k, rx in KERNEL_KINDS if rx.search(e["name"])), "other")
             sums[kind] += e["dur"]
