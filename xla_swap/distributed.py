@@ -229,18 +229,23 @@ def value_crc(a: np.ndarray) -> int:
 
 def check_ranks_hold_the_same(what: str, names: Sequence[str], crcs: Sequence[int]) -> None:
     """Check that every process holds the same values under ``names``, given this process's CRC of each
-    (:func:`value_crc`, in ``names`` order): the names compared first (:func:`check_ranks_agree`), then
-    the CRCs against process 0's (:func:`gather_ints`). A collective: every process calls it. One
-    process: nothing to compare.
+    (:func:`value_crc`, in ``names`` order): the names compared first (their count and a CRC of them),
+    then the values' CRCs against process 0's (:func:`gather_ints`, twice). A collective: every process
+    calls it. One process: nothing to compare.
 
-    Raises: ValueError on every process: the processes name other values, or a value differs, naming the
-      first name that differs, the ranks whose value differs from rank 0's and the count of such names.
+    Raises: ValueError (before any exchange): ``names`` and ``crcs`` differ in length. ValueError on every
+      process: the processes name other values (another model), or a value differs, naming the first name
+      that differs, the ranks whose value differs from rank 0's and the count of such names.
     """
     if jax.process_count() == 1:
         return
     if len(names) != len(crcs):
         raise ValueError(f"{what}: {len(names)} names and {len(crcs)} CRCs")
-    check_ranks_agree(what, tuple(names))
+    keys = gather_ints([len(names), zlib.crc32(repr(tuple(names)).encode())])
+    if np.any(keys != keys[0]):
+        other = [p for p in range(len(keys)) if np.any(keys[p] != keys[0])]
+        raise ValueError(f"{what}: rank(s) {other} hold other tensors than rank 0 (this rank: {len(names)}). "
+                         f"Every rank must build the same model")
     rows = gather_ints(list(crcs))
     differ = [j for j in range(len(names)) if np.any(rows[:, j] != rows[0, j])]
     if differ:
