@@ -160,13 +160,18 @@ def test_initialize_refuses_a_non_bool_process_group(monkeypatch):
 def test_value_crc_tells_values_shapes_and_dtypes_apart(monkeypatch):
     import ml_dtypes
 
-    from xla_swap.distributed import check_ranks_hold_the_same, value_crc
+    from xla_swap.distributed import CRC_CHUNK, check_ranks_hold_the_same, value_crc
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
     assert value_crc(a) == value_crc(a.copy()) == value_crc(np.asfortranarray(a))   # C-order bytes
     b = a.copy()
     b[2, 3] += 1
     assert len({value_crc(a), value_crc(b), value_crc(a.reshape(4, 3)), value_crc(a.astype(np.float64)),
                 value_crc(a.astype(ml_dtypes.bfloat16))}) == 5
+    big = np.zeros(CRC_CHUNK * 2 + 3, np.uint8)   # three chunks, CRC'd on threads
+    other = big.copy()
+    other[-1] = 1
+    assert value_crc(big) == value_crc(big.copy()) != value_crc(other)
+    assert value_crc(big) != value_crc(big[:-1])
     check_ranks_hold_the_same("weights", ["x"], [value_crc(a)])   # one process: nothing to compare
     import jax
     monkeypatch.setattr(jax, "process_count", lambda: 2)
