@@ -85,8 +85,8 @@ def host_link(devs, gib_per_device: float = 4.0, arrays: int = 16, reps: int = 3
     """Aggregate ``pinned_host`` <-> device bandwidths (bytes/s) with every device of ``devs`` moving its own
     shards at once (``torch_stack.measure_bandwidth``: h2d, d2h, both; best of ``reps`` after a warm-up
     round): ``arrays`` bf16 arrays of ``gib_per_device / arrays`` GiB per device, split over a mesh of
-    ``devs``. 16 arrays of 256 MiB reach 100 GB/s both ways on one H200, 4 of them 95
-    (``benchmarks/copy_order.py``)."""
+    ``devs``. On one H200, 16 arrays of 256 MiB read 100.5 GB/s both ways, 4 of them 97.8
+    (``benchmarks/results/copy_order/README.md``)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
