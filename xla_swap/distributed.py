@@ -255,14 +255,15 @@ def check_ranks_hold_the_same(what: str, names: Sequence[str], crcs: Sequence[in
     if len(names) != len(crcs):
         raise ValueError(f"{what}: {len(names)} names and {len(crcs)} CRCs")
     keys = gather_ints([len(names), zlib.crc32(repr(tuple(names)).encode())])
-    if np.any(keys != keys[0]):
-        other = [p for p in range(len(keys)) if np.any(keys[p] != keys[0])]
+    other = np.flatnonzero((keys != keys[0]).any(axis=1)).tolist()
+    if other:
         raise ValueError(f"{what}: rank(s) {other} hold other tensors than rank 0 (this rank: {len(names)}). "
                          f"Every rank must build the same model")
     rows = gather_ints(list(crcs))
-    differ = [j for j in range(len(names)) if np.any(rows[:, j] != rows[0, j])]
-    if differ:
-        ranks = sorted({p for j in differ for p in range(len(rows)) if rows[p, j] != rows[0, j]})
+    mismatch = rows != rows[0]                       # [processes, names]
+    differ = np.flatnonzero(mismatch.any(axis=0))
+    if differ.size:
+        ranks = np.flatnonzero(mismatch.any(axis=1)).tolist()
         raise ValueError(f"{what}: rank(s) {ranks} hold other values than rank 0 for {names[differ[0]]} "
                          f"({len(differ)} of {len(names)} differ). Every rank must build the same model: "
                          f"the same checkpoint, or the same seed before building it")
