@@ -155,8 +155,8 @@ def _unfused_lines(text: str):
 def hlo_summary(text: str) -> dict:
     """What an optimized HLO module's ``text`` spends without FLOPs, outside fused computations:
     ``transposes`` (``[name, shape, bytes written]`` of each instruction named after a transpose or a copy,
-    fusions included) and ``collectives`` (``[op, shape, dimensions]``), and the bytes the transposes write
-    (``transpose_bytes``). Shapes as HLO writes them (``bf16[4096,7168]{0,1}``); a tuple-shaped op gives its
+    fusions included), ``collectives`` (``[op, shape, dimensions]``), the bytes the transposes write
+    (``transpose_bytes``) and the count of cuDNN attention calls (``cudnn_attention``). Shapes as HLO writes them (``bf16[4096,7168]{0,1}``); a tuple-shaped op gives its
     first element."""
     transposes, collectives = [], []
     for line in _unfused_lines(text):
