@@ -152,28 +152,40 @@ def _unfused_lines(text: str):
             yield line
 
 
+def _nbytes(shapes: list) -> int:
+    n_all = 0
+    for dtype, dims in shapes:
+        n = 1
+        for x in dims.split(","):
+            n *= int(x) if x else 1
+        n_all += n * _ITEM.get(dtype, 4)
+    return n_all
+
+
 def hlo_summary(text: str) -> dict:
     """What an optimized HLO module's ``text`` spends without FLOPs, outside fused computations:
     ``transposes`` (``[name, shape, bytes written]`` of each instruction named after a transpose or a copy,
-    fusions included), ``collectives`` (``[op, shape, dimensions]``), the bytes the transposes write
-    (``transpose_bytes``) and the count of cuDNN attention calls (``cudnn_attention``). Shapes as HLO writes them (``bf16[4096,7168]{0,1}``); a tuple-shaped op gives its
-    first element."""
+    fusions included) and ``collectives`` (``[op, shape, dimensions]``), the bytes the transposes write
+    (``transpose_bytes``) and the count of cuDNN attention calls (``cudnn_attention``). Shapes as HLO writes
+    them (``bf16[4096,7168]{0,1}``): a tuple-shaped fusion gives its first element and the bytes of all, an
+    asynchronous collective (``*-start``) its result."""
     transposes, collectives = [], []
     for line in _unfused_lines(text):
-        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = \(?" + _SHAPE + r"(\{[\d,]*\})?\S* ([\w\-]+)\(", line)
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|[^\s(]+) ([\w\-]+)\(", line)
         if not m:
             continue
-        name, dtype, dims, layout, op = m.groups()
-        shape = f"{dtype}[{dims}]{layout or ''}"
+        name, out, op = m.groups()
+        shapes = re.findall(r"(\w+)\[([\d,]*)\](\{[\d,]*\})?", out)
+        if not shapes:
+            continue
         if op in COLLECTIVES:
+            dtype, dims, layout = shapes[-1]
             d = re.search(r"dimensions=\{([\d,]*)\}", line)
-            collectives.append([op, shape, d.group(1) if d else ""])
+            collectives.append([op, f"{dtype}[{dims}]{layout}", d.group(1) if d else ""])
         elif ("transpose" in name or name.startswith("copy") or op in ("transpose", "copy")) \
-                and op not in ("parameter", "get-tuple-element", "bitcast"):
-            n = 1
-            for x in dims.split(","):
-                n *= int(x) if x else 1
-            transposes.append([name, shape, n * _ITEM.get(dtype, 4)])
+                and op not in ("parameter", "get-tuple-element", "bitcast", "copy-start", "copy-done"):
+            dtype, dims, layout = shapes[0]
+            transposes.append([name, f"{dtype}[{dims}]{layout}", _nbytes([sh[:2] for sh in shapes])])
     return {"transposes": transposes, "transpose_bytes": sum(t[2] for t in transposes), "collectives": collectives,
             "cudnn_attention": len(re.findall(r"custom_call_target=\"__cudnn\$fmha", text))}
 
@@ -268,8 +280,12 @@ class TargetCompiler:
             kwargs = {k: remap_tree(v, self.devices, self.scale) if k.endswith("shardings") else v
                       for k, v in jit_kwargs.items()}
             t = time.perf_counter()
-            with gpu_attention(self.gpu):
-                compiled = self._jit(fun, *jit_args, **kwargs).lower(*target).compile()
+            _TARGET[0] = lambda sh: remap_sharding(sh, self.devices)
+            try:
+                with gpu_attention(self.gpu):
+                    compiled = self._jit(fun, *jit_args, **kwargs).lower(*target).compile()
+            finally:
+                _TARGET[0] = None
             rec["compile_s"] = round(time.perf_counter() - t, 2)
             text = compiled.as_text()
             mem = compiled.memory_analysis()
@@ -277,8 +293,48 @@ class TargetCompiler:
             rec.update(hlo_summary(text))
             self.texts.append(f"# program {len(self.records)}: {name}\n{text}")
         except Exception as e:  # noqa: BLE001 -- one program's failure is its record
-            rec["error"] = f"{type(e).__name__}: {str(e)[:800]}"
+            msg = str(e)
+            rec["error"] = f"{type(e).__name__}: {msg[:300]}{' ... ' + msg[-1500:] if len(msg) > 300 else ''}"
         self.records.append(rec)
+
+
+_TARGET = [None]   # while TargetCompiler lowers for the target: the function moving a sharding there
+
+
+def install_gathered_switch() -> None:
+    """Make the stage programs' weight constraint (``stage_programs.gathered``) move its sharding to the target
+    devices while :class:`TargetCompiler` lowers for them (the constraint is closed over, not an argument)."""
+    import jax
+    from xla_swap.executors.streaming import compilation
+    if getattr(compilation.gathered, "_switched", False):
+        return
+
+    def gathered(f, sharding):
+        if sharding is None:
+            return f
+
+        def g(p, *args):
+            sh = sharding if _TARGET[0] is None else _TARGET[0](sharding)
+            return f(jax.lax.with_sharding_constraint(p, sh), *args)
+        g.__qualname__ = getattr(f, "__qualname__", g.__qualname__)
+        return g
+    gathered._switched = True
+    compilation.gathered = gathered
+
+
+def gather_weights_in_every_stage() -> None:
+    """Make every stage program over a data-parallel mesh constrain its weights to replicated first (as
+    ``xla_swap.executors.streaming.stage_programs.gathered`` does for a batch that runs replicated): the
+    weights all-gathered, the activations kept split by batch, whatever split the rule gave the weights."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    from xla_swap.executors.streaming.placement import ActivationLayout
+    own = ActivationLayout.gathered_sharding
+
+    def gathered_sharding(self, replicated: bool):
+        if self.batch_sharding is None:
+            return own(self, replicated)
+        return NamedSharding(self.batch_sharding.mesh, PartitionSpec())
+    ActivationLayout.gathered_sharding = gathered_sharding
 
 
 def run(args) -> dict:
@@ -291,10 +347,13 @@ def run(args) -> dict:
     cpus = jax.devices("cpu")
     targets = target_devices(args.target, n)
     install_attention_switch()
+    install_gathered_switch()
+    if args.gather:
+        gather_weights_in_every_stage()
     shape = lm.shape_of(args.shape, args.layers)
     stack, build_s = build_stack(shape, cpus[:n], "cpu", shard=args.shard)
-    scale = {"b": (n, args.batch), "s": (args.seq_small, args.seq)}
-    x, y = lm.batch(n, args.seq_small, shape["vocab"])
+    scale = {"b": (2 * n, args.batch), "s": (args.seq_small, args.seq)}   # 2n: never a broadcast's 1
+    x, y = lm.batch(2 * n, args.seq_small, shape["vocab"])
     with TargetCompiler(dict(zip(cpus[:n], targets)), scale, gpu=args.target == "cuda") as tc:
         loss = float(stack.train_step(x, y))
     return {"args": vars(args), "target_devices": [str(d) for d in targets], "build_s": round(build_s, 2),
@@ -324,6 +383,8 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="8b", help="llama_model.SHAPES name")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--shard", default="fsdp", choices=("fsdp", "major", "replicate"))
+    p.add_argument("--gather", action="store_true", help="gather the weights in every stage program "
+                   "(gather_weights_in_every_stage)")
     p.add_argument("--batch", type=int, default=8, help="target global batch (sequences)")
     p.add_argument("--seq", type=int, default=4096, help="target sequence length (tokens)")
     p.add_argument("--seq-small", type=int, default=48, help="sequence length of the CPU step")
