@@ -145,7 +145,8 @@ def build_stack(shape: dict, devices, fill_device, seed: int = 0, prefetch_depth
     (``llama_model.meta_model``), ``torch.optim.AdamW(lr=1e-5)`` over its parameters, loss ``llama_model.ce``,
     on ``devices``, the layers' values drawn per stage on ``fill_device`` (``generate_gpu.RandomWeights``);
     ``xla_swap.stack.swapped_stack.DEFAULT_POLICY``, with ``prefetch_depth`` where given; the weights split
-    by ``shard``: ``"fsdp"`` (the package's rule) or ``"major"`` (:func:`major_dim_rule`)."""
+    by ``shard``: ``"fsdp"`` (the package's rule) or ``"major"`` (:func:`major_dim_rule`, with the batch split
+    over the devices as ``"fsdp"`` splits it)."""
     import dataclasses
 
     import torch
@@ -160,8 +161,9 @@ def build_stack(shape: dict, devices, fill_device, seed: int = 0, prefetch_depth
     if prefetch_depth is not None:
         policy = dataclasses.replace(policy, prefetch_depth=prefetch_depth)
     stack = xla_swap.SwappedStack(layers, first=first, last=last, optimizer=opt, loss_fn=lm.ce,
-                                  parallel=xla_swap.ParallelConfig(
-                                      devices=devices, shard=major_dim_rule if shard == "major" else shard),
+                                  parallel=xla_swap.ParallelConfig(   # a callable rule's default: no data parallelism
+                                      devices=devices, shard=major_dim_rule if shard == "major" else shard,
+                                      data_parallel=True if shard == "major" else None),
                                   weights=RandomWeights(fill_device, seed=seed), policy=policy)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()   # the stage values drawn on the GPU

@@ -297,13 +297,15 @@ def test_hlo_collectives_groups_ops_by_result_type_with_bytes():
 
 def test_the_major_dimension_rule_splits_held_layouts_on_dim_0_and_trains_alike():
     """``--shard major`` (the A/B of the collectives' layouts): every 2-D weight split on dim 0 of the layout
-    it is held in, and the same losses and updated weights as the package's ``"fsdp"`` rule."""
+    it is held in, the batch split over the devices as under the package's ``"fsdp"`` rule (a callable rule's
+    default keeps it whole), and the same losses and updated weights as ``"fsdp"``."""
     shape = lm.shape_of("tiny")
     devs = jax.devices()[:2]
     x, y = lm.batch(2, 16, shape["vocab"], seed=1)
     got = {}
     for rule in ("fsdp", "major"):
         stack, _ = llama_scaling.build_stack(shape, devs, "cpu", shard=rule)
+        assert stack.runtime.layout.batch_axis == "d", rule
         specs = [tuple(a.sharding.spec) for p in stack.runtime.host_params for a in jax.tree_util.tree_leaves(p)
                  if a.ndim == 2]
         got[rule] = ([float(stack.train_step(x, y)) for _ in range(2)], specs,
