@@ -382,7 +382,8 @@ def main(argv=None) -> int:
     p.add_argument("--devices", type=int, default=2, help="devices of the target (and CPU devices built on)")
     p.add_argument("--shape", default="8b", help="llama_model.SHAPES name")
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--shard", default="fsdp", choices=("fsdp", "major", "replicate"))
+    p.add_argument("--shard", default="fsdp", choices=("fsdp", "largest"),
+                   help="llama_scaling.build_stack's shard")
     p.add_argument("--gather", action="store_true", help="gather the weights in every stage program "
                    "(gather_weights_in_every_stage)")
     p.add_argument("--batch", type=int, default=8, help="target global batch (sequences)")

@@ -82,9 +82,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shape-tokens", nargs="*", default=["34b=8192"], help="SHAPE=T1,T2: tokens per GPU of one "
                    "shape instead of --tokens (default 34b=8192: the 9-minute budget)")
     p.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
-    p.add_argument("--shard", choices=["fsdp", "major"], default="fsdp", help="how our stacks split the weights over "
-                   "the GPUs: the package's default rule (fsdp), or every 2-D weight on the first dimension of the "
-                   "layout it is held in (major; llama_scaling.major_dim_rule), an A/B of the collectives' layouts")
+    p.add_argument("--shard", choices=["fsdp", "largest"], default="fsdp", help="how our stacks split the weights "
+                   "over the GPUs: the package's default rule (fsdp: the held layout's first dimension), or every 2-D "
+                   "weight on its largest dimension (largest; llama_scaling.largest_dim_rule, the rule before), an "
+                   "A/B of the collectives' layouts")
     p.add_argument("--prefetch-depth", type=int, default=None, help="our stacks' prefetch depth (default: "
                    "xla_swap.stack.swapped_stack.DEFAULT_POLICY's)")
     p.add_argument("--reps", type=int, default=3)

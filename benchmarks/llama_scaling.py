@@ -127,16 +127,15 @@ def gemm_rate(dev, m: int = 8192, chain: int = 16, reps: int = 5) -> float:
     return chain * 2.0 * m ** 3 / best
 
 
-def major_dim_rule(name: str, shape: tuple) -> tuple:
-    """``ParallelConfig(shard=...)`` for ``--shard major``: every 2-D weight of the Llama split on the first
-    (major) dimension of the layout it is held in, 1-D weights replicated. The stack holds an ``nn.Linear``
-    weight as ``[in, out]`` (its spec is given in torch's ``[out, in]`` and reversed), so those split on
-    torch's dim 1; the embedding is held as torch's ``[vocab, D]`` and splits on dim 0. The package's
-    ``"fsdp"`` rule takes the largest dimension instead, which for ``gate_proj``, ``up_proj`` and
-    ``lm_head`` (held ``[D, F]`` and ``[D, vocab]``) is the minor one."""
+def largest_dim_rule(name: str, shape: tuple) -> tuple:
+    """``ParallelConfig(shard=...)`` for ``--shard largest``: the package's ``"fsdp"`` rule before the eighth run
+    (``results/llama_multi_gpu/README.md``), every 2-D weight split on its largest dimension (a square one on
+    torch's dim 1), 1-D weights replicated, for the A/B against the split on the held layout's first dimension.
+    Given in torch's layout: the stack holds an ``nn.Linear`` weight as ``[in, out]`` and reverses the spec, so
+    ``gate_proj``, ``up_proj`` and ``lm_head`` split on the minor dimension of the layout they are held in."""
     if len(shape) != 2:
         return ()
-    return ("d", None) if "embed" in name else (None, "d")
+    return ("d", None) if shape[0] > shape[1] else (None, "d")
 
 
 def build_stack(shape: dict, devices, fill_device, seed: int = 0, prefetch_depth: int | None = None,
@@ -145,8 +144,8 @@ def build_stack(shape: dict, devices, fill_device, seed: int = 0, prefetch_depth
     (``llama_model.meta_model``), ``torch.optim.AdamW(lr=1e-5)`` over its parameters, loss ``llama_model.ce``,
     on ``devices``, the layers' values drawn per stage on ``fill_device`` (``generate_gpu.RandomWeights``);
     ``xla_swap.stack.swapped_stack.DEFAULT_POLICY``, with ``prefetch_depth`` where given; the weights split
-    by ``shard``: ``"fsdp"`` (the package's rule) or ``"major"`` (:func:`major_dim_rule`, with the batch split
-    over the devices as ``"fsdp"`` splits it)."""
+    by ``shard``: ``"fsdp"`` (the package's rule) or ``"largest"`` (:func:`largest_dim_rule`, with the batch
+    split over the devices as ``"fsdp"`` splits it)."""
     import dataclasses
 
     import torch
@@ -162,8 +161,8 @@ def build_stack(shape: dict, devices, fill_device, seed: int = 0, prefetch_depth
         policy = dataclasses.replace(policy, prefetch_depth=prefetch_depth)
     stack = xla_swap.SwappedStack(layers, first=first, last=last, optimizer=opt, loss_fn=lm.ce,
                                   parallel=xla_swap.ParallelConfig(   # a callable rule's default: no data parallelism
-                                      devices=devices, shard=major_dim_rule if shard == "major" else shard,
-                                      data_parallel=True if shard == "major" else None),
+                                      devices=devices, shard=largest_dim_rule if shard == "largest" else shard,
+                                      data_parallel=True if shard == "largest" else None),
                                   weights=RandomWeights(fill_device, seed=seed), policy=policy)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()   # the stage values drawn on the GPU

@@ -295,25 +295,25 @@ def test_hlo_collectives_groups_ops_by_result_type_with_bytes():
     assert llama_scaling.hlo_collectives("%dot = f32[4,4]{1,0} dot(%g, %h)") == []
 
 
-def test_the_major_dimension_rule_splits_held_layouts_on_dim_0_and_trains_alike():
-    """``--shard major`` (the A/B of the collectives' layouts): every 2-D weight split on dim 0 of the layout
-    it is held in, the batch split over the devices as under the package's ``"fsdp"`` rule (a callable rule's
-    default keeps it whole), and the same losses and updated weights as ``"fsdp"``."""
+def test_the_largest_dimension_rule_splits_some_held_layouts_on_dim_1_and_trains_alike():
+    """``--shard largest`` (the A/B of the collectives' layouts, the package's rule before): ``gate_proj``,
+    ``up_proj`` and ``lm_head`` split on dim 1 of the layout they are held in where ``"fsdp"`` splits every 2-D
+    weight on dim 0, the batch split over the devices under both, and the same losses and updated weights."""
     shape = lm.shape_of("tiny")
     devs = jax.devices()[:2]
     x, y = lm.batch(2, 16, shape["vocab"], seed=1)
     got = {}
-    for rule in ("fsdp", "major"):
+    for rule in ("fsdp", "largest"):
         stack, _ = llama_scaling.build_stack(shape, devs, "cpu", shard=rule)
         assert stack.runtime.layout.batch_axis == "d", rule
-        specs = [tuple(a.sharding.spec) for p in stack.runtime.host_params for a in jax.tree_util.tree_leaves(p)
-                 if a.ndim == 2]
+        specs = {n: tuple(a.sharding.spec) for p in stack.runtime.host_params for n, a in p.items() if a.ndim == 2}
         got[rule] = ([float(stack.train_step(x, y)) for _ in range(2)], specs,
                      [np.asarray(a, np.float32) for p in stack.runtime.host_params
                       for a in jax.tree_util.tree_leaves(p)])
-    assert all(s[0] == "d" for s in got["major"][1]), got["major"][1]
-    assert any(s[0] != "d" for s in got["fsdp"][1])   # the largest-dimension rule splits some on dim 1
+    assert all(s[0] == "d" for s in got["fsdp"][1].values()), got["fsdp"][1]
+    minor = sorted(n for n, s in got["largest"][1].items() if s[0] != "d")
+    assert minor == ["lm_head.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight"], minor
     # bf16 weights: the two layouts sum the dots in other orders
-    np.testing.assert_allclose(got["major"][0], got["fsdp"][0], rtol=1e-3)
-    for a, b in zip(got["major"][2], got["fsdp"][2]):
+    np.testing.assert_allclose(got["largest"][0], got["fsdp"][0], rtol=1e-3)
+    for a, b in zip(got["largest"][2], got["fsdp"][2]):
         np.testing.assert_allclose(a, b, rtol=2e-2, atol=1e-4)

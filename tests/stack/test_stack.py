@@ -55,11 +55,11 @@ def test_llama_20_steps_equal_torch_adamw(num_devices):
              for a in jax.tree_util.tree_leaves(tree)}
     assert kinds == {"pinned_host"}
     if num_devices > 1:  # FSDP-style: each 2-D weight split over all devices, each shard in its own host memory
-        # (held [in, out] = [32, 64]: transpose_linear; split on the intermediate dimension)
+        # (held [in, out] = [32, 64]: transpose_linear; split on the held layout's major dimension)
         w = rt.host_params[1]["mlp.gate_proj.weight"]
         assert w.shape == (32, 64) and "mlp.gate_proj.weight" in stack.transposed[1]
-        assert w.sharding.spec != jax.sharding.PartitionSpec() and len(w.addressable_shards) == num_devices
-        assert w.addressable_shards[0].data.shape[1] * num_devices == w.shape[1]
+        assert w.sharding.spec == jax.sharding.PartitionSpec("d", None) and len(w.addressable_shards) == num_devices
+        assert w.addressable_shards[0].data.shape[0] * num_devices == w.shape[0]
 
 
 def test_serving_several_shapes():

@@ -37,9 +37,10 @@ class ParallelConfig:
       devices: the ``jax`` devices to run on (default ``None``: ``jax.devices()``, every local device; with
         per-rank batches every process's). Stored as a tuple.
       shard: with several devices: ``"fsdp"`` (default; each weight with >= 2 dimensions is split over all
-        devices on its largest evenly divisible dimension, others replicated; each device keeps its shard in
-        its own host memory), ``"replicate"``, or a callable ``(name, shape) -> tuple`` giving a
-        ``PartitionSpec`` over the mesh axis ``"d"`` (torch's shape and spec, :mod:`xla_swap.stack.sharding`).
+        devices on the first dimension of the layout it is held in that divides evenly, others replicated;
+        each device keeps its shard in its own host memory), ``"replicate"``, or a callable
+        ``(name, shape) -> tuple`` giving a ``PartitionSpec`` over the mesh axis ``"d"`` (torch's shape and
+        spec, :mod:`xla_swap.stack.sharding`).
       data_parallel: with several devices, split the activations' leading (batch or token) dimension over
         them (each device computes its part of the batch; XLA all-gathers each layer's weight shards on the
         device): FSDP / ZeRO-3 as torch users know it. Inputs whose leading dimension does not split evenly

@@ -1,8 +1,8 @@
 """The sharding rules of the torch entry point (``SwappedStack(shard=...)``): where each weight of each
 stage lives over the devices, in ``pinned_host`` and on the device.
 
-``"fsdp"`` splits each weight with >= 2 dimensions on its largest evenly divisible dimension,
-``"replicate"`` copies it to every device, a callable ``(name, torch shape) -> PartitionSpec``
+``"fsdp"`` splits each weight with >= 2 dimensions on the first dimension of the layout it is held in that
+divides evenly over the devices (FSDP2's ``Shard(0)``, on the held layout), ``"replicate"`` copies it to every device, a callable ``(name, torch shape) -> PartitionSpec``
 gives the spec over the mesh axis ``"d"``. Callables see torch's shapes and give torch's specs;
 a weight held transposed (``[in, out]``, ``SwappedStack.transposed``) gets the spec reversed.
 
@@ -35,6 +35,11 @@ def partition_spec(shard: str | Callable, name: str, shape: tuple, n_devices: in
 
     ``transposed``: the weight is held as the transpose of torch's 2-D layout; a callable ``shard``
     is asked with torch's shape and its spec is reversed. ``()``: replicated.
+
+    ``"fsdp"`` takes the held layout's major dimension first: its all-gather and its gradient's reduce-scatter
+    then move contiguous rows, where a split on the minor dimension (``gate_proj``'s ``F`` of a ``[D, F]``
+    weight) makes XLA's GPU compiler reduce-scatter the gradient transposed and transpose it back in the
+    optimizer update (``benchmarks/results/llama_multi_gpu/README.md``, "eighth run").
     """
     if callable(shard):
         if not transposed:
@@ -43,8 +48,7 @@ def partition_spec(shard: str | Callable, name: str, shape: tuple, n_devices: in
         return tuple((spec + (None,) * (2 - len(spec)))[::-1])
     if shard == "replicate" or len(shape) < 2:
         return ()
-    dims = sorted(range(len(shape)), key=lambda d: -shape[d])
-    for d in dims:
+    for d in range(len(shape)):
         if shape[d] % n_devices == 0:
             return tuple("d" if j == d else None for j in range(len(shape)))
     return ()

@@ -5,11 +5,12 @@
 
 The gradient of ``sum(((silu(x @ gate) * (x @ up)) @ down) ** 2)`` w.r.t. the weights, bf16, D=4096, F=14336,
 8 x 4096 tokens split over the devices by batch, compiled (not run) with the weights split as the package's
-``"fsdp"`` rule splits them (``gate``/``up`` held ``[D, F]`` on F, ``down`` ``[F, D]`` on F) and as
-``--shard major`` does (every weight on its first dimension), each also with the weights explicitly gathered
+``"fsdp"`` rule split them until the eighth run (``gate``/``up`` held ``[D, F]`` on F, ``down`` ``[F, D]`` on F;
+``--shard largest`` since) and on their first dimension (``"major"``; the ``"fsdp"`` rule since), each also with the weights explicitly gathered
 (``with_sharding_constraint`` to replicated). Prints, per variant, the compiled program's transposes and
 collectives. On the CPU every variant all-gathers the three weights (it does not move the activations
-instead); the CPU's transposes say nothing of the GPU's layouts.
+instead); the CPU's transposes say nothing of the GPU's layouts (``benchmarks/cross_compile.py`` compiles for
+the GPUs: ../README.md, eighth run).
 """
 import json
 import re
