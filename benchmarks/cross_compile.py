@@ -71,7 +71,6 @@ device_description_str: "NVIDIA H200"
 #: the collectives listed per program.
 COLLECTIVES = ("all-gather", "all-gather-start", "reduce-scatter", "all-reduce", "all-reduce-start", "all-to-all",
                "collective-permute", "collective-permute-start")
-_SHAPE = r"(\w+)\[([\d,]*)\]"
 _ITEM = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8,
          "s64": 8}
 
@@ -190,14 +189,14 @@ def hlo_summary(text: str) -> dict:
             "cudnn_attention": len(re.findall(r"custom_call_target=\"__cudnn\$fmha", text))}
 
 
-_GPU_SDPA = [False]
+_GPU_SDPA = [False]   # within gpu_attention(True)
+_TARGET = [None]      # while TargetCompiler lowers for the target: the function moving a sharding there
 
 
 @contextlib.contextmanager
 def gpu_attention(on: bool):
     """Within it (``on``), SDPA calls traced in the stages' CPU environment take the GPU environment's path
-    (cuDNN's fused attention, ``xla_swap.stack.torch_attention._sdpa_cudnn``) where
-    :func:`install_attention_switch` was called first."""
+    (cuDNN's fused attention, ``xla_swap.stack.torch_attention._sdpa_cudnn``), inside :func:`target_hooks`."""
     old = _GPU_SDPA[0]
     _GPU_SDPA[0] = on
     try:
@@ -206,22 +205,62 @@ def gpu_attention(on: bool):
         _GPU_SDPA[0] = old
 
 
-def install_attention_switch() -> None:
-    """Route the CPU environment's SDPA through :func:`gpu_attention`'s switch. Call before the first stack is
-    built (``torchax_env`` makes each platform's environment once)."""
+def _switched_sdpa(reference):
     from xla_swap.stack import torch_attention as ta
-    if getattr(ta.sdpa_reference, "_switched", False):
-        return
-    reference = ta.sdpa_reference
 
     def sdpa(*args, **kwargs):
         if not _GPU_SDPA[0]:
             return reference(*args, **kwargs)
         with gpu_attention(False):   # the cuDNN path's own fallback calls the reference
             return ta._sdpa_cudnn(ta.torchax_env("cpu"), *args, **kwargs)
-    sdpa._switched = True
-    ta.sdpa_reference = sdpa
-    ta.torchax_env.cache_clear()
+    return sdpa
+
+
+def _movable_gathered(f, sharding):
+    """``stage_programs.gathered`` whose weight constraint (closed over, not an argument) moves to the target
+    devices while :class:`TargetCompiler` lowers for them."""
+    import jax
+    if sharding is None:
+        return f
+
+    def g(p, *args):
+        sh = sharding if _TARGET[0] is None else _TARGET[0](sharding)
+        return f(jax.lax.with_sharding_constraint(p, sh), *args)
+    g.__qualname__ = getattr(f, "__qualname__", g.__qualname__)
+    return g
+
+
+def _gathered_everywhere(own):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def gathered_sharding(self, replicated: bool):
+        if self.batch_sharding is None:
+            return own(self, replicated)
+        return NamedSharding(self.batch_sharding.mesh, PartitionSpec())
+    return gathered_sharding
+
+
+@contextlib.contextmanager
+def target_hooks(gather: bool = False):
+    """Within it, stacks built and stepped can be compiled for a target by :class:`TargetCompiler`: the CPU
+    environment's SDPA follows :func:`gpu_attention`, the stages' weight constraint moves to the target, and,
+    with ``gather``, every stage over a data-parallel mesh constrains its weights to replicated first (as
+    ``stage_programs.gathered`` does for a batch that runs replicated: the weights all-gathered whatever split
+    the rule gave them). Everything is as it was on exit."""
+    from xla_swap.executors.streaming import compilation
+    from xla_swap.executors.streaming.placement import ActivationLayout
+    from xla_swap.stack import torch_attention as ta
+    saved = ta.sdpa_reference, compilation.gathered, ActivationLayout.gathered_sharding
+    ta.sdpa_reference = _switched_sdpa(saved[0])
+    compilation.gathered = _movable_gathered
+    if gather:
+        ActivationLayout.gathered_sharding = _gathered_everywhere(saved[2])
+    ta.torchax_env.cache_clear()   # each platform's environment takes its SDPA when made
+    try:
+        yield
+    finally:
+        ta.sdpa_reference, compilation.gathered, ActivationLayout.gathered_sharding = saved
+        ta.torchax_env.cache_clear()
 
 
 class _Jitted:
@@ -298,45 +337,6 @@ class TargetCompiler:
         self.records.append(rec)
 
 
-_TARGET = [None]   # while TargetCompiler lowers for the target: the function moving a sharding there
-
-
-def install_gathered_switch() -> None:
-    """Make the stage programs' weight constraint (``stage_programs.gathered``) move its sharding to the target
-    devices while :class:`TargetCompiler` lowers for them (the constraint is closed over, not an argument)."""
-    import jax
-    from xla_swap.executors.streaming import compilation
-    if getattr(compilation.gathered, "_switched", False):
-        return
-
-    def gathered(f, sharding):
-        if sharding is None:
-            return f
-
-        def g(p, *args):
-            sh = sharding if _TARGET[0] is None else _TARGET[0](sharding)
-            return f(jax.lax.with_sharding_constraint(p, sh), *args)
-        g.__qualname__ = getattr(f, "__qualname__", g.__qualname__)
-        return g
-    gathered._switched = True
-    compilation.gathered = gathered
-
-
-def gather_weights_in_every_stage() -> None:
-    """Make every stage program over a data-parallel mesh constrain its weights to replicated first (as
-    ``xla_swap.executors.streaming.stage_programs.gathered`` does for a batch that runs replicated): the
-    weights all-gathered, the activations kept split by batch, whatever split the rule gave the weights."""
-    from jax.sharding import NamedSharding, PartitionSpec
-    from xla_swap.executors.streaming.placement import ActivationLayout
-    own = ActivationLayout.gathered_sharding
-
-    def gathered_sharding(self, replicated: bool):
-        if self.batch_sharding is None:
-            return own(self, replicated)
-        return NamedSharding(self.batch_sharding.mesh, PartitionSpec())
-    ActivationLayout.gathered_sharding = gathered_sharding
-
-
 def run(args) -> dict:
     """Build the stack on ``args.devices`` CPU devices, take one step under :class:`TargetCompiler`; the
     result (module docstring)."""
@@ -346,21 +346,19 @@ def run(args) -> dict:
     n = args.devices
     cpus = jax.devices("cpu")
     targets = target_devices(args.target, n)
-    install_attention_switch()
-    install_gathered_switch()
-    if args.gather:
-        gather_weights_in_every_stage()
     shape = lm.shape_of(args.shape, args.layers)
-    stack, build_s = build_stack(shape, cpus[:n], "cpu", shard=args.shard)
     scale = {"b": (2 * n, args.batch), "s": (args.seq_small, args.seq)}   # 2n: never a broadcast's 1
     x, y = lm.batch(2 * n, args.seq_small, shape["vocab"])
-    with TargetCompiler(dict(zip(cpus[:n], targets)), scale, gpu=args.target == "cuda") as tc:
-        loss = float(stack.train_step(x, y))
+    with target_hooks(args.gather):
+        stack, build_s = build_stack(shape, cpus[:n], "cpu", shard=args.shard)
+        with TargetCompiler(dict(zip(cpus[:n], targets)), scale, gpu=args.target == "cuda") as tc:
+            loss = float(stack.train_step(x, y))
     return {"args": vars(args), "target_devices": [str(d) for d in targets], "build_s": round(build_s, 2),
             "loss": loss, "programs": tc.records}, tc.texts
 
 
-def _print(result: dict) -> None:
+def _print(result: dict, min_bytes: int) -> None:
+    """One line per program, and its transposes of at least ``min_bytes``."""
     for i, r in enumerate(result["programs"]):
         if "error" in r:
             print(f"{i:2d} {r['fn'][:48]:48s} ERROR {r['error'][:200]}")
@@ -369,11 +367,8 @@ def _print(result: dict) -> None:
         print(f"{i:2d} {r['fn'][:48]:48s} {len(r['transposes']):3d} transposes {r['transpose_bytes'] / 1e6:9.1f} MB"
               f"  {len(r['collectives']):3d} collectives {','.join(kinds)}  ({r['compile_s']} s)")
         for t in r["transposes"]:
-            if t[2] >= args_min_bytes[0]:
+            if t[2] >= min_bytes:
                 print(f"      {t[0]:40s} {t[1]:32s} {t[2] / 1e6:9.1f} MB")
-
-
-args_min_bytes = [1 << 20]
 
 
 def main(argv=None) -> int:
@@ -385,7 +380,7 @@ def main(argv=None) -> int:
     p.add_argument("--shard", default="fsdp", choices=("fsdp", "largest"),
                    help="llama_scaling.build_stack's shard")
     p.add_argument("--gather", action="store_true", help="gather the weights in every stage program "
-                   "(gather_weights_in_every_stage)")
+                   "(target_hooks)")
     p.add_argument("--batch", type=int, default=8, help="target global batch (sequences)")
     p.add_argument("--seq", type=int, default=4096, help="target sequence length (tokens)")
     p.add_argument("--seq-small", type=int, default=48, help="sequence length of the CPU step")
@@ -395,7 +390,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.devices < 1 or args.batch % args.devices:
         p.error(f"--batch ({args.batch}) must split over --devices ({args.devices}) >= 1")
-    args_min_bytes[0] = int(args.min_mb * 1e6)
     flag = f"--xla_force_host_platform_device_count={2 * args.devices}"
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
@@ -405,7 +399,7 @@ def main(argv=None) -> int:
     if args.hlo_out:
         with gzip.open(args.hlo_out, "wt") as f:
             f.write("\n".join(texts))
-    _print(result)
+    _print(result, int(args.min_mb * 1e6))
     return 0
 
 
