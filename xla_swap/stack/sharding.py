@@ -3,8 +3,9 @@ stage lives over the devices, in ``pinned_host`` and on the device.
 
 ``"fsdp"`` splits each weight with >= 2 dimensions on the first dimension of the layout it is held in that
 divides evenly over the devices (FSDP2's ``Shard(0)``, on the held layout), ``"replicate"`` copies it to
-every device, a callable ``(name, torch shape) -> PartitionSpec`` gives the spec over the mesh axis ``"d"``. Callables see torch's shapes and give torch's specs;
-a weight held transposed (``[in, out]``, ``SwappedStack.transposed``) gets the spec reversed.
+every device, a callable ``(name, torch shape) -> PartitionSpec`` gives the spec over the mesh axis ``"d"``.
+Callables see torch's shapes and give torch's specs; a weight held transposed (``[in, out]``,
+``SwappedStack.transposed``) gets the spec reversed.
 
 The module imports jax and numpy.
 """
