@@ -3,7 +3,7 @@
 and what each compiled program spends without FLOPs: its transposes and copies, and its collectives.
 
 The stack (an HF Llama of ``llama_model.SHAPES``, ``torch.optim.AdamW``, the default policy) is built on n of
-the host's CPU devices and takes one step at a small token count (``b_small = n`` sequences of ``s_small``
+the host's CPU devices and takes one step at a small token count (2n sequences of ``--seq-small``
 tokens). Every program the runtime lowers there (``jax.jit(...).lower(*specs)``) is lowered again by
 :class:`TargetCompiler` for the target devices: each sharding moved to the device at the same place of the
 target's mesh, each activation's batch and sequence dimensions scaled to the target's (``b``, ``s``), and
