@@ -216,18 +216,18 @@ def _switched_sdpa(reference):
     return sdpa
 
 
-def _movable_gathered(f, sharding):
-    """``stage_programs.gathered`` whose weight constraint (closed over, not an argument) moves to the target
-    devices while :class:`TargetCompiler` lowers for them."""
-    import jax
-    if sharding is None:
-        return f
+def _movable_gathered(own):
+    """``stage_programs.gathered`` (``own``) whose weight constraint (closed over, not an argument) moves to the
+    target devices while :class:`TargetCompiler` lowers for them."""
+    def gathered(f, sharding):
+        if sharding is None:
+            return f
 
-    def g(p, *args):
-        sh = sharding if _TARGET[0] is None else _TARGET[0](sharding)
-        return f(jax.lax.with_sharding_constraint(p, sh), *args)
-    g.__qualname__ = getattr(f, "__qualname__", g.__qualname__)
-    return g
+        def g(p, *args):
+            return own(f, sharding if _TARGET[0] is None else _TARGET[0](sharding))(p, *args)
+        g.__qualname__ = getattr(f, "__qualname__", g.__qualname__)
+        return g
+    return gathered
 
 
 def _gathered_everywhere(own):
@@ -252,7 +252,7 @@ def target_hooks(gather: bool = False):
     from xla_swap.stack import torch_attention as ta
     saved = ta.sdpa_reference, compilation.gathered, ActivationLayout.gathered_sharding
     ta.sdpa_reference = _switched_sdpa(saved[0])
-    compilation.gathered = _movable_gathered
+    compilation.gathered = _movable_gathered(saved[1])
     if gather:
         ActivationLayout.gathered_sharding = _gathered_everywhere(saved[2])
     ta.torchax_env.cache_clear()   # each platform's environment takes its SDPA when made
